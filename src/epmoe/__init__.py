@@ -1,0 +1,26 @@
+"""epmoe: expert-parallel Mixture-of-Experts for PyTorch, on every accelerator.
+
+The data path of one MoE layer, and where each step lives::
+
+    router (the model's own)                 untouched
+      -> counts exchange                     epmoe.comm.counts      exchange_counts
+      -> dispatch (permute + all-to-all-v)   epmoe.ep.dispatcher    / epmoe.comm.fused alltoallv_gmm
+      -> grouped experts                     epmoe.experts          on epmoe.gmm.grouped_mm
+      -> combine (all-to-all-v + unpermute)  epmoe.ep.dispatcher    / epmoe.comm.fused gmm_alltoallv
+
+Device-specific calls all live in :mod:`epmoe.platform`.
+"""
+
+from epmoe import platform
+from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendStatus",
+    "GmmBackend",
+    "gmm_backends",
+    "grouped_mm",
+    "platform",
+    "register_gmm_backend",
+]

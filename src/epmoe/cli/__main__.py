@@ -1,0 +1,5 @@
+import sys
+
+from epmoe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+"""Grouped matmul behind one interface: :func:`grouped_mm` and its per-platform backends."""
+
+from epmoe.gmm.backend import BackendStatus, GmmBackend
+from epmoe.gmm.dispatch import (
+    ENV_BACKEND,
+    gmm_backends,
+    grouped_mm,
+    register_gmm_backend,
+    select_backend,
+    unregister_gmm_backend,
+)
+
+__all__ = [
+    "ENV_BACKEND",
+    "BackendStatus",
+    "GmmBackend",
+    "gmm_backends",
+    "grouped_mm",
+    "register_gmm_backend",
+    "select_backend",
+    "unregister_gmm_backend",
+]

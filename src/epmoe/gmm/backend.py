@@ -1,0 +1,60 @@
+"""The contract every grouped-matmul backend implements.
+
+A backend computes, for groups ``g = 0..G-1`` of consecutive rows of ``x``::
+
+    x_TK (rows grouped by g)      weight_GKN (or weight_GNK with trans_weight)
+    +--------+                    +-----+-----+-----+
+    | g = 0  |  @ W[0]  ->        | W0  | W1  | W2  |
+    | g = 1  |  @ W[1]  ->        +-----+-----+-----+
+    | g = 2  |  @ W[2]  ->
+    +--------+
+
+``forward`` gives ``y_TN``; ``grad_weight`` gives ``dW`` with the weight's own layout. The autograd
+(and every validation) lives in :mod:`epmoe.gmm.dispatch`, so a backend only multiplies: it receives
+validated, contiguous ``x``, ``counts`` as a Python list and never sees ``T == 0``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    """Whether a backend would run a given call, and why not."""
+
+    name: str
+    eligible: bool
+    reason: str | None = None
+
+
+class GmmBackend:
+    """Base class of grouped-matmul backends. Subclasses set ``name`` and override the three methods.
+
+    ``accelerated`` marks backends faster than the loop: falling back from them is worth a warning.
+    """
+
+    name: str = ""
+    accelerated: bool = True
+
+    def ineligible_reason(self, x: torch.Tensor, weight: torch.Tensor, *, trans_weight: bool = False) -> str | None:
+        """``None`` when this backend can run ``grouped_mm(x, weight, ...)``, else a short reason."""
+        raise NotImplementedError
+
+    def forward(self, x_TK: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool) -> torch.Tensor:
+        """``y_TN``: rows of group ``g`` times ``weight[g]`` (``weight[g].T`` when ``trans_weight``)."""
+        raise NotImplementedError
+
+    def grad_weight(
+        self, x_TK: torch.Tensor, dy_TN: torch.Tensor, counts: list[int], trans_weight: bool
+    ) -> torch.Tensor:
+        """``dW[g] = x_g^T dy_g`` as ``(G, K, N)``, or ``dy_g^T x_g`` as ``(G, N, K)`` when ``trans_weight``.
+
+        A group with no rows gets an exactly zero gradient.
+        """
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r}>"

@@ -1,0 +1,242 @@
+"""``grouped_mm``: validation, backend registry and choice, and the autograd shared by all backends.
+
+    grouped_mm(x_TK, weight, counts)
+        |  validate (shapes, dtypes, counts; one host read of counts)
+        |  choose: EPMOE_GMM_BACKEND > backend= > first eligible of the registry
+        v
+    _GroupedMM.apply --forward-->  backend.forward(x, W)             -> y_TN
+                     <-backward--  backend.forward(dy, W, transposed) -> dx_TK
+                                   backend.grad_weight(x, dy)         -> dW (zero for empty groups)
+
+Registry order is the order of preference: ``npu``, ``torch``, then ``loop``, which always accepts
+and stays last. The first time an accelerated backend runs, one INFO line says so; the first time the
+dispatcher falls back past accelerated backends, one WARNING names each one that declined and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from epmoe.gmm.backend import BackendStatus, GmmBackend
+from epmoe.gmm.loop import LoopBackend
+from epmoe.gmm.npu import NpuBackend
+from epmoe.gmm.torch_gmm import TorchBackend
+
+logger = logging.getLogger(__name__)
+
+ENV_BACKEND = "EPMOE_GMM_BACKEND"
+
+_registry: list[GmmBackend] = [NpuBackend(), TorchBackend(), LoopBackend()]
+_logged: set = set()
+_log_lock = threading.Lock()
+
+
+def register_gmm_backend(backend: GmmBackend, *, before: str | None = None) -> None:
+    """Add ``backend`` to the registry (replacing one of the same name).
+
+    It goes just before the backend named ``before``, by default just before ``loop``, which stays
+    the last resort.
+    """
+    if not isinstance(backend, GmmBackend):
+        raise TypeError(f"register_gmm_backend(backend): expected a GmmBackend, got {type(backend).__name__}")
+    if not isinstance(backend.name, str) or not backend.name or backend.name == "auto":
+        raise ValueError(f"register_gmm_backend(backend): invalid backend name {backend.name!r}")
+    names = [b.name for b in _registry if b.name != backend.name]
+    anchor = "loop" if before is None else before
+    if anchor not in names:
+        raise ValueError(f"register_gmm_backend(before): no backend named {anchor!r}; registered: {names}")
+    _registry[:] = [b for b in _registry if b.name != backend.name]
+    _registry.insert(names.index(anchor), backend)
+
+
+def unregister_gmm_backend(name: str) -> None:
+    """Remove a backend added with :func:`register_gmm_backend` (``loop`` cannot be removed)."""
+    if name == "loop":
+        raise ValueError("unregister_gmm_backend(name): the loop backend cannot be removed")
+    _registry[:] = [b for b in _registry if b.name != name]
+
+
+def gmm_backends(
+    x: torch.Tensor | None = None, weight: torch.Tensor | None = None, *, trans_weight: bool = False
+) -> list[BackendStatus]:
+    """Every registered backend, in order, with whether it would run ``grouped_mm(x, weight)``.
+
+    Without ``x``/``weight`` a small fp32 problem on this process's default device is assumed.
+    """
+    if (x is None) != (weight is None):
+        raise ValueError("gmm_backends(x, weight): pass both or neither")
+    if x is None:
+        x, weight = torch.zeros(16, 16), torch.zeros(2, 16, 16)
+    else:
+        _check_operands(x, weight, trans_weight)
+    statuses = []
+    for backend in _registry:
+        reason = backend.ineligible_reason(x, weight, trans_weight=trans_weight)
+        statuses.append(BackendStatus(backend.name, reason is None, reason))
+    return statuses
+
+
+def select_backend(
+    x: torch.Tensor, weight: torch.Tensor, *, trans_weight: bool = False, backend: str = "auto"
+) -> GmmBackend:
+    """The backend ``grouped_mm`` runs for these operands (raises if a named one declines)."""
+    name = backend
+    if name == "auto":
+        name = os.environ.get(ENV_BACKEND, "").strip() or "auto"
+    if name != "auto":
+        chosen = next((b for b in _registry if b.name == name), None)
+        if chosen is None:
+            names = ["auto"] + [b.name for b in _registry]
+            source = f"${ENV_BACKEND}" if backend == "auto" else "backend"
+            raise ValueError(f"grouped_mm({source}): unknown backend {name!r}; choose one of {names}")
+        reason = chosen.ineligible_reason(x, weight, trans_weight=trans_weight)
+        if reason is not None:
+            raise ValueError(f"grouped_mm(backend={name!r}): backend declines: {reason}")
+        _log_first_use(chosen)
+        return chosen
+    declined = []
+    for candidate in _registry:
+        reason = candidate.ineligible_reason(x, weight, trans_weight=trans_weight)
+        if reason is None:
+            if declined and not candidate.accelerated:
+                _warn_fallback(candidate, declined)
+            _log_first_use(candidate)
+            return candidate
+        declined.append((candidate.name, reason))
+    raise RuntimeError(f"grouped_mm: every backend declined: {declined}")  # loop never declines
+
+
+def _log_first_use(backend: GmmBackend) -> None:
+    if not backend.accelerated:
+        return
+    key = ("info", backend.name)
+    with _log_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    logger.info("epmoe grouped_mm: using the %r backend", backend.name)
+
+
+def _warn_fallback(backend: GmmBackend, declined: list[tuple[str, str]]) -> None:
+    key = ("warning", backend.name)
+    with _log_lock:
+        if key in _logged:
+            return
+        _logged.add(key)
+    reasons = "; ".join(f"{name}: {reason}" for name, reason in declined)
+    logger.warning("epmoe grouped_mm: falling back to the %r backend (%s)", backend.name, reasons)
+
+
+def _check_operands(x: object, weight: object, trans_weight: object) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"grouped_mm(x): expected a Tensor, got {type(x).__name__}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"grouped_mm(weight): expected a Tensor, got {type(weight).__name__}")
+    if not isinstance(trans_weight, bool):
+        raise TypeError(f"grouped_mm(trans_weight): expected a bool, got {type(trans_weight).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"grouped_mm(x): expected a 2-D (T, K) tensor, got shape {tuple(x.shape)}")
+    if weight.dim() != 3:
+        raise ValueError(f"grouped_mm(weight): expected a 3-D (G, K, N) tensor, got shape {tuple(weight.shape)}")
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"grouped_mm(x): expected a floating dtype, got {x.dtype}")
+    if weight.dtype != x.dtype:
+        raise TypeError(f"grouped_mm(weight): dtype {weight.dtype} does not match x's {x.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"grouped_mm(weight): on {weight.device}, x is on {x.device}")
+    k_dim = 2 if trans_weight else 1
+    if weight.shape[k_dim] != x.shape[1]:
+        layout = "(G, N, K)" if trans_weight else "(G, K, N)"
+        raise ValueError(
+            f"grouped_mm(weight): shape {tuple(weight.shape)} read as {layout} has K={weight.shape[k_dim]}, "
+            f"but x has K={x.shape[1]}"
+        )
+
+
+def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
+    """``counts`` as a Python list, validated; at most one host read of a tensor."""
+    if isinstance(counts, torch.Tensor):
+        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise TypeError(f"grouped_mm(counts): expected an integer tensor, got {counts.dtype}")
+        if counts.dim() != 1:
+            raise ValueError(f"grouped_mm(counts): expected a 1-D tensor, got shape {tuple(counts.shape)}")
+        values = counts.tolist()
+    elif isinstance(counts, Sequence) and not isinstance(counts, (str, bytes)):
+        values = list(counts)
+        bad = [c for c in values if isinstance(c, bool) or not isinstance(c, int)]
+        if bad:
+            raise TypeError(f"grouped_mm(counts): expected ints, got {bad[0]!r} ({type(bad[0]).__name__})")
+    else:
+        raise TypeError(f"grouped_mm(counts): expected a sequence of ints or an integer tensor, got {type(counts).__name__}")
+    if len(values) != num_groups:
+        raise ValueError(f"grouped_mm(counts): {len(values)} counts for {num_groups} groups in weight")
+    if any(c < 0 for c in values):
+        raise ValueError(f"grouped_mm(counts): counts must be non-negative, got {values}")
+    if sum(values) != num_rows:
+        raise ValueError(f"grouped_mm(counts): counts sum to {sum(values)}, but x has {num_rows} rows")
+    return values
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TK, weight, counts, trans_weight, backend):
+        ctx.counts, ctx.trans_weight, ctx.backend = counts, trans_weight, backend
+        ctx.save_for_backward(x_TK, weight)
+        n_dim = 1 if trans_weight else 2
+        if x_TK.shape[0] == 0:
+            return x_TK.new_zeros(0, weight.shape[n_dim])
+        return backend.forward(x_TK, weight, counts, trans_weight)
+
+    @staticmethod
+    def backward(ctx, dy_TN):
+        x_TK, weight = ctx.saved_tensors
+        counts, trans_weight, backend = ctx.counts, ctx.trans_weight, ctx.backend
+        dx = dw = None
+        if x_TK.shape[0] == 0:
+            if ctx.needs_input_grad[0]:
+                dx = torch.zeros_like(x_TK)
+            if ctx.needs_input_grad[1]:
+                dw = torch.zeros_like(weight)
+            return dx, dw, None, None, None
+        dy_TN = dy_TN.contiguous()
+        if ctx.needs_input_grad[0]:
+            dx = backend.forward(dy_TN, weight, counts, not trans_weight)
+        if ctx.needs_input_grad[1]:
+            dw = backend.grad_weight(x_TK, dy_TN, counts, trans_weight)
+        return dx, dw, None, None, None
+
+
+def grouped_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    counts: Sequence[int] | torch.Tensor,
+    *,
+    trans_weight: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Grouped matmul: rows ``[sum(counts[:g]), sum(counts[:g+1]))`` of ``x`` times ``weight[g]``.
+
+    Args:
+        x: ``(T, K)`` rows sorted by group.
+        weight: ``(G, K, N)``, or ``(G, N, K)`` (``nn.Linear`` layout) with ``trans_weight=True``,
+            read without a transposed copy.
+        counts: ``G`` non-negative ints summing to ``T`` (list, tuple, or integer tensor on any
+            device; a tensor is read to the host once).
+        trans_weight: whether ``weight`` is ``(G, N, K)``.
+        backend: ``"auto"`` or a registered backend name (``EPMOE_GMM_BACKEND`` overrides ``"auto"``).
+
+    Returns:
+        ``(T, N)`` in ``x``'s dtype; differentiable in ``x`` and ``weight``.
+    """
+    _check_operands(x, weight, trans_weight)
+    if not isinstance(backend, str):
+        raise TypeError(f"grouped_mm(backend): expected a str, got {type(backend).__name__}")
+    counts_list = _counts_list(counts, weight.shape[0], x.shape[0])
+    x = x.contiguous()
+    chosen = select_backend(x, weight, trans_weight=trans_weight, backend=backend)
+    return _GroupedMM.apply(x, weight, counts_list, trans_weight, chosen)

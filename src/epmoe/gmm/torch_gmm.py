@@ -1,0 +1,99 @@
+"""The ``torch`` backend: ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``).
+
+One kernel call per grouped matmul with int32 cumulative end offsets. It declines where the kernel
+is missing, wrong or slow (see :meth:`TorchBackend.ineligible_reason`):
+
+    torch <  2.8         no kernel
+    torch == 2.8         CUDA SM90 only
+    torch >= 2.9         CPU (per-group loop in C++), CUDA SM80+ (fast path only for bf16 on SM90+;
+                         other dtypes use a fallback that syncs the host on every call)
+    every version        strides a multiple of 16 bytes, 16-byte aligned data pointers
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epmoe import platform
+from epmoe.gmm.backend import GmmBackend
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def _kernel():
+    fn = getattr(torch.nn.functional, "grouped_mm", None)
+    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+
+
+def _misaligned(name: str, t: torch.Tensor) -> str | None:
+    """Why ``t`` breaks the kernel's 16-byte stride / pointer rules, or ``None``."""
+    size = t.element_size()
+    strides = t.stride()[-2:]
+    if 1 not in strides:
+        return f"{name} has no unit stride in its last two dims (strides {t.stride()})"
+    other = strides[0] if strides[1] == 1 else strides[1]
+    if (other * size) % 16:
+        return f"{name} stride {other} x {size} B is not a multiple of 16 bytes (inner dim must be a multiple of {16 // size})"
+    if t.data_ptr() % 16:
+        return f"{name} data pointer is not 16-byte aligned"
+    return None
+
+
+class TorchBackend(GmmBackend):
+    name = "torch"
+
+    def __init__(self, min_rows_per_group_cpu: int = 0):
+        # Measured in benchmarks/gmm_cpu.md: on CPU the kernel's C++ loop is never slower than the
+        # Python loop, so no row threshold is needed there; kept as a knob for other CPUs.
+        self.min_rows_per_group_cpu = min_rows_per_group_cpu
+
+    def ineligible_reason(self, x, weight, *, trans_weight=False):
+        if _kernel() is None:
+            return f"torch {torch.__version__} has no grouped_mm kernel"
+        if x.dtype not in _DTYPES:
+            return f"dtype {x.dtype} is not one of bf16/fp16/fp32"
+        version = _torch_version()
+        kind = platform.device_type(x)
+        if kind == "cpu":
+            if version < (2, 9):
+                return f"torch {torch.__version__} has no CPU grouped_mm kernel (needs 2.9+)"
+        elif kind == "cuda":
+            capability = platform.device_capability(x.device)
+            if version < (2, 9) and capability != (9, 0):
+                return f"torch {torch.__version__} grouped_mm runs only on SM90 (device is SM{capability[0]}{capability[1]})"
+            if capability is not None and capability < (8, 0):
+                return f"grouped_mm needs CUDA SM80+, device is SM{capability[0]}{capability[1]}"
+            if x.dtype != torch.bfloat16:
+                return f"on CUDA only bf16 has a fast grouped_mm path ({x.dtype} syncs the host and loops)"
+        else:
+            return f"no grouped_mm kernel on device type {kind!r}"
+        w_GKN = weight.transpose(1, 2) if trans_weight else weight
+        return _misaligned("x", x) or _misaligned("weight", w_GKN) or _misaligned("x^T (for dW)", x.t())
+
+    @staticmethod
+    def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+        ends, total = [], 0
+        for n in counts:
+            total += n
+            ends.append(total)
+        return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+
+    def forward(self, x_TK, weight, counts, trans_weight):
+        w_GKN = weight.transpose(1, 2) if trans_weight else weight
+        return _kernel()(x_TK, w_GKN, offs=self._offsets(counts, x_TK.device))
+
+    def grad_weight(self, x_TK, dy_TN, counts, trans_weight):
+        offs = self._offsets(counts, x_TK.device)
+        if trans_weight:
+            dw = _kernel()(dy_TN.t(), x_TK, offs=offs)  # (G, N, K)
+        else:
+            dw = _kernel()(x_TK.t(), dy_TN, offs=offs)  # (G, K, N)
+        empty = [g for g, n in enumerate(counts) if n == 0]
+        if empty:  # the kernel leaves them zero on most builds, not all (pytorch#172439)
+            dw[empty] = 0
+        return dw

@@ -1,0 +1,161 @@
+"""Every device-specific call epmoe makes, in one place.
+
+Nothing else in the package names ``torch.cuda`` or ``torch.npu``: code asks this module which
+device type it is on, how to synchronise it, which collective backend fits it, and for streams,
+events and capabilities. Adding a platform means adding one branch here (and, for grouped matmul,
+one backend in :mod:`epmoe.gmm`).
+
+    model code / engine / ops
+              |
+              v
+      epmoe.platform  --  "cpu" | "cuda" | "npu" | "xpu" | "mps"
+              |
+              v
+      torch.cuda / torch.npu (torch_npu) / torch.xpu / torch.mps
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+from types import ModuleType
+from typing import Any, Iterator
+
+import torch
+
+__all__ = [
+    "comm_backend",
+    "current_device",
+    "device_capability",
+    "device_module",
+    "device_type",
+    "is_available",
+    "new_stream",
+    "stream",
+    "synchronize",
+    "torch_npu",
+    "wait_stream",
+]
+
+_ACCELERATORS = ("npu", "cuda", "xpu", "mps")
+_COMM_BACKENDS = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl", "cpu": "gloo", "mps": "gloo"}
+
+
+@functools.lru_cache(maxsize=None)
+def torch_npu() -> ModuleType | None:
+    """The ``torch_npu`` module if it imports, else ``None`` (imported once; registers ``torch.npu``)."""
+    try:
+        return importlib.import_module("torch_npu")
+    except Exception:  # noqa: BLE001 - a broken vendor install must not break epmoe's import
+        return None
+
+
+def device_module(device_type_: str) -> Any | None:
+    """``torch.cuda`` / ``torch.npu`` / ``torch.xpu`` / ``torch.mps`` for a device type, else ``None``."""
+    if device_type_ == "npu":
+        torch_npu()
+    return getattr(torch, device_type_, None) if device_type_ in _ACCELERATORS else None
+
+
+def is_available(device_type_: str) -> bool:
+    """Whether at least one device of ``device_type_`` can be used in this process."""
+    if device_type_ == "cpu":
+        return True
+    module = device_module(device_type_)
+    if module is None or not hasattr(module, "is_available"):
+        return False
+    try:
+        return bool(module.is_available())
+    except Exception:  # noqa: BLE001 - a driver error means "not available"
+        return False
+
+
+def device_type(obj: Any = None) -> str:
+    """The device type of ``obj`` (tensor, module, ``torch.device`` or string), or of this process.
+
+    With ``obj=None`` it is the first available accelerator in the order npu, cuda, xpu, mps, else
+    ``"cpu"``. A module's device type is that of its first parameter or buffer (``"cpu"`` if none).
+    """
+    if obj is None:
+        return next((t for t in _ACCELERATORS if is_available(t)), "cpu")
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type
+    if isinstance(obj, torch.nn.Module):
+        tensor = next(obj.parameters(), None)
+        if tensor is None:
+            tensor = next(obj.buffers(), None)
+        return "cpu" if tensor is None else tensor.device.type
+    if isinstance(obj, (torch.device, str)):
+        return torch.device(obj).type
+    raise TypeError(f"device_type(obj): expected a Tensor, Module, torch.device or str, got {type(obj).__name__}")
+
+
+def current_device(device_type_: str | None = None) -> torch.device:
+    """The device this process computes on: ``cuda:<current>``, ``npu:<current>``, or ``cpu``."""
+    kind = device_type_ or device_type()
+    module = device_module(kind)
+    if kind == "cpu" or module is None or not hasattr(module, "current_device"):
+        return torch.device(kind)
+    return torch.device(kind, module.current_device())
+
+
+def synchronize(device: Any = None) -> None:
+    """Wait for all work queued on ``device`` (default: this process's accelerator). No-op on CPU.
+
+    Needed before reading on the host a tensor a collective wrote on an NPU: HCCL runs on its own
+    stream, which host reads are not ordered with (the seed's garbage split sizes).
+    """
+    kind = device_type(device) if device is not None else device_type()
+    if kind == "cpu":
+        return
+    module = device_module(kind)
+    if module is not None and hasattr(module, "synchronize"):
+        module.synchronize()
+
+
+def comm_backend(device_type_: str | None = None) -> str:
+    """The ``torch.distributed`` backend for a device type: nccl, hccl, xccl, or gloo."""
+    kind = device_type_ or device_type()
+    try:
+        return _COMM_BACKENDS[kind]
+    except KeyError:
+        raise ValueError(f"comm_backend(device_type_): unknown device type {kind!r}") from None
+
+
+def device_capability(device: Any = None) -> tuple[int, int] | None:
+    """``(major, minor)`` compute capability of a CUDA device, ``None`` for every other type."""
+    kind = device_type(device) if device is not None else device_type()
+    if kind != "cuda" or not is_available("cuda"):
+        return None
+    index = torch.device(device).index if isinstance(device, (str, torch.device)) else None
+    if isinstance(device, torch.Tensor):
+        index = device.device.index
+    return tuple(device_module("cuda").get_device_capability(index))
+
+
+def new_stream(device: Any) -> Any | None:
+    """A new side stream on ``device``'s accelerator, or ``None`` where there are no streams (CPU)."""
+    kind = device_type(device)
+    module = device_module(kind)
+    if kind == "cpu" or module is None or not hasattr(module, "Stream"):
+        return None
+    return module.Stream()
+
+
+@contextlib.contextmanager
+def stream(side_stream: Any | None) -> Iterator[None]:
+    """Run the block on ``side_stream`` once it has waited for the current stream; no-op for ``None``."""
+    if side_stream is None:
+        yield
+        return
+    module = device_module(side_stream.device.type)
+    side_stream.wait_stream(module.current_stream())
+    with module.stream(side_stream):
+        yield
+
+
+def wait_stream(side_stream: Any | None) -> None:
+    """Make the current stream wait for ``side_stream``; no-op for ``None``."""
+    if side_stream is not None:
+        device_module(side_stream.device.type).current_stream().wait_stream(side_stream)

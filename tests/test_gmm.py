@@ -1,0 +1,211 @@
+"""grouped_mm: every backend against a float64 per-group reference, autograd, validation, dispatch."""
+
+import logging
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import epmoe
+from epmoe.gmm import GmmBackend, dispatch, select_backend, unregister_gmm_backend
+
+CPU_BACKENDS = ["torch", "loop"]
+
+
+def reference(x, weight, counts, trans_weight):
+    """Float64 per-group matmul."""
+    w = weight.double().transpose(1, 2) if trans_weight else weight.double()
+    out, start = [], 0
+    for g, n in enumerate(counts):
+        out.append(x[start:start + n].double() @ w[g])
+        start += n
+    return torch.cat(out) if out else x.new_zeros(0, w.shape[2]).double()
+
+
+def check(backend, counts, K=16, N=8, trans_weight=False, dtype=torch.float32, atol=1e-5, x_transposed=False):
+    T, G = sum(counts), len(counts)
+    if x_transposed:
+        x = torch.randn(K, T, dtype=dtype).t().requires_grad_()
+    else:
+        x = torch.randn(T, K, dtype=dtype, requires_grad=True)
+    shape = (G, N, K) if trans_weight else (G, K, N)
+    weight = torch.randn(shape, dtype=dtype, requires_grad=True)
+    y = epmoe.grouped_mm(x, weight, counts, trans_weight=trans_weight, backend=backend)
+    assert y.shape == (T, N) and y.dtype == dtype
+    dy = torch.randn(T, N, dtype=dtype)
+    y.backward(dy)
+
+    x64 = x.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    y64 = reference(x64, w64, counts, trans_weight)
+    y64.backward(dy.double())
+    rtol = atol
+    torch.testing.assert_close(y.double(), y64, atol=atol * K, rtol=rtol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, atol=atol * N, rtol=rtol)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=atol * max(T, 1), rtol=rtol)
+    for g, n in enumerate(counts):
+        if n == 0:
+            assert torch.count_nonzero(weight.grad[g]) == 0
+    assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("trans_weight", [False, True])
+@pytest.mark.parametrize(
+    "counts", [[5, 0, 7, 3], [0, 0, 9], [12], [0, 0, 0], [0, 12, 0, 0], [1, 1, 1, 1, 1, 1]], ids=str
+)
+def test_fp32_against_float64(backend, trans_weight, counts):
+    check(backend, counts, trans_weight=trans_weight)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_low_precision(backend, dtype, atol):
+    check(backend, [30, 0, 17, 40], K=32, N=16, trans_weight=True, dtype=dtype, atol=atol)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_non_contiguous_x(backend):
+    check(backend, [4, 0, 8], x_transposed=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    counts=st.lists(st.integers(0, 9), min_size=1, max_size=7),
+    trans_weight=st.booleans(),
+    backend=st.sampled_from(CPU_BACKENDS),
+)
+def test_random_groups(counts, trans_weight, backend):
+    check(backend, counts, K=8, N=12, trans_weight=trans_weight)
+
+
+@pytest.mark.parametrize("make_counts", [list, tuple, lambda c: torch.tensor(c), lambda c: torch.tensor(c, dtype=torch.int32)])
+def test_counts_forms(make_counts):
+    x, w = torch.randn(6, 4), torch.randn(2, 4, 4)
+    expected = reference(x, w, [2, 4], False).float()
+    torch.testing.assert_close(epmoe.grouped_mm(x, w, make_counts([2, 4])), expected)
+
+
+def test_counts_tensor_read_once(monkeypatch):
+    counts = torch.tensor([2, 4])
+    calls = []
+    original = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: calls.append(1) or original(self))
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: pytest.fail("counts read with .item()"))
+    epmoe.grouped_mm(torch.randn(6, 4), torch.randn(2, 4, 4), counts)
+    assert len(calls) == 1
+
+
+def test_trans_weight_is_not_copied(monkeypatch):
+    """The (G, N, K) weight reaches the backend as the caller's storage, never a transposed copy."""
+    seen = []
+
+    class Spy(GmmBackend):
+        name = "spy"
+
+        def ineligible_reason(self, x, weight, *, trans_weight=False):
+            return None
+
+        def forward(self, x_TK, weight, counts, trans_weight):
+            seen.append((weight.data_ptr(), trans_weight))
+            return dispatch.LoopBackend().forward(x_TK, weight, counts, trans_weight)
+
+    epmoe.register_gmm_backend(Spy(), before="npu")
+    try:
+        w = torch.randn(3, 8, 4)
+        epmoe.grouped_mm(torch.randn(5, 4), w, [1, 2, 2], trans_weight=True, backend="spy")
+        assert seen == [(w.data_ptr(), True)]
+    finally:
+        unregister_gmm_backend("spy")
+
+
+@pytest.mark.parametrize(
+    "x,w,counts,kwargs,error,match",
+    [
+        ([[1.0]], torch.randn(1, 1, 1), [1], {}, TypeError, "x"),
+        (torch.randn(2, 3), [[1.0]], [2], {}, TypeError, "weight"),
+        (torch.randn(2, 3, 1), torch.randn(1, 3, 2), [2], {}, ValueError, "x"),
+        (torch.randn(2, 3), torch.randn(3, 2), [2], {}, ValueError, "weight"),
+        (torch.randn(2, 3), torch.randn(1, 4, 2), [2], {}, ValueError, "K=4"),
+        (torch.randn(2, 3), torch.randn(1, 3, 2), [2], {"trans_weight": True}, ValueError, "K=2"),
+        (torch.randn(2, 3), torch.randn(1, 3, 2).double(), [2], {}, TypeError, "dtype"),
+        (torch.ones(2, 3, dtype=torch.int64), torch.ones(1, 3, 2, dtype=torch.int64), [2], {}, TypeError, "floating"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [2], {}, ValueError, "1 counts for 2 groups"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [3, -1], {}, ValueError, "non-negative"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 2], {}, ValueError, "sum to 3"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1.0, 1.0], {}, TypeError, "counts"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), torch.tensor([1.0, 1.0]), {}, TypeError, "integer"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), "11", {}, TypeError, "counts"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"trans_weight": 1}, TypeError, "trans_weight"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"backend": "nope"}, ValueError, "unknown backend 'nope'"),
+    ],
+)
+def test_validation(x, w, counts, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        epmoe.grouped_mm(x, w, counts, **kwargs)
+
+
+def test_torch_backend_reasons():
+    torch_backend = next(b for b in dispatch._registry if b.name == "torch")
+    assert torch_backend.ineligible_reason(torch.randn(4, 8), torch.randn(2, 8, 4)) is None
+    assert "16 bytes" in torch_backend.ineligible_reason(torch.randn(4, 6), torch.randn(2, 6, 4))
+    assert "16 bytes" in torch_backend.ineligible_reason(torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(2, 8, 4, dtype=torch.bfloat16))
+    assert "dtype" in torch_backend.ineligible_reason(torch.randn(4, 8).double(), torch.randn(2, 8, 4).double())
+
+
+def test_named_backend_that_declines_raises():
+    with pytest.raises(ValueError, match="backend='torch'.*16 bytes"):
+        epmoe.grouped_mm(torch.randn(4, 6), torch.randn(2, 6, 4), [2, 2], backend="torch")
+    with pytest.raises(ValueError, match="backend='npu'.*torch_npu"):
+        epmoe.grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 4), [2, 2], backend="npu")
+
+
+def test_env_forces_backend(monkeypatch):
+    monkeypatch.setenv("EPMOE_GMM_BACKEND", "loop")
+    assert select_backend(torch.randn(4, 8), torch.randn(2, 8, 4)).name == "loop"
+    monkeypatch.setenv("EPMOE_GMM_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="EPMOE_GMM_BACKEND"):
+        epmoe.grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 4), [2, 2])
+
+
+def test_gmm_backends_lists_every_backend():
+    statuses = epmoe.gmm_backends(torch.randn(4, 6), torch.randn(2, 6, 4))
+    assert [s.name for s in statuses] == ["npu", "torch", "loop"]
+    assert [s.eligible for s in statuses] == [False, False, True]
+    assert statuses[0].reason == "torch_npu is not installed"
+    assert statuses[2].reason is None
+
+
+def test_fallback_warns_once_and_info_once(monkeypatch, caplog):
+    monkeypatch.setattr(dispatch, "_logged", set())
+    with caplog.at_level(logging.INFO, logger="epmoe.gmm.dispatch"):
+        for _ in range(3):
+            epmoe.grouped_mm(torch.randn(4, 6), torch.randn(2, 6, 4), [2, 2])
+            epmoe.grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 4), [2, 2])
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(warnings) == 1
+    assert "'loop'" in warnings[0].message and "npu: torch_npu is not installed" in warnings[0].message
+    assert "torch: x stride 6" in warnings[0].message
+    assert len(infos) == 1 and "'torch'" in infos[0].message
+
+
+def test_register_backend_order_and_validation():
+    class Fast(GmmBackend):
+        name = "fast"
+
+        def ineligible_reason(self, x, weight, *, trans_weight=False):
+            return "never"
+
+    epmoe.register_gmm_backend(Fast())
+    try:
+        assert [s.name for s in epmoe.gmm_backends()] == ["npu", "torch", "fast", "loop"]
+        epmoe.register_gmm_backend(Fast(), before="npu")
+        assert [s.name for s in epmoe.gmm_backends()] == ["fast", "npu", "torch", "loop"]
+    finally:
+        unregister_gmm_backend("fast")
+    with pytest.raises(TypeError, match="backend"):
+        epmoe.register_gmm_backend(object())
+    with pytest.raises(ValueError, match="before"):
+        epmoe.register_gmm_backend(Fast(), before="missing")
