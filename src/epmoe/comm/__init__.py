@@ -1,0 +1,6 @@
+"""How tokens and counts travel between ranks: counts exchange, all-to-all-v, and the fused ops."""
+
+from epmoe.comm.all_to_all import all_to_all_v
+from epmoe.comm.counts import exchange_counts
+
+__all__ = ["all_to_all_v", "exchange_counts"]

@@ -1,0 +1,61 @@
+"""All-to-all-v with autograd: the backward of an exchange is the reverse exchange.
+
+    rank 0 rows [to 0 | to 1]          rank 0 rows [from 0 | from 1]
+    rank 1 rows [to 0 | to 1]   ---->  rank 1 rows [from 0 | from 1]
+                input_splits                      output_splits
+
+Every rank calls the collective in forward and in backward, also with zero rows to move, so a
+rank that routes or receives nothing never leaves the others waiting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(output_splits), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+    return out
+
+
+class _AllToAllV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, output_splits, input_splits, group):
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _exchange(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        output_splits, input_splits = ctx.splits
+        return _exchange(dy, input_splits, output_splits, ctx.group), None, None, None
+
+
+def all_to_all_v(
+    x: torch.Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Send ``input_splits[r]`` consecutive rows of ``x`` to rank ``r``; receive ``output_splits[s]`` from ``s``.
+
+    Differentiable; returns ``(sum(output_splits), *x.shape[1:])``. With a group of size 1 it returns
+    ``x`` itself (splits must then equal ``[len(x)]``).
+    """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    output_splits, input_splits = list(output_splits), list(input_splits)
+    if len(output_splits) != world or len(input_splits) != world:
+        raise ValueError(
+            f"all_to_all_v(output_splits, input_splits): need {world} splits each, got "
+            f"{len(output_splits)} and {len(input_splits)}"
+        )
+    if sum(input_splits) != x.shape[0]:
+        raise ValueError(f"all_to_all_v(input_splits): splits sum to {sum(input_splits)}, x has {x.shape[0]} rows")
+    if world == 1:
+        if output_splits != input_splits:
+            raise ValueError(f"all_to_all_v(output_splits): {output_splits} differs from input_splits on a group of 1")
+        return x
+    return _AllToAllV.apply(x, output_splits, input_splits, group)

@@ -1,0 +1,63 @@
+"""Counts exchange and all-to-all-v on real gloo ranks; the launcher's error handling."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from epmoe.comm import all_to_all_v, exchange_counts
+from epmoe.launch import RankError, run_ranks
+
+
+def _histogram(rank, world, e):
+    g = torch.Generator().manual_seed(100 + rank)
+    counts = torch.randint(0, 5, (world * e,), generator=g)
+    if rank == world - 1:
+        counts[:] = 0  # a rank that sends nothing
+    return counts
+
+
+def _exchange_worker(rank, world, e):
+    hist = _histogram(rank, world, e)
+    send, recv = exchange_counts(hist)
+    assert isinstance(send, list) and isinstance(recv, list)
+    expected_recv = [int(_histogram(s, world, e)[rank * e + j]) for s in range(world) for j in range(e)]
+    assert send == hist.tolist()
+    assert recv == expected_recv, (recv, expected_recv)
+
+    # all_to_all_v forward and backward: rows carry their source rank and index
+    x = (torch.arange(sum(send), dtype=torch.float64) + 1000 * rank).unsqueeze(1).requires_grad_()
+    in_splits = [sum(send[r * e:(r + 1) * e]) for r in range(world)]
+    out_splits = [sum(recv[s * e:(s + 1) * e]) for s in range(world)]
+    y = all_to_all_v(x, out_splits, in_splits)
+    assert y.shape[0] == sum(recv)
+    (y * (rank + 1)).sum().backward()
+    offsets = [sum(in_splits[:r]) for r in range(world)]
+    for r in range(world):
+        assert torch.all(x.grad[offsets[r]:offsets[r] + in_splits[r]] == r + 1)
+    return True
+
+
+@pytest.mark.parametrize("world,e", [(2, 3), (3, 1)])
+def test_exchange_counts_and_all_to_all(world, e):
+    assert run_ranks(_exchange_worker, world, e, timeout=120) == [True] * world
+
+
+def _bad_worker(rank, world):
+    if rank == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()  # rank 0 would wait forever without the launcher
+    return rank
+
+
+def test_launcher_surfaces_first_error_without_hanging():
+    with pytest.raises(RankError, match="(?s)rank 1 failed.*rank one is broken"):
+        run_ranks(_bad_worker, 2, timeout=60)
+
+
+def test_exchange_counts_validation():
+    with pytest.raises(TypeError, match="tokens_per_expert"):
+        exchange_counts([1, 2])
+    with pytest.raises(ValueError, match="integer"):
+        exchange_counts(torch.ones(4))
+    send, recv = exchange_counts(torch.tensor([3, 0, 2]))  # no process group: a group of one
+    assert send == recv == [3, 0, 2]
