@@ -12,12 +12,18 @@ Device-specific calls all live in :mod:`epmoe.platform`.
 """
 
 from epmoe import platform
+from epmoe.comm import exchange_counts
+from epmoe.ep import ExpertParallelConfig, ExpertShard, apply_expert_parallel
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackendStatus",
+    "ExpertParallelConfig",
+    "ExpertShard",
+    "apply_expert_parallel",
+    "exchange_counts",
     "GmmBackend",
     "gmm_backends",
     "grouped_mm",

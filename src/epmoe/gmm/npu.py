@@ -4,7 +4,8 @@ Forward and ``dX`` are M-grouped calls (``group_type=0``) with a counts group li
 (``group_list_type=1``); a transposed weight is passed as a transposed view, which the kernel reads
 as a flag (no copy). ``dW`` uses the K-grouped mode (``group_type=2``, contraction over each group's
 rows) when every group has rows, and a per-group matmul loop otherwise: the K-grouped kernel has
-been reported not to tolerate empty groups.
+been reported not to tolerate empty groups. A single group is one plain matmul: the documented op
+rejects a counts group list of length 1.
 
 Written against the vendor's documented semantics; tested only against the CPU emulation in
 ``tests/npu_emulation.py``, never on Ascend hardware.
@@ -42,9 +43,11 @@ class NpuBackend(GmmBackend):
 
     @staticmethod
     def _group_list(counts: list[int], device: torch.device) -> torch.Tensor:
-        return torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+        return torch.tensor(counts, dtype=torch.int64, device=device)
 
     def forward(self, x_TK, weight, counts, trans_weight):
+        if len(counts) == 1:
+            return LoopBackend().forward(x_TK, weight, counts, trans_weight)
         w_GKN = weight.transpose(1, 2) if trans_weight else weight
         (y_TN,) = platform.torch_npu().npu_grouped_matmul(
             [x_TK], [w_GKN], group_list=self._group_list(counts, x_TK.device),
@@ -53,7 +56,7 @@ class NpuBackend(GmmBackend):
         return y_TN
 
     def grad_weight(self, x_TK, dy_TN, counts, trans_weight):
-        if 0 in counts:
+        if 0 in counts or len(counts) == 1:
             return LoopBackend().grad_weight(x_TK, dy_TN, counts, trans_weight)
         a, b = (dy_TN, x_TK) if trans_weight else (x_TK, dy_TN)
         (dw,) = platform.torch_npu().npu_grouped_matmul(

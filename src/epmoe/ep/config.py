@@ -1,0 +1,65 @@
+"""``ExpertParallelConfig`` (how the experts run) and ``ExpertShard`` (what a rank holds)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+DISPATCH_MODES = ("auto", "alltoallv", "fused")
+
+
+@dataclass
+class ExpertParallelConfig:
+    """How :func:`epmoe.apply_expert_parallel` runs the experts. Must be the same on every rank.
+
+    Attributes:
+        gmm_backend: ``"auto"`` or a registered grouped-matmul backend name (see ``epmoe.gmm_backends``).
+        dispatch: ``"alltoallv"`` (exchange, then grouped matmul), ``"fused"`` (``alltoallv_gmm`` /
+            ``gmm_alltoallv``, overlapping rounds of communication with compute), or ``"auto"``.
+        num_chunks: pipelining rounds of the fused path (int >= 1, or ``"auto"``).
+    """
+
+    gmm_backend: str = "auto"
+    dispatch: str = "auto"
+    num_chunks: int | str = "auto"
+
+    def __post_init__(self) -> None:
+        from epmoe.gmm import gmm_backends
+
+        names = ["auto"] + [status.name for status in gmm_backends()]
+        if not isinstance(self.gmm_backend, str) or self.gmm_backend not in names:
+            raise ValueError(f"ExpertParallelConfig(gmm_backend): {self.gmm_backend!r} is not one of {names}")
+        if self.dispatch not in DISPATCH_MODES:
+            raise ValueError(f"ExpertParallelConfig(dispatch): {self.dispatch!r} is not one of {list(DISPATCH_MODES)}")
+        chunks = self.num_chunks
+        if not (chunks == "auto" or (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1)):
+            raise ValueError(f"ExpertParallelConfig(num_chunks): expected an int >= 1 or 'auto', got {chunks!r}")
+
+    @classmethod
+    def from_any(cls, config: ExpertParallelConfig | dict[str, Any] | None) -> ExpertParallelConfig:
+        """Accept a config, a dict of its fields (unknown keys raise), or ``None`` for defaults."""
+        if config is None:
+            return cls()
+        if isinstance(config, cls):
+            return config
+        if isinstance(config, dict):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = sorted(set(config) - fields)
+            if unknown:
+                raise ValueError(f"config: unknown key {unknown[0]!r}; known keys are {sorted(fields)}")
+            return cls(**config)
+        raise TypeError(f"config: expected ExpertParallelConfig, dict or None, got {type(config).__name__}")
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The slice of one experts module a rank holds: global experts ``[local_start, local_end)``."""
+
+    module_name: str
+    num_experts: int
+    num_local_experts: int
+    local_start: int
+    local_end: int
+    ep_rank: int
+    ep_size: int

@@ -1,0 +1,132 @@
+"""Token dispatch and combine: how routed rows reach their expert's rank and come back.
+
+One layer on ``W`` ranks with ``e`` local experts each (global expert ``g = r*e + j``)::
+
+    rank-major (sender)            source-major (receiver)        expert-major (receiver)
+    rows sorted by g = (r, j)      rows by (s, j) as received     rows by (j, s): grouped_mm input
+    +--------+                     +-----------+                  +-----------+
+    | ->0,j0 |  --all-to-all-v-->  | s0 -> j0  |  --reorder-->    | j0 <- s0  |
+    | ->0,j1 |                     | s0 -> j1  |                  | j0 <- s1  |
+    | ->1,j0 |                     | s1 -> j0  |                  | j1 <- s0  |
+    | ->1,j1 |                     | s1 -> j1  |                  | j1 <- s1  |
+    +--------+                     +-----------+                  +-----------+
+
+``dispatch`` goes left to right, ``combine`` right to left. Every permutation is an index gather
+(``x[idx]``: its backward is index_put, which works on every platform) built from the counts alone,
+with a single sort per layer (tokens by expert on the sender). The counts are exchanged once per
+layer (one host synchronisation) and reused by combine and by both backward exchanges.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm import all_to_all_v, exchange_counts
+
+
+@dataclass
+class RoutingPlan:
+    """Everything a layer's dispatch, combine and their backward need, computed once per forward.
+
+    ``slot`` = one (token, k) routing choice; ``S = T * K`` slots.
+    """
+
+    sort_S: torch.Tensor  # slot ids in rank-major order (sorted by global expert, stable)
+    unsort_S: torch.Tensor  # inverse of sort_S
+    send_counts: list[int]  # (W*e,) rows this rank sends to expert (r, j)
+    recv_counts: list[int]  # (W*e,) rows this rank receives from rank s for local expert j, (s, j)
+    ep_size: int
+    num_local_experts: int
+    group: dist.ProcessGroup | None
+
+    @property
+    def send_splits(self) -> list[int]:
+        e = self.num_local_experts
+        return [sum(self.send_counts[r * e:(r + 1) * e]) for r in range(self.ep_size)]
+
+    @property
+    def recv_splits(self) -> list[int]:
+        e = self.num_local_experts
+        return [sum(self.recv_counts[s * e:(s + 1) * e]) for s in range(self.ep_size)]
+
+    @property
+    def local_counts(self) -> list[int]:
+        """Rows per local expert ``j`` (summed over source ranks): the grouped matmul's counts."""
+        e, W = self.num_local_experts, self.ep_size
+        return [sum(self.recv_counts[s * e + j] for s in range(W)) for j in range(e)]
+
+
+def plan_routing(
+    top_k_index_TK: torch.Tensor, num_experts: int, ep_size: int, group: dist.ProcessGroup | None
+) -> RoutingPlan:
+    """Sort this rank's slots by global expert and exchange the counts with the EP group."""
+    expert_S = top_k_index_TK.reshape(-1)
+    tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=expert_S.device)
+    tokens_per_expert.scatter_add_(0, expert_S.long(), torch.ones_like(expert_S, dtype=torch.int64))
+    sort_S = torch.sort(expert_S, stable=True).indices
+    unsort_S = torch.empty_like(sort_S)
+    unsort_S[sort_S] = torch.arange(sort_S.numel(), device=sort_S.device)
+    send_counts, recv_counts = exchange_counts(tokens_per_expert, group if ep_size > 1 else None)
+    return RoutingPlan(sort_S, unsort_S, send_counts, recv_counts, ep_size, num_experts // ep_size, group)
+
+
+def _reorder_index(counts_AB: torch.Tensor, total: int) -> torch.Tensor:
+    """Index ``idx`` (a CPU tensor) such that ``rows_BA = rows_AB[idx]``.
+
+    ``rows_AB`` holds blocks ordered by (a, b) with ``counts_AB[a, b]`` rows each (``total`` rows);
+    ``rows_BA`` holds the same blocks ordered by (b, a).
+    """
+    counts_flat = counts_AB.reshape(-1)
+    start_AB = (torch.cumsum(counts_flat, 0) - counts_flat).view_as(counts_AB)
+    counts_BA = counts_AB.t().reshape(-1)
+    start_BA = torch.cumsum(counts_BA, 0) - counts_BA
+    shift = torch.repeat_interleave(start_AB.t().reshape(-1) - start_BA, counts_BA, output_size=total)
+    return shift + torch.arange(total)
+
+
+class AllToAllDispatcher:
+    """Dispatch / combine over all-to-all-v (also serves a group of one, with no communication)."""
+
+    def __init__(self, plan: RoutingPlan, device: torch.device):
+        self.plan = plan
+        W, e = plan.ep_size, plan.num_local_experts
+        if W > 1:
+            recv_SE = torch.tensor(plan.recv_counts, dtype=torch.int64).view(W, e)
+            num_recv = sum(plan.recv_counts)
+            self.to_expert_major = _reorder_index(recv_SE, num_recv).to(device)
+            self.to_source_major = _reorder_index(recv_SE.t(), num_recv).to(device)
+
+    def dispatch(self, x_rank_major: torch.Tensor) -> torch.Tensor:
+        """``(sum(send_counts), H)`` rank-major -> ``(sum(recv_counts), H)`` expert-major."""
+        plan = self.plan
+        if plan.ep_size == 1:
+            return x_rank_major
+        x_source_major = all_to_all_v(x_rank_major, plan.recv_splits, plan.send_splits, plan.group)
+        return x_source_major[self.to_expert_major]
+
+    def combine(self, y_expert_major: torch.Tensor) -> torch.Tensor:
+        """``(sum(recv_counts), H)`` expert-major -> ``(sum(send_counts), H)`` rank-major."""
+        plan = self.plan
+        if plan.ep_size == 1:
+            return y_expert_major
+        y_source_major = y_expert_major[self.to_source_major]
+        return all_to_all_v(y_source_major, plan.send_splits, plan.recv_splits, plan.group)
+
+
+def permute_tokens(hidden_TH: torch.Tensor, plan: RoutingPlan, top_k: int) -> torch.Tensor:
+    """``(S, H)`` rank-major rows: each token repeated once per routing choice, sorted by expert."""
+    return hidden_TH[plan.sort_S // top_k]
+
+
+def unpermute_and_combine(
+    y_rank_major: torch.Tensor, top_k_weights_TK: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Weight each returned row by its routing weight (on the sender, so the router gets its gradient),
+    restore slot order and sum each token's ``K`` rows (a fixed-order reduction: deterministic)."""
+    T, K = top_k_weights_TK.shape
+    weights_S = top_k_weights_TK.reshape(-1)[plan.sort_S]
+    weighted_S = y_rank_major * weights_S.unsqueeze(-1).to(y_rank_major.dtype)
+    return weighted_S[plan.unsort_S].view(T, K, -1).sum(dim=1).to(out_dtype)

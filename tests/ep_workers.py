@@ -1,0 +1,93 @@
+"""Rank functions for the expert-parallel tests (module level, so spawned ranks can import them)."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import epmoe
+from epmoe.models import build_model
+
+VOCAB = 256
+
+
+def batch_of(rank, lengths, batch=2):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randint(0, VOCAB, (batch, lengths[rank]), generator=g)
+
+
+def silence_experts_of_rank(model, rank, ep_size):
+    """Make the router never pick rank ``rank``'s experts (they receive no tokens), through the
+    selection bias of routers that have one (DeepSeek-V3's correction bias, GPT-OSS's router bias)."""
+    silenced = 0
+    with torch.no_grad():
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is None and type(module).__name__.endswith("TopKRouter"):
+                bias = module.bias
+            if bias is not None:
+                local = bias.shape[0] // ep_size
+                bias[rank * local:(rank + 1) * local] = -1e4
+                silenced += 1
+    assert silenced, "no router with a selection bias"
+
+
+def max_rel(a, b):
+    scale = b.abs().max().clamp_min(1e-12)
+    return ((a - b).abs().max() / scale).item()
+
+
+def model_parity(rank, world, family, dtype_name, lengths, scenario):
+    """EP model on this rank's batch vs the unsharded model on every rank's batch: max relative errors."""
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    ref = build_model(family, dtype=dtype)
+    if scenario == "silent_rank":
+        silence_experts_of_rank(ref, world - 1, world)
+    model = copy.deepcopy(ref)
+    shards = epmoe.apply_expert_parallel(model)
+    errors = {}
+
+    ids = batch_of(rank, lengths)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+
+    ref_params = dict(ref.named_parameters())
+    expert_names = {f"{s.module_name}.{n}" for s in shards for n, _ in
+                    model.get_submodule(s.module_name).named_parameters(recurse=False)}
+    expert_grad_sum = {name: torch.zeros_like(ref_params[name]) for name in expert_names}
+    for source in range(world):
+        ref.zero_grad()
+        src_ids = batch_of(source, lengths)
+        ref_out = ref(src_ids, labels=src_ids)
+        ref_out.loss.backward()
+        for name in expert_names:
+            expert_grad_sum[name] += ref_params[name].grad
+        if source == rank:
+            errors["logits"] = max_rel(out.logits, ref_out.logits)
+            errors["loss"] = max_rel(out.loss, ref_out.loss)
+            own = {n: p.grad.clone() for n, p in ref_params.items() if n not in expert_names and p.grad is not None}
+    errors["non_expert_grads"] = 0.0
+    errors["router_grads"] = 0.0
+    for name, param in model.named_parameters():
+        if name in expert_names:
+            continue
+        if param.grad is None:
+            assert name not in own, f"{name} has no gradient under EP"
+            continue
+        err = max_rel(param.grad, own[name])
+        errors["non_expert_grads"] = max(errors["non_expert_grads"], err)
+        if ".gate." in name or ".router." in name:
+            errors["router_grads"] = max(errors["router_grads"], err)
+    errors["expert_grads"] = 0.0
+    for shard in shards:
+        module = model.get_submodule(shard.module_name)
+        for name, param in module.named_parameters(recurse=False):
+            full = expert_grad_sum[f"{shard.module_name}.{name}"][shard.local_start:shard.local_end]
+            if scenario == "silent_rank" and rank == world - 1:
+                assert torch.count_nonzero(param.grad) == 0
+            errors["expert_grads"] = max(errors["expert_grads"], max_rel(param.grad, full) if full.abs().max() > 0
+                                         else param.grad.abs().max().item())
+    # non-expert gradients summed over ranks equal the unsharded model's on the concatenated batch
+    assert len(shards) >= 1 and all(s.ep_size == world and s.ep_rank == dist.get_rank() for s in shards)
+    return errors
