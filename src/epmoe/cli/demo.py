@@ -1,14 +1,105 @@
-"""``epmoe demo``."""
+"""``epmoe demo``: train a small MoE model with and without expert parallelism, and compare.
+
+Spawns ``--nproc`` gloo ranks on this machine (or joins the ranks of ``torchrun``), trains the same
+model both ways (see :mod:`epmoe.demo`), prints a per-step table and writes a loss-curve plot.
+"""
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
+import statistics
+from pathlib import Path
+
+import torch.distributed as dist
+
+from epmoe import platform
+from epmoe.demo import TrainOptions, TrainResult, train_parity
+from epmoe.launch import run_ranks
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser("demo", help="not yet available")
+    parser = commands.add_parser("demo", help="EP training vs the same without EP: parity table and plot")
+    parser.add_argument("--model", default="qwen3_moe", help="model family (default: qwen3_moe)")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn (ignored under torchrun; default 2)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64 (default float32)")
+    parser.add_argument("--backend", default="auto", help="grouped-matmul backend (default auto)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | npu (default cpu)")
+    parser.add_argument("--out", default="epmoe-out", help="directory for the plot (default ./epmoe-out)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds before the run is abandoned")
     parser.set_defaults(run=run)
 
 
+def format_table(result: TrainResult) -> str:
+    lines = [
+        f"{'step':>4}  {'loss (EP)':>10}  {'loss (no EP)':>12}  {'|diff|':>9}  {'time EP':>9}  {'time no EP':>10}",
+    ]
+    for r in result.records:
+        lines.append(
+            f"{r.step:>4}  {r.loss_ep:>10.6f}  {r.loss_ref:>12.6f}  {r.diff:>9.2e}  "
+            f"{r.time_ep * 1e3:>7.1f}ms  {r.time_ref * 1e3:>8.1f}ms"
+        )
+    return "\n".join(lines)
+
+
+def plot(result: TrainResult, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r.step for r in result.records]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r.loss_ref for r in result.records], label="without EP", linewidth=3, alpha=0.5)
+    ax.plot(steps, [r.loss_ep for r in result.records], label=f"with EP ({result.world_size} ranks)", linestyle="--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"{result.options.family}, {result.options.dtype}: loss with and without expert parallelism")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
 def run(args: argparse.Namespace) -> int:
-    raise ValueError("'demo' is not implemented yet")
+    if args.nproc < 1:
+        raise ValueError(f"--nproc: must be >= 1, got {args.nproc}")
+    if args.device != "cpu" and not platform.is_available(args.device):
+        raise ValueError(f"--device: {args.device!r} is not available on this machine")
+    options = TrainOptions(family=args.model, steps=args.steps, dtype=args.dtype, backend=args.backend,
+                           device=args.device, show_progress=True)
+    from epmoe.ep.config import ExpertParallelConfig
+
+    ExpertParallelConfig(gmm_backend=args.backend)  # a bad --backend fails here, not in every rank
+    if _under_torchrun():
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(platform.comm_backend(args.device), timeout=datetime.timedelta(seconds=args.timeout))
+        try:
+            result = train_parity(rank, world, options)
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    else:
+        backend = platform.comm_backend(args.device)
+        result = run_ranks(train_parity, args.nproc, options, backend=backend, timeout=args.timeout)[0]
+    print()
+    print(format_table(result))
+    worst = max(r.diff for r in result.records)
+    timed = result.records[1:] or result.records  # step 0 includes warm-up
+    ratio = statistics.median(r.time_ep for r in timed) / statistics.median(r.time_ref for r in timed)
+    print(
+        f"\nmodel {args.model}, {result.world_size} ranks, {args.dtype}, grouped-matmul backend: {result.gmm_backend}"
+        f"\nmax |loss difference| {worst:.2e}; median step time with EP / without EP: {ratio:.2f}"
+    )
+    path = plot(result, Path(args.out) / f"demo-{args.model}-loss.png")
+    print(f"loss curves plotted to {path.resolve()}")
+    return 0
