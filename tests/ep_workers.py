@@ -11,9 +11,9 @@ from epmoe.models import build_model
 VOCAB = 256
 
 
-def batch_of(rank, lengths, batch=2):
+def batch_of(rank, lengths, batch=2, vocab=64):
     g = torch.Generator().manual_seed(1000 + rank)
-    return torch.randint(0, VOCAB, (batch, lengths[rank]), generator=g)
+    return torch.randint(0, vocab, (batch, lengths[rank]), generator=g)
 
 
 def silence_experts_of_rank(model, rank, ep_size):
@@ -90,4 +90,40 @@ def model_parity(rank, world, family, dtype_name, lengths, scenario):
                                          else param.grad.abs().max().item())
     # non-expert gradients summed over ranks equal the unsharded model's on the concatenated batch
     assert len(shards) >= 1 and all(s.ep_size == world and s.ep_rank == dist.get_rank() for s in shards)
+    return errors
+
+
+def module_list_parity(rank, world, expert_kind):
+    """A custom model with nn.ModuleList experts: EP on this rank vs the unsharded model."""
+    from custom_moe import BiasedExpert, ExpertMLP, TinyMoELM
+
+    torch.manual_seed(0)
+    ref = TinyMoELM(expert_cls={"mlp": ExpertMLP, "biased": BiasedExpert}[expert_kind]).double()
+    model = copy.deepcopy(ref)
+    shards = epmoe.apply_expert_parallel(model)
+    names = [n for n, _ in model.named_parameters()]
+    local = range(shards[0].local_start, shards[0].local_end)
+    assert all(any(f"experts.{i}." in n for n in names) for i in local)
+    assert not any(f"blocks.0.experts.{i}." in n for n in names for i in set(range(4)) - set(local))
+    assert set(names) <= {n for n, _ in ref.named_parameters()}
+
+    lengths = [5, 11, 3, 7]
+    out = model(batch_of(rank, lengths))
+    out.square().mean().backward()
+    errors = {}
+    ref_params = dict(ref.named_parameters())
+    expert_sum = {n: torch.zeros_like(p) for n, p in ref_params.items()}
+    for source in range(world):
+        ref.zero_grad()
+        ref_out = ref(batch_of(source, lengths))
+        ref_out.square().mean().backward()
+        for n, p in ref_params.items():
+            if ".experts." in n:
+                expert_sum[n] += p.grad
+        if source == rank:
+            errors["output"] = max_rel(out, ref_out)
+            own = {n: p.grad.clone() for n, p in ref_params.items()}
+    errors["grads"] = max(
+        max_rel(p.grad, expert_sum[n] if ".experts." in n else own[n]) for n, p in model.named_parameters()
+    )
     return errors

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ep_workers import model_parity
+from ep_workers import model_parity, module_list_parity
 from epmoe.launch import run_ranks
 
 TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}
@@ -28,3 +28,9 @@ def test_parity_other_families(family):
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_parity_rank_whose_experts_get_no_tokens(family):
     assert_parity(run_ranks(model_parity, 2, family, "float64", [8, 10], "silent_rank", timeout=240), "float64")
+
+
+@pytest.mark.parametrize("expert_kind,world", [("mlp", 2), ("biased", 2), ("mlp", 4)])
+def test_parity_module_list_experts(expert_kind, world):
+    """Custom blocks with nn.ModuleList experts: stacked grouped compute, or each expert on its rows."""
+    assert_parity(run_ranks(module_list_parity, world, expert_kind, timeout=240), "float64")

@@ -6,9 +6,12 @@ Rank ``r`` of ``P`` keeps global experts ``[r*E/P, (r+1)*E/P)`` of every experts
     rank 0 holds           0 1 2 3
     rank 1 holds                            4 5 6 7
 
-The expert weights stay plain ``nn.Parameter``s under their own names, sliced to ``E/P`` experts;
-routers, shared experts and everything else are untouched. The module's forward becomes
-:func:`epmoe.ep.layer.expert_parallel_forward`, which runs on every rank's own batch.
+The expert weights stay plain ``nn.Parameter``s under their own names, sliced to ``E/P`` experts
+(an ``nn.ModuleList`` keeps its length; entries of other ranks become empty placeholders, so the
+local experts keep their global index in their names). Routers, shared experts and everything else
+are untouched. A packed experts module's forward becomes :func:`~epmoe.ep.layer.expert_parallel_forward`;
+for ``nn.ModuleList`` experts the enclosing block's forward becomes
+:func:`~epmoe.ep.layer.expert_parallel_block_forward`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
-from epmoe.ep.layer import ExpertParallelState, expert_parallel_forward
+from epmoe.ep.layer import (
+    ExpertParallelState,
+    block_router,
+    expert_parallel_block_forward,
+    expert_parallel_forward,
+)
 from epmoe.experts import is_packed_experts, num_experts_of
 from epmoe.gmm import select_backend
 
@@ -44,9 +52,33 @@ def resolve_group(ep_group: Any) -> dist.ProcessGroup | None:
     raise TypeError(f"ep_group: expected a ProcessGroup, DeviceMesh or None, got {type(ep_group).__name__}")
 
 
-def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every packed (transformers v5) experts module, in ``named_modules()`` order."""
-    return [(name, module) for name, module in model.named_modules() if is_packed_experts(module)]
+class NonLocalExpert(nn.Module):
+    """Placeholder, in a sharded ``nn.ModuleList``, for an expert another rank holds."""
+
+    def __init__(self, ep_rank: int):
+        super().__init__()
+        self.ep_rank = ep_rank
+
+    def extra_repr(self) -> str:
+        return f"held by EP rank {self.ep_rank}"
+
+
+def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """``(name, experts module, module whose forward epmoe replaces)``, in ``named_modules()`` order.
+
+    Packed (transformers v5) experts replace their own forward; an ``nn.ModuleList`` named ``experts``
+    whose parent block has a ``gate`` or ``router`` module replaces the parent's.
+    """
+    modules = dict(model.named_modules())
+    found = []
+    for name, module in modules.items():
+        if is_packed_experts(module):
+            found.append((name, module, module))
+        elif isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(module):
+            parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
+            if any(isinstance(getattr(parent, attr, None), nn.Module) for attr in ("gate", "router")):
+                found.append((name, module, parent))
+    return found
 
 
 def apply_expert_parallel(
@@ -71,7 +103,7 @@ def apply_expert_parallel(
     found = find_experts_modules(model)
     if not found:
         raise ValueError(f"apply_expert_parallel(model): no experts module found in {type(model).__name__}")
-    done = [getattr(module, "_epmoe", None) for _, module in found]
+    done = [getattr(owner, "_epmoe", None) for _, _, owner in found]
     if all(state is not None for state in done):
         sizes = {state.shard.ep_size for state in done}
         if sizes != {ep_size}:
@@ -82,7 +114,7 @@ def apply_expert_parallel(
 
     # Validate everything before changing anything: no half-sharded model after an error.
     shards = []
-    for name, module in found:
+    for name, module, _ in found:
         num_experts = num_experts_of(module)
         if num_experts % ep_size:
             raise ValueError(
@@ -91,11 +123,17 @@ def apply_expert_parallel(
         local = num_experts // ep_size
         shards.append(ExpertShard(name, num_experts, local, ep_rank * local, (ep_rank + 1) * local, ep_rank, ep_size))
 
-    for (name, module), shard in zip(found, shards):
-        _shard_parameters(module, shard)
-        module._epmoe = ExpertParallelState(shard, config, group)
-        module.forward = types.MethodType(expert_parallel_forward, module)
-    _log_backend(found[0][1], config, ep_size, len(found))
+    for (name, module, owner), shard in zip(found, shards):
+        if isinstance(module, nn.ModuleList):
+            returns_logits = _block_returns_router_logits(owner)
+            local = _shard_module_list(module, shard)
+            owner._epmoe = ExpertParallelState(shard, config, group, local, returns_logits)
+            owner.forward = types.MethodType(expert_parallel_block_forward, owner)
+        else:
+            _shard_parameters(module, shard)
+            module._epmoe = ExpertParallelState(shard, config, group, module)
+            module.forward = types.MethodType(expert_parallel_forward, module)
+    _log_backend(found, config, ep_size)
     return shards
 
 
@@ -109,12 +147,30 @@ def _shard_parameters(module: nn.Module, shard: ExpertShard) -> None:
             setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
 
 
-def _log_backend(module: nn.Module, config: ExpertParallelConfig, ep_size: int, num_modules: int) -> None:
-    weight = module.down_proj
-    hidden = weight.shape[1] if not module.is_transposed else weight.shape[2]
-    sample = torch.empty(0, hidden, dtype=weight.dtype, device=weight.device)
-    backend = select_backend(sample, weight, trans_weight=not module.is_transposed, backend=config.gmm_backend)
+def _shard_module_list(experts: nn.ModuleList, shard: ExpertShard) -> nn.ModuleList:
+    """Replace other ranks' experts by placeholders; return the local ones (an unregistered list)."""
+    for index in range(shard.num_experts):
+        if not shard.local_start <= index < shard.local_end:
+            experts[index] = NonLocalExpert(index // shard.num_local_experts)
+    return nn.ModuleList(experts[shard.local_start:shard.local_end])
+
+
+def _block_returns_router_logits(block: nn.Module) -> bool:
+    """Whether the block's own forward returns ``(hidden, router_logits)`` (transformers 4.x style):
+    probed once, on one zero token, before anything is changed."""
+    hidden_size = block_router(block).weight.shape[-1]
+    param = next(block.parameters())
+    with torch.no_grad():
+        out = block(torch.zeros(1, 1, hidden_size, dtype=param.dtype, device=param.device))
+    return isinstance(out, tuple)
+
+
+def _log_backend(found: list[tuple[str, nn.Module, nn.Module]], config: ExpertParallelConfig, ep_size: int) -> None:
+    weight = next(found[0][1].parameters())
+    sample_x = torch.empty(0, weight.shape[-1], dtype=weight.dtype, device=weight.device)
+    sample_w = weight[:1] if weight.dim() == 3 else weight.reshape(1, -1, weight.shape[-1])
+    backend = select_backend(sample_x, sample_w, trans_weight=True, backend=config.gmm_backend)
     logger.info(
         "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r)",
-        num_modules, ep_size, backend.name, config.gmm_backend,
+        len(found), ep_size, backend.name, config.gmm_backend,
     )

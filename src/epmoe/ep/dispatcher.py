@@ -69,7 +69,7 @@ def plan_routing(
     sort_S = torch.sort(expert_S, stable=True).indices
     unsort_S = torch.empty_like(sort_S)
     unsort_S[sort_S] = torch.arange(sort_S.numel(), device=sort_S.device)
-    send_counts, recv_counts = exchange_counts(tokens_per_expert, group if ep_size > 1 else None)
+    send_counts, recv_counts = exchange_counts(tokens_per_expert, group)
     return RoutingPlan(sort_S, unsort_S, send_counts, recv_counts, ep_size, num_experts // ep_size, group)
 
 
@@ -129,4 +129,4 @@ def unpermute_and_combine(
     T, K = top_k_weights_TK.shape
     weights_S = top_k_weights_TK.reshape(-1)[plan.sort_S]
     weighted_S = y_rank_major * weights_S.unsqueeze(-1).to(y_rank_major.dtype)
-    return weighted_S[plan.unsort_S].view(T, K, -1).sum(dim=1).to(out_dtype)
+    return weighted_S[plan.unsort_S].view(T, K, y_rank_major.shape[-1]).sum(dim=1).to(out_dtype)

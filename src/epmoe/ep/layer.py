@@ -1,4 +1,15 @@
-"""The expert-parallel forward that replaces an experts module's own.
+"""The expert-parallel forwards that replace a model's own.
+
+* :func:`expert_parallel_forward` replaces a packed (transformers v5) experts module's forward; the
+  block around it (router, shared experts) runs unchanged.
+* :func:`expert_parallel_block_forward` replaces the forward of a block holding an ``nn.ModuleList``
+  of experts (transformers 4.x style, custom models), whose loop over experts cannot be intercepted
+  at the list. It calls the block's own router; a router that returns only logits gets the classic
+  routing ``softmax (fp32) -> top-k -> renormalise iff block.norm_topk_prob -> cast``, one returning
+  ``(logits, weights, index)`` is used as is. Shared experts (``shared_expert`` with an optional
+  sigmoid ``shared_expert_gate``, or ``shared_experts``) are added as in Qwen2-MoE / DeepSeek.
+
+Both run the same routed path:
 
     hidden_TH, top_k_index_TK, top_k_weights_TK      (from the model's own router)
       -> plan_routing          sort slots by expert; exchange counts (one host sync)
@@ -30,16 +41,15 @@ class ExpertParallelState:
     shard: ExpertShard
     config: ExpertParallelConfig
     group: dist.ProcessGroup | None
+    local_experts: nn.Module  # what runs the local experts: the packed module, or a ModuleList slice
+    returns_router_logits: bool = False  # ModuleList blocks only: the block's own return convention
 
 
-def expert_parallel_forward(
-    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+def routed_experts(
+    state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Drop-in for a packed experts module's ``forward(hidden [T,H], top_k_index [T,K], top_k_weights [T,K])``."""
-    state: ExpertParallelState = module._epmoe
+    """``(T, H)``: every token's routed experts' outputs, weighted and summed (dispatch -> experts -> combine)."""
     shard = state.shard
-    shape = hidden_states.shape
-    hidden_TH = hidden_states.reshape(-1, shape[-1])
     if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_TH.shape[0] or top_k_weights.shape != top_k_index.shape:
         raise ValueError(
             f"{shard.module_name}: expected top_k_index and top_k_weights of shape (T, K) with T={hidden_TH.shape[0]}, "
@@ -49,7 +59,70 @@ def expert_parallel_forward(
     dispatcher = AllToAllDispatcher(plan, hidden_TH.device)
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
     x_expert_major = dispatcher.dispatch(x_rank_major)
-    y_expert_major = experts_forward(module, x_expert_major, plan.local_counts, backend=state.config.gmm_backend)
+    y_expert_major = experts_forward(
+        state.local_experts, x_expert_major, plan.local_counts, backend=state.config.gmm_backend
+    )
     y_rank_major = dispatcher.combine(y_expert_major)
-    out_TH = unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_states.dtype)
+    return unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_TH.dtype)
+
+
+def expert_parallel_forward(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """Drop-in for a packed experts module's ``forward(hidden [T,H], top_k_index [T,K], top_k_weights [T,K])``."""
+    shape = hidden_states.shape
+    out_TH = routed_experts(module._epmoe, hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
     return out_TH.view(shape)
+
+
+def block_router(block: nn.Module) -> nn.Module:
+    """The router of a block holding ModuleList experts: its ``gate`` or ``router`` submodule."""
+    for name in ("gate", "router"):
+        router = getattr(block, name, None)
+        if isinstance(router, nn.Module):
+            return router
+    raise ValueError(f"{type(block).__name__}: a block with ModuleList experts needs a `gate` or `router` module")
+
+
+def block_top_k(block: nn.Module) -> int:
+    for name in ("top_k", "num_experts_per_tok"):
+        value = getattr(block, name, None)
+        if isinstance(value, int):
+            return value
+    raise ValueError(f"{type(block).__name__}: a block with ModuleList experts needs `top_k` or `num_experts_per_tok`")
+
+
+def route(block: nn.Module, hidden_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(router_logits [T,E], top_k_weights [T,K], top_k_index [T,K])`` from the block's own router."""
+    routed = block_router(block)(hidden_TH)
+    if isinstance(routed, tuple):
+        logits, weights, index = routed[:3]
+        return logits, weights, index
+    probs = torch.softmax(routed, dim=-1, dtype=torch.float32)
+    weights, index = torch.topk(probs, block_top_k(block), dim=-1)
+    if getattr(block, "norm_topk_prob", False):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return routed, weights.to(hidden_TH.dtype), index
+
+
+def shared_experts_output(block: nn.Module, hidden_TH: torch.Tensor) -> torch.Tensor | None:
+    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
+    if shared is None:
+        return None
+    out = shared(hidden_TH)
+    gate = getattr(block, "shared_expert_gate", None)
+    return out if gate is None else torch.sigmoid(gate(hidden_TH)) * out
+
+
+def expert_parallel_block_forward(block: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    """Drop-in for the forward of a block with ``nn.ModuleList`` experts (see the module docstring)."""
+    state: ExpertParallelState = block._epmoe
+    shape = hidden_states.shape
+    hidden_TH = hidden_states.reshape(-1, shape[-1])
+    logits, weights, index = route(block, hidden_TH)
+    out_TH = routed_experts(state, hidden_TH, index, weights)
+    shared = shared_experts_output(block, hidden_TH)
+    if shared is not None:
+        out_TH = out_TH + shared
+    out = out_TH.view(shape)
+    return (out, logits) if state.returns_router_logits else out
