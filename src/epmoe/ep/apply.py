@@ -32,7 +32,7 @@ from epmoe.ep.layer import (
     expert_parallel_forward,
 )
 from epmoe.experts import is_packed_experts, num_experts_of
-from epmoe.gmm import select_backend
+from epmoe.gmm import gmm_backends, select_backend
 
 logger = logging.getLogger(__name__)
 
@@ -166,11 +166,13 @@ def _block_returns_router_logits(block: nn.Module) -> bool:
 
 
 def _log_backend(found: list[tuple[str, nn.Module, nn.Module]], config: ExpertParallelConfig, ep_size: int) -> None:
+    """One INFO line per model: which grouped-matmul backend runs its experts, and why not the others."""
     weight = next(found[0][1].parameters())
     sample_x = torch.empty(0, weight.shape[-1], dtype=weight.dtype, device=weight.device)
     sample_w = weight[:1] if weight.dim() == 3 else weight.reshape(1, -1, weight.shape[-1])
     backend = select_backend(sample_x, sample_w, trans_weight=True, backend=config.gmm_backend)
+    declined = [f"{s.name}: {s.reason}" for s in gmm_backends(sample_x, sample_w, trans_weight=True) if not s.eligible]
     logger.info(
-        "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r)",
-        len(found), ep_size, backend.name, config.gmm_backend,
+        "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
+        len(found), ep_size, backend.name, config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
     )

@@ -81,7 +81,7 @@ class TorchBackend(GmmBackend):
         for n in counts:
             total += n
             ends.append(total)
-        return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+        return torch.tensor(ends, dtype=torch.int32, device=device)
 
     def forward(self, x_TK, weight, counts, trans_weight):
         w_GKN = weight.transpose(1, 2) if trans_weight else weight
