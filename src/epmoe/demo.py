@@ -120,7 +120,7 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
                             seed=options.seed, dtype=dtype).to(device)
     model = copy.deepcopy(reference)
     shards = epmoe.apply_expert_parallel(model, config={"gmm_backend": options.backend})
-    expert_params = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters(recurse=False)}
+    expert_params = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters()}
     non_expert = [p for p in model.parameters() if id(p) not in expert_params]
     experts = [p for p in model.parameters() if id(p) in expert_params]
 

@@ -113,8 +113,15 @@ def apply_expert_parallel(
         raise ValueError("apply_expert_parallel(model): the model is partly expert-parallel already")
 
     # Validate everything before changing anything: no half-sharded model after an error.
+    modules = dict(model.named_modules())
     shards = []
     for name, module, _ in found:
+        wrapper = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+        if wrapper is not None and getattr(wrapper, "base_layer", None) is module and hasattr(wrapper, "lora_A"):
+            raise ValueError(
+                f"apply_expert_parallel: {name} is wrapped by a PEFT adapter ({type(wrapper).__name__}) that holds "
+                f"factors for all experts; call apply_expert_parallel before get_peft_model"
+            )
         num_experts = num_experts_of(module)
         if num_experts % ep_size:
             raise ValueError(

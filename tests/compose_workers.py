@@ -1,0 +1,303 @@
+"""Rank functions for the composition tests (EP + PEFT LoRA, EP + FSDP2); module level for spawned ranks."""
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import epmoe
+from epmoe.demo import _average_gradients, _global_loss, synthetic_batch
+from epmoe.models import build_model
+
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def batch_of(rank, lengths, batch=2, vocab=64):
+    g = torch.Generator().manual_seed(1000 + rank)
+    return torch.randint(0, vocab, (batch, lengths[rank]), generator=g)
+
+
+def max_rel(a, b):
+    scale = b.abs().max().clamp_min(1e-12)
+    return ((a - b).abs().max() / scale).item()
+
+
+def lora_config(*, attention=True, experts=False):
+    from peft import LoraConfig
+
+    # init_lora_weights=False: B is random too, so every LoRA factor gets a non-zero gradient.
+    return LoraConfig(
+        r=2, lora_alpha=4, init_lora_weights=False,
+        target_modules=["q_proj", "v_proj"] if attention else [],
+        target_parameters=EXPERT_PARAMS if experts else None,
+    )
+
+
+def trainable(model):
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def reference_grads(ref, lengths, world):
+    """Loss and LoRA grads of the unsharded model on each rank's batch: ``[(loss, {name: grad})]``."""
+    out = []
+    for source in range(world):
+        ref.zero_grad()
+        ids = batch_of(source, lengths)
+        loss = ref(ids, labels=ids).loss
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in trainable(ref).items()}))
+    return out
+
+
+def peft_attention_parity(rank, world, lengths):
+    """LoRA on q_proj/v_proj with EP, in both orders, vs the unsharded PEFT model on this rank's batch."""
+    from peft import get_peft_model
+
+    dtype = torch.float64
+    torch.manual_seed(1)
+    ref = get_peft_model(build_model("qwen3_moe", dtype=dtype), lora_config())
+    per_rank = reference_grads(ref, lengths, world)
+    ref_loss, ref_grads = per_rank[rank]
+
+    models = {}
+    # 1) PEFT first (the reference's exact LoRA init), deepcopy, then EP on the PeftModel.
+    models["peft_then_ep"] = copy.deepcopy(ref)
+    shards = epmoe.apply_expert_parallel(models["peft_then_ep"])
+    assert [s.module_name for s in shards] == [f"base_model.model.model.layers.{i}.mlp.experts" for i in range(2)]
+    assert all(s.ep_size == world and s.num_local_experts == 8 // world for s in shards)
+    # 2) EP first, then PEFT, with the same seed as the reference's LoRA init (EP consumes no RNG).
+    base = build_model("qwen3_moe", dtype=dtype)
+    epmoe.apply_expert_parallel(base)
+    torch.manual_seed(1)
+    models["ep_then_peft"] = get_peft_model(base, lora_config())
+
+    errors = {}
+    ids = batch_of(rank, lengths)
+    for order, model in models.items():
+        params = trainable(model)
+        assert set(params) == set(ref_grads) and all("lora_" in n for n in params), order
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        errors[f"{order}/loss"] = max_rel(loss.detach(), ref_loss)
+        errors[f"{order}/lora_grads"] = max(max_rel(p.grad, ref_grads[n]) for n, p in params.items())
+    return errors
+
+
+def _expert_lora_slice(ref_wrapper, name, tensor, start, end):
+    """This rank's slice of a ParamWrapper's LoRA factor for experts ``[start, end)``.
+
+    peft lays out ``lora_A.weight`` ``(r*E, in)`` expert-major (viewed ``(E, r, in)``) but ``lora_B.weight``
+    ``(out, r*E)`` expert-minor (viewed ``(out, r, E)``): the experts of a rank are a contiguous row block
+    of A but a strided column set of B.
+    """
+    num_experts = ref_wrapper.num_experts
+    if ".lora_A." in name:
+        return tensor.reshape(num_experts, -1, tensor.shape[-1])[start:end].reshape(-1, tensor.shape[-1])
+    return tensor.reshape(tensor.shape[0], -1, num_experts)[:, :, start:end].reshape(tensor.shape[0], -1)
+
+
+def _owning_wrapper(model, param_name):
+    return model.get_submodule(param_name.split(".lora_")[0])
+
+
+def copy_lora_from_reference(model, ref, shard):
+    """Give the EP model's LoRA factors the unsharded reference's values (expert factors sliced to this
+    rank's experts); return the names of the expert LoRA parameters."""
+    params, ref_params = trainable(model), trainable(ref)
+    assert set(params) == set(ref_params)
+    expert_names = {n for n in params if ".experts." in n}
+    with torch.no_grad():
+        for name, param in params.items():
+            source = ref_params[name]
+            if name in expert_names:
+                assert _owning_wrapper(model, name).num_experts == shard.num_local_experts
+                wrapper = _owning_wrapper(ref, name)
+                source = _expert_lora_slice(wrapper, name, source, shard.local_start, shard.local_end)
+            param.copy_(source)
+    return expert_names
+
+
+def peft_expert_lora_parity(rank, world, lengths):
+    """LoRA on the packed experts (target_parameters) + q/v, EP first then PEFT, vs the unsharded model.
+
+    After EP each rank's ParamWrapper sees ``E/P`` experts, so peft builds LoRA factors for the local
+    experts only. Seeded from the reference's factors (sliced per expert), the expert LoRA gradients equal
+    the sum over all ranks' batches of the reference's, the attention LoRA gradients this rank's own.
+    """
+    from peft import get_peft_model
+
+    dtype = torch.float64
+    torch.manual_seed(1)
+    ref = get_peft_model(build_model("qwen3_moe", dtype=dtype), lora_config(experts=True))
+    per_rank = reference_grads(ref, lengths, world)
+    ref_loss, ref_grads = per_rank[rank]
+    summed = {n: sum(grads[n] for _, grads in per_rank) for n in ref_grads}
+
+    base = build_model("qwen3_moe", dtype=dtype)
+    shard = epmoe.apply_expert_parallel(base)[0]
+    model = get_peft_model(base, lora_config(experts=True))
+    params = trainable(model)
+    assert set(params) == set(ref_grads)
+    expert_names = copy_lora_from_reference(model, ref, shard)
+    assert len(expert_names) == 8  # 2 layers x 2 packed parameters x (A, B)
+
+    ids = batch_of(rank, lengths)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    errors = {"loss": max_rel(loss.detach(), ref_loss), "attention_lora_grads": 0.0, "expert_lora_grads": 0.0}
+    for name, param in params.items():
+        if name in expert_names:
+            wrapper = _owning_wrapper(ref, name)
+            full = _expert_lora_slice(wrapper, name, summed[name], shard.local_start, shard.local_end)
+            errors["expert_lora_grads"] = max(errors["expert_lora_grads"], max_rel(param.grad, full))
+        else:
+            errors["attention_lora_grads"] = max(errors["attention_lora_grads"], max_rel(param.grad, ref_grads[name]))
+    errors["peft_first"] = peft_expert_lora_then_ep(rank, world, lengths)
+    return errors
+
+
+def peft_expert_lora_then_ep(rank, world, lengths):
+    """PEFT (target_parameters on the experts) first, then EP: ``(sharded module names, error)``.
+
+    peft's ParamWrappers hold LoRA factors for all E experts, so EP must refuse (before changing
+    anything) rather than slice the wrapped module to E/P experts.
+    """
+    from peft import get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(build_model("qwen3_moe", dtype=torch.float64), lora_config(experts=True))
+    ids = batch_of(rank, lengths)
+    shards = []
+    try:
+        shards = epmoe.apply_expert_parallel(model)
+        model(ids, labels=ids)
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return [s.module_name for s in shards], f"{type(exc).__name__}: {exc}"
+    return [s.module_name for s in shards], None
+
+
+def fsdp2_train(rank, world, steps, dtype_name):
+    """EP, then FSDP2 (fully_shard per decoder layer and root, expert params ignored), AdamW for
+    ``steps`` steps; vs the non-EP data-parallel reference of ``epmoe.demo`` (same batches, same objective).
+
+    Returns ``(losses_fsdp, losses_ref, max rel error of the final parameters)``.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dtype = getattr(torch, dtype_name)
+    ref = build_model("qwen3_moe", dtype=dtype)
+    model = copy.deepcopy(ref)
+    shards = epmoe.apply_expert_parallel(model)
+    experts = {p for s in shards for p in model.get_submodule(s.module_name).parameters(recurse=False)}
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=experts)
+    fully_shard(model, mesh=mesh, ignored_params=experts)
+    assert all(not isinstance(p, DTensor) and p.shape[0] == 8 // world for p in experts)
+    assert all(isinstance(p, DTensor) for p in model.parameters() if p not in experts)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, losses_ref = [], []
+    for step in range(steps):
+        ids = synthetic_batch(step, rank, 2, 16)
+        loss = model(ids, labels=ids).loss
+        loss.backward()  # FSDP2 reduce-scatters the mean of the non-expert grads
+        for p in experts:  # the EP exchange summed every rank's tokens: make it the mean over ranks
+            p.grad /= world
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+        loss_ref = ref(ids, labels=ids).loss
+        loss_ref.backward()
+        _average_gradients(list(ref.parameters()), world)
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        losses.append(_global_loss(loss, world))
+        losses_ref.append(_global_loss(loss_ref, world))
+
+    ref_params = dict(ref.named_parameters())
+    shard_of = {s.module_name: s for s in shards}
+    err = 0.0
+    for name, param in model.named_parameters():
+        full = ref_params[name]
+        if isinstance(param, DTensor):
+            mine = param.full_tensor()
+        else:
+            shard = shard_of[name.rsplit(".", 1)[0]]
+            mine, full = param, full[shard.local_start:shard.local_end]
+        err = max(err, max_rel(mine.detach(), full.detach()))
+    dist.barrier()
+    return losses, losses_ref, err
+
+
+def fsdp2_lora_train(rank, world, family, steps):
+    """The full recipe: EP -> PEFT LoRA (q/v + packed experts) -> FSDP2 (expert base + expert LoRA params
+    ignored) -> AdamW on the LoRA params; vs the unsharded PEFT model trained data-parallel.
+
+    Returns ``(losses, losses_ref, max rel error of the final LoRA parameters)``.
+    """
+    from peft import get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    dtype = torch.float64
+    torch.manual_seed(1)
+    ref = get_peft_model(build_model(family, dtype=dtype), lora_config(experts=True))
+    base = build_model(family, dtype=dtype)
+    shards = epmoe.apply_expert_parallel(base)
+    # the experts modules themselves: after PEFT their names lead to peft's ParamWrappers around them
+    experts = [base.get_submodule(s.module_name) for s in shards]
+    model = get_peft_model(base, lora_config(experts=True))
+    expert_lora = copy_lora_from_reference(model, ref, shards[0])
+    local = {p for n, p in model.named_parameters() if n in expert_lora}
+    local |= {p for module in experts for p in module.parameters(recurse=False)}
+    assert len(local) == len(expert_lora) + 2 * len(shards)
+
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in base.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=local)
+    fully_shard(model, mesh=mesh, ignored_params=local)
+    lora = [p for p in model.parameters() if p.requires_grad]
+    assert all(isinstance(p, DTensor) != (p in local) for p in lora)
+
+    opt = torch.optim.AdamW(lora, lr=1e-2)
+    ref_lora = [p for p in ref.parameters() if p.requires_grad]
+    opt_ref = torch.optim.AdamW(ref_lora, lr=1e-2)
+    losses, losses_ref = [], []
+    for step in range(steps):
+        ids = synthetic_batch(step, rank, 2, 16)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        for p in lora:
+            if p in local:
+                p.grad /= world
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+        loss_ref = ref(ids, labels=ids).loss
+        loss_ref.backward()
+        _average_gradients(ref_lora, world)
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+        losses.append(_global_loss(loss, world))
+        losses_ref.append(_global_loss(loss_ref, world))
+
+    ref_params = dict(ref.named_parameters())
+    err = 0.0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        full = ref_params[name].detach()
+        if isinstance(p, DTensor):
+            mine = p.full_tensor()
+        else:
+            mine = p
+            start, end = shards[0].local_start, shards[0].local_end
+            full = _expert_lora_slice(_owning_wrapper(ref, name), name, full, start, end)
+        err = max(err, max_rel(mine.detach(), full))
+    dist.barrier()
+    return losses, losses_ref, err
