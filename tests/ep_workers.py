@@ -45,7 +45,10 @@ def model_parity(rank, world, family, dtype_name, lengths, scenario):
     if scenario == "silent_rank":
         silence_experts_of_rank(ref, world - 1, world)
     model = copy.deepcopy(ref)
-    shards = epmoe.apply_expert_parallel(model)
+    config = {"dispatch": "fused", "num_chunks": 2} if scenario == "fused" else None
+    shards = epmoe.apply_expert_parallel(model, config=config)
+    if scenario == "fused":
+        assert all(model.get_submodule(s.module_name)._epmoe.dispatch == "fused" for s in shards)
     errors = {}
 
     ids = batch_of(rank, lengths)

@@ -30,7 +30,41 @@ def test_parity_rank_whose_experts_get_no_tokens(family):
     assert_parity(run_ranks(model_parity, 2, family, "float64", [8, 10], "silent_rank", timeout=240), "float64")
 
 
+@pytest.mark.parametrize(
+    "family,dtype", [("qwen3_5_moe", "float64"), ("qwen3_5_moe", "float32"), ("deepseek_v3", "float64"),
+                     ("qwen3_moe", "float64")]
+)
+def test_parity_fused_dispatch(family, dtype):
+    """dispatch="fused": alltoallv_gmm / gmm_alltoallv in 2 rounds, the shared expert riding along."""
+    assert_parity(run_ranks(model_parity, 2, family, dtype, [6, 13], "fused", timeout=240), dtype)
+
+
 @pytest.mark.parametrize("expert_kind,world", [("mlp", 2), ("biased", 2), ("mlp", 4)])
 def test_parity_module_list_experts(expert_kind, world):
     """Custom blocks with nn.ModuleList experts: stacked grouped compute, or each expert on its rows."""
     assert_parity(run_ranks(module_list_parity, world, expert_kind, timeout=240), "float64")
+
+
+def test_fused_dispatch_choice_and_fallback(caplog):
+    """GPT-OSS's biased experts decline the fused path once per model, with the reason; "auto" is
+    all-to-all-v on CPU; known shared-expert blocks get the overlapped block forward."""
+    import logging
+
+    import epmoe
+    from epmoe.models import build_model
+
+    with caplog.at_level(logging.WARNING, logger="epmoe.ep.apply"):
+        gpt = build_model("gpt_oss")
+        epmoe.apply_expert_parallel(gpt, config={"dispatch": "fused"})
+    warnings = [r.getMessage() for r in caplog.records if r.name == "epmoe.ep.apply"]
+    assert len(warnings) == 1 and "2 experts modules" in warnings[0] and "bias" in warnings[0]
+    assert all(m._epmoe.dispatch == "alltoallv" for m in gpt.modules() if hasattr(m, "_epmoe"))
+
+    auto = build_model("qwen3_5_moe")
+    epmoe.apply_expert_parallel(auto)
+    assert all(m._epmoe.dispatch == "alltoallv" for m in auto.modules() if hasattr(m, "_epmoe"))
+
+    fused = build_model("qwen3_5_moe")
+    epmoe.apply_expert_parallel(fused, config={"dispatch": "fused"})
+    blocks = [m for m in fused.modules() if type(m).__name__ == "Qwen3_5MoeSparseMoeBlock"]
+    assert blocks and all(m.forward.__func__.__name__ == "shared_block_forward" for m in blocks)

@@ -12,7 +12,7 @@ Device-specific calls all live in :mod:`epmoe.platform`.
 """
 
 from epmoe import platform
-from epmoe.comm import exchange_counts
+from epmoe.comm import alltoallv_gmm, exchange_counts, gmm_alltoallv
 from epmoe.ep import ExpertParallelConfig, ExpertShard, apply_expert_parallel
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
 
@@ -22,8 +22,10 @@ __all__ = [
     "BackendStatus",
     "ExpertParallelConfig",
     "ExpertShard",
+    "alltoallv_gmm",
     "apply_expert_parallel",
     "exchange_counts",
+    "gmm_alltoallv",
     "GmmBackend",
     "gmm_backends",
     "grouped_mm",

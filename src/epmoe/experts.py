@@ -29,7 +29,7 @@ from torch import nn
 from epmoe import platform
 from epmoe.gmm import grouped_mm
 
-__all__ = ["experts_forward", "is_packed_experts", "num_experts_of"]
+__all__ = ["experts_forward", "gate_activation", "is_packed_experts", "num_experts_of"]
 
 _LINEAR_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
@@ -84,7 +84,8 @@ def _is_default_silu_gate(module: nn.Module) -> bool:
     )
 
 
-def _gate(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+def gate_activation(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The packed experts' gate (``_apply_gate``) or activation (``act_fn``) on ``h``; ``npu_swiglu`` on an NPU."""
     if not module.has_gate:
         return module.act_fn(h)
     if platform.device_type(h) == "npu" and _is_default_silu_gate(module):
@@ -99,7 +100,7 @@ def _packed_forward(module: nn.Module, x_em: torch.Tensor, counts: list[int], ba
     h = grouped_mm(x_em, getattr(module, up_name), counts, trans_weight=trans_weight, backend=backend)
     if module.has_bias:
         h = h + _row_bias(getattr(module, f"{up_name}_bias"), counts, num_rows)
-    h = _gate(module, h)
+    h = gate_activation(module, h)
     y = grouped_mm(h, module.down_proj, counts, trans_weight=trans_weight, backend=backend)
     if module.has_bias:
         y = y + _row_bias(module.down_proj_bias, counts, num_rows)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import time
@@ -42,6 +43,7 @@ def _worker(fn, rank, world_size, port, backend, timeout, threads, results, args
             backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
         )
         result = fn(rank, world_size, *args)
+        pickle.dumps(result)  # an unpicklable result would be dropped by the queue's feeder thread
         results.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - everything must reach the parent
         results.put((rank, False, traceback.format_exc()))

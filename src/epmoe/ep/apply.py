@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
+from epmoe.ep.fused import fused_ineligible_reason, shared_block_forward, shared_mlp
 from epmoe.ep.layer import (
     ExpertParallelState,
     block_router,
@@ -130,18 +131,59 @@ def apply_expert_parallel(
         local = num_experts // ep_size
         shards.append(ExpertShard(name, num_experts, local, ep_rank * local, (ep_rank + 1) * local, ep_rank, ep_size))
 
+    declined_fused = {}
     for (name, module, owner), shard in zip(found, shards):
         if isinstance(module, nn.ModuleList):
             returns_logits = _block_returns_router_logits(owner)
             local = _shard_module_list(module, shard)
-            owner._epmoe = ExpertParallelState(shard, config, group, local, returns_logits)
+            owner._epmoe = ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits)
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
             _shard_parameters(module, shard)
-            module._epmoe = ExpertParallelState(shard, config, group, module)
+            dispatch, reason = _resolve_dispatch(module, config)
+            if reason is not None:
+                declined_fused[name] = reason
+            module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch)
             module.forward = types.MethodType(expert_parallel_forward, module)
+            block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+            if dispatch == "fused" and block is not None and _is_shared_expert_block(block, module):
+                block.forward = types.MethodType(shared_block_forward, block)
+    if declined_fused:
+        name, reason = next(iter(declined_fused.items()))
+        logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",
+                       len(declined_fused), name, reason)
     _log_backend(found, config, ep_size)
     return shards
+
+
+def _resolve_dispatch(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
+    """``("fused" | "alltoallv", why a requested fused path was declined or None)`` for one module.
+
+    ``"auto"`` takes the fused path on accelerators, whose collectives run asynchronously beside the
+    compute, and all-to-all-v on CPU, where ``benchmarks/fused_cpu.md`` measured no gain from rounds.
+    """
+    if config.dispatch == "alltoallv":
+        return "alltoallv", None
+    reason = fused_ineligible_reason(experts)
+    if reason is None:
+        on_cpu = next(experts.parameters()).device.type == "cpu"
+        return ("fused" if config.dispatch == "fused" or not on_cpu else "alltoallv"), None
+    return "alltoallv", reason if config.dispatch == "fused" else None
+
+
+# Blocks whose forward shared_block_forward reproduces exactly (read from transformers 5.24).
+SHARED_EXPERT_BLOCKS = frozenset(
+    {"Qwen2MoeSparseMoeBlock", "Qwen3_5MoeSparseMoeBlock", "Qwen3NextSparseMoeBlock", "DeepseekV3MoE"}
+)
+
+
+def _is_shared_expert_block(block: nn.Module, experts: nn.Module) -> bool:
+    """A known block around ``experts`` whose shared expert can ride along the fused ops."""
+    return (
+        type(block).__name__ in SHARED_EXPERT_BLOCKS
+        and getattr(block, "experts", None) is experts
+        and shared_mlp(block) is not None
+    )
 
 
 def _shard_parameters(module: nn.Module, shard: ExpertShard) -> None:

@@ -11,9 +11,11 @@ One layer on ``W`` ranks with ``e`` local experts each (global expert ``g = r*e 
     | ->1,j1 |                     | s1 -> j1  |                  | j1 <- s1  |
     +--------+                     +-----------+                  +-----------+
 
-``dispatch`` goes left to right, ``combine`` right to left. Every permutation is an index gather
-(``x[idx]``: its backward is index_put, which works on every platform) built from the counts alone,
-with a single sort per layer (tokens by expert on the sender). The counts are exchanged once per
+``dispatch`` goes left to right, ``combine`` right to left. Every permutation is an index gather built
+from the counts alone, whose backward is the gather by the inverse permutation (no ``index_select``
+backward, which fails on some NPU stacks, and no accumulating scatter); repeating each token ``K``
+times is ``x[idx]``, whose backward is index_put. A single sort per layer (slots by expert, on the
+sender). The counts are exchanged once per
 layer (one host synchronisation) and reused by combine and by both backward exchanges.
 """
 
@@ -87,6 +89,26 @@ def _reorder_index(counts_AB: torch.Tensor, total: int) -> torch.Tensor:
     return shift + torch.arange(total)
 
 
+class _PermuteRows(torch.autograd.Function):
+    """``x[index]`` for a permutation ``index`` whose inverse is known: the backward is a gather too,
+    not an accumulating scatter into a zero tensor."""
+
+    @staticmethod
+    def forward(ctx, x, index, inverse):
+        ctx.save_for_backward(inverse)
+        return x[index]
+
+    @staticmethod
+    def backward(ctx, dy):
+        (inverse,) = ctx.saved_tensors
+        return dy[inverse], None, None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x`` in the order ``index`` (a permutation with inverse ``inverse``), differentiable."""
+    return _PermuteRows.apply(x, index, inverse)
+
+
 class AllToAllDispatcher:
     """Dispatch / combine over all-to-all-v (also serves a group of one, with no communication)."""
 
@@ -105,14 +127,14 @@ class AllToAllDispatcher:
         if plan.ep_size == 1:
             return x_rank_major
         x_source_major = all_to_all_v(x_rank_major, plan.recv_splits, plan.send_splits, plan.group)
-        return x_source_major[self.to_expert_major]
+        return permute_rows(x_source_major, self.to_expert_major, self.to_source_major)
 
     def combine(self, y_expert_major: torch.Tensor) -> torch.Tensor:
         """``(sum(recv_counts), H)`` expert-major -> ``(sum(send_counts), H)`` rank-major."""
         plan = self.plan
         if plan.ep_size == 1:
             return y_expert_major
-        y_source_major = y_expert_major[self.to_source_major]
+        y_source_major = permute_rows(y_expert_major, self.to_source_major, self.to_expert_major)
         return all_to_all_v(y_source_major, plan.send_splits, plan.recv_splits, plan.group)
 
 
@@ -129,4 +151,5 @@ def unpermute_and_combine(
     T, K = top_k_weights_TK.shape
     weights_S = top_k_weights_TK.reshape(-1)[plan.sort_S]
     weighted_S = y_rank_major * weights_S.unsqueeze(-1).to(y_rank_major.dtype)
-    return weighted_S[plan.unsort_S].view(T, K, y_rank_major.shape[-1]).sum(dim=1).to(out_dtype)
+    weighted_slots = permute_rows(weighted_S, plan.unsort_S, plan.sort_S)
+    return weighted_slots.view(T, K, y_rank_major.shape[-1]).sum(dim=1).to(out_dtype)

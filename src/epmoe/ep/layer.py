@@ -9,7 +9,8 @@
   ``(logits, weights, index)`` is used as is. Shared experts (``shared_expert`` with an optional
   sigmoid ``shared_expert_gate``, or ``shared_experts``) are added as in Qwen2-MoE / DeepSeek.
 
-Both run the same routed path:
+Both run the same routed path (with ``dispatch="fused"``, :mod:`epmoe.ep.fused` runs the two middle
+steps as ``alltoallv_gmm`` / ``gmm_alltoallv`` instead):
 
     hidden_TH, top_k_index_TK, top_k_weights_TK      (from the model's own router)
       -> plan_routing          sort slots by expert; exchange counts (one host sync)
@@ -31,17 +32,19 @@ from torch import nn
 
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatcher import AllToAllDispatcher, permute_tokens, plan_routing, unpermute_and_combine
+from epmoe.ep.fused import fused_routed_experts
 from epmoe.experts import experts_forward
 
 
 @dataclass
 class ExpertParallelState:
-    """What an expert-parallel experts module carries (as ``module._epmoe``)."""
+    """What epmoe keeps on the module whose forward it replaced (as ``module._epmoe``)."""
 
     shard: ExpertShard
     config: ExpertParallelConfig
     group: dist.ProcessGroup | None
     local_experts: nn.Module  # what runs the local experts: the packed module, or a ModuleList slice
+    dispatch: str = "alltoallv"  # resolved: "alltoallv" or "fused"
     returns_router_logits: bool = False  # ModuleList blocks only: the block's own return convention
 
 
@@ -55,6 +58,8 @@ def routed_experts(
             f"{shard.module_name}: expected top_k_index and top_k_weights of shape (T, K) with T={hidden_TH.shape[0]}, "
             f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
         )
+    if state.dispatch == "fused":
+        return fused_routed_experts(state, hidden_TH, top_k_index, top_k_weights)[0]
     plan = plan_routing(top_k_index, shard.num_experts, shard.ep_size, state.group)
     dispatcher = AllToAllDispatcher(plan, hidden_TH.device)
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])

@@ -1,0 +1,251 @@
+"""The public fused ops, ``alltoallv_gmm`` and ``gmm_alltoallv``: validation, then an implementation.
+
+Everything a rank can check on its own is checked here, before any collective, and raises
+``TypeError`` / ``ValueError`` naming the argument: shapes, dtypes, devices, count lengths
+(``W * e``), signs and sums. Whether a rank's ``recv_counts`` match the other ranks' ``send_counts``
+cannot be known without communicating: use :func:`epmoe.exchange_counts` to build them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from epmoe import platform
+from epmoe.comm.fused import reference
+from epmoe.comm.fused.autograd import Call, Combine, Dispatch
+from epmoe.comm.fused.layout import Plan, round_bounds
+
+IMPLS = ("auto", "npu_fused", "pipelined", "reference")
+# num_chunks="auto": measured on 2 gloo ranks of a 2-core CPU (benchmarks/fused_cpu.md), rounds do
+# not pay off there; on accelerators two rounds is an unmeasured default until the NCCL/HCCL rows
+# of that benchmark are filled in.
+AUTO_CHUNKS_CPU = 1
+AUTO_CHUNKS_ACCELERATOR = 2
+
+
+def alltoallv_gmm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    trans_weight: bool = False,
+    shared_x: torch.Tensor | None = None,
+    shared_weight: torch.Tensor | None = None,
+    trans_shared_weight: bool = False,
+    return_permuted: bool = False,
+    num_chunks: int | str = 1,
+    impl: str = "auto",
+    gmm_backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Dispatch: all-to-all-v, permute to expert-major, grouped matmul (``torch_npu.npu_alltoallv_gmm``).
+
+    ``W`` ranks in ``group``, ``e = weight.shape[0]`` local experts per rank, global expert ``r*e + j``.
+
+    Args:
+        x: ``(sum(send_counts), H1)`` rows rank-major: sorted by destination rank, then local expert.
+        weight: ``(e, H1, N1)``, or ``(e, N1, H1)`` with ``trans_weight``: this rank's experts.
+        send_counts: ``W*e`` ints; ``send_counts[r*e + j]`` rows of ``x`` go to rank ``r``'s expert ``j``.
+        recv_counts: ``W*e`` ints; ``recv_counts[s*e + j]`` rows come from rank ``s`` for local expert ``j``.
+        group: the expert-parallel process group (``None``: the default group, or a group of one
+            when ``torch.distributed`` is not initialised).
+        shared_x, shared_weight: the shared expert, ``(BS, H2)`` and ``(H2, N2)`` (``(N2, H2)`` with
+            ``trans_shared_weight``); computed while the first round is in flight.
+        return_permuted: also return the received rows in expert-major order.
+        num_chunks: pipelining rounds over local-expert ranges (int >= 1, clamped to ``e``, or
+            ``"auto"``); the same on every rank; results do not depend on it.
+        impl: ``"auto"`` (``npu_fused`` where eligible, else ``pipelined``), ``"npu_fused"``,
+            ``"pipelined"`` or ``"reference"``.
+        gmm_backend: the grouped-matmul backend (see :func:`epmoe.grouped_mm`).
+
+    Returns:
+        ``(y, shared_y, permuted)``: ``y`` ``(sum(recv_counts), N1)`` expert-major (sorted by local
+        expert, then source rank); ``shared_y`` ``(BS, N2)`` or ``None``; ``permuted``
+        ``(sum(recv_counts), H1)`` expert-major, or ``None``. Differentiable in every tensor input.
+    """
+    call, shared = _prepare(
+        "alltoallv_gmm", x, weight, send_counts, recv_counts, group, trans_weight, shared_x, shared_weight,
+        trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend,
+    )
+    if impl == "reference":
+        return reference.dispatch(
+            call.plan, x, weight, trans_weight, group, shared=shared, return_permuted=return_permuted,
+            gmm_backend=gmm_backend,
+        )
+    return Dispatch.apply(x, weight, shared_x, shared_weight, call)
+
+
+def gmm_alltoallv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    send_counts: Sequence[int],
+    recv_counts: Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    trans_weight: bool = False,
+    shared_x: torch.Tensor | None = None,
+    shared_weight: torch.Tensor | None = None,
+    trans_shared_weight: bool = False,
+    num_chunks: int | str = 1,
+    impl: str = "auto",
+    gmm_backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Combine: grouped matmul, unpermute, all-to-all-v back (``torch_npu.npu_gmm_alltoallv``).
+
+    The mirror of :func:`alltoallv_gmm`; call it with that op's counts swapped.
+
+    Args:
+        x: ``(sum(send_counts), H1)`` rows expert-major (local expert, then source rank), e.g. the
+            dispatch's ``y`` after the activation.
+        weight: ``(e, H1, N1)``, or ``(e, N1, H1)`` with ``trans_weight``.
+        send_counts: ``W*e`` ints; ``send_counts[s*e + j]`` rows of local expert ``j`` go back to
+            rank ``s`` (the dispatch's ``recv_counts``).
+        recv_counts: ``W*e`` ints; ``recv_counts[r*e + j]`` rows come back from rank ``r``'s expert
+            ``j`` (the dispatch's ``send_counts``).
+        group, shared_x, shared_weight, trans_shared_weight, num_chunks, impl, gmm_backend: as for
+            :func:`alltoallv_gmm`; the shared expert is computed last, hiding the last round.
+
+    Returns:
+        ``(y, shared_y)``: ``y`` ``(sum(recv_counts), N1)`` rank-major, i.e. in the order of the
+        dispatch's input; ``shared_y`` ``(BS, N2)`` or ``None``. Differentiable in every tensor input.
+    """
+    call, shared = _prepare(
+        "gmm_alltoallv", x, weight, send_counts, recv_counts, group, trans_weight, shared_x, shared_weight,
+        trans_shared_weight, False, num_chunks, impl, gmm_backend,
+    )
+    if impl == "reference":
+        return reference.combine(call.plan, x, weight, trans_weight, group, shared=shared, gmm_backend=gmm_backend)
+    return Combine.apply(x, weight, shared_x, shared_weight, call)
+
+
+def _prepare(
+    op, x, weight, send_counts, recv_counts, group, trans_weight, shared_x, shared_weight, trans_shared_weight,
+    return_permuted, num_chunks, impl, gmm_backend,
+) -> tuple[Call, tuple[torch.Tensor, torch.Tensor, bool] | None]:
+    """Validate every argument (no collective) and build the call's :class:`Call`."""
+    for name, flag in (("trans_weight", trans_weight), ("trans_shared_weight", trans_shared_weight),
+                       ("return_permuted", return_permuted)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}({name}): expected a bool, got {type(flag).__name__}")
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"{op}(impl): expected one of {IMPLS}, got {impl!r}")
+    if not isinstance(gmm_backend, str):
+        raise TypeError(f"{op}(gmm_backend): expected a str, got {type(gmm_backend).__name__}")
+    _check_routed(op, x, weight, trans_weight)
+    shared = _check_shared(op, x, shared_x, shared_weight, trans_shared_weight)
+    world = _world_size(op, group)
+    e = weight.shape[0]
+    send = _counts(op, "send_counts", send_counts, world, e)
+    recv = _counts(op, "recv_counts", recv_counts, world, e)
+    if sum(send) != x.shape[0]:
+        raise ValueError(f"{op}(send_counts): counts sum to {sum(send)}, but x has {x.shape[0]} rows")
+    if world == 1 and send != recv:
+        raise ValueError(f"{op}(recv_counts): {recv} differs from send_counts {send} on a group of one rank")
+    chunks = _num_chunks(op, num_chunks, x, e)
+    rank_major, expert_major = (send, recv) if op == "alltoallv_gmm" else (recv, send)
+    plan = Plan(world, e, tuple(rank_major), tuple(expert_major), tuple(round_bounds(e, chunks)))
+    call = Call(op, plan, group, trans_weight, trans_shared_weight, return_permuted, impl, gmm_backend)
+    return call, shared
+
+
+def _check_routed(op: str, x: Any, weight: Any, trans_weight: bool) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}(x): expected a Tensor, got {type(x).__name__}")
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{op}(weight): expected a Tensor, got {type(weight).__name__}")
+    if x.dim() != 2 or not x.dtype.is_floating_point:
+        raise ValueError(f"{op}(x): expected a 2-D floating tensor, got shape {tuple(x.shape)} dtype {x.dtype}")
+    if weight.dim() != 3 or weight.shape[0] == 0:
+        raise ValueError(f"{op}(weight): expected a 3-D (e, K, N) tensor with e >= 1, got shape {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"{op}(weight): dtype {weight.dtype} does not match x's {x.dtype}")
+    if weight.device != x.device:
+        raise ValueError(f"{op}(weight): on {weight.device}, x is on {x.device}")
+    k_dim = 2 if trans_weight else 1
+    if weight.shape[k_dim] != x.shape[1]:
+        layout = "(e, N, K)" if trans_weight else "(e, K, N)"
+        raise ValueError(
+            f"{op}(weight): shape {tuple(weight.shape)} read as {layout} has K={weight.shape[k_dim]}, "
+            f"but x has {x.shape[1]} columns"
+        )
+
+
+def _check_shared(op, x, shared_x, shared_weight, trans) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    if shared_x is None and shared_weight is None:
+        return None
+    if shared_x is None or shared_weight is None:
+        raise ValueError(f"{op}(shared_x, shared_weight): pass both or neither")
+    for name, t in (("shared_x", shared_x), ("shared_weight", shared_weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}({name}): expected a Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{op}({name}): expected a 2-D tensor, got shape {tuple(t.shape)}")
+        if t.dtype != x.dtype:
+            raise ValueError(f"{op}({name}): dtype {t.dtype} does not match x's {x.dtype}")
+        if t.device != x.device:
+            raise ValueError(f"{op}({name}): on {t.device}, x is on {x.device}")
+    k = shared_weight.shape[1] if trans else shared_weight.shape[0]
+    if k != shared_x.shape[1]:
+        layout = "(N2, H2)" if trans else "(H2, N2)"
+        raise ValueError(
+            f"{op}(shared_weight): shape {tuple(shared_weight.shape)} read as {layout} has H2={k}, "
+            f"but shared_x has {shared_x.shape[1]} columns"
+        )
+    return shared_x, shared_weight, trans
+
+
+def _world_size(op: str, group: Any) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    if group is not None:
+        raise ValueError(f"{op}(group): a process group was given but torch.distributed is not initialised")
+    return 1
+
+
+def _counts(op: str, name: str, counts: Any, world: int, e: int) -> list[int]:
+    """``counts`` as a list of ``world * e`` non-negative ints; never reads a device tensor."""
+    if isinstance(counts, torch.Tensor):
+        if counts.device.type != "cpu":
+            raise TypeError(
+                f"{op}({name}): a tensor on {counts.device}; pass Python lists (epmoe.exchange_counts "
+                f"returns them), reading a device tensor would synchronise the host"
+            )
+        if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise TypeError(
+                f"{op}({name}): expected a 1-D integer tensor, got shape {tuple(counts.shape)} dtype {counts.dtype}"
+            )
+        values = counts.tolist()
+    elif isinstance(counts, Sequence) and not isinstance(counts, (str, bytes)):
+        values = []
+        for c in counts:
+            if isinstance(c, bool):
+                raise TypeError(f"{op}({name}): expected ints, got {c!r}")
+            try:
+                values.append(operator.index(c))
+            except TypeError:
+                raise TypeError(f"{op}({name}): expected ints, got {c!r} ({type(c).__name__})") from None
+    else:
+        raise TypeError(f"{op}({name}): expected a list of ints, got {type(counts).__name__}")
+    if len(values) != world * e:
+        raise ValueError(
+            f"{op}({name}): expected W*e = {world}*{e} = {world * e} counts ({world} ranks in the group, "
+            f"e = weight.shape[0] = {e} local experts), got {len(values)}"
+        )
+    negative = [c for c in values if c < 0]
+    if negative:
+        raise ValueError(f"{op}({name}): counts must be non-negative, got {negative[0]}")
+    return values
+
+
+def _num_chunks(op: str, num_chunks: Any, x: torch.Tensor, e: int) -> int:
+    if num_chunks == "auto":
+        return AUTO_CHUNKS_CPU if platform.device_type(x) == "cpu" else min(e, AUTO_CHUNKS_ACCELERATOR)
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"{op}(num_chunks): expected an int >= 1 or 'auto', got {num_chunks!r}")
+    return min(num_chunks, e)

@@ -1,0 +1,170 @@
+"""The ``pipelined`` implementation: rounds of asynchronous all-to-all over local-expert ranges.
+
+Dispatch (communicate, permute, compute), rounds ``c = 0..C-1`` over experts ``[j0, j1)``::
+
+    issue a2a(0) a2a(1) ... a2a(C-1)     every round's rank-major blocks, packed per peer
+    side job (shared expert)             while round 0 travels
+    wait(0) permute(0) gmm(0) [dW(0)]    while rounds 1.. travel
+    wait(1) permute(1) gmm(1) [dW(1)]
+    ...
+
+Combine (compute, unpermute, communicate), the mirror::
+
+    gmm(0) unpermute(0) issue a2a(0) [dW(0)]
+    gmm(1) unpermute(1) issue a2a(1) [dW(1)]   while round 0 travels
+    ...
+    side job (shared expert)                   hides the last round
+    wait all, unpack into rank-major order
+
+The bracketed ``dW`` is used when a pipeline runs as the other op's backward: the weight gradient
+of a round is computed in the communication gap right after that round's own work. Counts are
+Python lists throughout: nothing here reads a device tensor on the host.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm.fused.compute import SideJob, gmm, gmm_grad_weight
+from epmoe.comm.fused.layout import Plan, gather_rows
+
+
+class Result(NamedTuple):
+    """What a pipeline run gives back; fields not asked for are ``None``."""
+
+    y: torch.Tensor | None
+    permuted: torch.Tensor | None
+    side: list[torch.Tensor] | None
+    grad_weight: torch.Tensor | None
+
+
+class _Exchange:
+    """One round's asynchronous all-to-all-v; with one rank the "received" rows are the sent ones."""
+
+    def __init__(self, send: torch.Tensor, output_splits: list[int], input_splits: list[int], group: Any, world: int):
+        if world == 1:
+            self.work, self._send, self.received = None, None, send
+            return
+        self._send = send.contiguous()
+        self.received = send.new_empty((sum(output_splits), send.shape[1]))
+        self.work = dist.all_to_all_single(
+            self.received, self._send, output_splits, input_splits, group=group, async_op=True
+        )
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work, self._send = None, None
+        return self.received
+
+
+def _fresh(pieces: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
+    """The pieces concatenated, never a view of ``base`` (an autograd input)."""
+    if len(pieces) == 1 and pieces[0]._base is None and pieces[0] is not base:
+        return pieces[0]
+    return torch.cat(pieces)
+
+
+def dispatch(
+    plan: Plan,
+    x_rank_major: torch.Tensor,
+    weight: torch.Tensor,
+    trans_weight: bool,
+    group: Any,
+    *,
+    gmm_backend: str = "auto",
+    side: SideJob | None = None,
+    want_permuted: bool = False,
+    compute_y: bool = True,
+    dw_x: torch.Tensor | None = None,
+    dw_trans: bool = False,
+) -> Result:
+    """All-to-all, permute to expert-major, grouped matmul; see the module docstring.
+
+    ``x_rank_major``: ``(plan.rows_rank_major, K)``. Returns ``y`` ``(plan.rows_expert_major, N)``
+    and, with ``want_permuted``, the received rows ``(plan.rows_expert_major, K)``, both expert-major.
+    With ``dw_x`` (expert-major, ``plan.rows_expert_major`` rows) it also returns
+    ``grad_weight = dW(dw_x, permuted)`` in the layout ``dw_trans`` says.
+    """
+    exchanges = []
+    for j0, j1 in plan.rounds:
+        blocks = plan.rank_major_blocks(j0, j1)
+        send = x_rank_major.narrow(0, *blocks[0]) if plan.world == 1 else gather_rows(x_rank_major, blocks)
+        exchanges.append(
+            _Exchange(send, plan.expert_major_splits(j0, j1), [n for _, n in blocks], group, plan.world)
+        )
+    side_out = side(None) if side is not None else None
+
+    ys, permuted_rounds, dws = [], [], []
+    for c, (j0, j1) in enumerate(plan.rounds):
+        received = exchanges[c].wait()
+        exchanges[c] = None
+        permuted = gather_rows(received, plan.to_expert_major(j0, j1)) if plan.needs_permute(j0, j1) else received
+        sizes = plan.group_sizes_E[j0:j1]
+        if compute_y:
+            ys.append(gmm(permuted, weight[j0:j1], sizes, trans_weight, gmm_backend))
+        if want_permuted:
+            permuted_rounds.append(permuted)
+        if dw_x is not None:
+            start, end = plan.expert_rows(j0, j1)
+            dws.append(gmm_grad_weight(dw_x[start:end], permuted, weight[j0:j1], sizes, dw_trans, gmm_backend))
+    return Result(
+        y=_fresh(ys, x_rank_major) if compute_y else None,
+        permuted=_fresh(permuted_rounds, x_rank_major) if want_permuted else None,
+        side=side_out,
+        grad_weight=_fresh(dws, weight) if dw_x is not None else None,
+    )
+
+
+def combine(
+    plan: Plan,
+    x_expert_major: torch.Tensor,
+    weight: torch.Tensor,
+    trans_weight: bool,
+    group: Any,
+    *,
+    gmm_backend: str = "auto",
+    side: SideJob | None = None,
+    addend: torch.Tensor | None = None,
+    dw_x: torch.Tensor | None = None,
+    dw_trans: bool = False,
+) -> Result:
+    """Grouped matmul, unpermute, all-to-all back to rank-major; see the module docstring.
+
+    ``x_expert_major``: ``(plan.rows_expert_major, K)``. Returns ``y`` ``(plan.rows_rank_major, N)``
+    rank-major. ``addend`` (expert-major, ``N`` wide) is added to the grouped matmul's output before
+    it is sent. With ``dw_x`` it also returns ``grad_weight = dW(dw_x, x_expert_major)``.
+    """
+    exchanges, rank_major_splits, dws = [], [], []
+    for j0, j1 in plan.rounds:
+        start, end = plan.expert_rows(j0, j1)
+        x_round = x_expert_major[start:end]
+        sizes = plan.group_sizes_E[j0:j1]
+        y_round = gmm(x_round, weight[j0:j1], sizes, trans_weight, gmm_backend)
+        if addend is not None:
+            y_round = y_round + addend[start:end]
+        send = gather_rows(y_round, plan.to_source_major(j0, j1)) if plan.needs_permute(j0, j1) else y_round
+        splits = [n for _, n in plan.rank_major_blocks(j0, j1)]
+        rank_major_splits.append(splits)
+        exchanges.append(_Exchange(send, splits, plan.expert_major_splits(j0, j1), group, plan.world))
+        if dw_x is not None:
+            dws.append(gmm_grad_weight(dw_x[start:end], x_round, weight[j0:j1], sizes, dw_trans, gmm_backend))
+    side_out = side(None) if side is not None else None
+
+    received = [exchange.wait() for exchange in exchanges]
+    if len(received) == 1:
+        y = received[0]
+    else:  # round c holds, source rank by source rank, the rows of r's experts [j0, j1): interleave
+        starts = [list(itertools.accumulate(splits, initial=0)) for splits in rank_major_splits]
+        y = torch.cat([buffer.narrow(0, starts[c][r], rank_major_splits[c][r])
+                       for r in range(plan.world) for c, buffer in enumerate(received)])
+    return Result(
+        y=_fresh([y], x_expert_major),
+        permuted=None,
+        side=side_out,
+        grad_weight=_fresh(dws, weight) if dw_x is not None else None,
+    )
