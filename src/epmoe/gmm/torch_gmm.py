@@ -45,12 +45,13 @@ def _misaligned(name: str, t: torch.Tensor) -> str | None:
 
 
 class TorchBackend(GmmBackend):
-    name = "torch"
+    """On CPU the kernel is ATen's ``_grouped_mm_fallback``: one ``at::mm_out`` per group, i.e. the
+    ``loop`` backend in C++, without Python's per-group overhead and without zero-filling ``dW``.
+    Measured (``epmoe bench gmm``, benchmarks/gmm_cpu.md, and a sweep of 1 to 256 rows per group)
+    it is never slower than ``loop`` beyond timing noise, so it accepts every CPU shape.
+    """
 
-    def __init__(self, min_rows_per_group_cpu: int = 0):
-        # Measured in benchmarks/gmm_cpu.md: on CPU the kernel's C++ loop is never slower than the
-        # Python loop, so no row threshold is needed there; kept as a knob for other CPUs.
-        self.min_rows_per_group_cpu = min_rows_per_group_cpu
+    name = "torch"
 
     def ineligible_reason(self, x, weight, *, trans_weight=False):
         if _kernel() is None:

@@ -1,0 +1,332 @@
+"""``epmoe bench gmm``: grouped matmul per backend and ``auto``, against one dense matmul of equal FLOPs.
+
+One case is one MoE projection on one rank, after dispatch: ``T`` rows sorted by local expert,
+``counts`` rows per expert (seeded, mildly imbalanced), weights in the ``nn.Linear`` layout of
+Hugging Face checkpoints, passed as ``grouped_mm(x, weight, counts, trans_weight=True)``::
+
+    gate_up   x (T, H)  @  weight (G, 2I, H)^T  ->  (T, 2I)        K = H,  N = 2I
+    down      x (T, I)  @  weight (G, H, I)^T   ->  (T, H)         K = I,  N = H
+
+The baseline is one ``torch.mm`` of the same FLOPs: ``(T, K) @ (K, N)``, the ``(K, N)`` operand
+being an ``(N, K)`` weight transposed, as the grouped call reads it. ``fwd+bwd`` adds ``dX`` and
+``dW`` (three times the forward FLOPs) on both sides. Within one case, dtype and pass, every
+eligible backend, ``auto`` and the dense matmul are timed side by side (:func:`common.measure`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.bench import common
+from epmoe.gmm import gmm_backends, grouped_mm, select_backend
+
+HEADERS = ("case", "dtype", "pass", "backend", "time ms", "GFLOP/s", "ratio to dense")
+PASSES = ("fwd", "fwd+bwd")
+IMBALANCE = 0.3  # sigma of the log-normal expert popularity the counts are drawn from
+LARGE_ROWS = 256  # mean rows per group from which auto should reach GOAL_RATIO of dense throughput
+GOAL_RATIO = 0.9
+NOISE = 0.05  # time differences below this fraction are reported as noise
+
+
+@dataclass(frozen=True)
+class Case:
+    """One rank's experts of a model: ``tokens * top_k / ep`` rows over ``num_experts`` local experts."""
+
+    name: str
+    model: str  # what the shape stands for, with any scaling stated
+    num_experts: int  # G, experts on this rank
+    hidden: int  # H
+    intermediate: int  # I, per expert (gate_up has 2I outputs)
+    tokens: int  # tokens per rank before dispatch
+    top_k: int
+    ep: int
+    projections: tuple[str, ...] = ("gate_up", "down")
+
+    @property
+    def rows(self) -> int:
+        """``T``: rows this rank's experts receive, on average over ranks (``tokens * top_k / ep``)."""
+        return self.tokens * self.top_k // self.ep
+
+    def dims(self, projection: str) -> tuple[int, int]:
+        """``(K, N)`` of a projection."""
+        if projection == "gate_up":
+            return self.hidden, 2 * self.intermediate
+        if projection == "down":
+            return self.intermediate, self.hidden
+        raise ValueError(f"unknown projection {projection!r}")
+
+    def counts(self, seed: int) -> list[int]:
+        """Rows per local expert summing to ``rows``: each row picks an expert by log-normal popularity."""
+        generator = torch.Generator().manual_seed(seed)
+        popularity = torch.exp(IMBALANCE * torch.randn(self.num_experts, generator=generator))
+        picks = torch.multinomial(popularity, self.rows, replacement=True, generator=generator)
+        return torch.bincount(picks, minlength=self.num_experts).tolist()
+
+
+CASES = (
+    Case("qwen3-30b-a3b", "Qwen3-30B-A3B at EP=8: 128 experts / 8 ranks, top-8; H, I as in the model",
+         num_experts=16, hidden=2048, intermediate=768, tokens=4096, top_k=8, ep=8),
+    Case("qwen3.5-35b-a3b", "Qwen3.5-35B-A3B at EP=8: 256 experts / 8 ranks, top-8; H, I as in the model",
+         num_experts=32, hidden=2048, intermediate=512, tokens=8192, top_k=8, ep=8),
+    Case("mixtral-like", "Mixtral-8x7B without EP: 8 experts, top-2; H=4096, I=14336 scaled by 1/4",
+         num_experts=8, hidden=1024, intermediate=3584, tokens=1024, top_k=2, ep=1),
+    Case("qwen3-30b-a3b-2x", "as qwen3-30b-a3b with twice the tokens: 512 rows per group on average",
+         num_experts=16, hidden=2048, intermediate=768, tokens=8192, top_k=8, ep=8, projections=("gate_up",)),
+    Case("decode", "Qwen3-30B-A3B decoding without EP: 128 experts, top-8, 64 tokens; H, I as in the model",
+         num_experts=128, hidden=2048, intermediate=768, tokens=64, top_k=8, ep=1, projections=("gate_up",)),
+)
+QUICK_CASES = (
+    Case("tiny", "smoke test: 4 experts, H=64, I=32", num_experts=4, hidden=64, intermediate=32,
+         tokens=64, top_k=2, ep=1),
+    Case("tiny-decode", "smoke test: 16 experts, 1 row each on average", num_experts=16, hidden=64,
+         intermediate=32, tokens=8, top_k=2, ep=1, projections=("gate_up",)),
+)
+
+
+@dataclass(frozen=True)
+class Result:
+    """One row of the table."""
+
+    case: str
+    projection: str
+    dtype: str
+    pass_: str
+    label: str  # backend name, "auto (<picked>)" or "dense mm"
+    backend: str | None  # the grouped backend that ran; None for the dense baseline
+    auto: bool
+    seconds: float
+    flops: float
+    dense_seconds: float
+    mean_rows: float
+    spread: float  # (max - min) / median of the rounds: how disturbed this measurement was
+
+    @property
+    def ratio(self) -> float:
+        """Grouped throughput over dense throughput (equal FLOPs, so the inverse time ratio)."""
+        return self.dense_seconds / self.seconds
+
+    def cells(self) -> tuple:
+        return (f"{self.case} {self.projection}", self.dtype, self.pass_, self.label, f"{self.seconds * 1e3:.4g}",
+                f"{self.flops / self.seconds / 1e9:.1f}", f"{self.ratio:.2f}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    names = [c.name for c in CASES + QUICK_CASES]
+    parser.add_argument("--case", action="append", choices=names, help="run only this case (repeatable)")
+    parser.add_argument("--dtype", action="append", choices=list(common.DTYPES),
+                        help="run only this dtype (repeatable; default: fp32 and bf16)")
+    parser.add_argument("--backend", action="append", default=None,
+                        help="time only this grouped-matmul backend besides auto (repeatable; default: every eligible one)")
+
+
+def run(args: argparse.Namespace) -> int:
+    settings = common.configure(args)
+    cases = _chosen_cases(args)
+    dtypes = args.dtype or ["fp32", "bf16"]
+    load_start = common.load_average()
+    results = []
+    for case in cases:
+        for projection in case.projections:
+            for dtype in dtypes:
+                results += run_case(case, projection, dtype, settings, backends=args.backend)
+    load = (load_start, common.load_average())
+    table = common.markdown_table(HEADERS, [r.cells() for r in results], align="llllrrr")
+    print(table)
+    summary = summarize(results)
+    print()
+    print("\n".join(summary))
+    if settings.out:
+        with open(settings.out, "w") as out:
+            out.write(_document(cases, settings, table, summary, args, load))
+        print(f"\nwrote {settings.out}")
+    return 0
+
+
+def _chosen_cases(args: argparse.Namespace) -> tuple[Case, ...]:
+    if not args.case:
+        return QUICK_CASES if args.quick else CASES
+    return tuple(c for c in CASES + QUICK_CASES if c.name in args.case)
+
+
+def run_case(case: Case, projection: str, dtype_name: str, settings: common.Settings, *,
+             backends: list[str] | None = None) -> list[Result]:
+    """Time one case, projection and dtype, each pass: the table's rows, in table order.
+
+    The candidates are every eligible grouped-matmul backend (or those named in ``backends``),
+    ``auto``, and the dense baseline, timed side by side.
+    """
+    dtype, device = common.DTYPES[dtype_name], settings.device
+    counts = case.counts(settings.seed)
+    K, N = case.dims(projection)
+    T, G = case.rows, case.num_experts
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    x_TK = torch.randn(T, K, generator=generator).to(device, dtype)
+    weight_GNK = torch.randn(G, N, K, generator=generator).div_(K ** 0.5).to(device, dtype)
+    dense_NK = torch.randn(N, K, generator=generator).div_(K ** 0.5).to(device, dtype)
+    dy_TN = torch.randn(T, N, generator=generator).to(device, dtype)
+
+    eligible = [s.name for s in gmm_backends(x_TK, weight_GNK, trans_weight=True) if s.eligible]
+    unknown = sorted(set(backends or []) - set(eligible))
+    if unknown:
+        raise ValueError(f"--backend: {unknown} not eligible here (eligible: {eligible})")
+    timed = [b for b in eligible if backends is None or b in backends]
+    picked = select_backend(x_TK, weight_GNK, trans_weight=True).name
+    candidates: dict[str, tuple[str | None, bool]] = {name: (name, False) for name in timed}
+    candidates[f"auto ({picked})"] = ("auto", True)
+    candidates["dense mm"] = (None, False)
+
+    results = []
+    for pass_ in PASSES:
+        fns = {label: _call(pass_, backend, x_TK, weight_GNK, dense_NK, dy_TN, counts)
+               for label, (backend, _) in candidates.items()}
+        timings = common.measure(fns, warmup=settings.warmup, repeats=settings.repeats, device=device)
+        flops = 2.0 * T * K * N * (3 if pass_ == "fwd+bwd" else 1)
+        dense_s = timings["dense mm"].median_s
+        for label, (backend, is_auto) in candidates.items():
+            ran = picked if is_auto else backend
+            results.append(Result(case.name, projection, dtype_name, pass_, label, ran, is_auto,
+                                  timings[label].median_s, flops, dense_s, T / G, timings[label].spread))
+    return results
+
+
+def _call(pass_: str, backend: str | None, x_TK, weight_GNK, dense_NK, dy_TN, counts) -> Callable[[], object]:
+    """The timed closure: grouped_mm on ``backend`` (or the dense mm for ``None``), forward or both passes."""
+    if backend is None:
+        weight = dense_NK
+
+        def forward(x, w):
+            return torch.mm(x, w.t())
+    else:
+        weight = weight_GNK
+
+        def forward(x, w):
+            return grouped_mm(x, w, counts, trans_weight=True, backend=backend)
+
+    if pass_ == "fwd":
+        return lambda: forward(x_TK, weight)
+    x_leaf, w_leaf = x_TK.detach().requires_grad_(), weight.detach().requires_grad_()
+    return lambda: torch.autograd.grad(forward(x_leaf, w_leaf), (x_leaf, w_leaf), dy_TN)
+
+
+def summarize(results: list[Result]) -> list[str]:
+    """Markdown bullets: auto's pick, torch vs loop, the 0.9x-dense goal, auto vs the best backend, noise."""
+    lines = []
+    picks = sorted({r.backend for r in results if r.auto})
+    lines.append(f"- `auto` picked: {', '.join(picks)}.")
+    spreads = sorted(r.spread for r in results)
+    noisiest = max(results, key=lambda r: r.spread)
+    lines.append(f"- Noise, (slowest - fastest round) / median: {statistics.median(spreads):.0%} for the median row, "
+                 f"{noisiest.spread:.0%} at worst ({noisiest.case} {noisiest.projection} {noisiest.dtype} "
+                 f"{noisiest.pass_} {noisiest.label}).")
+
+    groups: dict[tuple, list[Result]] = {}
+    for r in results:
+        groups.setdefault((r.case, r.projection, r.dtype, r.pass_), []).append(r)
+
+    def name(key: tuple) -> str:
+        return f"{key[0]} {key[1]} {key[2]} {key[3]}"
+
+    pairs = []
+    for key, rows in groups.items():
+        by_backend = {r.backend: r for r in rows if not r.auto and r.backend is not None}
+        if "torch" in by_backend and "loop" in by_backend:
+            pairs.append((by_backend["torch"].seconds / by_backend["loop"].seconds, key))
+    if pairs:
+        ratios = [p[0] for p in pairs]
+        worst, worst_key = max(pairs)
+        slower = [f"{name(k)} ({q:.2f})" for q, k in sorted(pairs, reverse=True) if q > 1 + NOISE]
+        lines.append(
+            f"- `torch` time / `loop` time: median {statistics.median(ratios):.2f}, range "
+            f"{min(ratios):.2f} to {worst:.2f} (worst: {name(worst_key)}); "
+            + (f"slower by more than {NOISE:.0%} in: {'; '.join(slower)}." if slower
+               else f"never slower by more than {NOISE:.0%} (the noise of this machine).")
+        )
+
+    large = [(r.ratio, key) for key, rows in groups.items() for r in rows if r.auto and r.mean_rows >= LARGE_ROWS]
+    if large:
+        below = [f"{name(k)} ({q:.2f})" for q, k in sorted(large) if q < GOAL_RATIO]
+        lines.append(
+            f"- `auto` throughput / dense where groups average >= {LARGE_ROWS} rows: {min(large)[0]:.2f} to "
+            f"{max(large)[0]:.2f}; " + (f"below {GOAL_RATIO}x in {len(below)} of {len(large)}: {'; '.join(below)}."
+                                        if below else f"at least {GOAL_RATIO}x in all {len(large)}.")
+        )
+
+    versus, self_noise = [], []
+    for key, rows in groups.items():
+        auto = next(r for r in rows if r.auto)
+        singles = {r.backend: r for r in rows if not r.auto and r.backend is not None}
+        if auto.backend in singles:
+            best = min(singles.values(), key=lambda r: r.seconds)
+            versus.append((singles[auto.backend].seconds / best.seconds, key, best.backend))
+            self_noise.append(auto.seconds / singles[auto.backend].seconds)
+    if versus:
+        worst, worst_key, best_backend = max(versus)
+        verdict = ("within noise everywhere" if worst <= 1 + NOISE
+                   else f"slower than the best backend by more than {NOISE:.0%} there")
+        lines.append(
+            f"- The backend `auto` picked, against the best single backend of the same row: time ratio at most "
+            f"{worst:.2f} ({name(worst_key)}, best there: `{best_backend}`): {verdict}. `auto` and the backend it "
+            f"picked run the same code; their rows differ by {min(self_noise):.2f}x to {max(self_noise):.2f}x, "
+            f"which is this run's noise."
+        )
+    return lines
+
+
+def _document(cases, settings: common.Settings, table: str, summary: list[str], args, load: tuple) -> str:
+    extra = "".join(f" --case {c}" for c in args.case or []) + "".join(f" --dtype {d}" for d in args.dtype or [])
+    extra += "".join(f" --backend {b}" for b in args.backend or [])
+    command = f"epmoe bench gmm {settings.options()}{extra}"
+    case_rows = []
+    for case in cases:
+        counts = case.counts(settings.seed)
+        dims = ", ".join(f"{p} {case.dims(p)[0]}x{case.dims(p)[1]}" for p in case.projections)
+        case_rows.append((case.name, case.model, case.num_experts, case.rows,
+                          f"{min(counts)} / {case.rows / case.num_experts:.0f} / {max(counts)}", dims))
+    cases_table = common.markdown_table(
+        ("case", "shape", "G", "rows T", "rows per group min / mean / max", "K x N"), case_rows, align="llrrll")
+    return f"""# Grouped matmul benchmark: `epmoe bench gmm`
+
+Reproduce (from the repository root, after `pip install -e .`):
+
+    {command}
+
+- Machine: {common.machine_description(settings.device)}.
+- Run: {datetime.date.today().isoformat()}, every candidate of a (case, dtype, pass) timed side by side,
+  interleaved round by round; median of {settings.repeats} rounds after {settings.warmup} warm-up round(s).
+- 1-minute load average at the start / end of the run: {_load(load[0])} / {_load(load[1])}
+  (above the CPU count means other work shared the CPUs).
+
+Each case is one rank's MoE experts after dispatch: `T` rows sorted by local expert, with counts
+drawn from a seeded log-normal expert popularity (sigma {IMBALANCE}), through
+`grouped_mm(x (T, K), weight (G, N, K), counts, trans_weight=True)`: the `nn.Linear` layout of
+Hugging Face checkpoints, read without a copy. `gate_up` is `K=H, N=2I`, `down` is `K=I, N=H`.
+`dense mm` is one `torch.mm` of the same FLOPs, `(T, K) @ (K, N)` with the `(K, N)` operand an
+`(N, K)` weight transposed, as the grouped call reads it. `fwd+bwd` is the forward plus `dX` and
+`dW` (3x the forward FLOPs) on both sides. `ratio to dense` = grouped FLOP/s / dense FLOP/s of the
+same case, dtype and pass. `auto (x)` is `backend="auto"`, which ran backend `x`. `loop` is one
+`torch.mm` per group, so its ratio is what per-group BLAS calls reach here; the gap from there to
+dense is the BLAS's lower efficiency on G smaller products (fewer rows per call forward and for
+`dX`, a contraction over only the group's rows for `dW`), not dispatch overhead.
+
+## Cases
+
+{cases_table}
+
+## Results
+
+{table}
+
+## Summary
+
+{chr(10).join(summary)}
+"""
+
+
+def _load(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.2f}"

@@ -1,0 +1,528 @@
+"""``epmoe bench layer``: a Qwen3-MoE block, forward+backward, epmoe vs transformers' experts and EP.
+
+Part ``ep1``, one process, EP size 1. One ``Qwen3MoeSparseMoeBlock`` (the model's own router and
+packed experts) in three copies with identical weights, timed side by side on the same input and
+output gradient::
+
+    transformers eager        config._experts_implementation = "eager"       (per-expert loop)
+    transformers grouped_mm   config._experts_implementation = "grouped_mm"  (one sort, torch grouped_mm)
+    epmoe                     epmoe.apply_expert_parallel(block), no process group
+    dense floor               the experts' GEMM FLOPs as two plain dense torch.mm, forward + dX + dW
+
+One step is the block's forward and backward (input, router and expert weights all get gradients,
+set to ``None`` first as ``zero_grad`` does). ``eager`` is 5-30x slower than the others, so it is
+timed in a short pass of its own, interleaved with epmoe, and compared with that pass's epmoe time.
+The epmoe step is then split: its two grouped matmuls alone (same counts, forward and backward), the
+router alone, the SwiGLU alone; the rest of the step (routing plan, permutation, combine, autograd
+glue) is what is left. "Outside GEMMs" is ``(epmoe step - its grouped matmuls) / epmoe step``.
+
+Part ``ep2``, two gloo ranks on CPU, each with its own batch of a one-layer ``Qwen3MoeForCausalLM``
+whose MoE layer has the first shape's experts, saved with ``save_pretrained`` and loaded by every rank::
+
+    epmoe          apply_expert_parallel(model) on the default group; dense grads all-reduced (as DDP)
+    transformers   from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2, ep_size=2))
+    replicated     no EP: every rank holds all experts; all grads all-reduced (plain data parallel)
+
+A step is forward, backward and the gradient synchronisation. Loss parity: each variant's loss on
+each rank against the unsharded model's loss on that rank's batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import os
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from epmoe.bench import common
+
+PARTS = ("ep1", "ep2")
+EP1_HEADERS = ("shape", "variant", "time ms", "expert GFLOP/s", "epmoe time / this")
+SPLIT_HEADERS = ("shape", "part of the epmoe step", "time ms", "share of the step")
+EP2_HEADERS = ("variant", "step ms", "loss - unsharded loss (max over ranks)", "note")
+GOALS = {"grouped_mm": 0.85, "eager": 0.3, "dense": 0.7}  # epmoe/grouped_mm <=, epmoe/eager <=, dense/epmoe >=
+EAGER, GROUPED, EPMOE, DENSE = "transformers eager", "transformers grouped_mm", "epmoe", "dense floor"
+EP2_RANKS = 2
+EAGER_REPEATS = 2  # rounds of the eager pass (eager takes seconds to tens of seconds per step on a CPU)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One MoE block: ``tokens`` tokens routed top-``top_k`` over ``num_experts`` SwiGLU experts."""
+
+    name: str
+    num_experts: int  # E
+    top_k: int  # K
+    hidden: int  # H
+    intermediate: int  # I, per expert (gate_up has 2I outputs)
+    tokens: int  # T
+
+    @property
+    def rows(self) -> int:
+        """``S = T * K``: the rows the experts run on."""
+        return self.tokens * self.top_k
+
+    @property
+    def flops(self) -> float:
+        """Forward + backward FLOPs of the expert GEMMs: gate_up ``(S,H)x(H,2I)``, down ``(S,I)x(I,H)``, 3x."""
+        return 3 * 2.0 * self.rows * (self.hidden * 2 * self.intermediate + self.intermediate * self.hidden)
+
+    def describe(self) -> str:
+        return (f"E={self.num_experts}, top-{self.top_k}, H={self.hidden}, I={self.intermediate}, "
+                f"T={self.tokens} tokens ({self.rows // self.num_experts} rows per expert on average)")
+
+
+SHAPES = (
+    Shape("32 experts", num_experts=32, top_k=4, hidden=1024, intermediate=512, tokens=1024),
+    Shape("128 experts", num_experts=128, top_k=8, hidden=1024, intermediate=256, tokens=1024),
+)
+QUICK_SHAPES = (Shape("tiny", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=64),)
+EP2_LAYERS = 1  # decoder layers of the EP=2 model (a MoE layer)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--part", action="append", choices=PARTS,
+                        help="run only this part (repeatable; default: both). ep1: one process, EP size 1; "
+                             "ep2: 2 gloo ranks on CPU")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("epmoe bench layer needs transformers v5 (pip install 'epmoe[models]')") from None
+    settings = common.configure(args)
+    parts = args.part or list(PARTS)
+    shapes = QUICK_SHAPES if settings.quick else SHAPES
+    sections = []
+    if "ep1" in parts:
+        ep1 = Ep1Report([run_ep1(shape, settings) for shape in shapes])
+        print(ep1.markdown() + "\n")
+        sections.append(ep1)
+    if "ep2" in parts:
+        ep2 = run_ep2(shapes[0], settings)
+        print(ep2.markdown() + "\n")
+        sections.append(ep2)
+    if settings.out:
+        with open(settings.out, "w") as out:
+            out.write(_document(shapes, settings, parts, sections))
+        print(f"\nwrote {settings.out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Part ep1: one block, EP size 1
+
+
+def build_blocks(shape: Shape, seed: int, device: torch.device, dtype: torch.dtype = torch.float32):
+    """``{variant: Qwen3MoeSparseMoeBlock}``: eager, grouped_mm and epmoe copies with identical weights."""
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    import epmoe
+
+    def block(implementation: str) -> torch.nn.Module:
+        config = transformers.Qwen3MoeConfig(
+            hidden_size=shape.hidden, moe_intermediate_size=shape.intermediate, num_experts=shape.num_experts,
+            num_experts_per_tok=shape.top_k, norm_topk_prob=True)
+        config._experts_implementation = implementation  # each copy its own config: experts keep a reference
+        return Qwen3MoeSparseMoeBlock(config)
+
+    generator = torch.Generator().manual_seed(seed)
+    reference = block("eager")
+    with torch.no_grad():  # a bare block is not initialised by from_pretrained: weights are torch.empty
+        for param in reference.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+    reference = reference.to(device, dtype)
+    blocks = {EAGER: reference}
+    for label, implementation in ((GROUPED, "grouped_mm"), (EPMOE, "eager")):
+        blocks[label] = block(implementation).to(device, dtype)
+        blocks[label].load_state_dict(reference.state_dict())
+    epmoe.apply_expert_parallel(blocks[EPMOE])
+    return blocks
+
+
+@dataclass
+class Ep1Result:
+    shape: Shape
+    timings: dict[str, common.Timing]
+    counts: list[int]
+    max_rel_diff: dict[str, float]  # variant -> max relative difference to eager (output and all grads)
+
+    def rows(self) -> list[tuple]:
+        rows = []
+        for label in (EAGER, GROUPED, EPMOE, DENSE):
+            seconds = self.timings[label].median_s
+            rows.append((self.shape.name, label, f"{seconds * 1e3:.1f}", f"{self.shape.flops / seconds / 1e9:.1f}",
+                         f"{self.epmoe_over(label):.2f}"))
+        return rows
+
+    def epmoe_over(self, label: str) -> float:
+        """epmoe's time over ``label``'s, both from the same interleaved pass."""
+        epmoe = self.timings["epmoe (eager pass)" if label == EAGER else EPMOE].median_s
+        return epmoe / self.timings[label].median_s
+
+    def split(self) -> dict[str, float]:
+        """Seconds of each part of the epmoe step (``rest`` = the step minus the measured parts)."""
+        t = {k: v.median_s for k, v in self.timings.items()}
+        parts = {"grouped matmuls (gate_up + down, fwd + bwd)": t["gemm"], "router (gate fwd + bwd)": t["router"],
+                 "SwiGLU (fwd + bwd)": t["swiglu"]}
+        parts["rest: routing plan, permute, combine, autograd"] = t[EPMOE] - sum(parts.values())
+        return parts
+
+    @property
+    def outside_gemm_share(self) -> float:
+        return 1 - self.timings["gemm"].median_s / self.timings[EPMOE].median_s
+
+    def split_rows(self) -> list[tuple]:
+        total = self.timings[EPMOE].median_s
+        parts = self.split()
+        parts["outside the grouped matmuls"] = total - self.timings["gemm"].median_s
+        return [(self.shape.name, name, f"{s * 1e3:.1f}", f"{s / total:.0%}") for name, s in parts.items()]
+
+    def goals(self) -> list[str]:
+        t = {k: v.median_s for k, v in self.timings.items()}
+        checks = [
+            ("epmoe / transformers grouped_mm time", self.epmoe_over(GROUPED), "<=", GOALS["grouped_mm"]),
+            ("epmoe / transformers eager time", self.epmoe_over(EAGER), "<=", GOALS["eager"]),
+            ("dense floor / epmoe time (fraction of the floor reached)", t[DENSE] / t[EPMOE], ">=", GOALS["dense"]),
+        ]
+        lines = []
+        for what, value, op, goal in checks:
+            met = value <= goal if op == "<=" else value >= goal
+            verdict = "met" if met else "not met"
+            lines.append(f"- {self.shape.name}: {what} = {value:.2f} (goal {op} {goal}): **{verdict}**")
+        lines.append(f"- {self.shape.name}: share of the epmoe step outside its grouped matmuls = "
+                     f"{self.outside_gemm_share:.0%}")
+        return lines
+
+
+def run_ep1(shape: Shape, settings: common.Settings) -> Ep1Result:
+    """Time the block variants, the dense floor and the parts of the epmoe step, side by side."""
+    from epmoe.gmm import grouped_mm
+
+    device, seed = settings.device, settings.seed
+    blocks = build_blocks(shape, seed, device)
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator).to(device)
+
+    T, H, I, S, E = shape.tokens, shape.hidden, shape.intermediate, shape.rows, shape.num_experts
+    x_1TH, dy_1TH = randn(1, T, H), randn(1, T, H)
+    with torch.no_grad():
+        _, _, top_k_index_TK = blocks[EPMOE].gate(x_1TH.view(T, H))
+    counts = torch.bincount(top_k_index_TK.reshape(-1).cpu(), minlength=E).tolist()
+    max_rel_diff = _parity(blocks, x_1TH, dy_1TH)
+
+    fns: dict[str, Callable[[], object]] = {label: _block_step(block, x_1TH, dy_1TH) for label, block in blocks.items()}
+    experts = blocks[EPMOE].experts
+    # Dense floor: the same FLOPs, nn.Linear-layout weights read transposed as the grouped calls read them.
+    x_SH, h_SI, dgu_S2I, dd_SH = randn(S, H), randn(S, I), randn(S, 2 * I), randn(S, H)
+    w_gu, w_d = randn(2 * I, H) * H ** -0.5, randn(H, I) * I ** -0.5
+    fns[DENSE] = _gemm_step(lambda x, w: x @ w.t(), (x_SH, h_SI), (w_gu, w_d), (dgu_S2I, dd_SH))
+    fns["gemm"] = _gemm_step(lambda x, w: grouped_mm(x, w, counts, trans_weight=True), (x_SH, h_SI),
+                             (experts.gate_up_proj.detach(), experts.down_proj.detach()), (dgu_S2I, dd_SH))
+    fns["router"] = _router_step(blocks[EPMOE].gate, x_1TH.view(T, H), randn(T, shape.top_k))
+    fns["swiglu"] = _swiglu_step(experts, randn(S, 2 * I), randn(S, I))
+    eager = fns.pop(EAGER)
+    timings = common.measure(fns, warmup=settings.warmup, repeats=settings.repeats, device=device)
+    # eager is 5-30x slower than the rest: its own short pass, interleaved with epmoe (already warm: _parity ran it)
+    eager_pass = common.measure({EAGER: eager, EPMOE: fns[EPMOE]}, warmup=0,
+                                repeats=min(settings.repeats, EAGER_REPEATS), device=device)
+    timings[EAGER] = eager_pass[EAGER]
+    timings["epmoe (eager pass)"] = eager_pass[EPMOE]
+    return Ep1Result(shape, timings, counts, max_rel_diff)
+
+
+def _block_step(block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], torch.Tensor]:
+    params = list(block.parameters())
+
+    def step() -> torch.Tensor:
+        for param in params:
+            param.grad = None
+        x_leaf = x.detach().requires_grad_()
+        out = block(x_leaf)
+        torch.autograd.backward(out, dy)
+        return out
+
+    return step
+
+
+def _gemm_step(mm, xs, weights, dys) -> Callable[[], None]:
+    """Forward ``mm(x, w)`` for each pair and backward to every ``x`` and ``w``."""
+    leaves = [t.detach().clone().requires_grad_() for t in (*xs, *weights)]
+    n = len(xs)
+
+    def step() -> None:
+        outs = [mm(x, w) for x, w in zip(leaves[:n], leaves[n:])]
+        torch.autograd.grad(outs, leaves, dys)
+
+    return step
+
+
+def _router_step(gate: torch.nn.Module, x_TH: torch.Tensor, dw_TK: torch.Tensor) -> Callable[[], None]:
+    weight = gate.weight
+
+    def step() -> None:
+        x_leaf = x_TH.detach().requires_grad_()
+        _, top_k_weights, _ = gate(x_leaf)
+        torch.autograd.grad(top_k_weights, (x_leaf, weight), dw_TK)
+
+    return step
+
+
+def _swiglu_step(experts: torch.nn.Module, h_S2I: torch.Tensor, dy_SI: torch.Tensor) -> Callable[[], None]:
+    h_leaf = h_S2I.detach().clone().requires_grad_()
+
+    def step() -> None:
+        torch.autograd.grad(experts._apply_gate(h_leaf), h_leaf, dy_SI)
+
+    return step
+
+
+def _parity(blocks: dict[str, torch.nn.Module], x: torch.Tensor, dy: torch.Tensor) -> dict[str, float]:
+    """Max relative difference to the eager block over the output and every gradient, per variant."""
+
+    def results(block: torch.nn.Module) -> list[torch.Tensor]:
+        block.zero_grad(set_to_none=True)
+        x_leaf = x.detach().requires_grad_()
+        out = block(x_leaf)
+        torch.autograd.backward(out, dy)
+        return [out.detach(), x_leaf.grad] + [p.grad for _, p in sorted(block.named_parameters())]
+
+    reference = results(blocks[EAGER])
+    diffs = {}
+    for label in (GROUPED, EPMOE):
+        diffs[label] = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+                           for a, b in zip(results(blocks[label]), reference))
+        blocks[label].zero_grad(set_to_none=True)
+    blocks[EAGER].zero_grad(set_to_none=True)
+    return diffs
+
+
+@dataclass
+class Ep1Report:
+    results: list[Ep1Result]
+
+    def markdown(self) -> str:
+        rows = [row for result in self.results for row in result.rows()]
+        split_rows = [row for result in self.results for row in result.split_rows()]
+        lines = ["### EP size 1: one MoE block, forward + backward", "",
+                 common.markdown_table(EP1_HEADERS, rows, align="llrrr"), "",
+                 "### Where the epmoe step goes", "",
+                 common.markdown_table(SPLIT_HEADERS, split_rows, align="llrr"), "", "### Goals", ""]
+        for result in self.results:
+            lines += result.goals()
+        lines.append("")
+        for result in self.results:
+            diffs = ", ".join(f"{k} {v:.1e}" for k, v in result.max_rel_diff.items())
+            spread = max(t.spread for t in result.timings.values())
+            lines.append(f"- {result.shape.name}: rows per expert min / mean / max = {min(result.counts)} / "
+                         f"{result.shape.rows / result.shape.num_experts:.0f} / {max(result.counts)}; max relative "
+                         f"difference to eager (output and all grads): {diffs}; largest timing spread "
+                         f"(max-min)/median {spread:.0%}")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Part ep2: two gloo ranks, epmoe vs transformers' expert parallelism
+
+
+@dataclass
+class Ep2Report:
+    shape: Shape
+    tokens_per_rank: int
+    threads_per_rank: int
+    steps_ms: dict[str, float]  # variant -> step time, median over rounds, slowest rank
+    loss_diffs: dict[str, float]  # variant -> max over ranks of |loss - unsharded loss|
+    losses: list[dict[str, float]]  # per rank: variant -> first loss (and "unsharded")
+    errors: dict[str, str]  # variant -> why it could not run
+    dispatch: str  # the dispatch epmoe resolved ("alltoallv" or "fused")
+
+    def markdown(self) -> str:
+        notes = {
+            "epmoe": f"apply_expert_parallel (dispatch {self.dispatch}); dense grads all-reduced",
+            "transformers EP": "DistributedConfig(fsdp_size=2, ep_size=2), experts grouped_mm",
+            "replicated (no EP)": "all experts on every rank; all grads all-reduced",
+        }
+        rows = []
+        for label in notes:
+            if label in self.errors:
+                rows.append((label, "-", "-", f"did not run: {self.errors[label].splitlines()[0][:160]}"))
+            elif label in self.steps_ms:
+                rows.append((label, f"{self.steps_ms[label]:.1f}", f"{self.loss_diffs[label]:.2e}", notes[label]))
+        lines = [f"### EP size 2: {EP2_RANKS} gloo ranks, {EP2_LAYERS}-layer Qwen3-MoE, {self.tokens_per_rank} tokens "
+                 f"per rank, {self.threads_per_rank} thread(s) per rank", "",
+                 common.markdown_table(EP2_HEADERS, rows, align="lrrl"), ""]
+        if "epmoe" in self.steps_ms and "transformers EP" in self.steps_ms:
+            ratio = self.steps_ms["epmoe"] / self.steps_ms["transformers EP"]
+            lines.append(f"- epmoe step / transformers EP step = {ratio:.2f}")
+        if "epmoe" in self.steps_ms and "replicated (no EP)" in self.steps_ms:
+            ratio = self.steps_ms["epmoe"] / self.steps_ms["replicated (no EP)"]
+            lines.append(f"- epmoe step / replicated-experts step = {ratio:.2f}")
+        for rank, losses in enumerate(self.losses):
+            lines.append(f"- rank {rank} losses: " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
+        for label, error in self.errors.items():
+            lines += ["", f"{label} failed with:", "", "    " + "\n    ".join(error.strip().splitlines()[-12:])]
+        return "\n".join(lines)
+
+
+def ep2_model_kwargs(shape: Shape) -> dict:
+    """``epmoe.models.build_model`` arguments of the EP=2 model: the shape's experts, small attention."""
+    return dict(num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden,
+                moe_intermediate_size=shape.intermediate, num_hidden_layers=EP2_LAYERS)
+
+
+def run_ep2(shape: Shape, settings: common.Settings) -> Ep2Report:
+    """Save a small Qwen3-MoE model, then time and check every EP=2 variant on 2 gloo ranks."""
+    from epmoe.launch import run_ranks
+    from epmoe.models import build_model
+
+    threads = max(1, settings.threads // EP2_RANKS)
+    with tempfile.TemporaryDirectory(prefix="epmoe-bench-layer-") as path:
+        build_model("qwen3_moe", seed=settings.seed, **ep2_model_kwargs(shape)).save_pretrained(path)
+        results = run_ranks(_ep2_rank, EP2_RANKS, path, shape.tokens, settings.warmup, settings.repeats,
+                            settings.seed, threads_per_rank=threads, timeout=900)
+    errors = results[0]["errors"]
+    labels = [label for label in results[0]["times"] if label not in errors]
+    steps_ms = {label: 1e3 * max(statistics.median(r["times"][label]) for r in results) for label in labels}
+    losses = [r["losses"] for r in results]
+    loss_diffs = {label: max(abs(r[label] - r["unsharded"]) for r in losses) for label in labels}
+    return Ep2Report(shape, shape.tokens, threads, steps_ms, loss_diffs, losses, errors, results[0]["dispatch"])
+
+
+def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeats: int, seed: int) -> dict:
+    """One rank of part ep2: load the variants, check their first loss, time their steps side by side."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    import epmoe
+
+    def load(**kwargs) -> torch.nn.Module:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="grouped_mm",
+                                                    **kwargs)
+
+    generator = torch.Generator().manual_seed(seed + 1000 + rank)
+    reference = load()
+    vocab = reference.config.vocab_size
+    ids = torch.randint(0, vocab, (2, tokens // 2), generator=generator)
+    with torch.no_grad():
+        losses = {"unsharded": reference(ids, labels=ids).loss.item()}
+
+    steps: dict[str, Callable[[], float]] = {}
+    errors: dict[str, str] = {}
+    model = copy.deepcopy(reference)
+    shards = epmoe.apply_expert_parallel(model)
+    expert_params = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters(recurse=False)}
+    dense = [p for p in model.parameters() if id(p) not in expert_params]
+    dispatch = sorted({getattr(m._epmoe, "dispatch", "alltoallv") for m in model.modules() if hasattr(m, "_epmoe")})
+    steps["epmoe"] = _dp_step(model, ids, dense, world)
+    steps["replicated (no EP)"] = _dp_step(reference, ids, list(reference.parameters()), world)
+    try:
+        from transformers.distributed import DistributedConfig
+
+        hf = load(distributed_config=DistributedConfig(fsdp_size=world, ep_size=world))
+        steps["transformers EP"] = _dp_step(hf, ids, [], world)
+        losses["transformers EP"] = steps["transformers EP"]()
+    except Exception:  # noqa: BLE001 - report why their path could not run, keep measuring ours
+        errors["transformers EP"] = traceback.format_exc()
+        steps.pop("transformers EP", None)
+    failed = [None] * world
+    dist.all_gather_object(failed, sorted(errors))
+    if any(f != failed[0] for f in failed):
+        raise RuntimeError(f"ranks disagree on which variants failed: {failed}")
+    losses["epmoe"] = steps["epmoe"]()
+    losses["replicated (no EP)"] = steps["replicated (no EP)"]()
+
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(warmup + repeats):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            steps[name]()
+            dist.barrier()
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {"losses": losses, "times": times, "errors": errors, "dispatch": "/".join(dispatch)}
+
+
+def _dp_step(model: torch.nn.Module, ids: torch.Tensor, synced: list[torch.nn.Parameter], world: int):
+    """Forward, backward, and one all-reduce (average) of the gradients of ``synced`` (what DDP does)."""
+    import torch.distributed as dist
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        grads = [p.grad for p in synced if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= world
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
+        return loss.item()
+
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# The results document
+
+
+def _markdown(docstring: str) -> str:
+    """A reST-flavoured docstring as markdown: single backticks, ``::`` blocks as indented code."""
+    return docstring.replace("``", "`").replace("::\n", ":\n")
+
+
+def _allocator_env() -> str:
+    """glibc malloc tunables and preloaded allocators: on a CPU they move these timings a lot."""
+    found = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "LD_PRELOAD"]
+    return ", ".join(f"`{f}`" for f in found) if found else "none (glibc defaults)"
+
+
+def _document(shapes, settings: common.Settings, parts: list[str], sections: list) -> str:
+    import transformers
+
+    extra = "".join(f" --part {p}" for p in parts) if parts != list(PARTS) else ""
+    command = f"epmoe bench layer {settings.options()}{extra}"
+    shape_lines = "\n".join(f"- {s.name}: {s.describe()}; expert GEMMs {s.flops / 1e9:.1f} GFLOP per step"
+                            for s in shapes)
+    body = "\n\n".join(section.markdown() for section in sections)
+    return f"""# MoE layer benchmark: `epmoe bench layer`
+
+Reproduce (from the repository root, after `pip install -e '.[models]'`):
+
+    {command}
+
+- Machine: {common.machine_description(settings.device)}; transformers {transformers.__version__};
+  allocator settings in the environment: {_allocator_env()}.
+- Run: {datetime.date.today().isoformat()}. Within a shape every variant is timed side by side, interleaved round by
+  round (order rotated each round); median of {settings.repeats} rounds after {settings.warmup} warm-up round(s).
+  EP=2: every rank times each step between two barriers; the slowest rank's median is shown.
+
+{_markdown(__doc__.split(chr(10), 2)[2].strip())}
+
+Goals (issue 3): epmoe at most {GOALS['grouped_mm']}x transformers' `grouped_mm` time, at most {GOALS['eager']}x
+`eager`, and at least {GOALS['dense']} of the dense floor's speed.
+
+## Shapes
+
+{shape_lines}
+
+## Results
+
+{body}
+"""
+

@@ -1,0 +1,80 @@
+"""``epmoe bench``: the gmm smoke run through the CLI, its table, the timing helpers, gpu_check's CPU exit."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from epmoe.bench import common, gmm
+from epmoe.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def one_thread():
+    """The smoke run uses one thread (no OpenMP barriers to stall on a busy machine), then restores."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_bench_gmm_quick(tmp_path, capsys, one_thread):
+    out = tmp_path / "gmm.md"
+    assert main(["bench", "gmm", "--quick", "--threads", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    lines = [line for line in printed.splitlines() if line.startswith("|")]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == list(gmm.HEADERS)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    # 3 projections (tiny gate_up + down, tiny-decode gate_up) x 2 dtypes x 2 passes x (torch, loop, auto, dense)
+    assert len(rows) == 3 * 2 * 2 * 4
+    assert {r[3] for r in rows} == {"torch", "loop", "auto (torch)", "dense mm"}
+    assert {r[2] for r in rows} == {"fwd", "fwd+bwd"} and {r[1] for r in rows} == {"fp32", "bf16"}
+    for r in rows:
+        assert float(r[4]) > 0 and float(r[5]) >= 0 and float(r[6]) > 0
+    assert all(r[6] == "1.00" for r in rows if r[3] == "dense mm")
+    assert "`auto` picked: torch" in printed
+
+    document = out.read_text()
+    assert "epmoe bench gmm --quick --device cpu --threads 1" in document
+    assert f"torch {torch.__version__}" in document
+    assert lines[0] in document and "## Summary" in document
+
+
+def test_bench_gmm_rejects_an_unknown_backend(capsys, one_thread):
+    assert main(["bench", "gmm", "--quick", "--threads", "1", "--case", "tiny", "--backend", "nope"]) == 2
+    assert "--backend" in capsys.readouterr().err
+
+
+def test_counts_are_seeded_and_sum_to_rows():
+    case = gmm.CASES[0]
+    counts = case.counts(0)
+    assert counts == case.counts(0) and sum(counts) == case.rows and len(counts) == case.num_experts
+    assert sum(counts) / len(counts) >= gmm.LARGE_ROWS
+
+
+def test_measure_interleaves_and_takes_the_median():
+    order = []
+    timings = common.measure({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, warmup=1, repeats=3)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert set(timings) == {"a", "b"} and all(len(t.samples_s) == 3 for t in timings.values())
+
+
+def test_markdown_table_and_flops():
+    table = common.markdown_table(("name", "ms"), [("x", 1.5), ("longer", 10)])
+    assert table.splitlines() == ["| name   |  ms |", "| ------ | --: |", "| x      | 1.5 |", "| longer |  10 |"]
+    with pytest.raises(ValueError, match="rows"):
+        common.markdown_table(("a", "b"), [("x",)])
+    assert common.format_flops(154.2e9) == "154 GFLOP/s"
+    assert common.format_flops(1.234e12) == "1.23 TFLOP/s"
+
+
+def test_gpu_check_exits_clearly_without_cuda():
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "no CUDA device" in done.stderr

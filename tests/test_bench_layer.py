@@ -1,0 +1,84 @@
+"""``epmoe bench layer``: the EP=1 smoke run through the CLI, the EP=2 smoke run on 2 gloo ranks."""
+
+import argparse
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from epmoe.bench import common, layer  # noqa: E402
+from epmoe.cli import main  # noqa: E402
+
+
+@pytest.fixture
+def one_thread():
+    """The smoke runs use one thread (no OpenMP barriers to stall on a busy machine), then restore."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _table(printed: str, headers: tuple) -> list[list[str]]:
+    """The rows of the printed markdown table whose header is ``headers``."""
+    lines = printed.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("|")
+                  and [c.strip() for c in line.strip("|").split("|")] == list(headers))
+    rows = []
+    for line in lines[header + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_bench_layer_quick_ep1(tmp_path, capsys, one_thread):
+    out = tmp_path / "layer.md"
+    assert main(["bench", "layer", "--quick", "--threads", "1", "--part", "ep1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = _table(printed, layer.EP1_HEADERS)
+    assert [r[1] for r in rows] == [layer.EAGER, layer.GROUPED, layer.EPMOE, layer.DENSE]
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)
+    assert next(r for r in rows if r[1] == layer.EPMOE)[4] == "1.00"
+    split = _table(printed, layer.SPLIT_HEADERS)
+    assert split[-1][1] == "outside the grouped matmuls" and len(split) == 5
+    assert "(goal <= 0.85)" in printed and "share of the epmoe step outside its grouped matmuls" in printed
+
+    document = out.read_text()
+    assert "epmoe bench layer --quick --device cpu --threads 1" in document and "--part ep1" in document
+    assert f"torch {torch.__version__}" in document and "transformers 5." in document
+
+
+def test_ep1_variants_agree_with_eager(one_thread):
+    torch.set_num_threads(1)
+    settings = common.Settings(device=torch.device("cpu"), threads=1, warmup=0, repeats=1, seed=0, quick=True, out=None)
+    result = layer.run_ep1(layer.QUICK_SHAPES[0], settings)
+    assert set(result.max_rel_diff) == {layer.GROUPED, layer.EPMOE}
+    assert all(diff < 1e-5 for diff in result.max_rel_diff.values())
+    assert sum(result.counts) == layer.QUICK_SHAPES[0].rows
+
+
+def test_ep2_quick_losses_match_the_unsharded_model(one_thread):
+    settings = common.Settings(device=torch.device("cpu"), threads=2, warmup=0, repeats=1, seed=0, quick=True, out=None)
+    report = layer.run_ep2(layer.QUICK_SHAPES[0], settings)
+    assert "epmoe" in report.steps_ms and report.steps_ms["epmoe"] > 0
+    assert report.loss_diffs["epmoe"] < 1e-5
+    # transformers' own EP either ran (and then matches too) or its failure is reported, not hidden
+    assert "transformers EP" in report.steps_ms or "transformers EP" in report.errors
+    if "transformers EP" in report.steps_ms:
+        assert report.loss_diffs["transformers EP"] < 1e-5
+    assert "### EP size 2" in report.markdown()
+
+
+def test_shape_flops():
+    shape = layer.Shape("s", num_experts=4, top_k=2, hidden=8, intermediate=4, tokens=16)
+    assert shape.rows == 32
+    assert shape.flops == 3 * 2 * 32 * (8 * 8 + 4 * 8)
+
+
+def test_unknown_part_is_rejected(capsys):
+    parser = argparse.ArgumentParser()
+    layer.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--part", "ep3"])
+    assert "--part" in capsys.readouterr().err
