@@ -1,0 +1,111 @@
+"""epmoe.platform on CPU, and its accelerator branches with availability patched (no device claims)."""
+
+import types
+
+import pytest
+import torch
+
+from epmoe import platform
+
+
+def test_cpu_process():
+    assert platform.device_type() == "cpu"
+    assert platform.current_device() == torch.device("cpu")
+    assert platform.comm_backend() == "gloo"
+    assert platform.synchronize() is None
+    assert platform.device_capability() is None
+    assert platform.new_stream(torch.zeros(1)) is None
+    with platform.stream(None):
+        pass
+    platform.wait_stream(None)
+
+
+@pytest.mark.parametrize(
+    "obj,kind",
+    [(torch.zeros(1), "cpu"), (torch.device("meta"), "meta"), ("cuda:1", "cuda"), ("npu", "npu"),
+     (torch.nn.Linear(2, 2), "cpu"), (torch.nn.Module(), "cpu"), (torch.zeros(1, device="meta"), "meta")],
+)
+def test_device_type_of_objects(obj, kind):
+    assert platform.device_type(obj) == kind
+
+
+def test_device_type_rejects_other_objects():
+    with pytest.raises(TypeError, match="device_type"):
+        platform.device_type(3)
+
+
+@pytest.mark.parametrize("kind,backend", [("cuda", "nccl"), ("npu", "hccl"), ("xpu", "xccl"), ("cpu", "gloo")])
+def test_comm_backend_per_device_type(kind, backend):
+    assert platform.comm_backend(kind) == backend
+
+
+def test_comm_backend_unknown():
+    with pytest.raises(ValueError, match="tpu"):
+        platform.comm_backend("tpu")
+
+
+def test_no_npu_here():
+    assert platform.torch_npu() is None
+    assert not platform.is_available("npu")
+    assert platform.is_available("cpu")
+
+
+class _FakeDeviceModule(types.SimpleNamespace):
+    """Stands in for torch.npu / torch.cuda where the test only checks what epmoe calls."""
+
+
+def _fake(monkeypatch, kind):
+    calls = []
+    module = _FakeDeviceModule(
+        is_available=lambda: True,
+        synchronize=lambda: calls.append("synchronize"),
+        current_device=lambda: 3,
+        get_device_capability=lambda index=None: (9, 0),
+    )
+    monkeypatch.setattr(platform, "device_module", lambda t: module if t == kind else None)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["npu", "cuda"])
+def test_accelerator_branches(monkeypatch, kind):
+    calls = _fake(monkeypatch, kind)
+    assert platform.device_type() == kind  # the first available accelerator wins
+    if kind == "cuda":  # torch.device("npu", 3) exists only once torch_npu is imported
+        assert platform.current_device() == torch.device(kind, 3)
+    assert platform.comm_backend() == {"npu": "hccl", "cuda": "nccl"}[kind]
+    platform.synchronize()
+    assert calls == ["synchronize"]
+    platform.synchronize("cpu")  # nothing to wait for on the host
+    assert calls == ["synchronize"]
+    assert platform.device_capability() == ((9, 0) if kind == "cuda" else None)
+
+
+def test_npu_preferred_over_cuda(monkeypatch):
+    module = _FakeDeviceModule(is_available=lambda: True)
+    monkeypatch.setattr(platform, "device_module", lambda t: module if t in ("npu", "cuda") else None)
+    assert platform.device_type() == "npu"
+
+
+def test_exchange_counts_synchronises_through_platform(monkeypatch):
+    """Counts read on the host only after platform.synchronize (the seed's NPU race)."""
+    from epmoe.launch import run_ranks
+
+    assert run_ranks(_sync_order_worker, 2, timeout=60) == [["collective", "synchronize", "tolist"]] * 2
+
+
+def _sync_order_worker(rank, world):
+    import torch.distributed as dist
+
+    from epmoe.comm import counts
+
+    order = []
+    real_a2a, real_sync, real_tolist = dist.all_to_all_single, counts.platform.synchronize, torch.Tensor.tolist
+    counts.dist.all_to_all_single = lambda *a, **k: (order.append("collective"), real_a2a(*a, **k))[1]
+    counts.platform.synchronize = lambda device=None: (order.append("synchronize"), real_sync(device))[1]
+    torch.Tensor.tolist = lambda self: (order.append("tolist"), real_tolist(self))[1]
+    try:
+        counts.exchange_counts(torch.tensor([1, 2, 3, 4]))
+    finally:
+        counts.dist.all_to_all_single, counts.platform.synchronize = real_a2a, real_sync
+        torch.Tensor.tolist = real_tolist
+    return order
