@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # Set up ./.venv for epmoe: `scripts/setup.sh` (demo extras) or `scripts/setup.sh test` (test extras).
 #
-# A torch that python3 can already import is kept (the venv sees system site-packages). Otherwise
-# torch is installed as $EPMOE_TORCH (default torch==2.13.0: a CPU build from local disk on the
-# project's CI machines; set EPMOE_TORCH=torch on a GPU machine to take PyPI's CUDA build).
+# Needs Python 3.10+. A torch >= 2.9 that python3 can already import is kept (the venv sees system
+# site-packages). Otherwise torch is installed as $EPMOE_TORCH (default torch==2.13.0: a CPU build
+# from local disk on the project's CI machines; set EPMOE_TORCH=torch on a GPU machine to take
+# PyPI's CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=${1:-demo}
 python=${PYTHON:-python3}
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+  echo "epmoe needs Python 3.10 or newer; $python is $("$python" --version 2>&1)" >&2
+  exit 1
+fi
+has_torch='import sys, torch; sys.exit(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 9))'
 if [ ! -x .venv/bin/python ]; then
-  if "$python" -c "import torch" 2>/dev/null; then
+  if "$python" -c "$has_torch" 2>/dev/null; then
     "$python" -m venv --system-site-packages .venv
   else
     "$python" -m venv .venv
   fi
 fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
-if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+if ! .venv/bin/python -c "$has_torch" 2>/dev/null; then
   "${pip[@]}" "${EPMOE_TORCH:-torch==2.13.0}"
 fi
 "${pip[@]}" -e ".[$extras]"

@@ -68,3 +68,37 @@ def test_fused_dispatch_choice_and_fallback(caplog):
     epmoe.apply_expert_parallel(fused, config={"dispatch": "fused"})
     blocks = [m for m in fused.modules() if type(m).__name__ == "Qwen3_5MoeSparseMoeBlock"]
     assert blocks and all(m.forward.__func__.__name__ == "shared_block_forward" for m in blocks)
+
+
+def test_named_backend_that_declines_leaves_model_untouched():
+    import torch
+
+    import epmoe
+    from epmoe.models import build_model
+
+    model = build_model("qwen3_moe", dtype=torch.float64)
+    with pytest.raises(ValueError, match="backend='torch'.*float64"):
+        epmoe.apply_expert_parallel(model, config={"gmm_backend": "torch"})
+    assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+
+def test_module_list_routing_follows_transformers_4x_conventions():
+    """A block without `norm_topk_prob` (4.x Mixtral) renormalises; router jitter in training is refused."""
+    import copy
+
+    import torch
+
+    import epmoe
+    from custom_moe import TinyMoELM
+
+    ref = TinyMoELM().double()
+    for block in ref.blocks:
+        del block.norm_topk_prob  # the block's own forward always renormalises, like Mixtral's
+    model = copy.deepcopy(ref)
+    epmoe.apply_expert_parallel(model)
+    ids = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(model(ids), ref(ids))
+    model.blocks[0].jitter_noise = 0.01
+    model.train()
+    with pytest.raises(ValueError, match="jitter"):
+        model(ids)

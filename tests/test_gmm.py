@@ -2,6 +2,7 @@
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -80,7 +81,11 @@ def test_random_groups(counts, trans_weight, backend):
     check(backend, counts, K=8, N=12, trans_weight=trans_weight)
 
 
-@pytest.mark.parametrize("make_counts", [list, tuple, lambda c: torch.tensor(c), lambda c: torch.tensor(c, dtype=torch.int32)])
+@pytest.mark.parametrize(
+    "make_counts",
+    [list, tuple, lambda c: torch.tensor(c), lambda c: torch.tensor(c, dtype=torch.int32),
+     lambda c: list(np.array(c))],
+)
 def test_counts_forms(make_counts):
     x, w = torch.randn(6, 4), torch.randn(2, 4, 4)
     expected = reference(x, w, [2, 4], False).float()
@@ -129,13 +134,14 @@ def test_trans_weight_is_not_copied(monkeypatch):
         (torch.randn(2, 3), torch.randn(3, 2), [2], {}, ValueError, "weight"),
         (torch.randn(2, 3), torch.randn(1, 4, 2), [2], {}, ValueError, "K=4"),
         (torch.randn(2, 3), torch.randn(1, 3, 2), [2], {"trans_weight": True}, ValueError, "K=2"),
-        (torch.randn(2, 3), torch.randn(1, 3, 2).double(), [2], {}, TypeError, "dtype"),
-        (torch.ones(2, 3, dtype=torch.int64), torch.ones(1, 3, 2, dtype=torch.int64), [2], {}, TypeError, "floating"),
+        (torch.randn(2, 3), torch.randn(1, 3, 2).double(), [2], {}, ValueError, "dtype"),
+        (torch.ones(2, 3, dtype=torch.int64), torch.ones(1, 3, 2, dtype=torch.int64), [2], {}, ValueError, "floating"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [2], {}, ValueError, "1 counts for 2 groups"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [3, -1], {}, ValueError, "non-negative"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 2], {}, ValueError, "sum to 3"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [1.0, 1.0], {}, TypeError, "counts"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), torch.tensor([1.0, 1.0]), {}, TypeError, "integer"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1.0, 1.0], {}, ValueError, "counts"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [True, 1], {}, ValueError, "counts"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), torch.tensor([1.0, 1.0]), {}, ValueError, "integer"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), "11", {}, TypeError, "counts"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"trans_weight": 1}, TypeError, "trans_weight"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"backend": "nope"}, ValueError, "unknown backend 'nope'"),
@@ -151,6 +157,8 @@ def test_torch_backend_reasons():
     assert torch_backend.ineligible_reason(torch.randn(4, 8), torch.randn(2, 8, 4)) is None
     assert "16 bytes" in torch_backend.ineligible_reason(torch.randn(4, 6), torch.randn(2, 6, 4))
     assert "16 bytes" in torch_backend.ineligible_reason(torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(2, 8, 4, dtype=torch.bfloat16))
+    # an output width the backward kernels cannot take (dy is (T, N)) is declined up front
+    assert "output width N=3" in torch_backend.ineligible_reason(torch.randn(6, 16), torch.randn(2, 3, 16), trans_weight=True)
     assert "dtype" in torch_backend.ineligible_reason(torch.randn(4, 8).double(), torch.randn(2, 8, 4).double())
 
 
@@ -164,6 +172,7 @@ def test_named_backend_that_declines_raises():
 def test_env_forces_backend(monkeypatch):
     monkeypatch.setenv("EPMOE_GMM_BACKEND", "loop")
     assert select_backend(torch.randn(4, 8), torch.randn(2, 8, 4)).name == "loop"
+    assert select_backend(torch.randn(4, 8), torch.randn(2, 8, 4), backend="torch").name == "loop"
     monkeypatch.setenv("EPMOE_GMM_BACKEND", "bogus")
     with pytest.raises(ValueError, match="EPMOE_GMM_BACKEND"):
         epmoe.grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 4), [2, 2])

@@ -14,6 +14,7 @@ must agree to floating-point tolerance.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 import epmoe
 from epmoe import platform
+from epmoe.experts import experts_backend
 
 VOCAB = 256
 
@@ -88,10 +90,14 @@ def synthetic_batch(step: int, rank: int, batch_size: int, seq_len: int) -> torc
 
 
 def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
-    """Data-parallel all-reduce (mean) of gradients, one flat buffer."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if world == 1 or not grads:
+    """Data-parallel all-reduce (mean) of gradients, one flat buffer (the same size on every rank:
+    a parameter without a gradient here contributes zeros)."""
+    if world == 1:
         return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat)
     flat /= world
@@ -112,7 +118,8 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
     """Train the same model with and without EP on this rank; return both loss curves (rank 0's view)."""
     from epmoe.models import build_model
 
-    device = torch.device(options.device, rank % max(1, _device_count(options.device))) if options.device != "cpu" else torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cpu") if options.device == "cpu" else torch.device(options.device, local_rank)
     if device.type != "cpu":
         platform.device_module(device.type).set_device(device)
     dtype = getattr(torch, options.dtype)
@@ -126,11 +133,7 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
 
     opt_ep = torch.optim.AdamW(model.parameters(), lr=options.lr)
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=options.lr)
-    from epmoe.gmm import select_backend
-
-    sample = experts[0]
-    backend = select_backend(torch.empty(0, sample.shape[-1], dtype=dtype, device=device), sample,
-                             trans_weight=True, backend=options.backend).name
+    backend = experts_backend(model.get_submodule(shards[0].module_name), options.backend).name
     result = TrainResult(options, world, backend)
     steps = range(options.steps)
     if options.show_progress and rank == 0:
@@ -164,8 +167,3 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
         result.records.append(StepRecord(step, _global_loss(loss_ep, world), _global_loss(loss_ref, world),
                                          time_ep, time_ref))
     return result
-
-
-def _device_count(kind: str) -> int:
-    module = platform.device_module(kind)
-    return module.device_count() if module is not None and hasattr(module, "device_count") else 1

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 
 from epmoe import platform
-from epmoe.gmm import grouped_mm
+from epmoe.gmm import GmmBackend, grouped_mm, select_backend
 
-__all__ = ["experts_forward", "gate_activation", "is_packed_experts", "num_experts_of"]
+__all__ = ["experts_backend", "experts_forward", "gate_activation", "gmm_probe", "is_packed_experts", "num_experts_of"]
 
 _LINEAR_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
@@ -49,6 +49,25 @@ def num_experts_of(module: nn.Module) -> int:
     return module.down_proj.shape[0]
 
 
+def gmm_probe(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``(x, weight, trans_weight)``: an empty input and the up projection's weight, laid out as
+    :func:`experts_forward` passes them to ``grouped_mm`` (for asking which backend would run)."""
+    if isinstance(module, nn.ModuleList):
+        weight = next(module[0].parameters())  # stacked: (e, out, in), nn.Linear layout
+        weight, trans_weight = weight.unsqueeze(0), True
+    else:
+        weight = module.gate_up_proj if module.has_gate else module.up_proj
+        trans_weight = not module.is_transposed
+    hidden = weight.shape[2] if trans_weight else weight.shape[1]
+    return torch.empty(0, hidden, dtype=weight.dtype, device=weight.device), weight, trans_weight
+
+
+def experts_backend(module: nn.Module, backend: str = "auto") -> GmmBackend:
+    """The grouped-matmul backend :func:`experts_forward` runs ``module`` on (raises if a named one declines)."""
+    x, weight, trans_weight = gmm_probe(module)
+    return select_backend(x, weight, trans_weight=trans_weight, backend=backend)
+
+
 def experts_forward(
     module: nn.Module, x_em: torch.Tensor, counts: Sequence[int], *, backend: str = "auto"
 ) -> torch.Tensor:
@@ -66,12 +85,8 @@ def experts_forward(
 
 def _row_bias(bias_EN: torch.Tensor, counts: list[int], num_rows: int) -> torch.Tensor:
     """``(A, N)``: each row's expert bias (an index gather; its backward is index_put)."""
-    expert_of_row = torch.repeat_interleave(
-        torch.arange(len(counts), device=bias_EN.device),
-        torch.tensor(counts, device=bias_EN.device),
-        output_size=num_rows,
-    )
-    return bias_EN[expert_of_row]
+    expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=num_rows)
+    return bias_EN[platform.host_to_device(expert_of_row, bias_EN.device)]
 
 
 def _is_default_silu_gate(module: nn.Module) -> bool:

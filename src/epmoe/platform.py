@@ -30,6 +30,7 @@ __all__ = [
     "device_capability",
     "device_module",
     "device_type",
+    "host_to_device",
     "is_available",
     "new_stream",
     "stream",
@@ -112,8 +113,25 @@ def synchronize(device: Any = None) -> None:
     if kind == "cpu":
         return
     module = device_module(kind)
-    if module is not None and hasattr(module, "synchronize"):
+    if module is None or not hasattr(module, "synchronize"):
+        return
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    if isinstance(device, torch.device) and device.index is not None:
+        module.synchronize(device)  # that device, not merely the current one
+    else:
         module.synchronize()
+
+
+def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor (offsets, indices) to ``device`` without blocking the host.
+
+    From pinned memory the copy is asynchronous on the current stream; from pageable memory it would
+    wait for every kernel queued before it (a hidden host synchronisation per call).
+    """
+    if torch.device(device).type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def comm_backend(device_type_: str | None = None) -> str:

@@ -26,11 +26,11 @@ def report(device: str | None = None) -> str:
         f"torch {torch.__version__}",
         f"device: {target} (available: {', '.join(t for t in ('cpu', 'cuda', 'npu', 'xpu', 'mps') if platform.is_available(t))})",
         f"communication backend: {platform.comm_backend(kind)}",
-        "grouped-matmul backends (bf16, 256 x 1024 rows into 8 x 1024 x 1024):",
+        "grouped-matmul backends (bf16, 256 x 1024 rows, 8 experts of nn.Linear-layout 1024 x 1024 weights):",
     ]
     x = torch.zeros(256, 1024, dtype=torch.bfloat16, device=target)
     weight = torch.zeros(8, 1024, 1024, dtype=torch.bfloat16, device=target)
-    for status in epmoe.gmm_backends(x, weight):
+    for status in epmoe.gmm_backends(x, weight, trans_weight=True):
         verdict = "eligible" if status.eligible else f"declines: {status.reason}"
         lines.append(f"  {status.name:<8} {verdict}")
     return "\n".join(lines)

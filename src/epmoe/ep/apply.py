@@ -32,8 +32,8 @@ from epmoe.ep.layer import (
     expert_parallel_block_forward,
     expert_parallel_forward,
 )
-from epmoe.experts import is_packed_experts, num_experts_of
-from epmoe.gmm import gmm_backends, select_backend
+from epmoe.experts import experts_backend, gmm_probe, is_packed_experts, num_experts_of
+from epmoe.gmm import gmm_backends
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +130,15 @@ def apply_expert_parallel(
             )
         local = num_experts // ep_size
         shards.append(ExpertShard(name, num_experts, local, ep_rank * local, (ep_rank + 1) * local, ep_rank, ep_size))
+    backend = experts_backend(found[0][1], config.gmm_backend)  # a named backend that declines raises here
+    x, weight, trans_weight = gmm_probe(found[0][1])
+    declined = [f"{s.name}: {s.reason}" for s in gmm_backends(x, weight, trans_weight=trans_weight) if not s.eligible]
 
     declined_fused = {}
     for (name, module, owner), shard in zip(found, shards):
+        dispatch, reason = _resolve_dispatch(module, config)
+        if reason is not None:
+            declined_fused[name] = reason
         if isinstance(module, nn.ModuleList):
             returns_logits = _block_returns_router_logits(owner)
             local = _shard_module_list(module, shard)
@@ -140,9 +146,6 @@ def apply_expert_parallel(
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
             _shard_parameters(module, shard)
-            dispatch, reason = _resolve_dispatch(module, config)
-            if reason is not None:
-                declined_fused[name] = reason
             module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch)
             module.forward = types.MethodType(expert_parallel_forward, module)
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
@@ -152,7 +155,10 @@ def apply_expert_parallel(
         name, reason = next(iter(declined_fused.items()))
         logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",
                        len(declined_fused), name, reason)
-    _log_backend(found, config, ep_size)
+    logger.info(
+        "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
+        len(found), ep_size, backend.name, config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
+    )
     return shards
 
 
@@ -209,19 +215,11 @@ def _block_returns_router_logits(block: nn.Module) -> bool:
     probed once, on one zero token, before anything is changed."""
     hidden_size = block_router(block).weight.shape[-1]
     param = next(block.parameters())
-    with torch.no_grad():
-        out = block(torch.zeros(1, 1, hidden_size, dtype=param.dtype, device=param.device))
+    was_training = block.training
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):  # dropout / jitter must not consume the RNG
+        block.eval()
+        try:
+            out = block(torch.zeros(1, 1, hidden_size, dtype=param.dtype, device=param.device))
+        finally:
+            block.train(was_training)
     return isinstance(out, tuple)
-
-
-def _log_backend(found: list[tuple[str, nn.Module, nn.Module]], config: ExpertParallelConfig, ep_size: int) -> None:
-    """One INFO line per model: which grouped-matmul backend runs its experts, and why not the others."""
-    weight = next(found[0][1].parameters())
-    sample_x = torch.empty(0, weight.shape[-1], dtype=weight.dtype, device=weight.device)
-    sample_w = weight[:1] if weight.dim() == 3 else weight.reshape(1, -1, weight.shape[-1])
-    backend = select_backend(sample_x, sample_w, trans_weight=True, backend=config.gmm_backend)
-    declined = [f"{s.name}: {s.reason}" for s in gmm_backends(sample_x, sample_w, trans_weight=True) if not s.eligible]
-    logger.info(
-        "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
-        len(found), ep_size, backend.name, config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
-    )

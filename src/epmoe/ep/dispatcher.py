@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from epmoe import platform
 from epmoe.comm import all_to_all_v, exchange_counts
 
 
@@ -118,8 +119,8 @@ class AllToAllDispatcher:
         if W > 1:
             recv_SE = torch.tensor(plan.recv_counts, dtype=torch.int64).view(W, e)
             num_recv = sum(plan.recv_counts)
-            self.to_expert_major = _reorder_index(recv_SE, num_recv).to(device)
-            self.to_source_major = _reorder_index(recv_SE.t(), num_recv).to(device)
+            self.to_expert_major = platform.host_to_device(_reorder_index(recv_SE, num_recv), device)
+            self.to_source_major = platform.host_to_device(_reorder_index(recv_SE.t(), num_recv), device)
 
     def dispatch(self, x_rank_major: torch.Tensor) -> torch.Tensor:
         """``(sum(send_counts), H)`` rank-major -> ``(sum(recv_counts), H)`` expert-major."""
@@ -150,6 +151,6 @@ def unpermute_and_combine(
     restore slot order and sum each token's ``K`` rows (a fixed-order reduction: deterministic)."""
     T, K = top_k_weights_TK.shape
     weights_S = top_k_weights_TK.reshape(-1)[plan.sort_S]
-    weighted_S = y_rank_major * weights_S.unsqueeze(-1).to(y_rank_major.dtype)
+    weighted_S = y_rank_major * weights_S.unsqueeze(-1)  # in the wider dtype, as transformers does
     weighted_slots = permute_rows(weighted_S, plan.unsort_S, plan.sort_S)
     return weighted_slots.view(T, K, y_rank_major.shape[-1]).sum(dim=1).to(out_dtype)

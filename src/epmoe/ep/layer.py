@@ -5,7 +5,8 @@
 * :func:`expert_parallel_block_forward` replaces the forward of a block holding an ``nn.ModuleList``
   of experts (transformers 4.x style, custom models), whose loop over experts cannot be intercepted
   at the list. It calls the block's own router; a router that returns only logits gets the classic
-  routing ``softmax (fp32) -> top-k -> renormalise iff block.norm_topk_prob -> cast``, one returning
+  routing ``softmax (fp32) -> top-k -> renormalise unless block.norm_topk_prob is False -> cast``
+  (router jitter noise in training is refused: it cannot be reproduced), one returning
   ``(logits, weights, index)`` is used as is. Shared experts (``shared_expert`` with an optional
   sigmoid ``shared_expert_gate``, or ``shared_experts``) are added as in Qwen2-MoE / DeepSeek.
 
@@ -99,13 +100,15 @@ def block_top_k(block: nn.Module) -> int:
 
 def route(block: nn.Module, hidden_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(router_logits [T,E], top_k_weights [T,K], top_k_index [T,K])`` from the block's own router."""
+    if block.training and getattr(block, "jitter_noise", 0):
+        raise ValueError(f"{type(block).__name__}: router jitter noise in training is not supported under EP")
     routed = block_router(block)(hidden_TH)
     if isinstance(routed, tuple):
         logits, weights, index = routed[:3]
         return logits, weights, index
     probs = torch.softmax(routed, dim=-1, dtype=torch.float32)
     weights, index = torch.topk(probs, block_top_k(block), dim=-1)
-    if getattr(block, "norm_topk_prob", False):
+    if getattr(block, "norm_topk_prob", True):  # 4.x Mixtral has no flag and always renormalises
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return routed, weights.to(hidden_TH.dtype), index
 

@@ -2,7 +2,7 @@
 
     grouped_mm(x_TK, weight, counts)
         |  validate (shapes, dtypes, counts; one host read of counts)
-        |  choose: EPMOE_GMM_BACKEND > backend= > first eligible of the registry
+        |  choose: $EPMOE_GMM_BACKEND, else backend=, else ("auto") the first eligible backend
         v
     _GroupedMM.apply --forward-->  backend.forward(x, W)             -> y_TN
                      <-backward--  backend.forward(dy, W, transposed) -> dx_TK
@@ -16,6 +16,7 @@ dispatcher falls back past accelerated backends, one WARNING names each one that
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -66,7 +67,7 @@ def gmm_backends(
 ) -> list[BackendStatus]:
     """Every registered backend, in order, with whether it would run ``grouped_mm(x, weight)``.
 
-    Without ``x``/``weight`` a small fp32 problem on this process's default device is assumed.
+    Without ``x``/``weight`` a small fp32 problem on the CPU is assumed.
     """
     if (x is None) != (weight is None):
         raise ValueError("gmm_backends(x, weight): pass both or neither")
@@ -84,15 +85,17 @@ def gmm_backends(
 def select_backend(
     x: torch.Tensor, weight: torch.Tensor, *, trans_weight: bool = False, backend: str = "auto"
 ) -> GmmBackend:
-    """The backend ``grouped_mm`` runs for these operands (raises if a named one declines)."""
-    name = backend
-    if name == "auto":
-        name = os.environ.get(ENV_BACKEND, "").strip() or "auto"
+    """The backend ``grouped_mm`` runs for these operands (raises if a named one declines).
+
+    ``$EPMOE_GMM_BACKEND``, when set, forces its backend over ``backend``.
+    """
+    forced = os.environ.get(ENV_BACKEND, "").strip()
+    name = forced or backend
     if name != "auto":
         chosen = next((b for b in _registry if b.name == name), None)
         if chosen is None:
             names = ["auto"] + [b.name for b in _registry]
-            source = f"${ENV_BACKEND}" if backend == "auto" else "backend"
+            source = f"${ENV_BACKEND}" if forced else "backend"
             raise ValueError(f"grouped_mm({source}): unknown backend {name!r}; choose one of {names}")
         reason = chosen.ineligible_reason(x, weight, trans_weight=trans_weight)
         if reason is not None:
@@ -144,9 +147,9 @@ def _check_operands(x: object, weight: object, trans_weight: object) -> None:
     if weight.dim() != 3:
         raise ValueError(f"grouped_mm(weight): expected a 3-D (G, K, N) tensor, got shape {tuple(weight.shape)}")
     if not x.dtype.is_floating_point:
-        raise TypeError(f"grouped_mm(x): expected a floating dtype, got {x.dtype}")
+        raise ValueError(f"grouped_mm(x): expected a floating dtype, got {x.dtype}")
     if weight.dtype != x.dtype:
-        raise TypeError(f"grouped_mm(weight): dtype {weight.dtype} does not match x's {x.dtype}")
+        raise ValueError(f"grouped_mm(weight): dtype {weight.dtype} does not match x's {x.dtype}")
     if weight.device != x.device:
         raise ValueError(f"grouped_mm(weight): on {weight.device}, x is on {x.device}")
     k_dim = 2 if trans_weight else 1
@@ -162,15 +165,19 @@ def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
     """``counts`` as a Python list, validated; at most one host read of a tensor."""
     if isinstance(counts, torch.Tensor):
         if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
-            raise TypeError(f"grouped_mm(counts): expected an integer tensor, got {counts.dtype}")
+            raise ValueError(f"grouped_mm(counts): expected an integer tensor, got {counts.dtype}")
         if counts.dim() != 1:
             raise ValueError(f"grouped_mm(counts): expected a 1-D tensor, got shape {tuple(counts.shape)}")
         values = counts.tolist()
     elif isinstance(counts, Sequence) and not isinstance(counts, (str, bytes)):
-        values = list(counts)
-        bad = [c for c in values if isinstance(c, bool) or not isinstance(c, int)]
-        if bad:
-            raise TypeError(f"grouped_mm(counts): expected ints, got {bad[0]!r} ({type(bad[0]).__name__})")
+        values = []
+        for c in counts:
+            try:
+                if isinstance(c, bool):
+                    raise TypeError
+                values.append(operator.index(c))
+            except TypeError:
+                raise ValueError(f"grouped_mm(counts): expected ints, got {c!r} ({type(c).__name__})") from None
     else:
         raise TypeError(f"grouped_mm(counts): expected a sequence of ints or an integer tensor, got {type(counts).__name__}")
     if len(values) != num_groups:
@@ -228,7 +235,7 @@ def grouped_mm(
         counts: ``G`` non-negative ints summing to ``T`` (list, tuple, or integer tensor on any
             device; a tensor is read to the host once).
         trans_weight: whether ``weight`` is ``(G, N, K)``.
-        backend: ``"auto"`` or a registered backend name (``EPMOE_GMM_BACKEND`` overrides ``"auto"``).
+        backend: ``"auto"`` or a registered backend name (``$EPMOE_GMM_BACKEND`` overrides it).
 
     Returns:
         ``(T, N)`` in ``x``'s dtype; differentiable in ``x`` and ``weight``.

@@ -43,7 +43,7 @@ class NpuBackend(GmmBackend):
 
     @staticmethod
     def _group_list(counts: list[int], device: torch.device) -> torch.Tensor:
-        return torch.tensor(counts, dtype=torch.int64, device=device)
+        return platform.host_to_device(torch.tensor(counts, dtype=torch.int64), device)
 
     def forward(self, x_TK, weight, counts, trans_weight):
         if len(counts) == 1:

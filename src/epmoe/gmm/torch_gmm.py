@@ -74,7 +74,10 @@ class TorchBackend(GmmBackend):
         else:
             return f"no grouped_mm kernel on device type {kind!r}"
         w_GKN = weight.transpose(1, 2) if trans_weight else weight
-        return _misaligned("x", x) or _misaligned("weight", w_GKN) or _misaligned("x^T (for dW)", x.t())
+        n_bytes = w_GKN.shape[2] * x.element_size()
+        if n_bytes % 16:  # dy (T, N) feeds the backward kernels
+            return f"output width N={w_GKN.shape[2]} x {x.element_size()} B is not a multiple of 16 bytes (backward needs it)"
+        return _misaligned("x", x) or _misaligned("weight", w_GKN)
 
     @staticmethod
     def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -82,7 +85,7 @@ class TorchBackend(GmmBackend):
         for n in counts:
             total += n
             ends.append(total)
-        return torch.tensor(ends, dtype=torch.int32, device=device)
+        return platform.host_to_device(torch.tensor(ends, dtype=torch.int32), device)
 
     def forward(self, x_TK, weight, counts, trans_weight):
         w_GKN = weight.transpose(1, 2) if trans_weight else weight
