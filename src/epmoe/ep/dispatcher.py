@@ -21,6 +21,7 @@ layer (one host synchronisation) and reused by combine and by both backward exch
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from epmoe import platform
 from epmoe.comm import all_to_all_v, exchange_counts
+from epmoe.comm.fused.layout import Plan
 
 
 @dataclass
@@ -45,21 +47,26 @@ class RoutingPlan:
     num_local_experts: int
     group: dist.ProcessGroup | None
 
+    @functools.cached_property
+    def layout(self) -> Plan:
+        """The exchange's row offsets (shared with the fused ops), as one round over all local experts."""
+        e = self.num_local_experts
+        return Plan(self.ep_size, e, tuple(self.send_counts), tuple(self.recv_counts), ((0, e),))
+
     @property
     def send_splits(self) -> list[int]:
-        e = self.num_local_experts
-        return [sum(self.send_counts[r * e:(r + 1) * e]) for r in range(self.ep_size)]
+        """Rows this rank sends to each rank."""
+        return [rows for _, rows in self.layout.rank_major_blocks(0, self.num_local_experts)]
 
     @property
     def recv_splits(self) -> list[int]:
-        e = self.num_local_experts
-        return [sum(self.recv_counts[s * e:(s + 1) * e]) for s in range(self.ep_size)]
+        """Rows this rank receives from each rank."""
+        return self.layout.expert_major_splits(0, self.num_local_experts)
 
     @property
     def local_counts(self) -> list[int]:
         """Rows per local expert ``j`` (summed over source ranks): the grouped matmul's counts."""
-        e, W = self.num_local_experts, self.ep_size
-        return [sum(self.recv_counts[s * e + j] for s in range(W)) for j in range(e)]
+        return self.layout.group_sizes_E
 
 
 def plan_routing(
