@@ -102,3 +102,8 @@ def test_module_list_routing_follows_transformers_4x_conventions():
     model.train()
     with pytest.raises(ValueError, match="jitter"):
         model(ids)
+
+
+def test_parity_bf16():
+    """bf16 model: EP against the unsharded bf16 model, within bf16 tolerance."""
+    assert_parity(run_ranks(model_parity, 2, "qwen3_moe", "bfloat16", [7, 12], "plain", timeout=240), "bfloat16")
