@@ -36,9 +36,9 @@ class TrainOptions:
     backend: str = "auto"
     device: str = "cpu"
     batch_size: int = 4
-    seq_len: int = 32
-    num_experts: int = 8
-    top_k: int = 2
+    seq_len: int = 64
+    num_experts: int = 32
+    top_k: int = 4
     lr: float = 1e-3
     seed: int = 0
     show_progress: bool = False

@@ -97,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     timed = result.records[1:] or result.records  # step 0 includes warm-up
     ratio = statistics.median(r.time_ep for r in timed) / statistics.median(r.time_ref for r in timed)
     print(
-        f"\nmodel {args.model}, {result.world_size} ranks, {args.dtype}, grouped-matmul backend: {result.gmm_backend}"
+        f"\nmodel {args.model} ({result.options.num_experts} experts, top-{result.options.top_k}), "
+        f"{result.world_size} ranks, {args.dtype}; with EP: epmoe, grouped-matmul backend: {result.gmm_backend}; "
+        f"without EP: transformers' eager experts, data parallel"
         f"\nmax |loss difference| {worst:.2e}; median step time with EP / without EP: {ratio:.2f}"
     )
     path = plot(result, Path(args.out) / f"demo-{args.model}-loss.png")
