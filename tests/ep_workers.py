@@ -130,3 +130,14 @@ def module_list_parity(rank, world, expert_kind):
         max_rel(p.grad, expert_sum[n] if ".experts." in n else own[n]) for n, p in model.named_parameters()
     )
     return errors
+
+
+def disagreeing_config(rank, world):
+    """Ranks pass different configs: every rank must raise (before changing the model), none may hang."""
+    model = build_model("qwen3_moe")
+    try:
+        epmoe.apply_expert_parallel(model, config={"dispatch": "fused" if rank else "alltoallv"})
+    except ValueError as error:
+        assert not any(hasattr(m, "_epmoe") for m in model.modules())
+        return str(error)
+    return None

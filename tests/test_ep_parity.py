@@ -107,3 +107,10 @@ def test_module_list_routing_follows_transformers_4x_conventions():
 def test_parity_bf16():
     """bf16 model: EP against the unsharded bf16 model, within bf16 tolerance."""
     assert_parity(run_ranks(model_parity, 2, "qwen3_moe", "bfloat16", [7, 12], "plain", timeout=240), "bfloat16")
+
+
+def test_ranks_that_disagree_on_the_config_all_raise():
+    from ep_workers import disagreeing_config
+
+    for message in run_ranks(disagreeing_config, 2, timeout=120):
+        assert message is not None and "disagree" in message

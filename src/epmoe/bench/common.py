@@ -171,8 +171,8 @@ def machine_description(device: torch.device | str | None = None) -> str:
 def load_average() -> float | None:
     """The 1-minute load average (runnable processes), or ``None`` where the OS does not say.
 
-    Recorded at the start and end of a run: on a machine with few cores, a load above the core
-    count means the timings shared the CPUs with other work.
+    Recorded at the start and end of a run: at the end the run's own threads count in it, so a
+    load above the thread count means the timings shared the CPUs with other work.
     """
     try:
         return os.getloadavg()[0]

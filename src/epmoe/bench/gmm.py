@@ -300,7 +300,7 @@ Reproduce (from the repository root, after `pip install -e .`):
 - Run: {datetime.date.today().isoformat()}, every candidate of a (case, dtype, pass) timed side by side,
   interleaved round by round; median of {settings.repeats} rounds after {settings.warmup} warm-up round(s).
 - 1-minute load average at the start / end of the run: {_load(load[0])} / {_load(load[1])}
-  (above the CPU count means other work shared the CPUs).
+  (the run itself adds about its {settings.threads} threads at the end; more than that means other work shared the CPUs).
 
 Each case is one rank's MoE experts after dispatch: `T` rows sorted by local expert, with counts
 drawn from a seeded log-normal expert popularity (sigma {IMBALANCE}), through

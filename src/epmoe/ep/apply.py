@@ -16,6 +16,7 @@ for ``nn.ModuleList`` experts the enclosing block's forward becomes
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from typing import Any
@@ -131,6 +132,7 @@ def apply_expert_parallel(
         local = num_experts // ep_size
         shards.append(ExpertShard(name, num_experts, local, ep_rank * local, (ep_rank + 1) * local, ep_rank, ep_size))
     backend = experts_backend(found[0][1], config.gmm_backend)  # a named backend that declines raises here
+    _check_ranks_agree(group, ep_size, config, shards)
     x, weight, trans_weight = gmm_probe(found[0][1])
     declined = [f"{s.name}: {s.reason}" for s in gmm_backends(x, weight, trans_weight=trans_weight) if not s.eligible]
 
@@ -160,6 +162,24 @@ def apply_expert_parallel(
         len(found), ep_size, backend.name, config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
     )
     return shards
+
+
+def _check_ranks_agree(
+    group: dist.ProcessGroup | None, ep_size: int, config: ExpertParallelConfig, shards: list[ExpertShard]
+) -> None:
+    """Raise on every rank if the ranks disagree on the config or the experts modules: otherwise they
+    would issue different collectives later and wait on each other until the group's timeout."""
+    if ep_size == 1:
+        return
+    mine = (dataclasses.astuple(config), [(s.module_name, s.num_experts) for s in shards])
+    gathered: list[Any] = [None] * ep_size
+    dist.all_gather_object(gathered, mine, group=group)
+    for rank, theirs in enumerate(gathered):
+        if theirs != mine:
+            raise ValueError(
+                f"apply_expert_parallel: EP ranks disagree on the config or the experts modules: "
+                f"rank {rank} has {theirs}, this rank has {mine}"
+            )
 
 
 def _resolve_dispatch(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
