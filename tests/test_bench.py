@@ -56,6 +56,24 @@ def test_counts_are_seeded_and_sum_to_rows():
     assert sum(counts) / len(counts) >= gmm.LARGE_ROWS
 
 
+def test_ceiling_times_each_rows_per_call_against_one_mm(one_thread):
+    case = gmm.Case("small", "4 groups of 128 rows on average", num_experts=4, hidden=32, intermediate=16,
+                    tokens=512, top_k=1, ep=1)
+    settings = common.Settings(torch.device("cpu"), 1, 0, 1, 0, True, None)
+    ceiling = gmm.run_ceiling([case, gmm.QUICK_CASES[0]], settings)  # tiny: 32 rows per group, left out
+    assert set(ceiling) == {(32, 32, 512), (16, 32, 512)}
+    for ratios in ceiling.values():
+        assert sorted(ratios) == [64, 128, 256] and all(q > 0 for q in ratios.values())
+    table = gmm._ceiling_table(ceiling).splitlines()
+    assert table[0].split("|")[3].strip() == "M = 64" and len(table) == 4
+    assert table[2].split("|")[6].strip() == ""  # M = 512 > T / 2
+
+    fast, slow = {(8, 8, 512): {256: 0.95}}, {(8, 8, 512): {256: 0.95}, (4, 16, 512): {256: 0.5}}
+    assert "at least 0.9x for every shape" in gmm.summarize_ceiling(fast)[0]
+    assert "below 0.9x for 4x16 (0.50)" in gmm.summarize_ceiling(slow)[0]
+    assert gmm.summarize_ceiling({}) == [] and "no case" in gmm._ceiling_table({})
+
+
 def test_measure_interleaves_and_takes_the_median():
     order = []
     timings = common.measure({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, warmup=1, repeats=3)

@@ -11,6 +11,11 @@ The baseline is one ``torch.mm`` of the same FLOPs: ``(T, K) @ (K, N)``, the ``(
 being an ``(N, K)`` weight transposed, as the grouped call reads it. ``fwd+bwd`` adds ``dX`` and
 ``dW`` (three times the forward FLOPs) on both sides. Within one case, dtype and pass, every
 eligible backend, ``auto`` and the dense matmul are timed side by side (:func:`common.measure`).
+
+The per-call BLAS ceiling (:func:`run_ceiling`) bounds what any grouped matmul built from one BLAS
+call per group can reach: for each ``(K, N)`` and ``T`` of the cases, one ``torch.mm`` of ``M`` rows
+per group, each group with its own ``(N, K)`` weight as in a grouped call, against one ``mm`` of all
+``T`` rows, forward fp32, for ``M`` from 64 to 1024 rows.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ IMBALANCE = 0.3  # sigma of the log-normal expert popularity the counts are draw
 LARGE_ROWS = 256  # mean rows per group from which auto should reach GOAL_RATIO of dense throughput
 GOAL_RATIO = 0.9
 NOISE = 0.05  # time differences below this fraction are reported as noise
+CEILING_ROWS = (64, 128, 256, 512, 1024)  # rows per group M of the per-call BLAS ceiling
 
 
 @dataclass(frozen=True)
@@ -136,15 +142,20 @@ def run(args: argparse.Namespace) -> int:
         for projection in case.projections:
             for dtype in dtypes:
                 results += run_case(case, projection, dtype, settings, backends=args.backend)
+    ceiling = run_ceiling(cases, settings)
     load = (load_start, common.load_average())
     table = common.markdown_table(HEADERS, [r.cells() for r in results], align="llllrrr")
     print(table)
-    summary = summarize(results)
+    ceiling_table = _ceiling_table(ceiling)
+    if ceiling:
+        print()
+        print(ceiling_table)
+    summary = summarize(results) + summarize_ceiling(ceiling)
     print()
     print("\n".join(summary))
     if settings.out:
         with open(settings.out, "w") as out:
-            out.write(_document(cases, settings, table, summary, args, load))
+            out.write(_document(cases, settings, table, ceiling_table, summary, args, load))
         print(f"\nwrote {settings.out}")
     return 0
 
@@ -213,6 +224,55 @@ def _call(pass_: str, backend: str | None, x_TK, weight_GNK, dense_NK, dy_TN, co
         return lambda: forward(x_TK, weight)
     x_leaf, w_leaf = x_TK.detach().requires_grad_(), weight.detach().requires_grad_()
     return lambda: torch.autograd.grad(forward(x_leaf, w_leaf), (x_leaf, w_leaf), dy_TN)
+
+
+def run_ceiling(cases, settings: common.Settings) -> dict[tuple[int, int, int], dict[int, float]]:
+    """``{(K, N, T): {M: ratio}}``: one fp32 ``torch.mm`` per group of ``M`` rows, each group with its own
+    weight, over one ``mm`` of all ``T`` rows (throughput ratio, timed side by side).
+
+    Only cases whose groups average at least 64 rows; ``M`` up to ``T / 2``.
+    """
+    shapes = sorted({(*case.dims(p), case.rows) for case in cases for p in case.projections
+                     if case.rows / case.num_experts >= CEILING_ROWS[0]})
+    generator = torch.Generator().manual_seed(settings.seed + 2)
+    ceiling = {}
+    for K, N, T in shapes:
+        row_counts = [m for m in CEILING_ROWS if 2 * m <= T]
+        x_TK = torch.randn(T, K, generator=generator).to(settings.device)
+        weights_GNK = torch.randn(T // min(row_counts), N, K, generator=generator).to(settings.device)
+
+        def per_call(m: int) -> Callable[[], object]:
+            return lambda: [torch.mm(x_TK[i * m:(i + 1) * m], weights_GNK[i].t()) for i in range(T // m)]
+
+        fns = {m: per_call(m) for m in row_counts}
+        fns["all"] = lambda: torch.mm(x_TK, weights_GNK[0].t())
+        timings = common.measure(fns, warmup=settings.warmup, repeats=settings.repeats, device=settings.device)
+        ceiling[(K, N, T)] = {m: timings["all"].median_s / timings[m].median_s for m in row_counts}
+    return ceiling
+
+
+def _ceiling_table(ceiling: dict[tuple[int, int, int], dict[int, float]]) -> str:
+    if not ceiling:
+        return f"(no case here has {CEILING_ROWS[0]}+ rows per group)"
+    headers = ("K x N", "rows T", *(f"M = {m}" for m in CEILING_ROWS))
+    rows = [(f"{K}x{N}", T, *(f"{ratios[m]:.2f}" if m in ratios else "" for m in CEILING_ROWS))
+            for (K, N, T), ratios in ceiling.items()]
+    return common.markdown_table(headers, rows, align="lr" + "r" * len(CEILING_ROWS))
+
+
+def summarize_ceiling(ceiling: dict[tuple[int, int, int], dict[int, float]]) -> list[str]:
+    """One bullet: the per-call BLAS ceiling at ``LARGE_ROWS`` rows per group against ``GOAL_RATIO``."""
+    at_large = [(ratios[LARGE_ROWS], key) for key, ratios in ceiling.items() if LARGE_ROWS in ratios]
+    if not at_large:
+        return []
+    below = [f"{K}x{N} ({q:.2f})" for q, (K, N, _) in sorted(at_large) if q < GOAL_RATIO]
+    return [
+        f"- Per-call BLAS ceiling (fp32 forward, one `torch.mm` per {LARGE_ROWS}-row group with its own weight, "
+        f"over one `mm` of all rows): {min(at_large)[0]:.2f} to {max(at_large)[0]:.2f}; "
+        + (f"below {GOAL_RATIO}x for {'; '.join(below)}: no grouped matmul made of one BLAS call per group "
+           f"reaches {GOAL_RATIO}x dense forward there on this machine." if below
+           else f"at least {GOAL_RATIO}x for every shape.")
+    ]
 
 
 def summarize(results: list[Result]) -> list[str]:
@@ -284,7 +344,8 @@ def summarize(results: list[Result]) -> list[str]:
     return lines
 
 
-def _document(cases, settings: common.Settings, table: str, summary: list[str], args, load: tuple) -> str:
+def _document(cases, settings: common.Settings, table: str, ceiling_table: str, summary: list[str], args,
+              load: tuple) -> str:
     extra = "".join(f" --case {c}" for c in args.case or []) + "".join(f" --dtype {d}" for d in args.dtype or [])
     extra += "".join(f" --backend {b}" for b in args.backend or [])
     command = f"epmoe bench gmm {settings.options()}{extra}"
@@ -327,6 +388,15 @@ dense is the BLAS's lower efficiency on G smaller products (fewer rows per call 
 ## Results
 
 {table}
+
+## Per-call BLAS ceiling
+
+Forward fp32, throughput of one `torch.mm` per group of `M` rows, each group with its own `(N, K)`
+weight read transposed (as a grouped call reads them), over one `mm` of all `T` rows with one weight:
+what any grouped matmul made of one BLAS call per group (ATen's CPU `grouped_mm`, the `loop` backend)
+can reach at `M` rows per group. A group's weight is packed and streamed for only `M` rows of work.
+
+{ceiling_table}
 
 ## Summary
 

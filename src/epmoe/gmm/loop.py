@@ -32,13 +32,14 @@ class LoopBackend(GmmBackend):
         return y_TN
 
     def grad_weight(self, x_TK, dy_TN, counts, trans_weight):
-        G = len(counts)
-        if trans_weight:
-            dw = x_TK.new_zeros(G, dy_TN.shape[1], x_TK.shape[1])
-            for g, start, end in group_bounds(counts):
+        G, K, N = len(counts), x_TK.shape[1], dy_TN.shape[1]
+        dw = x_TK.new_empty((G, N, K) if trans_weight else (G, K, N))
+        for g, start, end in group_bounds(counts):
+            if trans_weight:
                 torch.mm(dy_TN[start:end].t(), x_TK[start:end], out=dw[g])
-        else:
-            dw = x_TK.new_zeros(G, x_TK.shape[1], dy_TN.shape[1])
-            for g, start, end in group_bounds(counts):
+            else:
                 torch.mm(x_TK[start:end].t(), dy_TN[start:end], out=dw[g])
+        empty = [g for g, n in enumerate(counts) if n == 0]
+        if empty:  # only these: zero-filling all of dW first would be one more pass over G x N x K
+            dw[empty] = 0
         return dw
