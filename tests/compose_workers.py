@@ -22,13 +22,15 @@ def max_rel(a, b):
     return ((a - b).abs().max() / scale).item()
 
 
-def lora_config(*, attention=True, experts=False):
+def lora_config(*, attention=True, experts=False, shared_expert=False):
     from peft import LoraConfig
 
     # init_lora_weights=False: B is random too, so every LoRA factor gets a non-zero gradient.
     return LoraConfig(
         r=2, lora_alpha=4, init_lora_weights=False,
-        target_modules=["q_proj", "v_proj"] if attention else [],
+        # a string is matched as a regex against full module names, a list by name suffix
+        target_modules=(r".*\.shared_expert\.(gate|up|down)_proj" if shared_expert
+                        else ["q_proj", "v_proj"] if attention else []),
         target_parameters=EXPERT_PARAMS if experts else None,
     )
 
@@ -153,6 +155,42 @@ def peft_expert_lora_parity(rank, world, lengths):
         else:
             errors["attention_lora_grads"] = max(errors["attention_lora_grads"], max_rel(param.grad, ref_grads[name]))
     errors["peft_first"] = peft_expert_lora_then_ep(rank, world, lengths)
+    return errors
+
+
+def peft_fused_shared_expert_parity(rank, world, lengths):
+    """dispatch="fused" on Qwen3.5-MoE (shared expert in the fused ops' gaps), then LoRA on the packed
+    experts and on the shared expert's Linears: the wrapped shared expert cannot ride along the fused
+    ops, so the block runs its own forward (experts still fused); loss and LoRA gradients equal the
+    unsharded PEFT model's."""
+    from peft import get_peft_model
+
+    family, dtype = "qwen3_5_moe", torch.float64
+    config = lora_config(attention=False, experts=True, shared_expert=True)
+    torch.manual_seed(1)
+    ref = get_peft_model(build_model(family, dtype=dtype), config)
+    per_rank = reference_grads(ref, lengths, world)
+    ref_loss, ref_grads = per_rank[rank]
+    summed = {n: sum(grads[n] for _, grads in per_rank) for n in ref_grads}
+
+    base = build_model(family, dtype=dtype)
+    shard = epmoe.apply_expert_parallel(base, config={"dispatch": "fused"})[0]
+    blocks = [m for m in base.modules() if type(m).__name__ == "Qwen3_5MoeSparseMoeBlock"]
+    assert blocks and all(b.forward.__func__.__name__ == "shared_block_forward" for b in blocks)
+    model = get_peft_model(base, config)
+    expert_names = copy_lora_from_reference(model, ref, shard)
+    assert any("shared_expert" in n for n in trainable(model)) and len(expert_names) == 8
+
+    ids = batch_of(rank, lengths)
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    errors = {"loss": max_rel(loss.detach(), ref_loss), "lora_grads": 0.0}
+    for name, param in trainable(model).items():
+        if name in expert_names:
+            full = _expert_lora_slice(_owning_wrapper(ref, name), name, summed[name], shard.local_start, shard.local_end)
+        else:
+            full = ref_grads[name]
+        errors["lora_grads"] = max(errors["lora_grads"], max_rel(param.grad, full))
     return errors
 
 

@@ -91,7 +91,6 @@ def model_parity(rank, world, family, dtype_name, lengths, scenario):
                 assert torch.count_nonzero(param.grad) == 0
             errors["expert_grads"] = max(errors["expert_grads"], max_rel(param.grad, full) if full.abs().max() > 0
                                          else param.grad.abs().max().item())
-    # non-expert gradients summed over ranks equal the unsharded model's on the concatenated batch
     assert len(shards) >= 1 and all(s.ep_size == world and s.ep_rank == dist.get_rank() for s in shards)
     return errors
 
@@ -130,6 +129,25 @@ def module_list_parity(rank, world, expert_kind):
         max_rel(p.grad, expert_sum[n] if ".experts." in n else own[n]) for n, p in model.named_parameters()
     )
     return errors
+
+
+def one_rank_fails_validation(rank, world):
+    """Only rank 1's model is broken: both ranks raise (rank 0 naming rank 1's error), none hangs,
+    neither model is changed."""
+    from torch import nn
+
+    from custom_moe import TinyMoELM
+
+    model = TinyMoELM()
+    if rank == 1:
+        model.blocks[1].gate = nn.Sequential(nn.Linear(16, 4, bias=False))
+    try:
+        epmoe.apply_expert_parallel(model)
+    except ValueError as error:
+        assert not any(hasattr(m, "_epmoe") for m in model.modules())
+        dist.barrier()  # still in step
+        return str(error)
+    return None
 
 
 def disagreeing_config(rank, world):

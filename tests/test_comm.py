@@ -54,6 +54,20 @@ def test_launcher_surfaces_first_error_without_hanging():
         run_ranks(_bad_worker, 2, timeout=60)
 
 
+def _negative_worker(rank, world):
+    counts = torch.ones(world, dtype=torch.int64)
+    if rank == 0:
+        counts[1] = -1  # only rank 1 receives the bad count; rank 2 sees nothing wrong in its own data
+    with pytest.raises(ValueError, match=r"negative counts on rank\(s\) \[0\]"):
+        exchange_counts(counts)
+    send, recv = exchange_counts(torch.full((world,), rank, dtype=torch.int64))  # still in step afterwards
+    return recv
+
+
+def test_negative_counts_raise_on_every_rank_and_nobody_hangs():
+    assert run_ranks(_negative_worker, 3, timeout=60) == [[0, 1, 2]] * 3
+
+
 def test_exchange_counts_validation():
     with pytest.raises(TypeError, match="tokens_per_expert"):
         exchange_counts([1, 2])
@@ -61,3 +75,5 @@ def test_exchange_counts_validation():
         exchange_counts(torch.ones(4))
     send, recv = exchange_counts(torch.tensor([3, 0, 2]))  # no process group: a group of one
     assert send == recv == [3, 0, 2]
+    with pytest.raises(ValueError, match="negative"):
+        exchange_counts(torch.tensor([3, -1]))

@@ -20,6 +20,7 @@ from compose_workers import (
     fsdp2_train,
     peft_attention_parity,
     peft_expert_lora_parity,
+    peft_fused_shared_expert_parity,
 )
 from epmoe.launch import run_ranks
 
@@ -63,6 +64,16 @@ def test_lora_on_packed_experts_after_ep():
         assert names == []
         assert peft_first_error.startswith("ValueError"), peft_first_error
         assert "call apply_expert_parallel before get_peft_model" in peft_first_error, peft_first_error
+
+
+def test_lora_on_shared_expert_with_fused_dispatch():
+    """dispatch="fused" then LoRA on the shared expert and the packed experts: the block notices the
+    wrapped shared expert and runs its own forward; loss and LoRA gradients equal the unsharded model's."""
+    _needs_peft()
+    for rank, errors in enumerate(run_ranks(peft_fused_shared_expert_parity, 2, [7, 12], timeout=240)):
+        for key, err in errors.items():
+            tol = 1e-6 if key == "loss" else TOL
+            assert err <= tol, f"rank {rank}: {key} relative error {err:.3g}"
 
 
 def test_fsdp2_with_expert_params_ignored():

@@ -48,7 +48,10 @@ def test_parity_module_list_experts(expert_kind, world):
 def test_fused_dispatch_choice_and_fallback(caplog):
     """GPT-OSS's biased experts decline the fused path once per model, with the reason; "auto" is
     all-to-all-v on CPU; known shared-expert blocks get the overlapped block forward."""
+    import copy
     import logging
+
+    import torch
 
     import epmoe
     from epmoe.models import build_model
@@ -60,9 +63,15 @@ def test_fused_dispatch_choice_and_fallback(caplog):
     assert len(warnings) == 1 and "2 experts modules" in warnings[0] and "bias" in warnings[0]
     assert all(m._epmoe.dispatch == "alltoallv" for m in gpt.modules() if hasattr(m, "_epmoe"))
 
-    auto = build_model("qwen3_5_moe")
-    epmoe.apply_expert_parallel(auto)
-    assert all(m._epmoe.dispatch == "alltoallv" for m in auto.modules() if hasattr(m, "_epmoe"))
+    reference = build_model("qwen3_5_moe")
+    auto = copy.deepcopy(reference)
+    epmoe.apply_expert_parallel(auto)  # "auto": decided per call from the hidden states' device
+    states = [m._epmoe for m in auto.modules() if hasattr(m, "_epmoe")]
+    assert states and all(s.dispatch == "auto" for s in states)
+    assert all(s.dispatch_on(torch.device("cpu")) == "alltoallv" for s in states)
+    assert all(s.dispatch_on(torch.device("cuda", 0)) == "fused" for s in states)
+    ids = torch.randint(0, 64, (2, 9))  # on CPU the shared-expert blocks run their own forward
+    torch.testing.assert_close(auto(ids).logits, reference(ids).logits)
 
     fused = build_model("qwen3_5_moe")
     epmoe.apply_expert_parallel(fused, config={"dispatch": "fused"})
@@ -80,6 +89,35 @@ def test_named_backend_that_declines_leaves_model_untouched():
     with pytest.raises(ValueError, match="backend='torch'.*float64"):
         epmoe.apply_expert_parallel(model, config={"gmm_backend": "torch"})
     assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+
+def test_block_that_fails_its_probe_leaves_model_untouched():
+    """A ModuleList block whose router cannot be probed: ValueError naming the module, nothing changed,
+    and a second call fails the same way (not with 'partly expert-parallel')."""
+    import torch
+    from torch import nn
+
+    import epmoe
+    from custom_moe import TinyMoELM
+
+    model = TinyMoELM()
+    model.blocks[1].gate = nn.Sequential(nn.Linear(16, 4, bias=False))
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"blocks\.1\.experts: the router Sequential needs a 2-D `weight`"):
+            epmoe.apply_expert_parallel(model)
+        assert not any(hasattr(m, "_epmoe") for m in model.modules())
+    del model.blocks[1].top_k
+    with pytest.raises(ValueError, match="top_k"):
+        epmoe.apply_expert_parallel(model)
+    assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+
+def test_a_rank_that_fails_validation_fails_them_all():
+    from ep_workers import one_rank_fails_validation
+
+    messages = run_ranks(one_rank_fails_validation, 2, timeout=120)
+    assert "EP rank 1 failed to validate the model" in messages[0] and "blocks.1.experts" in messages[0]
+    assert messages[1].startswith("apply_expert_parallel: blocks.1.experts")
 
 
 def test_module_list_routing_follows_transformers_4x_conventions():

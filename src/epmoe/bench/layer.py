@@ -424,7 +424,7 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     shards = epmoe.apply_expert_parallel(model)
     expert_params = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters(recurse=False)}
     dense = [p for p in model.parameters() if id(p) not in expert_params]
-    dispatch = sorted({getattr(m._epmoe, "dispatch", "alltoallv") for m in model.modules() if hasattr(m, "_epmoe")})
+    dispatch = sorted({m._epmoe.dispatch_on(ids.device) for m in model.modules() if hasattr(m, "_epmoe")})
     steps["epmoe"] = _dp_step(model, ids, dense, world)
     steps["replicated (no EP)"] = _dp_step(reference, ids, list(reference.parameters()), world)
     try:

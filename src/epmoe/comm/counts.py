@@ -1,6 +1,8 @@
 """Counts exchange: every rank learns how many rows it sends to and receives from each expert.
 
-One ``all_to_all_single`` of the per-global-expert histograms with equal splits of ``e`` rows, then one
+One ``all_to_all_single`` of the per-global-expert histograms with equal splits of ``e`` rows (each
+followed by one flag saying whether the sender's histogram has a negative count, so that bad input
+raises on every rank rather than on some while the others wait in their next collective), then one
 host read for both lists. With ``W = 2`` ranks and ``e = 2`` local experts::
 
     rank 0 tokens_per_expert = [a00 a01 | a10 a11]      (global expert g = r*e + j)
@@ -42,14 +44,25 @@ def exchange_counts(
     send_E = tokens_per_expert.to(torch.int64)
     if world == 1:
         both = send_E.tolist()
+        _check_non_negative(both, [min(both) < 0])
         return both, list(both)
-    recv_E = torch.empty_like(send_E)
-    dist.all_to_all_single(recv_E, send_E, group=group)
+    negative = (send_E < 0).any().to(torch.int64).expand(world, 1)  # on the device: no host read yet
+    send_We1 = torch.cat([send_E.view(world, -1), negative], dim=1)
+    recv_We1 = torch.empty_like(send_We1)
+    dist.all_to_all_single(recv_We1.view(-1), send_We1.view(-1), group=group)
     # The collective may run on its own stream (HCCL): host reads are not ordered with it.
     platform.synchronize(send_E.device)
-    both = torch.cat([send_E, recv_E]).tolist()
-    num = send_E.numel()
-    send_counts, recv_counts = both[:num], both[num:]
-    if min(both) < 0:
-        raise ValueError(f"exchange_counts(tokens_per_expert): negative counts after the exchange: {both}")
+    both = torch.stack([send_We1, recv_We1]).tolist()  # [sent, received]: W rows of e counts + the flag
+    send_counts = [c for row in both[0] for c in row[:-1]]
+    recv_counts = [c for row in both[1] for c in row[:-1]]
+    _check_non_negative(send_counts, [row[-1] for row in both[1]])
     return send_counts, recv_counts
+
+
+def _check_non_negative(send_counts: list[int], negative_by_rank: list[int]) -> None:
+    """Raise, on every rank alike, if any rank's histogram had a negative count."""
+    bad = [rank for rank, flag in enumerate(negative_by_rank) if flag]
+    if bad:
+        raise ValueError(
+            f"exchange_counts(tokens_per_expert): negative counts on rank(s) {bad}; this rank sends {send_counts}"
+        )

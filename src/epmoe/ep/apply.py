@@ -30,6 +30,7 @@ from epmoe.ep.fused import fused_ineligible_reason, shared_block_forward, shared
 from epmoe.ep.layer import (
     ExpertParallelState,
     block_router,
+    block_top_k,
     expert_parallel_block_forward,
     expert_parallel_forward,
 )
@@ -114,10 +115,63 @@ def apply_expert_parallel(
     if any(state is not None for state in done):
         raise ValueError("apply_expert_parallel(model): the model is partly expert-parallel already")
 
-    # Validate everything before changing anything: no half-sharded model after an error.
+    # Validate everything before changing anything (no half-sharded model after an error), then let
+    # the EP ranks compare notes, so that an error or a mismatch raises on every rank instead of
+    # leaving the others waiting in a later collective.
+    try:
+        checked, error = _validate(model, found, config, ep_rank, ep_size), None
+    except (ValueError, TypeError) as exc:
+        checked, error = None, exc
+    _check_ranks_agree(group, ep_size, config, found, checked, error)
+    shards, backend, declined = checked.shards, checked.backend, checked.declined_backends
+
     modules = dict(model.named_modules())
-    shards = []
-    for name, module, _ in found:
+    for (name, module, owner), shard, dispatch, returns_logits in zip(
+        found, shards, checked.dispatch, checked.returns_logits
+    ):
+        if isinstance(module, nn.ModuleList):
+            local = _shard_module_list(module, shard)
+            owner._epmoe = ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits)
+            owner.forward = types.MethodType(expert_parallel_block_forward, owner)
+        else:
+            _shard_parameters(module, shard)
+            module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch)
+            module.forward = types.MethodType(expert_parallel_forward, module)
+            block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+            if dispatch != "alltoallv" and block is not None and _is_shared_expert_block(block, module):
+                block._epmoe_block_forward = block.forward  # what shared_block_forward falls back to
+                block.forward = types.MethodType(shared_block_forward, block)
+    if checked.declined_fused:
+        name, reason = next(iter(checked.declined_fused.items()))
+        logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",
+                       len(checked.declined_fused), name, reason)
+    logger.info(
+        "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
+        len(found), ep_size, backend.name, config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
+    )
+    return shards
+
+
+@dataclasses.dataclass
+class _Checked:
+    """What :func:`_validate` decided, per experts module where a list."""
+
+    shards: list[ExpertShard]
+    dispatch: list[str]  # ExpertParallelState.dispatch per module
+    returns_logits: list[bool]  # ModuleList blocks: whether the block's own forward returns router logits
+    backend: Any  # the grouped-matmul backend the experts run
+    declined_backends: list[str]
+    declined_fused: dict[str, str]  # module name -> why a requested fused path is declined
+
+
+def _validate(
+    model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]], config: ExpertParallelConfig,
+    ep_rank: int, ep_size: int,
+) -> _Checked:
+    """Every check and probe, nothing changed; ValueError / TypeError naming the module on failure."""
+    modules = dict(model.named_modules())
+    checked = _Checked([], [], [], None, [], {})
+    for name, module, owner in found:
         wrapper = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
         if wrapper is not None and getattr(wrapper, "base_layer", None) is module and hasattr(wrapper, "lora_A"):
             raise ValueError(
@@ -130,70 +184,59 @@ def apply_expert_parallel(
                 f"apply_expert_parallel: {name} has E={num_experts} experts, not divisible by the EP size P={ep_size}"
             )
         local = num_experts // ep_size
-        shards.append(ExpertShard(name, num_experts, local, ep_rank * local, (ep_rank + 1) * local, ep_rank, ep_size))
-    backend = experts_backend(found[0][1], config.gmm_backend)  # a named backend that declines raises here
-    _check_ranks_agree(group, ep_size, config, shards)
-    x, weight, trans_weight = gmm_probe(found[0][1])
-    declined = [f"{s.name}: {s.reason}" for s in gmm_backends(x, weight, trans_weight=trans_weight) if not s.eligible]
-
-    declined_fused = {}
-    for (name, module, owner), shard in zip(found, shards):
+        checked.shards.append(
+            ExpertShard(name, num_experts, local, ep_rank * local, (ep_rank + 1) * local, ep_rank, ep_size)
+        )
         dispatch, reason = _resolve_dispatch(module, config)
+        checked.dispatch.append(dispatch)
         if reason is not None:
-            declined_fused[name] = reason
-        if isinstance(module, nn.ModuleList):
-            returns_logits = _block_returns_router_logits(owner)
-            local = _shard_module_list(module, shard)
-            owner._epmoe = ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits)
-            owner.forward = types.MethodType(expert_parallel_block_forward, owner)
-        else:
-            _shard_parameters(module, shard)
-            module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch)
-            module.forward = types.MethodType(expert_parallel_forward, module)
-            block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
-            if dispatch == "fused" and block is not None and _is_shared_expert_block(block, module):
-                block.forward = types.MethodType(shared_block_forward, block)
-    if declined_fused:
-        name, reason = next(iter(declined_fused.items()))
-        logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",
-                       len(declined_fused), name, reason)
-    logger.info(
-        "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
-        len(found), ep_size, backend.name, config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
-    )
-    return shards
+            checked.declined_fused[name] = reason
+        checked.returns_logits.append(isinstance(module, nn.ModuleList) and _block_returns_router_logits(name, owner))
+    checked.backend = experts_backend(found[0][1], config.gmm_backend)  # a named backend that declines raises here
+    x, weight, trans_weight = gmm_probe(found[0][1])
+    checked.declined_backends = [
+        f"{s.name}: {s.reason}" for s in gmm_backends(x, weight, trans_weight=trans_weight) if not s.eligible
+    ]
+    return checked
 
 
 def _check_ranks_agree(
-    group: dist.ProcessGroup | None, ep_size: int, config: ExpertParallelConfig, shards: list[ExpertShard]
+    group: dist.ProcessGroup | None, ep_size: int, config: ExpertParallelConfig,
+    found: list[tuple[str, nn.Module, nn.Module]], checked: _Checked | None, error: Exception | None,
 ) -> None:
-    """Raise on every rank if the ranks disagree on the config or the experts modules: otherwise they
-    would issue different collectives later and wait on each other until the group's timeout."""
-    if ep_size == 1:
-        return
-    mine = (dataclasses.astuple(config), [(s.module_name, s.num_experts) for s in shards])
-    gathered: list[Any] = [None] * ep_size
-    dist.all_gather_object(gathered, mine, group=group)
-    for rank, theirs in enumerate(gathered):
-        if theirs != mine:
-            raise ValueError(
-                f"apply_expert_parallel: EP ranks disagree on the config or the experts modules: "
-                f"rank {rank} has {theirs}, this rank has {mine}"
-            )
+    """Raise on every rank if any rank's validation failed or the ranks disagree on the config or the
+    experts modules: otherwise they would issue different collectives later and wait on each other
+    until the group's timeout. One ``all_gather_object`` (none for a group of one)."""
+    if ep_size > 1:
+        experts = ([(s.module_name, s.num_experts) for s in checked.shards] if checked is not None
+                   else [name for name, _, _ in found])
+        mine = (dataclasses.astuple(config), experts, None if error is None else f"{type(error).__name__}: {error}")
+        gathered: list[Any] = [None] * ep_size
+        dist.all_gather_object(gathered, mine, group=group)
+        failed = [(rank, theirs[2]) for rank, theirs in enumerate(gathered) if theirs[2] is not None]
+        if failed and error is None:
+            rank, message = failed[0]
+            raise ValueError(f"apply_expert_parallel: EP rank {rank} failed to validate the model: {message}")
+        if error is None:
+            for rank, theirs in enumerate(gathered):
+                if theirs[:2] != mine[:2]:
+                    raise ValueError(
+                        f"apply_expert_parallel: EP ranks disagree on the config or the experts modules: "
+                        f"rank {rank} has {theirs[:2]}, this rank has {mine[:2]}"
+                    )
+    if error is not None:
+        raise error
 
 
 def _resolve_dispatch(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
-    """``("fused" | "alltoallv", why a requested fused path was declined or None)`` for one module.
-
-    ``"auto"`` takes the fused path on accelerators, whose collectives run asynchronously beside the
-    compute, and all-to-all-v on CPU, where ``benchmarks/fused_cpu.md`` measured no gain from rounds.
-    """
+    """``(ExpertParallelState.dispatch, why a requested fused path was declined or None)`` for one module:
+    the configured mode where the fused ops can run these experts (``"auto"`` is then decided per
+    call, see :meth:`~epmoe.ep.layer.ExpertParallelState.dispatch_on`), else ``"alltoallv"``."""
     if config.dispatch == "alltoallv":
         return "alltoallv", None
     reason = fused_ineligible_reason(experts)
     if reason is None:
-        on_cpu = next(experts.parameters()).device.type == "cpu"
-        return ("fused" if config.dispatch == "fused" or not on_cpu else "alltoallv"), None
+        return config.dispatch, None
     return "alltoallv", reason if config.dispatch == "fused" else None
 
 
@@ -230,16 +273,26 @@ def _shard_module_list(experts: nn.ModuleList, shard: ExpertShard) -> nn.ModuleL
     return nn.ModuleList(experts[shard.local_start:shard.local_end])
 
 
-def _block_returns_router_logits(block: nn.Module) -> bool:
+def _block_returns_router_logits(name: str, block: nn.Module) -> bool:
     """Whether the block's own forward returns ``(hidden, router_logits)`` (transformers 4.x style):
-    probed once, on one zero token, before anything is changed."""
-    hidden_size = block_router(block).weight.shape[-1]
-    param = next(block.parameters())
+    probed once, on one zero token, before anything is changed. Also checks that the block has what
+    the EP block forward needs (a router, a top-k)."""
+    block_top_k(block)
+    router = block_router(block)
+    weight = getattr(router, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(
+            f"apply_expert_parallel: {name}: the router {type(router).__name__} needs a 2-D `weight` "
+            f"(E, H) to size the probe input"
+        )
     was_training = block.training
     with torch.no_grad(), torch.random.fork_rng(devices=[]):  # dropout / jitter must not consume the RNG
         block.eval()
         try:
-            out = block(torch.zeros(1, 1, hidden_size, dtype=param.dtype, device=param.device))
+            out = block(torch.zeros(1, 1, weight.shape[-1], dtype=weight.dtype, device=weight.device))
+        except Exception as exc:  # noqa: BLE001 - any failure of the model's own forward, reported by name
+            raise ValueError(f"apply_expert_parallel: {name}: the block's own forward failed on a probe token: "
+                             f"{type(exc).__name__}: {exc}") from exc
         finally:
             block.train(was_training)
     return isinstance(out, tuple)

@@ -157,7 +157,7 @@ def unpermute_and_combine(
     """Weight each returned row by its routing weight (on the sender, so the router gets its gradient),
     restore slot order and sum each token's ``K`` rows (a fixed-order reduction: deterministic)."""
     T, K = top_k_weights_TK.shape
-    weights_S = top_k_weights_TK.reshape(-1)[plan.sort_S]
+    weights_S = permute_rows(top_k_weights_TK.reshape(-1, 1), plan.sort_S, plan.unsort_S).squeeze(1)
     weighted_S = y_rank_major * weights_S.unsqueeze(-1)  # in the wider dtype, as transformers does
     weighted_slots = permute_rows(weighted_S, plan.unsort_S, plan.sort_S)
     return weighted_slots.view(T, K, y_rank_major.shape[-1]).sum(dim=1).to(out_dtype)

@@ -81,13 +81,20 @@ def fused_routed_experts(
 
 
 def shared_block_forward(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Drop-in forward of a Qwen2-MoE-style or DeepSeek-style block, shared expert overlapped."""
-    experts = block.experts
+    """Drop-in forward of a Qwen2-MoE-style or DeepSeek-style block, shared expert overlapped.
+
+    Runs the block's own forward instead (its experts still expert-parallel, without the shared
+    expert in their gaps) when this call does not take the fused path, or when the experts or the
+    shared expert were wrapped after :func:`epmoe.apply_expert_parallel` (e.g. PEFT LoRA): calling
+    around a wrapper would drop what it adds.
+    """
+    state, shared = getattr(block.experts, "_epmoe", None), shared_mlp(block)
+    if state is None or shared is None or state.dispatch_on(hidden_states.device) != "fused":
+        return block._epmoe_block_forward(hidden_states)
     shape = hidden_states.shape
     hidden_TH = hidden_states.reshape(-1, shape[-1])
     _, top_k_weights, top_k_index = block.gate(hidden_TH)
-    routed, shared_out = fused_routed_experts(experts._epmoe, hidden_TH, top_k_index, top_k_weights,
-                                              shared_mlp(block))
+    routed, shared_out = fused_routed_experts(state, hidden_TH, top_k_index, top_k_weights, shared)
     if hasattr(block, "shared_expert_gate"):
         shared_out = torch.sigmoid(block.shared_expert_gate(hidden_TH)) * shared_out
     return (routed + shared_out).view(shape)

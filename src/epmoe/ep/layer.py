@@ -45,8 +45,17 @@ class ExpertParallelState:
     config: ExpertParallelConfig
     group: dist.ProcessGroup | None
     local_experts: nn.Module  # what runs the local experts: the packed module, or a ModuleList slice
-    dispatch: str = "alltoallv"  # resolved: "alltoallv" or "fused"
+    dispatch: str = "alltoallv"  # "alltoallv", or "fused" / "auto" where the fused ops can run these experts
     returns_router_logits: bool = False  # ModuleList blocks only: the block's own return convention
+
+    def dispatch_on(self, device: torch.device) -> str:
+        """``"fused"`` or ``"alltoallv"`` for hidden states on ``device``. ``"auto"`` is decided per call
+        (the model may move after :func:`apply_expert_parallel`): the fused path on accelerators, whose
+        collectives run beside the compute, all-to-all-v on CPU, where ``benchmarks/fused_cpu.md``
+        measured no gain from rounds."""
+        if self.dispatch == "auto":
+            return "alltoallv" if device.type == "cpu" else "fused"
+        return self.dispatch
 
 
 def routed_experts(
@@ -59,7 +68,7 @@ def routed_experts(
             f"{shard.module_name}: expected top_k_index and top_k_weights of shape (T, K) with T={hidden_TH.shape[0]}, "
             f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
         )
-    if state.dispatch == "fused":
+    if state.dispatch_on(hidden_TH.device) == "fused":
         return fused_routed_experts(state, hidden_TH, top_k_index, top_k_weights)[0]
     plan = plan_routing(top_k_index, shard.num_experts, shard.ep_size, state.group)
     dispatcher = AllToAllDispatcher(plan, hidden_TH.device)
