@@ -2,16 +2,26 @@
 
 import pytest
 import torch
+from custom_moe import BiasedExpert, ExpertMLP
+from torch import nn
 
 from epmoe import experts as experts_mod
-from epmoe.experts import experts_forward, gate_activation
+from epmoe.experts import experts_backend, experts_forward, experts_gmm_backends, gate_activation
 from epmoe.models import build_model
 from npu_emulation import install
 
+MIXED = [5, 0, 3, 9, 0, 1, 2, 4]
 
-def packed_experts(family):
-    model = build_model(family, dtype=torch.float64)
+
+def packed_experts(family, dtype=torch.float64, **overrides):
+    model = build_model(family, dtype=dtype, **overrides)
     return next(m for m in model.modules() if experts_mod.is_packed_experts(m))
+
+
+def hidden_size(module):
+    if isinstance(module, nn.ModuleList):
+        return module[-1].w2.out_features
+    return module.down_proj.shape[2 if module.is_transposed else 1]
 
 
 def eager_per_expert(module, x_em, counts):
@@ -41,6 +51,129 @@ def test_packed_experts_match_eager(family, counts):
     torch.testing.assert_close(y, y_ref)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, torch.zeros_like(g) if g_ref is None else g_ref)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("counts", [MIXED, [24, 0, 0, 0, 0, 0, 0, 0]], ids=["mixed", "one_expert"])
+def test_packed_experts_fp32_torch_backend_match_eager(family, counts):
+    """The real HF layouts (Linear layout; GPT-OSS transposed + interleaved gate/up + biases) in fp32
+    through the `torch` grouped_mm kernel, against transformers' eager fp32 forward and gradients."""
+    module = packed_experts(family, dtype=torch.float32)
+    with torch.no_grad():  # non-zero biases, so their gradients and the row-bias gather are exercised
+        for name, param in module.named_parameters():
+            if name.endswith("_bias"):
+                param.normal_()
+    assert experts_backend(module).name == "torch"
+    x = torch.randn(sum(counts), hidden_size(module), requires_grad=True)
+    y = experts_forward(module, x, counts, backend="torch")
+    dy = torch.randn_like(y)
+    params = [x, *module.parameters()]
+    grads = torch.autograd.grad(y, params, dy)
+    y_ref = eager_per_expert(module, x, counts)
+    grads_ref = torch.autograd.grad(y_ref, params, dy, allow_unused=True)
+    tol = dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y, y_ref, **tol)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, torch.zeros_like(g) if g_ref is None else g_ref, **tol)
+    for g in grads[1:]:  # idle experts: exactly zero
+        assert all(torch.count_nonzero(g[j]) == 0 for j, n in enumerate(counts) if n == 0)
+
+
+class Placeholder(nn.Module):
+    """A parameterless stand-in for an expert held elsewhere (as after sharding)."""
+
+
+class ScaledExpert(nn.Module):
+    """An expert whose first parameter is 1-D."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(hidden))
+        self.up = nn.Linear(hidden, inter)
+        self.down = nn.Linear(inter, hidden)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x * self.scale)))
+
+
+def _module_list(expert_cls, hidden, inter, n=4):
+    return nn.ModuleList(expert_cls(hidden, inter) for _ in range(n))
+
+
+@pytest.mark.parametrize(
+    "make,inter,expected",
+    [
+        (lambda inter: packed_experts("qwen3_moe", torch.float32, hidden_size=16, moe_intermediate_size=inter), 6,
+         "loop"),
+        (lambda inter: packed_experts("qwen3_moe", torch.float32, hidden_size=16, moe_intermediate_size=inter), 8,
+         "torch"),
+        (lambda inter: packed_experts("gpt_oss", torch.float32, hidden_size=16, intermediate_size=inter), 6, "loop"),
+        (lambda inter: packed_experts("gpt_oss", torch.float32, hidden_size=16, intermediate_size=inter), 8, "torch"),
+        (lambda inter: _module_list(ExpertMLP, 16, inter), 6, "loop"),
+        (lambda inter: _module_list(ExpertMLP, 16, inter), 8, "torch"),
+    ],
+    ids=["packed-I6", "packed-I8", "gpt_oss-I6", "gpt_oss-I8", "module_list-I6", "module_list-I8"],
+)
+def test_experts_backend_judges_every_projection(make, inter, expected):
+    """H=16, I=6 fp32: the gate/up projection fits the `torch` kernel, the down projection (K=I) does
+    not; the backend experts_backend picks must run experts_forward (up and down, forward and backward)."""
+    module = make(inter)
+    statuses = {s.name: s for s in experts_gmm_backends(module)}
+    backend = experts_backend(module).name
+    assert backend == expected
+    if expected == "loop":
+        assert statuses["torch"].reason.startswith("down_proj: x stride 6")
+        with pytest.raises(ValueError, match=r"backend='torch'.*down_proj: x stride 6"):
+            experts_backend(module, "torch")
+    counts = MIXED[:experts_mod.num_experts_of(module)]
+    x = torch.randn(sum(counts), 16, requires_grad=True)
+    y = experts_forward(module, x, counts, backend=backend)
+    y.square().sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in module.parameters())
+
+
+@pytest.mark.parametrize(
+    "experts",
+    [
+        lambda: _module_list(BiasedExpert, 16, 8),
+        lambda: _module_list(ScaledExpert, 16, 8),
+        lambda: nn.ModuleList([Placeholder(), *_module_list(ExpertMLP, 16, 8, n=3)]),
+    ],
+    ids=["biased", "first_param_1d", "placeholder_first"],
+)
+def test_module_list_run_expert_by_expert_reports_loop(experts):
+    """Experts run one by one issue no grouped matmul: `loop` is what runs, whatever their parameters."""
+    experts = experts()
+    statuses = experts_gmm_backends(experts)
+    assert [s.name for s in statuses if s.eligible] == ["loop"]
+    assert all("each runs its own forward" in s.reason for s in statuses if not s.eligible)
+    assert experts_backend(experts).name == "loop"
+    with pytest.raises(ValueError, match="backend='torch'.*each runs its own forward"):
+        experts_backend(experts, "torch")
+
+
+@pytest.mark.parametrize("expert_cls", [BiasedExpert, ExpertMLP], ids=["expert_by_expert", "stacked"])
+@pytest.mark.parametrize("counts", [[3, 0, 4, 0], [0, 0, 0, 0]], ids=["mixed", "no_rows"])
+def test_module_list_idle_experts_get_zero_grads(expert_cls, counts):
+    """Every ModuleList path gives an idle expert exact-zero gradients (not None), like the packed path."""
+    experts = _module_list(expert_cls, 16, 8).double()
+    x = torch.randn(sum(counts), 16, dtype=torch.float64, requires_grad=True)
+    y = experts_forward(experts, x, counts)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    start = 0
+    for expert, n in zip(experts, counts):
+        rows = x.detach()[start:start + n].requires_grad_()
+        expert_grads = [p.grad for p in expert.parameters()]
+        assert all(g is not None for g in expert_grads)
+        if n == 0:
+            assert all(torch.count_nonzero(g) == 0 for g in expert_grads)
+        else:
+            ref = torch.autograd.grad(expert(rows), list(expert.parameters()), dy[start:start + n])
+            for g, g_ref in zip(expert_grads, ref):
+                torch.testing.assert_close(g, g_ref)
+        start += n
+    assert x.grad is not None and x.grad.shape == x.shape
 
 
 def test_experts_forward_validates_counts():

@@ -24,14 +24,22 @@ def reference(x, weight, counts, trans_weight):
     return torch.cat(out) if out else x.new_zeros(0, w.shape[2]).double()
 
 
-def check(backend, counts, K=16, N=8, trans_weight=False, dtype=torch.float32, atol=1e-5, x_transposed=False):
+def offset_view(shape, dtype, offset):
+    """A leaf tensor of ``shape`` viewing a flat buffer from element ``offset`` (valid strides; its data
+    pointer is 16-byte aligned only if ``offset * itemsize`` is)."""
+    numel = torch.Size(shape).numel()
+    return torch.randn(numel + offset, dtype=dtype)[offset:].view(shape).detach().requires_grad_()
+
+
+def check(backend, counts, K=16, N=8, trans_weight=False, dtype=torch.float32, atol=1e-5, x_transposed=False,
+          offset=0):
     T, G = sum(counts), len(counts)
     if x_transposed:
         x = torch.randn(K, T, dtype=dtype).t().requires_grad_()
     else:
-        x = torch.randn(T, K, dtype=dtype, requires_grad=True)
+        x = offset_view((T, K), dtype, offset)
     shape = (G, N, K) if trans_weight else (G, K, N)
-    weight = torch.randn(shape, dtype=dtype, requires_grad=True)
+    weight = offset_view(shape, dtype, offset)
     y = epmoe.grouped_mm(x, weight, counts, trans_weight=trans_weight, backend=backend)
     assert y.shape == (T, N) and y.dtype == dtype
     dy = torch.randn(T, N, dtype=dtype)
@@ -69,6 +77,32 @@ def test_low_precision(backend, dtype, atol):
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_non_contiguous_x(backend):
     check(backend, [4, 0, 8], x_transposed=True)
+
+
+@pytest.mark.parametrize("trans_weight", [False, True])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cpu_kernel_takes_misaligned_pointers(trans_weight, dtype, atol):
+    """The CPU kernel reads any address (torch 2.13): views one element into a buffer stay on `torch`."""
+    x, w = offset_view((4, 16), dtype, 1), offset_view((2, 16, 8), dtype, 1)
+    assert x.data_ptr() % 16 and w.data_ptr() % 16
+    assert select_backend(x, w).name == "torch"
+    check("torch", [5, 0, 7, 3], trans_weight=trans_weight, dtype=dtype, atol=atol, offset=1)
+
+
+def test_cuda_needs_aligned_pointers(monkeypatch):
+    """On CUDA the kernel rejects a data pointer that is not 16-byte aligned (CPU tensors stand in)."""
+    from epmoe.gmm import torch_gmm
+
+    monkeypatch.setattr(torch_gmm.platform, "device_type", lambda obj=None: "cuda")
+    monkeypatch.setattr(torch_gmm.platform, "device_capability", lambda device=None: (9, 0))
+    torch_backend = torch_gmm.TorchBackend()
+    bf16 = torch.bfloat16
+    aligned_x, aligned_w = torch.randn(4, 16, dtype=bf16), torch.randn(2, 16, 8, dtype=bf16)
+    assert torch_backend.ineligible_reason(aligned_x, aligned_w) is None
+    assert torch_backend.ineligible_reason(offset_view((4, 16), bf16, 1), aligned_w) == (
+        "x data pointer is not 16-byte aligned")
+    assert torch_backend.ineligible_reason(aligned_x, offset_view((2, 8, 16), bf16, 1), trans_weight=True) == (
+        "weight data pointer is not 16-byte aligned")
 
 
 @settings(max_examples=25, deadline=None)
@@ -128,23 +162,30 @@ def test_trans_weight_is_not_copied(monkeypatch):
 @pytest.mark.parametrize(
     "x,w,counts,kwargs,error,match",
     [
-        ([[1.0]], torch.randn(1, 1, 1), [1], {}, TypeError, "x"),
-        (torch.randn(2, 3), [[1.0]], [2], {}, TypeError, "weight"),
-        (torch.randn(2, 3, 1), torch.randn(1, 3, 2), [2], {}, ValueError, "x"),
-        (torch.randn(2, 3), torch.randn(3, 2), [2], {}, ValueError, "weight"),
-        (torch.randn(2, 3), torch.randn(1, 4, 2), [2], {}, ValueError, "K=4"),
-        (torch.randn(2, 3), torch.randn(1, 3, 2), [2], {"trans_weight": True}, ValueError, "K=2"),
-        (torch.randn(2, 3), torch.randn(1, 3, 2).double(), [2], {}, ValueError, "dtype"),
-        (torch.ones(2, 3, dtype=torch.int64), torch.ones(1, 3, 2, dtype=torch.int64), [2], {}, ValueError, "floating"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [2], {}, ValueError, "1 counts for 2 groups"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [3, -1], {}, ValueError, "non-negative"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 2], {}, ValueError, "sum to 3"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [1.0, 1.0], {}, ValueError, "counts"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [True, 1], {}, ValueError, "counts"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), torch.tensor([1.0, 1.0]), {}, ValueError, "integer"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), "11", {}, TypeError, "counts"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"trans_weight": 1}, TypeError, "trans_weight"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"backend": "nope"}, ValueError, "unknown backend 'nope'"),
+        ([[1.0]], torch.randn(1, 1, 1), [1], {}, TypeError, r"grouped_mm\(x\): expected a Tensor"),
+        (torch.randn(2, 3), [[1.0]], [2], {}, TypeError, r"grouped_mm\(weight\): expected a Tensor"),
+        (torch.randn(2, 3, 1), torch.randn(1, 3, 2), [2], {}, ValueError, r"grouped_mm\(x\): expected a 2-D"),
+        (torch.randn(2, 3), torch.randn(3, 2), [2], {}, ValueError, r"grouped_mm\(weight\): expected a 3-D"),
+        (torch.randn(2, 3), torch.randn(1, 4, 2), [2], {}, ValueError, r"grouped_mm\(weight\): .* has K=4"),
+        (torch.randn(2, 3), torch.randn(1, 3, 2), [2], {"trans_weight": True}, ValueError,
+         r"grouped_mm\(weight\): .* has K=2"),
+        (torch.randn(2, 3), torch.randn(1, 3, 2).double(), [2], {}, ValueError, r"grouped_mm\(weight\): dtype"),
+        (torch.ones(2, 3, dtype=torch.int64), torch.ones(1, 3, 2, dtype=torch.int64), [2], {}, ValueError,
+         r"grouped_mm\(x\): expected a floating dtype"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [2], {}, ValueError, r"grouped_mm\(counts\): 1 counts for 2 groups"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [3, -1], {}, ValueError, r"grouped_mm\(counts\): .*non-negative"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 2], {}, ValueError, r"grouped_mm\(counts\): counts sum to 3"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1.0, 1.0], {}, ValueError, r"grouped_mm\(counts\): expected ints"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [True, 1], {}, ValueError, r"grouped_mm\(counts\): expected ints"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), torch.tensor([1.0, 1.0]), {}, ValueError,
+         r"grouped_mm\(counts\): expected an integer tensor"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), "11", {}, TypeError, r"grouped_mm\(counts\): expected a sequence"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"trans_weight": 1}, TypeError,
+         r"grouped_mm\(trans_weight\): expected a bool"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"backend": "nope"}, ValueError,
+         r"grouped_mm\(backend\): unknown backend 'nope'"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"backend": 1}, TypeError,
+         r"grouped_mm\(backend\): expected a str"),
     ],
 )
 def test_validation(x, w, counts, kwargs, error, match):
@@ -174,8 +215,49 @@ def test_env_forces_backend(monkeypatch):
     assert select_backend(torch.randn(4, 8), torch.randn(2, 8, 4)).name == "loop"
     assert select_backend(torch.randn(4, 8), torch.randn(2, 8, 4), backend="torch").name == "loop"
     monkeypatch.setenv("EPMOE_GMM_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="EPMOE_GMM_BACKEND"):
+    with pytest.raises(ValueError, match=r"grouped_mm\(\$EPMOE_GMM_BACKEND\): unknown backend 'bogus'"):
         epmoe.grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 4), [2, 2])
+
+
+def test_select_backend_validates_like_grouped_mm(monkeypatch, caplog):
+    """A bad operand raises naming it, before any backend is judged or any fallback is logged."""
+    monkeypatch.setattr(dispatch, "_logged", set())
+    with pytest.raises(TypeError, match=r"select_backend\(x\): expected a Tensor"):
+        select_backend([[1.0]], torch.randn(2, 1, 4))
+    with caplog.at_level(logging.INFO, logger="epmoe.gmm.dispatch"):
+        with pytest.raises(ValueError, match=r"select_backend\(weight\): .* has K=6, but x has K=8"):
+            select_backend(torch.randn(4, 8), torch.randn(2, 6, 4))
+        with pytest.raises(ValueError, match=r"gmm_backends\(weight\): .* has K=6, but x has K=8"):
+            epmoe.gmm_backends(torch.randn(4, 8), torch.randn(2, 6, 4))
+    assert caplog.records == [] and dispatch._logged == set()
+
+
+@pytest.mark.parametrize(
+    "make_x,torch_eligible",
+    [(lambda: torch.randn(5, 8)[:, :6], False),  # padded rows: fine as given, not once contiguous
+     (lambda: torch.randn(5, 16)[:, ::2], True)],  # no unit stride as given, fine once contiguous
+    ids=["padded", "strided"],
+)
+def test_non_contiguous_x_judged_as_grouped_mm_passes_it(make_x, torch_eligible):
+    x = make_x()
+    w = torch.randn(2, x.shape[1], 4)
+    statuses = {s.name: s for s in epmoe.gmm_backends(x, w)}
+    assert statuses["torch"].eligible == torch_eligible
+    assert select_backend(x, w).name == ("torch" if torch_eligible else "loop")
+    if not torch_eligible:
+        assert statuses["torch"].reason.startswith(f"x stride {x.shape[1]}")
+    torch.testing.assert_close(epmoe.grouped_mm(x, w, [2, 3]), reference(x, w, [2, 3], False).float())
+
+
+def test_gmm_backends_for_judges_every_call():
+    x8, w8 = torch.randn(0, 8), torch.randn(2, 8, 8)
+    x6, w6 = torch.randn(0, 6), torch.randn(2, 6, 8)
+    statuses = {s.name: s for s in dispatch.gmm_backends_for({"up": (x8, w8, False), "down": (x6, w6, False)})}
+    assert not statuses["torch"].eligible and statuses["torch"].reason.startswith("down: x stride 6")
+    assert statuses["loop"].eligible
+    assert all(s.eligible for s in dispatch.gmm_backends_for({}))
+    with pytest.raises(ValueError, match=r"gmm_backends_for\['down'\]\(weight\): .* has K=8, but x has K=6"):
+        dispatch.gmm_backends_for({"up": (x8, w8, False), "down": (x6, w8, False)})
 
 
 def test_gmm_backends_lists_every_backend():
@@ -214,7 +296,7 @@ def test_register_backend_order_and_validation():
         assert [s.name for s in epmoe.gmm_backends()] == ["fast", "npu", "torch", "loop"]
     finally:
         unregister_gmm_backend("fast")
-    with pytest.raises(TypeError, match="backend"):
+    with pytest.raises(TypeError, match=r"register_gmm_backend\(backend\)"):
         epmoe.register_gmm_backend(object())
-    with pytest.raises(ValueError, match="before"):
+    with pytest.raises(ValueError, match=r"register_gmm_backend\(before\): no backend named 'missing'"):
         epmoe.register_gmm_backend(Fast(), before="missing")

@@ -153,10 +153,29 @@ def meta(*shape, dtype=torch.bfloat16):
         (meta(8, 65536), meta(4, 65536, 32), False, "inner dims [65536, 65536] exceed the kernel's limit of 65535"),
         (meta(8, 64), meta(4, 64, 65536), False, "inner dims [65536] exceed the kernel's limit of 65535"),
         (meta(8, 64), meta(4, 65536, 64), True, "inner dims [65536] exceed the kernel's limit of 65535"),
+        (meta(8, 64), meta(4, 32, 64).transpose(1, 2), False, None),  # read with the transpose flag
+        (meta(8, 64), meta(4, 64, 32).transpose(1, 2), True, None),
+        (meta(8, 16), meta(4, 16, 8)[::2], False,
+         "weight strides (256, 8, 1) are neither contiguous nor transposed in the last two dims "
+         "(the only layouts the kernel reads)"),
+        (meta(8, 16), meta(2, 16, 16)[:, :, :8], False,
+         "weight strides (256, 16, 1) are neither contiguous nor transposed in the last two dims "
+         "(the only layouts the kernel reads)"),
     ],
 )
 def test_reasons_on_npu(claims_npu, x, w, trans_weight, reason):
     assert NpuBackend().ineligible_reason(x, w, trans_weight=trans_weight) == reason
+
+
+@pytest.mark.parametrize("trans_weight", [False, True])
+def test_strided_weight_is_declined_not_crashed(fake_torch_npu, claims_npu, trans_weight):
+    """A weight the kernel cannot read (a strided slice) goes to another backend instead of the op."""
+    x, weight = torch.randn(6, 16), torch.randn(4, 16, 16)[::2]
+    with pytest.raises(ValueError, match="backend='npu'.*neither contiguous nor transposed"):
+        epmoe.grouped_mm(x, weight, [2, 4], trans_weight=trans_weight, backend="npu")
+    y = epmoe.grouped_mm(x, weight, [2, 4], trans_weight=trans_weight)
+    torch.testing.assert_close(y.double(), reference(x, weight, [2, 4], trans_weight), atol=1e-4, rtol=1e-5)
+    assert fake_torch_npu.calls == []
 
 
 # The emulation itself --------------------------------------------------------------------------

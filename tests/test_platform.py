@@ -1,5 +1,7 @@
-"""epmoe.platform on CPU, and its accelerator branches with availability patched (no device claims)."""
+"""epmoe.platform with device availability patched: as a CPU-only process on any host, and its
+accelerator branches against stand-in device modules (no device claims)."""
 
+import inspect
 import types
 
 import pytest
@@ -8,7 +10,13 @@ import torch
 from epmoe import platform
 
 
-def test_cpu_process():
+@pytest.fixture
+def no_accelerator(monkeypatch):
+    """No accelerator is seen, whatever this host has."""
+    monkeypatch.setattr(platform, "device_module", lambda t: None)
+
+
+def test_cpu_process(no_accelerator):
     assert platform.device_type() == "cpu"
     assert platform.current_device() == torch.device("cpu")
     assert platform.comm_backend() == "gloo"
@@ -39,13 +47,21 @@ def test_comm_backend_per_device_type(kind, backend):
     assert platform.comm_backend(kind) == backend
 
 
+def test_comm_backend_argument_is_device_type():
+    """API.md: comm_backend(device_type=None), keyword included."""
+    assert list(inspect.signature(platform.comm_backend).parameters) == ["device_type"]
+    assert platform.comm_backend(device_type="npu") == "hccl"
+
+
 def test_comm_backend_unknown():
-    with pytest.raises(ValueError, match="tpu"):
+    with pytest.raises(ValueError, match=r"comm_backend\(device_type\): unknown device type 'tpu'"):
         platform.comm_backend("tpu")
 
 
-def test_no_npu_here():
-    assert platform.torch_npu() is None
+def test_npu_unavailable_without_torch_npu(monkeypatch):
+    monkeypatch.setattr(platform, "torch_npu", lambda: None)
+    monkeypatch.delattr(torch, "npu", raising=False)
+    assert platform.device_module("npu") is None
     assert not platform.is_available("npu")
     assert platform.is_available("cpu")
 
@@ -55,12 +71,14 @@ class _FakeDeviceModule(types.SimpleNamespace):
 
 
 def _fake(monkeypatch, kind):
+    """Make ``kind`` the only available accelerator; returns the calls its module receives."""
     calls = []
     module = _FakeDeviceModule(
         is_available=lambda: True,
-        synchronize=lambda: calls.append("synchronize"),
+        synchronize=lambda device=None: calls.append(("synchronize", device)),
         current_device=lambda: 3,
-        get_device_capability=lambda index=None: (9, 0),
+        get_device_capability=lambda device=None: calls.append(("capability", device)) or (9, 0),
+        Stream=lambda device=None: types.SimpleNamespace(device=device),
     )
     monkeypatch.setattr(platform, "device_module", lambda t: module if t == kind else None)
     return calls
@@ -74,10 +92,26 @@ def test_accelerator_branches(monkeypatch, kind):
         assert platform.current_device() == torch.device(kind, 3)
     assert platform.comm_backend() == {"npu": "hccl", "cuda": "nccl"}[kind]
     platform.synchronize()
-    assert calls == ["synchronize"]
+    assert calls == [("synchronize", None)]  # the current device
     platform.synchronize("cpu")  # nothing to wait for on the host
-    assert calls == ["synchronize"]
+    assert calls == [("synchronize", None)]
     assert platform.device_capability() == ((9, 0) if kind == "cuda" else None)
+
+
+@pytest.mark.parametrize(
+    "kind,device",
+    [("cuda", "cuda:1"), ("cuda", torch.device("cuda", 1)), ("npu", "npu:1")],  # torch.device("npu") needs torch_npu
+    ids=str,
+)
+def test_indexed_device_reaches_the_device_module(monkeypatch, kind, device):
+    """synchronize / new_stream / device_capability act on device 1 itself, not the current device."""
+    calls = _fake(monkeypatch, kind)
+    platform.synchronize(device)
+    assert calls == [("synchronize", 1)]
+    assert platform.new_stream(device).device == 1
+    assert platform.new_stream(kind).device is None  # no index: the current device
+    if kind == "cuda":
+        assert platform.device_capability(device) == (9, 0) and calls[-1] == ("capability", 1)
 
 
 def test_npu_preferred_over_cuda(monkeypatch):

@@ -16,7 +16,10 @@ Two kinds of experts modules are understood:
   On an NPU the default SiLU gate runs as ``torch_npu.npu_swiglu``.
 * ``nn.ModuleList`` of per-expert MLPs: with ``gate_proj`` / ``up_proj`` / ``down_proj`` (or Mixtral's
   ``w1`` / ``w3`` / ``w2``) bias-free ``nn.Linear`` layers and an ``act_fn``, the weights are stacked
-  and run grouped; any other expert module is called on its own rows.
+  and run grouped; any other expert module is called on its own rows (idle experts on zero rows).
+
+:func:`experts_backend` says which grouped-matmul backend that runs on, judged on every grouped
+matmul :func:`experts_forward` issues (:func:`gmm_probes`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,17 @@ import torch
 from torch import nn
 
 from epmoe import platform
-from epmoe.gmm import GmmBackend, grouped_mm, select_backend
+from epmoe.gmm import BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 
-__all__ = ["experts_backend", "experts_forward", "gate_activation", "gmm_probe", "is_packed_experts", "num_experts_of"]
+__all__ = [
+    "experts_backend",
+    "experts_forward",
+    "experts_gmm_backends",
+    "gate_activation",
+    "gmm_probes",
+    "is_packed_experts",
+    "num_experts_of",
+]
 
 _LINEAR_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
@@ -49,23 +60,52 @@ def num_experts_of(module: nn.Module) -> int:
     return module.down_proj.shape[0]
 
 
-def gmm_probe(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """``(x, weight, trans_weight)``: an empty input and the up projection's weight, laid out as
-    :func:`experts_forward` passes them to ``grouped_mm`` (for asking which backend would run)."""
+def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
+    """Every ``grouped_mm`` call :func:`experts_forward` issues on ``module``, by projection name, as
+    ``(x, weight, trans_weight)`` with the real shapes, layouts, dtype and device.
+
+    ``x`` is an empty ``(0, K)`` tensor like the real (contiguous) input; ``weight`` is the packed
+    parameter itself, or, for an ``nn.ModuleList`` of Linear triples, an uninitialised tensor laid out
+    like the stacked weight :func:`experts_forward` builds. A ``ModuleList`` run expert by expert
+    issues no grouped matmul: ``{}``.
+    """
     if isinstance(module, nn.ModuleList):
-        weight = next(module[0].parameters())  # stacked: (e, out, in), nn.Linear layout
-        weight, trans_weight = weight.unsqueeze(0), True
+        triples = _linear_triples(module)
+        if triples is None:
+            return {}
+        gate, up, down = triples[0]
+        e = len(triples)
+        weights = {  # nn.Linear layout (e, out, in), contiguous like torch.stack / torch.cat output
+            "gate_up_proj": gate.weight.new_empty(e, gate.out_features + up.out_features, gate.in_features),
+            "down_proj": down.weight.new_empty(e, down.out_features, down.in_features),
+        }
+        trans_weight = True
     else:
-        weight = module.gate_up_proj if module.has_gate else module.up_proj
+        up_name = "gate_up_proj" if module.has_gate else "up_proj"
+        weights = {up_name: getattr(module, up_name), "down_proj": module.down_proj}
         trans_weight = not module.is_transposed
-    hidden = weight.shape[2] if trans_weight else weight.shape[1]
-    return torch.empty(0, hidden, dtype=weight.dtype, device=weight.device), weight, trans_weight
+    k_dim = 2 if trans_weight else 1
+    return {name: (w.new_empty(0, w.shape[k_dim]), w, trans_weight) for name, w in weights.items()}
+
+
+def experts_gmm_backends(module: nn.Module) -> list[BackendStatus]:
+    """Every registered grouped-matmul backend with whether :func:`experts_forward` could run
+    ``module`` on it: eligible only if it accepts every call of :func:`gmm_probes`.
+
+    A ``ModuleList`` run expert by expert calls each expert's own forward, which is the ``loop``
+    backend's per-group matmuls: only ``loop`` is eligible.
+    """
+    probes = gmm_probes(module)
+    if probes:
+        return gmm_backends_for(probes)
+    why = "the experts are not bias-free nn.Linear triples with an act_fn: each runs its own forward"
+    return [BackendStatus(s.name, s.name == "loop", None if s.name == "loop" else why) for s in gmm_backends_for({})]
 
 
 def experts_backend(module: nn.Module, backend: str = "auto") -> GmmBackend:
-    """The grouped-matmul backend :func:`experts_forward` runs ``module`` on (raises if a named one declines)."""
-    x, weight, trans_weight = gmm_probe(module)
-    return select_backend(x, weight, trans_weight=trans_weight, backend=backend)
+    """The grouped-matmul backend :func:`experts_forward` runs ``module`` on (raises if a named one
+    declines any of its calls)."""
+    return choose_backend(experts_gmm_backends(module), backend=backend)
 
 
 def experts_forward(
@@ -132,9 +172,15 @@ def _linear_triple(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] 
     return None
 
 
-def _module_list_forward(experts: nn.ModuleList, x_em: torch.Tensor, counts: list[int], backend: str) -> torch.Tensor:
+def _linear_triples(experts: nn.ModuleList) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
+    """Every expert's ``(gate, up, down)`` layers if all experts are such triples (then run grouped), else ``None``."""
     triples = [_linear_triple(expert) for expert in experts]
-    if triples and all(t is not None for t in triples):
+    return triples if triples and all(t is not None for t in triples) else None
+
+
+def _module_list_forward(experts: nn.ModuleList, x_em: torch.Tensor, counts: list[int], backend: str) -> torch.Tensor:
+    triples = _linear_triples(experts)
+    if triples is not None:
         gate_w = torch.stack([t[0].weight for t in triples])  # (e, I, H), nn.Linear layout
         up_w = torch.stack([t[1].weight for t in triples])
         down_w = torch.stack([t[2].weight for t in triples])  # (e, H, I)
@@ -144,9 +190,9 @@ def _module_list_forward(experts: nn.ModuleList, x_em: torch.Tensor, counts: lis
         return grouped_mm(h, down_w, counts, trans_weight=True, backend=backend)
     outputs, start = [], 0
     for expert, n in zip(experts, counts):
-        if n:
-            outputs.append(expert(x_em[start:start + n]))
+        # Idle experts run too, on zero rows: autograd then gives their parameters exact-zero
+        # gradients (as the grouped paths do), not None; it also keeps the output connected to x_em,
+        # whose exchange must run in backward on every rank.
+        outputs.append(expert(x_em[start:start + n]))
         start += n
-    if not outputs:  # stay connected to x_em: its exchange must run in backward on every rank
-        return x_em * 0
     return torch.cat(outputs)

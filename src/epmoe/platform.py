@@ -80,17 +80,28 @@ def device_type(obj: Any = None) -> str:
     """
     if obj is None:
         return next((t for t in _ACCELERATORS if is_available(t)), "cpu")
-    if isinstance(obj, torch.Tensor):
-        return obj.device.type
+    return _kind_and_index(obj)[0]
+
+
+def _process_device_type() -> str:
+    """:func:`device_type` of this process, for functions whose ``device_type`` argument shadows it."""
+    return device_type()
+
+
+def _kind_and_index(obj: Any) -> tuple[str, int | None]:
+    """``(device type, device index or None)`` of a tensor, module, ``torch.device`` or string."""
     if isinstance(obj, torch.nn.Module):
         tensor = next(obj.parameters(), None)
         if tensor is None:
             tensor = next(obj.buffers(), None)
-        return "cpu" if tensor is None else tensor.device.type
+        obj = torch.device("cpu") if tensor is None else tensor
+    if isinstance(obj, torch.Tensor):
+        obj = obj.device
     if isinstance(obj, torch.device):
-        return obj.type
+        return obj.type, obj.index
     if isinstance(obj, str):  # parsed by hand: "npu" is a device type only once torch_npu is imported
-        return obj.split(":", 1)[0]
+        kind, _, index = obj.partition(":")
+        return kind, int(index) if index else None
     raise TypeError(f"device_type(obj): expected a Tensor, Module, torch.device or str, got {type(obj).__name__}")
 
 
@@ -106,21 +117,18 @@ def current_device(device_type_: str | None = None) -> torch.device:
 def synchronize(device: Any = None) -> None:
     """Wait for all work queued on ``device`` (default: this process's accelerator). No-op on CPU.
 
-    Needed before reading on the host a tensor a collective wrote on an NPU: HCCL runs on its own
-    stream, which host reads are not ordered with (the seed's garbage split sizes).
+    ``device`` is a tensor, module, ``torch.device`` or string; without an index (``"cuda"``) it means
+    the current device of that type. Needed before reading on the host a tensor a collective wrote on
+    an NPU: HCCL runs on its own stream, which host reads are not ordered with (the seed's garbage
+    split sizes).
     """
-    kind = device_type(device) if device is not None else device_type()
+    kind, index = _kind_and_index(device) if device is not None else (device_type(), None)
     if kind == "cpu":
         return
     module = device_module(kind)
     if module is None or not hasattr(module, "synchronize"):
         return
-    if isinstance(device, torch.Tensor):
-        device = device.device
-    if isinstance(device, torch.device) and device.index is not None:
-        module.synchronize(device)  # that device, not merely the current one
-    else:
-        module.synchronize()
+    module.synchronize(index)  # None: the current device
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -134,33 +142,32 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def comm_backend(device_type_: str | None = None) -> str:
-    """The ``torch.distributed`` backend for a device type: nccl, hccl, xccl, or gloo."""
-    kind = device_type_ or device_type()
+def comm_backend(device_type: str | None = None) -> str:
+    """The ``torch.distributed`` backend for a device type (default: this process's): nccl, hccl,
+    xccl, or gloo."""
+    kind = device_type or _process_device_type()
     try:
         return _COMM_BACKENDS[kind]
     except KeyError:
-        raise ValueError(f"comm_backend(device_type_): unknown device type {kind!r}") from None
+        raise ValueError(f"comm_backend(device_type): unknown device type {kind!r}") from None
 
 
 def device_capability(device: Any = None) -> tuple[int, int] | None:
     """``(major, minor)`` compute capability of a CUDA device, ``None`` for every other type."""
-    kind = device_type(device) if device is not None else device_type()
+    kind, index = _kind_and_index(device) if device is not None else (device_type(), None)
     if kind != "cuda" or not is_available("cuda"):
         return None
-    index = torch.device(device).index if isinstance(device, (str, torch.device)) else None
-    if isinstance(device, torch.Tensor):
-        index = device.device.index
     return tuple(device_module("cuda").get_device_capability(index))
 
 
 def new_stream(device: Any) -> Any | None:
-    """A new side stream on ``device``'s accelerator, or ``None`` where there are no streams (CPU)."""
-    kind = device_type(device)
+    """A new side stream on ``device`` (that device, not the current one, when it has an index), or
+    ``None`` where there are no streams (CPU)."""
+    kind, index = _kind_and_index(device)
     module = device_module(kind)
     if kind == "cpu" or module is None or not hasattr(module, "Stream"):
         return None
-    return module.Stream()
+    return module.Stream(device=index)  # None: the current device
 
 
 @contextlib.contextmanager

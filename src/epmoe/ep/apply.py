@@ -34,8 +34,7 @@ from epmoe.ep.layer import (
     expert_parallel_block_forward,
     expert_parallel_forward,
 )
-from epmoe.experts import experts_backend, gmm_probe, is_packed_experts, num_experts_of
-from epmoe.gmm import gmm_backends
+from epmoe.experts import experts_backend, experts_gmm_backends, is_packed_experts, num_experts_of
 
 logger = logging.getLogger(__name__)
 
@@ -193,10 +192,7 @@ def _validate(
             checked.declined_fused[name] = reason
         checked.returns_logits.append(isinstance(module, nn.ModuleList) and _block_returns_router_logits(name, owner))
     checked.backend = experts_backend(found[0][1], config.gmm_backend)  # a named backend that declines raises here
-    x, weight, trans_weight = gmm_probe(found[0][1])
-    checked.declined_backends = [
-        f"{s.name}: {s.reason}" for s in gmm_backends(x, weight, trans_weight=trans_weight) if not s.eligible
-    ]
+    checked.declined_backends = [f"{s.name}: {s.reason}" for s in experts_gmm_backends(found[0][1]) if not s.eligible]
     return checked
 
 

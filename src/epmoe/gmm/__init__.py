@@ -3,7 +3,9 @@
 from epmoe.gmm.backend import BackendStatus, GmmBackend
 from epmoe.gmm.dispatch import (
     ENV_BACKEND,
+    choose_backend,
     gmm_backends,
+    gmm_backends_for,
     grouped_mm,
     register_gmm_backend,
     select_backend,
@@ -14,7 +16,9 @@ __all__ = [
     "ENV_BACKEND",
     "BackendStatus",
     "GmmBackend",
+    "choose_backend",
     "gmm_backends",
+    "gmm_backends_for",
     "grouped_mm",
     "register_gmm_backend",
     "select_backend",

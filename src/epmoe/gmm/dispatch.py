@@ -11,6 +11,8 @@
 Registry order is the order of preference: ``npu``, ``torch``, then ``loop``, which always accepts
 and stays last. The first time an accelerated backend runs, one INFO line says so; the first time the
 dispatcher falls back past accelerated backends, one WARNING names each one that declined and why.
+A caller that issues several grouped matmuls (the experts' up and down projections) judges them
+together with :func:`gmm_backends_for` and picks one backend for all with :func:`choose_backend`.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import operator
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -67,19 +69,24 @@ def gmm_backends(
 ) -> list[BackendStatus]:
     """Every registered backend, in order, with whether it would run ``grouped_mm(x, weight)``.
 
-    Without ``x``/``weight`` a small fp32 problem on the CPU is assumed.
+    Without ``x``/``weight`` a small fp32 problem on the CPU is assumed. Operands are validated and
+    judged as ``grouped_mm`` judges them (``x`` made contiguous).
     """
     if (x is None) != (weight is None):
         raise ValueError("gmm_backends(x, weight): pass both or neither")
     if x is None:
         x, weight = torch.zeros(16, 16), torch.zeros(2, 16, 16)
-    else:
-        _check_operands(x, weight, trans_weight)
-    statuses = []
-    for backend in _registry:
-        reason = backend.ineligible_reason(x, weight, trans_weight=trans_weight)
-        statuses.append(BackendStatus(backend.name, reason is None, reason))
-    return statuses
+    return _judge([(None, x, weight, trans_weight)], "gmm_backends")
+
+
+def gmm_backends_for(calls: Mapping[str, tuple[torch.Tensor, torch.Tensor, bool]]) -> list[BackendStatus]:
+    """Every registered backend, in order, with whether it would run *every* one of several calls.
+
+    ``calls`` maps a label to one ``grouped_mm`` call's ``(x, weight, trans_weight)``. A backend is
+    eligible only if it accepts all of them (with no calls, every backend is); its reason is that of
+    the first call it declines, as ``"label: reason"``.
+    """
+    return _judge([(label, *call) for label, call in calls.items()], "gmm_backends_for")
 
 
 def select_backend(
@@ -87,31 +94,64 @@ def select_backend(
 ) -> GmmBackend:
     """The backend ``grouped_mm`` runs for these operands (raises if a named one declines).
 
-    ``$EPMOE_GMM_BACKEND``, when set, forces its backend over ``backend``.
+    Validates the operands as ``grouped_mm`` does; ``$EPMOE_GMM_BACKEND``, when set, forces its backend
+    over ``backend``.
     """
+    return choose_backend(_judge([(None, x, weight, trans_weight)], "select_backend"), backend=backend)
+
+
+def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto") -> GmmBackend:
+    """The registered backend to run, given each backend's status (from :func:`gmm_backends` or
+    :func:`gmm_backends_for`).
+
+    ``$EPMOE_GMM_BACKEND`` (when set), else ``backend`` names one, which must be eligible (else
+    ``ValueError`` with its reason); ``"auto"`` takes the first eligible one. Logs the first use of an
+    accelerated backend (INFO) and the first fallback past accelerated backends (WARNING).
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"grouped_mm(backend): expected a str, got {type(backend).__name__}")
     forced = os.environ.get(ENV_BACKEND, "").strip()
     name = forced or backend
+    registered = {b.name: b for b in _registry}
     if name != "auto":
-        chosen = next((b for b in _registry if b.name == name), None)
-        if chosen is None:
-            names = ["auto"] + [b.name for b in _registry]
+        if name not in registered:
             source = f"${ENV_BACKEND}" if forced else "backend"
-            raise ValueError(f"grouped_mm({source}): unknown backend {name!r}; choose one of {names}")
-        reason = chosen.ineligible_reason(x, weight, trans_weight=trans_weight)
-        if reason is not None:
+            raise ValueError(f"grouped_mm({source}): unknown backend {name!r}; choose one of {['auto', *registered]}")
+        status = next((s for s in statuses if s.name == name), None)
+        if status is None or not status.eligible:
+            reason = "no status given for it" if status is None else status.reason
             raise ValueError(f"grouped_mm(backend={name!r}): backend declines: {reason}")
-        _log_first_use(chosen)
-        return chosen
+        _log_first_use(registered[name])
+        return registered[name]
     declined = []
-    for candidate in _registry:
-        reason = candidate.ineligible_reason(x, weight, trans_weight=trans_weight)
-        if reason is None:
-            if declined and not candidate.accelerated:
-                _warn_fallback(candidate, declined)
-            _log_first_use(candidate)
-            return candidate
-        declined.append((candidate.name, reason))
+    for status in statuses:
+        if status.eligible:
+            chosen = registered[status.name]
+            if declined and not chosen.accelerated:
+                _warn_fallback(chosen, declined)
+            _log_first_use(chosen)
+            return chosen
+        declined.append((status.name, status.reason))
     raise RuntimeError(f"grouped_mm: every backend declined: {declined}")  # loop never declines
+
+
+def _judge(calls: list[tuple[str | None, object, object, object]], caller: str) -> list[BackendStatus]:
+    """Each registered backend's status on every call ``(label, x, weight, trans_weight)``, validated
+    first; ``x`` is judged contiguous, as :func:`grouped_mm` passes it to the backend."""
+    judged = []
+    for label, x, weight, trans_weight in calls:
+        _check_operands(x, weight, trans_weight, caller if label is None else f"{caller}[{label!r}]")
+        judged.append((label, x.contiguous(), weight, trans_weight))
+    statuses = []
+    for candidate in _registry:
+        reason = None
+        for label, x, weight, trans_weight in judged:
+            reason = candidate.ineligible_reason(x, weight, trans_weight=trans_weight)
+            if reason is not None:
+                reason = reason if label is None else f"{label}: {reason}"
+                break
+        statuses.append(BackendStatus(candidate.name, reason is None, reason))
+    return statuses
 
 
 def _log_first_use(backend: GmmBackend) -> None:
@@ -135,28 +175,28 @@ def _warn_fallback(backend: GmmBackend, declined: list[tuple[str, str]]) -> None
     logger.warning("epmoe grouped_mm: falling back to the %r backend (%s)", backend.name, reasons)
 
 
-def _check_operands(x: object, weight: object, trans_weight: object) -> None:
+def _check_operands(x: object, weight: object, trans_weight: object, caller: str = "grouped_mm") -> None:
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"grouped_mm(x): expected a Tensor, got {type(x).__name__}")
+        raise TypeError(f"{caller}(x): expected a Tensor, got {type(x).__name__}")
     if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"grouped_mm(weight): expected a Tensor, got {type(weight).__name__}")
+        raise TypeError(f"{caller}(weight): expected a Tensor, got {type(weight).__name__}")
     if not isinstance(trans_weight, bool):
-        raise TypeError(f"grouped_mm(trans_weight): expected a bool, got {type(trans_weight).__name__}")
+        raise TypeError(f"{caller}(trans_weight): expected a bool, got {type(trans_weight).__name__}")
     if x.dim() != 2:
-        raise ValueError(f"grouped_mm(x): expected a 2-D (T, K) tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"{caller}(x): expected a 2-D (T, K) tensor, got shape {tuple(x.shape)}")
     if weight.dim() != 3:
-        raise ValueError(f"grouped_mm(weight): expected a 3-D (G, K, N) tensor, got shape {tuple(weight.shape)}")
+        raise ValueError(f"{caller}(weight): expected a 3-D (G, K, N) tensor, got shape {tuple(weight.shape)}")
     if not x.dtype.is_floating_point:
-        raise ValueError(f"grouped_mm(x): expected a floating dtype, got {x.dtype}")
+        raise ValueError(f"{caller}(x): expected a floating dtype, got {x.dtype}")
     if weight.dtype != x.dtype:
-        raise ValueError(f"grouped_mm(weight): dtype {weight.dtype} does not match x's {x.dtype}")
+        raise ValueError(f"{caller}(weight): dtype {weight.dtype} does not match x's {x.dtype}")
     if weight.device != x.device:
-        raise ValueError(f"grouped_mm(weight): on {weight.device}, x is on {x.device}")
+        raise ValueError(f"{caller}(weight): on {weight.device}, x is on {x.device}")
     k_dim = 2 if trans_weight else 1
     if weight.shape[k_dim] != x.shape[1]:
         layout = "(G, N, K)" if trans_weight else "(G, K, N)"
         raise ValueError(
-            f"grouped_mm(weight): shape {tuple(weight.shape)} read as {layout} has K={weight.shape[k_dim]}, "
+            f"{caller}(weight): shape {tuple(weight.shape)} read as {layout} has K={weight.shape[k_dim]}, "
             f"but x has K={x.shape[1]}"
         )
 
@@ -241,8 +281,6 @@ def grouped_mm(
         ``(T, N)`` in ``x``'s dtype; differentiable in ``x`` and ``weight``.
     """
     _check_operands(x, weight, trans_weight)
-    if not isinstance(backend, str):
-        raise TypeError(f"grouped_mm(backend): expected a str, got {type(backend).__name__}")
     counts_list = _counts_list(counts, weight.shape[0], x.shape[0])
     x = x.contiguous()
     chosen = select_backend(x, weight, trans_weight=trans_weight, backend=backend)

@@ -2,10 +2,11 @@
 
 Forward and ``dX`` are M-grouped calls (``group_type=0``) with a counts group list
 (``group_list_type=1``); a transposed weight is passed as a transposed view, which the kernel reads
-as a flag (no copy). ``dW`` uses the K-grouped mode (``group_type=2``, contraction over each group's
-rows) when every group has rows, and a per-group matmul loop otherwise: the K-grouped kernel has
-been reported not to tolerate empty groups. A single group is one plain matmul: the documented op
-rejects a counts group list of length 1.
+as a flag (no copy). The kernel reads no other weight layout, so any other (a strided slice, say) is
+declined rather than copied. ``dW`` uses the K-grouped mode (``group_type=2``, contraction over each
+group's rows) when every group has rows, and a per-group matmul loop otherwise: the K-grouped kernel
+has been reported not to tolerate empty groups. A single group is one plain matmul: the documented
+op rejects a counts group list of length 1.
 
 Written against the vendor's documented semantics; tested only against the CPU emulation in
 ``tests/npu_emulation.py``, never on Ascend hardware.
@@ -39,6 +40,9 @@ class NpuBackend(GmmBackend):
         too_big = [d for d in (x.shape[1], *weight.shape[1:]) if d > MAX_INNER_DIM]
         if too_big:
             return f"inner dims {too_big} exceed the kernel's limit of {MAX_INNER_DIM}"
+        if not (weight.is_contiguous() or weight.transpose(1, 2).is_contiguous()):
+            return (f"weight strides {weight.stride()} are neither contiguous nor transposed in the last two dims "
+                    f"(the only layouts the kernel reads)")
         return None
 
     @staticmethod

@@ -7,7 +7,8 @@ is missing, wrong or slow (see :meth:`TorchBackend.ineligible_reason`):
     torch == 2.8         CUDA SM90 only
     torch >= 2.9         CPU (per-group loop in C++), CUDA SM80+ (fast path only for bf16 on SM90+;
                          other dtypes use a fallback that syncs the host on every call)
-    every version        strides a multiple of 16 bytes, 16-byte aligned data pointers
+    every version        strides a multiple of 16 bytes (CPU and CUDA); 16-byte aligned data
+                         pointers (CUDA only: the CPU kernel reads any address, checked on 2.13)
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ def _kernel():
     return fn if fn is not None else getattr(torch, "_grouped_mm", None)
 
 
-def _misaligned(name: str, t: torch.Tensor) -> str | None:
-    """Why ``t`` breaks the kernel's 16-byte stride / pointer rules, or ``None``."""
+def _misaligned(name: str, t: torch.Tensor, *, check_pointer: bool) -> str | None:
+    """Why ``t`` breaks the kernel's 16-byte stride rule (and, with ``check_pointer``, its 16-byte
+    data-pointer rule), or ``None``."""
     size = t.element_size()
     strides = t.stride()[-2:]
     if 1 not in strides:
@@ -39,7 +41,7 @@ def _misaligned(name: str, t: torch.Tensor) -> str | None:
     other = strides[0] if strides[1] == 1 else strides[1]
     if (other * size) % 16:
         return f"{name} stride {other} x {size} B is not a multiple of 16 bytes (inner dim must be a multiple of {16 // size})"
-    if t.data_ptr() % 16:
+    if check_pointer and t.data_ptr() % 16:
         return f"{name} data pointer is not 16-byte aligned"
     return None
 
@@ -48,7 +50,9 @@ class TorchBackend(GmmBackend):
     """On CPU the kernel is ATen's ``_grouped_mm_fallback``: one ``at::mm_out`` per group, i.e. the
     ``loop`` backend in C++, without Python's per-group overhead and without zero-filling ``dW``.
     Measured (``epmoe bench gmm``, benchmarks/gmm_cpu.md, and a sweep of 1 to 256 rows per group)
-    it is never slower than ``loop`` beyond timing noise, so it accepts every CPU shape.
+    it is never slower than ``loop`` beyond timing noise, so on CPU it declines only what the kernel
+    rejects: a dtype outside bf16/fp16/fp32, and strides of ``x``, ``weight`` or the ``(T, N)`` output
+    (which the backward reads) that are not multiples of 16 bytes.
     """
 
     name = "torch"
@@ -77,7 +81,9 @@ class TorchBackend(GmmBackend):
         n_bytes = w_GKN.shape[2] * x.element_size()
         if n_bytes % 16:  # dy (T, N) feeds the backward kernels
             return f"output width N={w_GKN.shape[2]} x {x.element_size()} B is not a multiple of 16 bytes (backward needs it)"
-        return _misaligned("x", x) or _misaligned("weight", w_GKN)
+        check_pointer = kind == "cuda"
+        return (_misaligned("x", x, check_pointer=check_pointer)
+                or _misaligned("weight", w_GKN, check_pointer=check_pointer))
 
     @staticmethod
     def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
