@@ -74,6 +74,23 @@ def test_ceiling_times_each_rows_per_call_against_one_mm(one_thread):
     assert gmm.summarize_ceiling({}) == [] and "no case" in gmm._ceiling_table({})
 
 
+def _row(case, label, backend, seconds, spread, auto=False):
+    return gmm.Result(case, "gate_up", "fp32", "fwd", label, backend, auto, seconds, 1e9, 1.0, 8.0, spread)
+
+
+def test_summary_counts_a_difference_only_beyond_the_row_noise():
+    quiet = [_row("quiet", "torch", "torch", 1.3, 0.02), _row("quiet", "loop", "loop", 1.0, 0.02),
+             _row("quiet", "auto (torch)", "torch", 1.3, 0.02, auto=True), _row("quiet", "dense mm", None, 1.0, 0.0)]
+    noisy = [_row("noisy", "torch", "torch", 1.3, 0.8), _row("noisy", "loop", "loop", 1.0, 0.05),
+             _row("noisy", "auto (torch)", "torch", 1.3, 0.05, auto=True), _row("noisy", "dense mm", None, 1.0, 0.0)]
+    lines = gmm.summarize(quiet + noisy)
+    torch_line = next(line for line in lines if line.startswith("- `torch` time"))
+    assert "slower beyond noise in: quiet gate_up fp32 fwd (1.30)." in torch_line
+    picked_line = next(line for line in lines if line.startswith("- The backend `auto` picked"))
+    assert "slower beyond noise in: quiet gate_up fp32 fwd (1.30)." in picked_line
+    assert "never slower" in next(line for line in gmm.summarize(noisy) if line.startswith("- `torch` time"))
+
+
 def test_measure_interleaves_and_takes_the_median():
     order = []
     timings = common.measure({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, warmup=1, repeats=3)

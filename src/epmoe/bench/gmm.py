@@ -280,7 +280,8 @@ def summarize(results: list[Result]) -> list[str]:
 
     The noise floor is measured, not assumed: ``auto`` and the backend it picks run the same code, so
     the largest gap between their two rows (or ``NOISE``, if larger) is what a difference between
-    backends must exceed to count.
+    backends must exceed to count; in a row whose own rounds spread wider (``1 + spread`` of the two
+    compared results), that wider band.
     """
     groups: dict[tuple, list[Result]] = {}
     for r in results:
@@ -294,10 +295,13 @@ def summarize(results: list[Result]) -> list[str]:
         auto = next(r for r in rows if r.auto)
         singles = {r.backend: r for r in rows if not r.auto and r.backend is not None}
         if auto.backend in singles:
-            best = min(singles.values(), key=lambda r: r.seconds)
-            same_code.append(auto.seconds / singles[auto.backend].seconds)
-            picked_vs_best.append((singles[auto.backend].seconds / best.seconds, key, best.backend))
+            picked, best = singles[auto.backend], min(singles.values(), key=lambda r: r.seconds)
+            same_code.append(auto.seconds / picked.seconds)
+            picked_vs_best.append((picked.seconds / best.seconds, key, picked, best))
     floor = max([1 + NOISE] + [max(q, 1 / q) for q in same_code])
+
+    def beyond_noise(q: float, a: Result, b: Result) -> bool:
+        return q > max(floor, 1 + a.spread, 1 + b.spread)
 
     spreads = sorted(r.spread for r in results)
     noisiest = max(results, key=lambda r: r.spread)
@@ -306,7 +310,8 @@ def summarize(results: list[Result]) -> list[str]:
         f"{noisiest.spread:.0%} at worst ({noisiest.case} {noisiest.projection} {noisiest.dtype} {noisiest.pass_} "
         f"{noisiest.label})"
         + (f"; `auto` and the backend it picked (the same code) differ by {min(same_code):.2f}x to "
-           f"{max(same_code):.2f}x, so differences within {floor:.2f}x are noise." if same_code else "."),
+           f"{max(same_code):.2f}x, so differences within {floor:.2f}x (or a row's own `1 + spread`, where "
+           f"wider) are noise." if same_code else "."),
         f"- `auto` picked: {', '.join(sorted({r.backend for r in results if r.auto}))}.",
     ]
 
@@ -314,11 +319,13 @@ def summarize(results: list[Result]) -> list[str]:
     for key, rows in groups.items():
         singles = {r.backend: r for r in rows if not r.auto and r.backend is not None}
         if "torch" in singles and "loop" in singles:
-            torch_vs_loop.append((singles["torch"].seconds / singles["loop"].seconds, key))
+            torch, loop = singles["torch"], singles["loop"]
+            torch_vs_loop.append((torch.seconds / loop.seconds, key, torch, loop))
     if torch_vs_loop:
-        ratios = [q for q, _ in torch_vs_loop]
-        worst, worst_key = max(torch_vs_loop)
-        slower = [f"{name(k)} ({q:.2f})" for q, k in sorted(torch_vs_loop, reverse=True) if q > floor]
+        ratios = [q for q, *_ in torch_vs_loop]
+        worst, worst_key, *_ = max(torch_vs_loop, key=lambda t: t[0])
+        slower = [f"{name(k)} ({q:.2f})" for q, k, a, b in sorted(torch_vs_loop, key=lambda t: -t[0])
+                  if beyond_noise(q, a, b)]
         lines.append(
             f"- `torch` time / `loop` time: median {statistics.median(ratios):.2f}, from {min(ratios):.2f} to "
             f"{worst:.2f} ({name(worst_key)}); "
@@ -326,11 +333,13 @@ def summarize(results: list[Result]) -> list[str]:
         )
 
     if picked_vs_best:
-        worst, worst_key, best_backend = max(picked_vs_best)
+        worst, worst_key, picked, best = max(picked_vs_best, key=lambda t: t[0])
+        slower = [t for t in picked_vs_best if beyond_noise(*t[:1], *t[2:])]
         lines.append(
             f"- The backend `auto` picked, against the fastest single backend of the same row: time ratio at most "
-            f"{worst:.2f} ({name(worst_key)}, fastest there: `{best_backend}`): "
-            + ("never slower beyond noise." if worst <= floor else "slower beyond noise there.")
+            f"{worst:.2f} ({name(worst_key)}, fastest there: `{best.backend}`): "
+            + (f"slower beyond noise in: {'; '.join(f'{name(k)} ({q:.2f})' for q, k, *_ in slower)}." if slower
+               else "never slower beyond noise.")
         )
 
     large = [(r.ratio, key) for key, rows in groups.items() for r in rows if r.auto and r.mean_rows >= LARGE_ROWS]
