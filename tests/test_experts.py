@@ -176,6 +176,48 @@ def test_module_list_idle_experts_get_zero_grads(expert_cls, counts):
     assert x.grad is not None and x.grad.shape == x.shape
 
 
+class LookalikeExpert(ExpertMLP):
+    """Has the Linear triple and act_fn of ExpertMLP, but its forward does more than the triple."""
+
+    def __init__(self, hidden, inter, dropout=0.0):
+        super().__init__(hidden, inter)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(2.0 * super().forward(x))
+
+
+@pytest.mark.parametrize("variant", ["scaled_forward", "dropout_in_training", "mixed_activations"])
+def test_module_list_stacks_only_experts_whose_forward_is_the_triple(variant):
+    """Experts that merely look like a Linear triple run their own forward, expert by expert."""
+    if variant == "mixed_activations":
+        experts = _module_list(ExpertMLP, 16, 8).double()
+        experts[2].act_fn = nn.GELU()
+    else:
+        experts = nn.ModuleList(LookalikeExpert(16, 8, 0.5 if variant == "dropout_in_training" else 0.0)
+                                for _ in range(4)).double()
+        if variant == "scaled_forward":
+            experts[1] = ExpertMLP(16, 8).double()  # one genuine triple does not make the list stackable
+    state = torch.random.get_rng_state()
+    assert experts_backend(experts).name == "loop"
+    assert torch.equal(torch.random.get_rng_state(), state)  # the probe restored the RNG
+    counts = [3, 0, 4, 2]
+    x = torch.randn(sum(counts), 16, dtype=torch.float64)
+    torch.manual_seed(7)
+    y = experts_forward(experts, x, counts)
+    torch.manual_seed(7)
+    start, ref = 0, []
+    for expert, n in zip(experts, counts):
+        ref.append(expert(x[start:start + n]))
+        start += n
+    torch.testing.assert_close(y, torch.cat(ref))
+
+
+def test_module_list_of_true_triples_is_stacked():
+    experts = _module_list(ExpertMLP, 16, 8)
+    assert experts_backend(experts).name == "torch"  # fp32, 16-byte rows: the grouped path
+
+
 def test_experts_forward_validates_counts():
     with pytest.raises(ValueError, match="3 counts for 8 experts"):
         experts_forward(packed_experts("qwen3_moe"), torch.zeros(3, 64, dtype=torch.float64), [1, 1, 1])

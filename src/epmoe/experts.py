@@ -15,8 +15,10 @@ Two kinds of experts modules are understood:
   own ``_apply_gate`` / ``act_fn`` run as written (so interleaved gate/up such as GPT-OSS works).
   On an NPU the default SiLU gate runs as ``torch_npu.npu_swiglu``.
 * ``nn.ModuleList`` of per-expert MLPs: with ``gate_proj`` / ``up_proj`` / ``down_proj`` (or Mixtral's
-  ``w1`` / ``w3`` / ``w2``) bias-free ``nn.Linear`` layers and an ``act_fn``, the weights are stacked
-  and run grouped; any other expert module is called on its own rows (idle experts on zero rows).
+  ``w1`` / ``w3`` / ``w2``) bias-free ``nn.Linear`` layers and one ``act_fn``, and a forward that
+  computes exactly ``down(act_fn(gate(x)) * up(x))`` (checked once per expert), the weights are
+  stacked and run grouped; any other expert module is called on its own rows (idle experts on zero
+  rows).
 
 :func:`experts_backend` says which grouped-matmul backend that runs on, judged on every grouped
 matmul :func:`experts_forward` issues (:func:`gmm_probes`).
@@ -24,6 +26,7 @@ matmul :func:`experts_forward` issues (:func:`gmm_probes`).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -165,17 +168,48 @@ def _packed_forward(module: nn.Module, x_em: torch.Tensor, counts: list[int], ba
 
 
 def _linear_triple(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
+    """``(gate, up, down)`` if ``expert`` is bias-free Linears computing ``down(act_fn(gate(x)) * up(x))``."""
     for names in _LINEAR_TRIPLES:
         layers = [getattr(expert, name, None) for name in names]
         if all(isinstance(layer, nn.Linear) and layer.bias is None for layer in layers) and hasattr(expert, "act_fn"):
-            return tuple(layers)
+            return tuple(layers) if _computes_triple(expert, *layers) else None
     return None
 
 
+_TRIPLE_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _computes_triple(expert: nn.Module, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> bool:
+    """Whether the expert's own forward is ``down(act_fn(gate(x)) * up(x))``, and nothing else.
+
+    Having the layers is not enough: a custom expert may scale, add dropout or use other parameters
+    in its forward, which running the stacked weights would silently drop. Checked once per expert
+    module (cached), on two fixed rows, in the module's training mode and with the RNG state restored.
+    """
+    verdict = _TRIPLE_VERDICTS.get(expert)
+    if verdict is None:
+        weight = gate.weight
+        x = torch.linspace(-1.0, 1.0, 2 * gate.in_features, device=weight.device).view(2, -1).to(weight.dtype)
+        devices = [weight.device] if weight.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            own = expert(x)
+            expected = down(expert.act_fn(gate(x)) * up(x))
+        tolerance = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 2e-2
+        verdict = (isinstance(own, torch.Tensor) and own.shape == expected.shape
+                   and torch.allclose(own, expected, rtol=tolerance, atol=tolerance))
+        _TRIPLE_VERDICTS[expert] = verdict
+    return verdict
+
+
 def _linear_triples(experts: nn.ModuleList) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
-    """Every expert's ``(gate, up, down)`` layers if all experts are such triples (then run grouped), else ``None``."""
+    """Every expert's ``(gate, up, down)`` layers if all experts are such triples with one activation
+    (then they run grouped, with ``experts[0].act_fn``), else ``None``."""
     triples = [_linear_triple(expert) for expert in experts]
-    return triples if triples and all(t is not None for t in triples) else None
+    if not triples or any(t is None for t in triples):
+        return None
+    act = experts[0].act_fn
+    same = (lambda f: type(f) is type(act)) if isinstance(act, nn.Module) else (lambda f: f is act)
+    return triples if all(same(expert.act_fn) for expert in experts) else None
 
 
 def _module_list_forward(experts: nn.ModuleList, x_em: torch.Tensor, counts: list[int], backend: str) -> torch.Tensor:
