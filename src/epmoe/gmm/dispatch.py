@@ -140,7 +140,7 @@ def _judge(calls: list[tuple[str | None, object, object, object]], caller: str) 
     first; ``x`` is judged contiguous, as :func:`grouped_mm` passes it to the backend."""
     judged = []
     for label, x, weight, trans_weight in calls:
-        _check_operands(x, weight, trans_weight, caller if label is None else f"{caller}[{label!r}]")
+        check_operands(x, weight, trans_weight, caller if label is None else f"{caller}[{label!r}]")
         judged.append((label, x.contiguous(), weight, trans_weight))
     statuses = []
     for candidate in _registry:
@@ -175,7 +175,9 @@ def _warn_fallback(backend: GmmBackend, declined: list[tuple[str, str]]) -> None
     logger.warning("epmoe grouped_mm: falling back to the %r backend (%s)", backend.name, reasons)
 
 
-def _check_operands(x: object, weight: object, trans_weight: object, caller: str = "grouped_mm") -> None:
+def check_operands(x: object, weight: object, trans_weight: object, caller: str = "grouped_mm") -> None:
+    """``ValueError`` / ``TypeError`` naming ``caller(argument)`` unless ``x`` (T, K) and ``weight``
+    (G, K, N), or (G, N, K) with ``trans_weight``, are floating tensors that fit together."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{caller}(x): expected a Tensor, got {type(x).__name__}")
     if not isinstance(weight, torch.Tensor):
@@ -280,7 +282,7 @@ def grouped_mm(
     Returns:
         ``(T, N)`` in ``x``'s dtype; differentiable in ``x`` and ``weight``.
     """
-    _check_operands(x, weight, trans_weight)
+    check_operands(x, weight, trans_weight)
     counts_list = _counts_list(counts, weight.shape[0], x.shape[0])
     x = x.contiguous()
     chosen = select_backend(x, weight, trans_weight=trans_weight, backend=backend)

@@ -19,6 +19,7 @@ from epmoe import platform
 from epmoe.comm.fused import reference
 from epmoe.comm.fused.autograd import Call, Combine, Dispatch
 from epmoe.comm.fused.layout import Plan, round_bounds
+from epmoe.gmm.dispatch import check_operands
 
 IMPLS = ("auto", "npu_fused", "pipelined", "reference")
 # num_chunks="auto": measured on 2 gloo ranks of a 2-core CPU (benchmarks/fused_cpu.md), rounds do
@@ -155,25 +156,9 @@ def _prepare(
 
 
 def _check_routed(op: str, x: Any, weight: Any, trans_weight: bool) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{op}(x): expected a Tensor, got {type(x).__name__}")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{op}(weight): expected a Tensor, got {type(weight).__name__}")
-    if x.dim() != 2 or not x.dtype.is_floating_point:
-        raise ValueError(f"{op}(x): expected a 2-D floating tensor, got shape {tuple(x.shape)} dtype {x.dtype}")
-    if weight.dim() != 3 or weight.shape[0] == 0:
-        raise ValueError(f"{op}(weight): expected a 3-D (e, K, N) tensor with e >= 1, got shape {tuple(weight.shape)}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"{op}(weight): dtype {weight.dtype} does not match x's {x.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"{op}(weight): on {weight.device}, x is on {x.device}")
-    k_dim = 2 if trans_weight else 1
-    if weight.shape[k_dim] != x.shape[1]:
-        layout = "(e, N, K)" if trans_weight else "(e, K, N)"
-        raise ValueError(
-            f"{op}(weight): shape {tuple(weight.shape)} read as {layout} has K={weight.shape[k_dim]}, "
-            f"but x has {x.shape[1]} columns"
-        )
+    check_operands(x, weight, trans_weight, op)
+    if weight.shape[0] == 0:
+        raise ValueError(f"{op}(weight): expected at least one local expert, got shape {tuple(weight.shape)}")
 
 
 def _check_shared(op, x, shared_x, shared_weight, trans) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
