@@ -218,7 +218,8 @@ def fsdp2_train(rank, world, steps, dtype_name):
     """EP, then FSDP2 (fully_shard per decoder layer and root, expert params ignored), AdamW for
     ``steps`` steps; vs the non-EP data-parallel reference of ``epmoe.demo`` (same batches, same objective).
 
-    Returns ``(losses_fsdp, losses_ref, max rel error of the final parameters)``.
+    Both clip to a total norm of 0.05 every step (epmoe.clip_grad_norm_ on the FSDP2 model).
+    Returns ``(losses_fsdp, losses_ref, max rel error of the final parameters and the clip norms)``.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -228,7 +229,8 @@ def fsdp2_train(rank, world, steps, dtype_name):
     ref = build_model("qwen3_moe", dtype=dtype)
     model = copy.deepcopy(ref)
     shards = epmoe.apply_expert_parallel(model)
-    experts = {p for s in shards for p in model.get_submodule(s.module_name).parameters(recurse=False)}
+    experts = set(epmoe.expert_parameters(model))
+    assert experts == {p for s in shards for p in model.get_submodule(s.module_name).parameters(recurse=False)}
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, ignored_params=experts)
@@ -238,19 +240,21 @@ def fsdp2_train(rank, world, steps, dtype_name):
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    losses, losses_ref = [], []
+    losses, losses_ref, norm_err = [], [], 0.0
     for step in range(steps):
         ids = synthetic_batch(step, rank, 2, 16)
         loss = model(ids, labels=ids).loss
-        loss.backward()  # FSDP2 reduce-scatters the mean of the non-expert grads
-        for p in experts:  # the EP exchange summed every rank's tokens: make it the mean over ranks
-            p.grad /= world
+        loss.backward()  # FSDP2 averages the non-expert grads, expert_grad="auto" the expert grads
+        norm = epmoe.clip_grad_norm_(model, 0.05)  # DTensor shards + expert shards, each counted once
         opt.step()
         opt.zero_grad(set_to_none=True)
 
         loss_ref = ref(ids, labels=ids).loss
         loss_ref.backward()
         _average_gradients(list(ref.parameters()), world)
+        norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+        assert norm_ref > 0.05  # the clip factor matters
+        norm_err = max(norm_err, max_rel(norm, norm_ref))
         opt_ref.step()
         opt_ref.zero_grad(set_to_none=True)
         losses.append(_global_loss(loss, world))
@@ -268,7 +272,7 @@ def fsdp2_train(rank, world, steps, dtype_name):
             mine, full = param, full[shard.local_start:shard.local_end]
         err = max(err, max_rel(mine.detach(), full.detach()))
     dist.barrier()
-    return losses, losses_ref, err
+    return losses, losses_ref, max(err, norm_err)
 
 
 def fsdp2_lora_train(rank, world, family, steps):
@@ -291,9 +295,9 @@ def fsdp2_lora_train(rank, world, family, steps):
     experts = [base.get_submodule(s.module_name) for s in shards]
     model = get_peft_model(base, lora_config(experts=True))
     expert_lora = copy_lora_from_reference(model, ref, shards[0])
-    local = {p for n, p in model.named_parameters() if n in expert_lora}
-    local |= {p for module in experts for p in module.parameters(recurse=False)}
-    assert len(local) == len(expert_lora) + 2 * len(shards)
+    local = set(epmoe.expert_parameters(model))  # expert weights and the LoRA factors on them
+    assert local == ({p for n, p in model.named_parameters() if n in expert_lora}
+                     | {p for module in experts for p in module.parameters(recurse=False)})
 
     mesh = init_device_mesh("cpu", (world,))
     for layer in base.model.layers:
@@ -310,9 +314,6 @@ def fsdp2_lora_train(rank, world, family, steps):
         ids = synthetic_batch(step, rank, 2, 16)
         loss = model(ids, labels=ids).loss
         loss.backward()
-        for p in lora:
-            if p in local:
-                p.grad /= world
         opt.step()
         opt.zero_grad(set_to_none=True)
 

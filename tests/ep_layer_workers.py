@@ -119,17 +119,25 @@ def base_model(family):
     return model
 
 
-def compare_case(name, case, ref_experts, ep_experts, peers, ep_rank, dtype, case_seed):
-    """One routing case on this rank vs the eager reference on all ``peers``' inputs concatenated."""
+def compare_case(name, case, ref_experts, ep_experts, peers, ep_rank, dtype, case_seed, grad_sources=None):
+    """One routing case on this rank vs the eager reference on all ``peers``' inputs concatenated.
+
+    ``grad_sources``: the global ranks whose tokens the expert-weight gradients sum over (on a
+    ("dp", "ep") mesh: every rank, since epmoe reduces them over "dp"); default ``peers``."""
     K, lengths, kind, arg = case
     ep_size = len(peers)
-    inputs = [make_inputs(case_seed, src, lengths[src % len(lengths)], K, kind, arg, ep_size) for src in peers]
+    make = lambda src: make_inputs(case_seed, src, lengths[src % len(lengths)], K, kind, arg, ep_size)  # noqa: E731
+    inputs = [make(src) for src in peers]
     ref = copy.deepcopy(ref_experts)
     ep = ep_experts
     ep.zero_grad(set_to_none=True)
     # the reference: eager forward on the concatenated batch (expert-weight grads summed over all tokens)
     cat = [torch.cat(parts) for parts in zip(*inputs)]
     ref_out, ref_dh, ref_dw = run_module(ref, *cat, dtype=torch.float64)
+    if grad_sources is not None and list(grad_sources) != list(peers):
+        ref = copy.deepcopy(ref_experts)
+        cat = [torch.cat(parts) for parts in zip(*[make(src) for src in grad_sources])]
+        run_module(ref, *cat, dtype=torch.float64)
     mine = inputs[ep_rank]
     out, dh, dw = run_module(ep, *mine, dtype=dtype, needs_graph=ep_size > 1)
     start = sum(len(inputs[r][0]) for r in range(ep_rank))
@@ -165,7 +173,8 @@ def check(results, name, fn):
         results[name] = traceback.format_exc()
 
 
-def engine_variant(results, label, family_model, peers, ep_rank, group, config, cases, dtype=torch.float64):
+def engine_variant(results, label, family_model, peers, ep_rank, group, config, cases, dtype=torch.float64,
+                   grad_sources=None):
     """Shard a copy of ``family_model`` over ``group`` (``peers``: its global ranks, by EP rank) and run
     ``cases`` (name -> routing case) on its first experts module; this rank is EP rank ``ep_rank``.
 
@@ -180,7 +189,8 @@ def engine_variant(results, label, family_model, peers, ep_rank, group, config, 
     ep = experts_of(model)
     for name, case in cases.items():
         try:
-            errors, zeros = compare_case(name, case, ref_experts, ep, peers, ep_rank, dtype, zlib.crc32(name.encode()))
+            errors, zeros = compare_case(name, case, ref_experts, ep, peers, ep_rank, dtype, zlib.crc32(name.encode()),
+                                         grad_sources)
         except Exception as exc:
             raise RuntimeError(f"scenario {label}/{name} failed on this rank") from exc
         results[f"{label}/{name}"] = {"errors": errors, "exact_zero": zeros}
@@ -317,10 +327,11 @@ def four_rank_run(rank, world):
     # uneven T per rank (one rank with none) over the whole world: 2 local experts per rank
     uneven = {"uneven_4": (2, [5, 0, 11, 3], "random", None), "uneven_4_k4": (4, [1, 9, 0, 6], "random", None)}
     engine_variant(cases, "qwen3_moe/world_4", qwen, list(range(world)), rank, None, None, uneven)
-    # a 2-D mesh (dp, ep): EP inside each pair [0, 1] and [2, 3]
+    # a 2-D mesh (dp, ep): EP inside each pair [0, 1] and [2, 3]; expert gradients reduced over "dp"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     pair = [r for r in range(world) if r // 2 == rank // 2]
-    engine_variant(cases, "qwen3_moe/mesh_dp_ep", qwen, pair, rank % 2, mesh, None, pick(["random_k2", "rank_with_zero_tokens"]))
+    engine_variant(cases, "qwen3_moe/mesh_dp_ep", qwen, pair, rank % 2, mesh, None,
+                   pick(["random_k2", "rank_with_zero_tokens"]), grad_sources=list(range(world)))
     # a (dp=4, ep=1) mesh: EP size 1, no exchange with anyone
     mesh41 = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "ep"))
     engine_variant(cases, "qwen3_moe/mesh_dp4_ep1", qwen, [rank], 0, mesh41, None, pick(["random_k2"]))

@@ -8,9 +8,11 @@ Recipes that work (each checked against the unsharded model):
   ``get_peft_model``; peft then builds LoRA factors for the E/P local experts only, and their gradients
   are summed over every rank's tokens like the expert weights'. The other order fails (see below).
 * FSDP2: ``apply_expert_parallel`` -> ``fully_shard(layer, mesh=mesh, ignored_params=expert_params)``
-  per decoder layer -> ``fully_shard(root, mesh=mesh, ignored_params=expert_params)``; the expert
-  parameters (and expert LoRA factors) stay plain local tensors, FSDP2 averages the rest, and the user
-  divides the local expert gradients by the world size (the demo's data-parallel semantics).
+  per decoder layer -> ``fully_shard(root, mesh=mesh, ignored_params=expert_params)`` with
+  ``expert_params = set(epmoe.expert_parameters(model))``; the expert parameters (and expert LoRA
+  factors) stay plain local tensors, FSDP2 averages the rest, and ``expert_grad="auto"`` sees
+  ``fully_shard`` around the experts and averages the expert gradients the same way: no manual
+  division.
 """
 
 import pytest

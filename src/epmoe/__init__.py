@@ -8,13 +8,15 @@ The data path of one MoE layer, and where each step lives::
       -> grouped experts                     epmoe.experts          on epmoe.gmm.grouped_mm
       -> combine (all-to-all-v + unpermute)  epmoe.ep.dispatcher    / epmoe.comm.fused gmm_alltoallv
 
-Device-specific calls all live in :mod:`epmoe.platform`.
+Device-specific calls all live in :mod:`epmoe.platform`; what training around the engine needs
+(DDP, FSDP2, EP x DP meshes, clipping, Trainer, generate) in :mod:`epmoe.training`.
 """
 
 from epmoe import platform
 from epmoe.comm import alltoallv_gmm, exchange_counts, gmm_alltoallv
 from epmoe.ep import ExpertParallelConfig, ExpertShard, apply_expert_parallel
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
+from epmoe.training import clip_grad_norm_, expert_parameters, is_expert_parameter, prepare_trainer
 
 __version__ = "0.1.0"
 
@@ -24,11 +26,15 @@ __all__ = [
     "ExpertShard",
     "alltoallv_gmm",
     "apply_expert_parallel",
+    "clip_grad_norm_",
     "exchange_counts",
+    "expert_parameters",
     "gmm_alltoallv",
     "GmmBackend",
     "gmm_backends",
     "grouped_mm",
+    "is_expert_parameter",
     "platform",
+    "prepare_trainer",
     "register_gmm_backend",
 ]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ __all__ = [
     "gmm_probes",
     "is_packed_experts",
     "num_experts_of",
+    "packed_weight_names",
 ]
 
 _LINEAR_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
@@ -112,18 +114,31 @@ def experts_backend(module: nn.Module, backend: str = "auto") -> GmmBackend:
 
 
 def experts_forward(
-    module: nn.Module, x_em: torch.Tensor, counts: Sequence[int], *, backend: str = "auto"
+    module: nn.Module, x_em: torch.Tensor, counts: Sequence[int], *, backend: str = "auto",
+    sync_weights: WeightsHook | None = None,
 ) -> torch.Tensor:
     """Run ``module``'s (local) experts on ``x_em``; ``counts[j]`` consecutive rows go to expert ``j``.
 
-    ``x_em``: ``(A, H)``, rows expert-major. Returns ``(A, H)`` in the same order.
+    ``x_em``: ``(A, H)``, rows expert-major. Returns ``(A, H)`` in the same order. ``sync_weights``
+    (the EP engine's gradient policy, :mod:`epmoe.training.grads`) receives the weight tensors the
+    grouped matmuls are about to use and returns those to use instead (same values); experts run by
+    their own forward hand it their parameters with ``per_parameter=True`` (nothing to substitute).
     """
     counts = list(counts)
     if len(counts) != num_experts_of(module):
         raise ValueError(f"experts_forward(counts): {len(counts)} counts for {num_experts_of(module)} experts")
+    sync_weights = sync_weights or _as_is
     if isinstance(module, nn.ModuleList):
-        return _module_list_forward(module, x_em, counts, backend)
-    return _packed_forward(module, x_em, counts, backend)
+        return _module_list_forward(module, x_em, counts, backend, sync_weights)
+    return _packed_forward(module, x_em, counts, backend, sync_weights)
+
+
+class WeightsHook(Protocol):
+    def __call__(self, weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]: ...
+
+
+def _as_is(weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
+    return weights
 
 
 def _row_bias(bias_EN: torch.Tensor, counts: list[int], num_rows: int) -> torch.Tensor:
@@ -151,17 +166,26 @@ def gate_activation(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return module._apply_gate(h)
 
 
-def _packed_forward(module: nn.Module, x_em: torch.Tensor, counts: list[int], backend: str) -> torch.Tensor:
-    trans_weight = not module.is_transposed  # nn.Linear layout (E, out, in) is our "transposed"
+def packed_weight_names(module: nn.Module) -> list[str]:
+    """The per-expert tensors of a packed experts module: up (or gate_up), down, and their biases."""
     up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    names = [up_name, "down_proj"]
+    return names + [f"{name}_bias" for name in names] if module.has_bias else names
+
+
+def _packed_forward(
+    module: nn.Module, x_em: torch.Tensor, counts: list[int], backend: str, sync_weights: WeightsHook
+) -> torch.Tensor:
+    trans_weight = not module.is_transposed  # nn.Linear layout (E, out, in) is our "transposed"
     num_rows = x_em.shape[0]
-    h = grouped_mm(x_em, getattr(module, up_name), counts, trans_weight=trans_weight, backend=backend)
+    up, down, *biases = sync_weights([getattr(module, name) for name in packed_weight_names(module)])
+    h = grouped_mm(x_em, up, counts, trans_weight=trans_weight, backend=backend)
     if module.has_bias:
-        h = h + _row_bias(getattr(module, f"{up_name}_bias"), counts, num_rows)
+        h = h + _row_bias(biases[0], counts, num_rows)
     h = gate_activation(module, h)
-    y = grouped_mm(h, module.down_proj, counts, trans_weight=trans_weight, backend=backend)
+    y = grouped_mm(h, down, counts, trans_weight=trans_weight, backend=backend)
     if module.has_bias:
-        y = y + _row_bias(module.down_proj_bias, counts, num_rows)
+        y = y + _row_bias(biases[1], counts, num_rows)
     if getattr(module, "has_post_expert_norm", False):
         y = module.post_expert_norm(y)
     return y
@@ -212,16 +236,19 @@ def _linear_triples(experts: nn.ModuleList) -> list[tuple[nn.Linear, nn.Linear, 
     return triples if all(same(expert.act_fn) for expert in experts) else None
 
 
-def _module_list_forward(experts: nn.ModuleList, x_em: torch.Tensor, counts: list[int], backend: str) -> torch.Tensor:
+def _module_list_forward(
+    experts: nn.ModuleList, x_em: torch.Tensor, counts: list[int], backend: str, sync_weights: WeightsHook
+) -> torch.Tensor:
     triples = _linear_triples(experts)
     if triples is not None:
         gate_w = torch.stack([t[0].weight for t in triples])  # (e, I, H), nn.Linear layout
         up_w = torch.stack([t[1].weight for t in triples])
         down_w = torch.stack([t[2].weight for t in triples])  # (e, H, I)
-        gate_up_w = torch.cat([gate_w, up_w], dim=1)  # (e, 2I, H)
+        gate_up_w, down_w = sync_weights([torch.cat([gate_w, up_w], dim=1), down_w])  # (e, 2I, H), (e, H, I)
         gate, up = grouped_mm(x_em, gate_up_w, counts, trans_weight=True, backend=backend).chunk(2, dim=-1)
         h = experts[0].act_fn(gate) * up
         return grouped_mm(h, down_w, counts, trans_weight=True, backend=backend)
+    sync_weights(list(experts.parameters()), per_parameter=True)
     outputs, start = [], 0
     for expert, n in zip(experts, counts):
         # Idle experts run too, on zero rows: autograd then gives their parameters exact-zero

@@ -35,22 +35,34 @@ from epmoe.ep.layer import (
     expert_parallel_forward,
 )
 from epmoe.experts import experts_backend, experts_gmm_backends, is_packed_experts, num_experts_of
+from epmoe.training.generate import SyncedGenerate
+from epmoe.training.grads import GradSync
+from epmoe.training.params import ExpertParameterNames, expert_parameters
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_group(ep_group: Any) -> dist.ProcessGroup | None:
-    """A ProcessGroup from a ProcessGroup, a DeviceMesh (1-D, or with an ``"ep"`` dim), or ``None``."""
+def resolve_groups(ep_group: Any) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """``(ep group, dp group or None)`` from a ProcessGroup, a DeviceMesh or ``None``.
+
+    A 1-D mesh is the EP group; a 2-D mesh needs dims named ``"ep"`` and ``"dp"``: experts sharded over
+    ``"ep"``, replicated over ``"dp"`` (their gradients reduced over it, see :mod:`epmoe.training.grads`).
+    """
     if ep_group is None or isinstance(ep_group, dist.ProcessGroup):
-        return ep_group
+        return ep_group, None
     mesh_type = getattr(getattr(dist, "device_mesh", None), "DeviceMesh", None)
     if mesh_type is not None and isinstance(ep_group, mesh_type):
         if ep_group.ndim == 1:
-            return ep_group.get_group()
+            return ep_group.get_group(), None
         names = ep_group.mesh_dim_names or ()
-        if "ep" in names:
-            return ep_group.get_group("ep")
-        raise ValueError(f"ep_group: a {ep_group.ndim}-D DeviceMesh needs a dim named 'ep', has {names}")
+        if "ep" not in names:
+            raise ValueError(f"ep_group: a {ep_group.ndim}-D DeviceMesh needs a dim named 'ep', has {names}")
+        if ep_group.ndim != 2 or "dp" not in names:
+            raise ValueError(
+                f"ep_group: a {ep_group.ndim}-D DeviceMesh must have exactly the dims ('dp', 'ep'), has {names}: "
+                f"experts are replicated over every other dim, and only 'dp' replicas get their gradients reduced"
+            )
+        return ep_group.get_group("ep"), ep_group.get_group("dp")
     raise TypeError(f"ep_group: expected a ProcessGroup, DeviceMesh or None, got {type(ep_group).__name__}")
 
 
@@ -94,13 +106,14 @@ def apply_expert_parallel(
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_expert_parallel(model): expected an nn.Module, got {type(model).__name__}")
     config = ExpertParallelConfig.from_any(config)
-    group = resolve_group(ep_group)
+    group, dp_group = resolve_groups(ep_group)
     if not dist.is_initialized():
         if group is not None:
             raise ValueError("apply_expert_parallel(ep_group): torch.distributed is not initialized")
         ep_rank, ep_size = 0, 1
     else:
         ep_rank, ep_size = dist.get_rank(group), dist.get_world_size(group)
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
 
     found = find_experts_modules(model)
     if not found:
@@ -125,21 +138,31 @@ def apply_expert_parallel(
     shards, backend, declined = checked.shards, checked.backend, checked.declined_backends
 
     modules = dict(model.named_modules())
+    sync = GradSync(config.expert_grad, group, ep_size, dp_group, dp_size)
     for (name, module, owner), shard, dispatch, returns_logits in zip(
         found, shards, checked.dispatch, checked.returns_logits
     ):
+        ancestors = _ancestors(modules, name)
         if isinstance(module, nn.ModuleList):
             local = _shard_module_list(module, shard)
-            owner._epmoe = ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits)
+            owner._epmoe = ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits,
+                                               sync=sync, ancestors=ancestors)
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
-            _shard_parameters(module, shard)
-            module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch)
+            sharded = _shard_parameters(module, shard)
+            module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch, sync=sync,
+                                                ancestors=ancestors, sharded_names=sharded)
             module.forward = types.MethodType(expert_parallel_forward, module)
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if dispatch != "alltoallv" and block is not None and _is_shared_expert_block(block, module):
                 block._epmoe_block_forward = block.forward  # what shared_block_forward falls back to
                 block.forward = types.MethodType(shared_block_forward, block)
+    if sync.active:
+        expert_parameters(model)  # marks them
+        # what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets, named when DDP reads it
+        model._ddp_params_and_buffers_to_ignore = ExpertParameterNames(model)
+        if callable(getattr(model, "generate", None)):
+            model.generate = SyncedGenerate(model)
     if checked.declined_fused:
         name, reason = next(iter(checked.declined_fused.items()))
         logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",
@@ -169,6 +192,14 @@ def _validate(
 ) -> _Checked:
     """Every check and probe, nothing changed; ValueError / TypeError naming the module on failure."""
     modules = dict(model.named_modules())
+    for name, module in modules.items():
+        wrapper = _data_parallel_wrapper(module)
+        if wrapper is not None:
+            where = f"the model is wrapped by {wrapper}" if not name else f"{name} is wrapped by {wrapper}"
+            raise ValueError(
+                f"apply_expert_parallel: {where}; apply expert parallelism first, then wrap the model "
+                f"(the wrapper would otherwise broadcast and average expert shards that differ per rank)"
+            )
     checked = _Checked([], [], [], None, [], {})
     for name, module, owner in found:
         wrapper = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
@@ -224,6 +255,21 @@ def _check_ranks_agree(
         raise error
 
 
+def _data_parallel_wrapper(module: nn.Module) -> str | None:
+    """The name of the data-parallel wrapper ``module`` is (DDP, FSDP2, FSDP), or ``None``."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return "DistributedDataParallel"
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:
+        return None
+    if isinstance(module, FSDPModule):
+        return "FSDP2 (fully_shard)"
+    if isinstance(module, FullyShardedDataParallel):
+        return "FullyShardedDataParallel"
+    return None
+
+
 def _resolve_dispatch(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
     """``(ExpertParallelState.dispatch, why a requested fused path was declined or None)`` for one module:
     the configured mode where the fused ops can run these experts (``"auto"`` is then decided per
@@ -251,14 +297,24 @@ def _is_shared_expert_block(block: nn.Module, experts: nn.Module) -> bool:
     )
 
 
-def _shard_parameters(module: nn.Module, shard: ExpertShard) -> None:
-    """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases)."""
+def _shard_parameters(module: nn.Module, shard: ExpertShard) -> tuple[str, ...]:
+    """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases);
+    return their names."""
     if shard.ep_size == 1:
-        return
+        return ()
+    names = []
     for name, param in list(module.named_parameters(recurse=False)):
         if param.dim() >= 1 and param.shape[0] == shard.num_experts:
             local = param.detach()[shard.local_start:shard.local_end].clone()
             setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
+            names.append(name)
+    return tuple(names)
+
+
+def _ancestors(modules: dict[str, nn.Module], name: str) -> tuple[nn.Module, ...]:
+    """The modules from the root (``""``) down to ``name``, itself included."""
+    parts = name.split(".")
+    return tuple(modules[".".join(parts[:i])] for i in range(len(parts) + 1))
 
 
 def _shard_module_list(experts: nn.ModuleList, shard: ExpertShard) -> nn.ModuleList:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DISPATCH_MODES = ("auto", "alltoallv", "fused")
+EXPERT_GRAD_MODES = ("auto", "sum", "mean")
 
 
 @dataclass
@@ -18,11 +19,16 @@ class ExpertParallelConfig:
         dispatch: ``"alltoallv"`` (exchange, then grouped matmul), ``"fused"`` (``alltoallv_gmm`` /
             ``gmm_alltoallv``, overlapping rounds of communication with compute), or ``"auto"``.
         num_chunks: pipelining rounds of the fused path (int >= 1, or ``"auto"``).
+        expert_grad: what expert gradients are once backward ends: ``"sum"`` over every rank's
+            tokens (the unsharded model on the concatenated batch), ``"mean"`` (divided by the
+            data-parallel size, as DDP / FSDP2 do to the other gradients), or ``"auto"`` (``"mean"``
+            under DDP, FSDP2 or a prepared Trainer, ``"sum"`` otherwise); see :mod:`epmoe.training.grads`.
     """
 
     gmm_backend: str = "auto"
     dispatch: str = "auto"
     num_chunks: int | str = "auto"
+    expert_grad: str = "auto"
 
     def __post_init__(self) -> None:
         from epmoe.gmm import gmm_backends
@@ -35,6 +41,10 @@ class ExpertParallelConfig:
         chunks = self.num_chunks
         if not (chunks == "auto" or (isinstance(chunks, int) and not isinstance(chunks, bool) and chunks >= 1)):
             raise ValueError(f"ExpertParallelConfig(num_chunks): expected an int >= 1 or 'auto', got {chunks!r}")
+        if self.expert_grad not in EXPERT_GRAD_MODES:
+            raise ValueError(
+                f"ExpertParallelConfig(expert_grad): {self.expert_grad!r} is not one of {list(EXPERT_GRAD_MODES)}"
+            )
 
     @classmethod
     def from_any(cls, config: ExpertParallelConfig | dict[str, Any] | None) -> ExpertParallelConfig:

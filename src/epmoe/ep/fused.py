@@ -20,7 +20,7 @@ from torch import nn
 
 from epmoe.comm.fused import alltoallv_gmm, gmm_alltoallv
 from epmoe.ep.dispatcher import permute_tokens, plan_routing, unpermute_and_combine
-from epmoe.experts import gate_activation
+from epmoe.experts import gate_activation, packed_weight_names
 
 
 def fused_ineligible_reason(experts: nn.Module) -> str | None:
@@ -55,7 +55,7 @@ def fused_routed_experts(
     plan = plan_routing(top_k_index, shard.num_experts, shard.ep_size, state.group)
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
     trans_weight = not experts.is_transposed
-    up_proj = experts.gate_up_proj if experts.has_gate else experts.up_proj
+    up_proj, down_proj = state.sync_weights([getattr(experts, name) for name in packed_weight_names(experts)])
     options = dict(num_chunks=config.num_chunks, gmm_backend=config.gmm_backend)
 
     shared_up = {}
@@ -74,7 +74,7 @@ def fused_routed_experts(
         shared_down = dict(shared_x=shared.act_fn(gate) * up, shared_weight=shared.down_proj.weight,
                            trans_shared_weight=True)
     y_rank_major, shared_out = gmm_alltoallv(
-        h_expert_major, experts.down_proj, plan.recv_counts, plan.send_counts, plan.group,
+        h_expert_major, down_proj, plan.recv_counts, plan.send_counts, plan.group,
         trans_weight=trans_weight, **shared_down, **options,
     )
     return unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_TH.dtype), shared_out

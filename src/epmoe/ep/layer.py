@@ -35,6 +35,7 @@ from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatcher import AllToAllDispatcher, permute_tokens, plan_routing, unpermute_and_combine
 from epmoe.ep.fused import fused_routed_experts
 from epmoe.experts import experts_forward
+from epmoe.training.grads import GradSync, register_param_hooks, sync_expert_weights
 
 
 @dataclass
@@ -47,6 +48,9 @@ class ExpertParallelState:
     local_experts: nn.Module  # what runs the local experts: the packed module, or a ModuleList slice
     dispatch: str = "alltoallv"  # "alltoallv", or "fused" / "auto" where the fused ops can run these experts
     returns_router_logits: bool = False  # ModuleList blocks only: the block's own return convention
+    sync: GradSync | None = None  # how the expert gradients are finished (shared by the model's experts)
+    ancestors: tuple[nn.Module, ...] = ()  # the model's root down to the experts module (wrapper checks)
+    sharded_names: tuple[str, ...] = ()  # packed experts: the per-expert parameters EP sliced
 
     def dispatch_on(self, device: torch.device) -> str:
         """``"fused"`` or ``"alltoallv"`` for hidden states on ``device``. ``"auto"`` is decided per call
@@ -56,6 +60,15 @@ class ExpertParallelState:
         if self.dispatch == "auto":
             return "alltoallv" if device.type == "cpu" else "fused"
         return self.dispatch
+
+    def sync_weights(self, weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
+        """The experts' weights as this forward uses them: gradients finished by :attr:`sync` (a
+        :class:`~epmoe.experts.WeightsHook`)."""
+        if per_parameter and self.sync is not None and self.sync.active:
+            self.sync.observe(self.ancestors, weights)
+            register_param_hooks(self.sync, weights)
+            return weights
+        return sync_expert_weights(self.sync, self.ancestors, weights)
 
 
 def routed_experts(
@@ -75,7 +88,8 @@ def routed_experts(
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
     x_expert_major = dispatcher.dispatch(x_rank_major)
     y_expert_major = experts_forward(
-        state.local_experts, x_expert_major, plan.local_counts, backend=state.config.gmm_backend
+        state.local_experts, x_expert_major, plan.local_counts, backend=state.config.gmm_backend,
+        sync_weights=state.sync_weights,
     )
     y_rank_major = dispatcher.combine(y_expert_major)
     return unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_TH.dtype)

@@ -1,0 +1,220 @@
+"""How expert gradients are finished: reduced over the ``"dp"`` replicas, then summed or averaged.
+
+After the backward all-to-all-v, an expert's weight gradient on its EP rank is the sum over every
+EP rank's tokens routed to it (section 1 of the contract: the unsharded model on the concatenated
+batch). Two things can remain, both done inside the backward by :class:`ExpertGradSync`, once per
+experts module (one flat buffer: one collective per module per backward):
+
+    EP x DP mesh ("dp", "ep") = (2, 2)        expert block 0 lives on ranks 0 and 2
+
+               ep rank 0   ep rank 1           after the exchange: rank 0 holds sum over ranks {0, 1}
+    dp row 0   rank 0      rank 1              all-reduce over "dp" {0, 2}: sum over all 4 ranks
+    dp row 1   rank 2      rank 3              then x 1/4 where expert_grad resolves to "mean"
+
+``expert_grad``:
+
+* ``"sum"``: expert gradients are the unsharded model's on the concatenation of every rank's batch.
+* ``"mean"``: divided by the data-parallel size ``D = ep_size * dp_size`` (every rank whose tokens
+  reach an expert), which is what DDP and FSDP2 do to every other gradient: the gradient of the
+  mean over ranks of each rank's loss.
+* ``"auto"``: ``"mean"`` once the model runs under ``DistributedDataParallel``, FSDP2
+  (``fully_shard`` on the model or a module around the experts) or a Trainer prepared by
+  :func:`epmoe.prepare_trainer`; ``"sum"`` otherwise. Decided at each forward (so a model wrapped
+  after a first forward is handled), never back from ``"mean"`` (a recomputed forward under
+  gradient checkpointing runs outside DDP's forward), and logged (one INFO line) when it changes.
+
+At each forward the wrapper is also checked to leave the expert parameters alone: a DDP that
+would all-reduce them, or an FSDP2 that sharded them, raises ``ValueError`` saying what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+class GradSync:
+    """The gradient policy of one model's experts, shared by all its experts modules.
+
+    ``ep_group`` / ``ep_size``: the EP group; ``dp_group`` / ``dp_size``: the ``"dp"`` replicas of
+    this rank's experts (``None`` / 1 without an EP x DP mesh).
+    """
+
+    def __init__(self, mode: str, ep_group, ep_size: int, dp_group, dp_size: int):
+        self.mode = mode
+        self.ep_group, self.ep_size = ep_group, ep_size
+        self.dp_group, self.dp_size = dp_group, dp_size
+        self.wrapper: str | None = None  # what made "auto" resolve to "mean" (sticky)
+        self._checked_ddp: weakref.WeakSet = weakref.WeakSet()
+        self._logged: str | None = None
+
+    @property
+    def data_parallel_size(self) -> int:
+        """``D``: the ranks whose tokens an expert's gradient sums over once reduced over ``"dp"``."""
+        return self.ep_size * self.dp_size
+
+    @property
+    def resolved(self) -> str:
+        """``"sum"`` or ``"mean"``: what ``mode`` means now."""
+        if self.mode != "auto":
+            return self.mode
+        return "mean" if self.wrapper is not None else "sum"
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / self.data_parallel_size if self.resolved == "mean" else 1.0
+
+    @property
+    def active(self) -> bool:
+        """Whether the experts' gradients need anything after the exchange (sharded experts only)."""
+        return self.ep_size > 1
+
+    def set_wrapper(self, wrapper: str) -> None:
+        """Record a data-parallel wrapper (DDP, FSDP2, Trainer): ``"auto"`` means ``"mean"`` from now on."""
+        if self.wrapper is None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if self.mode == "auto" and world != self.data_parallel_size:
+                raise ValueError(
+                    f"epmoe: expert_grad='auto' under {wrapper}: the EP x DP mesh covers {self.data_parallel_size} "
+                    f"ranks but the world has {world}; pass ExpertParallelConfig(expert_grad='sum' or 'mean') "
+                    f"to say which ranks the data-parallel mean runs over"
+                )
+            self.wrapper = wrapper
+        self._log()
+
+    def _log(self) -> None:
+        decision = self.resolved
+        if decision == self._logged:
+            return
+        self._logged = decision
+        how = (f"divided by the {self.data_parallel_size} data-parallel ranks" if decision == "mean"
+               else "summed over every rank's tokens")
+        why = f" ({self.wrapper})" if self.mode == "auto" and self.wrapper else (
+            " (no data-parallel wrapper seen yet)" if self.mode == "auto" else "")
+        logger.info("epmoe: expert_grad=%r -> %r%s: expert gradients are %s", self.mode, decision, why, how)
+
+    def observe(self, ancestors: Sequence[nn.Module], weights: Sequence[torch.Tensor]) -> None:
+        """Look at what runs this forward (see the module docstring) and mark the expert leaves.
+
+        ``ancestors``: the modules from the model's root down to the experts module; ``weights``: the
+        expert tensors the forward is about to use (parameters, or tensors computed from them).
+        """
+        if not torch.is_grad_enabled():
+            return
+        leaves = [leaf for w in weights for leaf in _leaves(w)]
+        ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        if ddp is not None:
+            if ddp not in self._checked_ddp:
+                reduced = {id(p) for p in getattr(ddp, "_module_parameters", ())}
+                if any(id(p) in reduced for p in leaves):
+                    raise ValueError(
+                        "epmoe: DistributedDataParallel broadcasts and all-reduces expert parameters, which differ "
+                        "on every EP rank: call apply_expert_parallel on the module you wrap with DDP (or on the "
+                        "model inside the PeftModel you wrap), before wrapping it"
+                    )
+                self._checked_ddp.add(ddp)
+            self.set_wrapper("DistributedDataParallel")
+        fsdp_type = _fsdp_module_type()
+        if fsdp_type is not None and any(isinstance(m, fsdp_type) for m in ancestors):
+            if any(not hasattr(p, "_epmoe_expert") for p in leaves):
+                raise ValueError(
+                    "epmoe: fully_shard is sharding expert parameters, which differ on every EP rank: pass "
+                    "ignored_params=set(epmoe.expert_parameters(model)) to every fully_shard call"
+                )
+            self.set_wrapper("FSDP2 fully_shard")
+        for leaf in leaves:
+            leaf._epmoe_expert = self
+        self._log()
+
+    def finish(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Reduce ``grads`` over ``"dp"`` (one flat buffer) and apply the scale; ``None`` entries stay."""
+        present = [g for g in grads if g is not None]
+        scale = self.scale
+        if not present or (self.dp_size == 1 and scale == 1.0):
+            return grads
+        flat = torch.cat([g.reshape(-1) for g in present])
+        if self.dp_size > 1:
+            dist.all_reduce(flat, group=self.dp_group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        out, offset = [], 0
+        for g in grads:
+            if g is None:
+                out.append(None)
+                continue
+            out.append(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        return out
+
+
+class _ExpertGradSync(torch.autograd.Function):
+    """Identity in forward; in backward, :meth:`GradSync.finish` on all the tensors' gradients at once."""
+
+    @staticmethod
+    def forward(ctx, sync, *weights):
+        ctx.sync = sync
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *ctx.sync.finish(list(grads)))
+
+
+def sync_expert_weights(
+    sync: GradSync | None, ancestors: Sequence[nn.Module], weights: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The experts module's weights as its forward should use them, gradients finished by ``sync``.
+
+    Weights reached through a wrapper (PEFT's LoRA parametrization ``W + B @ A``, or the stack of a
+    ``ModuleList``'s Linear weights) are finished before they flow into their leaves, so LoRA factors
+    on the experts are covered too; every leaf is marked as an expert parameter.
+    """
+    weights = list(weights)
+    if sync is None or not sync.active:
+        return weights
+    sync.observe(ancestors, weights)
+    if not any(w.requires_grad for w in weights) or (sync.dp_size == 1 and sync.scale == 1.0):
+        return weights
+    return list(_ExpertGradSync.apply(sync, *weights))
+
+
+def register_param_hooks(sync: GradSync, params: Sequence[nn.Parameter]) -> None:
+    """For experts run by their own forward (no weight tensor to intercept): a gradient hook per
+    parameter that finishes its incoming gradient (one collective per parameter over ``"dp"``)."""
+    for p in params:
+        if getattr(p, "_epmoe_grad_hook", None) is sync or not p.requires_grad:
+            continue
+        p.register_hook(lambda g, sync=sync: sync.finish([g])[0])
+        p._epmoe_grad_hook = sync
+        p._epmoe_expert = sync
+
+
+def _leaves(tensor: torch.Tensor) -> list[nn.Parameter]:
+    """The parameters ``tensor`` is (or is computed from), by a walk of its autograd graph."""
+    if isinstance(tensor, nn.Parameter):
+        return [tensor]
+    found, seen, stack = [], set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if isinstance(variable, nn.Parameter):
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def _fsdp_module_type():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed FSDP2
+        return None
+    return FSDPModule

@@ -1,0 +1,101 @@
+"""Which parameters are expert-parallel: found by identity, and kept out of DDP's hands.
+
+An expert parameter is one that differs per EP rank: the sharded weights and biases of packed
+experts, the local ``nn.ModuleList`` experts' parameters, and the LoRA factors PEFT adds on them
+after :func:`epmoe.apply_expert_parallel`. Every one is marked (``is_expert_parameter``) when EP
+shards it, when a structural walk finds it (:func:`expert_parameters`, DDP's start-up) and at
+every training forward (the experts' weights' autograd leaves), so the mark survives wrappers that
+rename parameters (PEFT's ``base_layer``, FSDP2's FQNs).
+
+DDP: :func:`epmoe.apply_expert_parallel` sets the model's ``_ddp_params_and_buffers_to_ignore``
+(what ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` sets) to an
+:class:`ExpertParameterNames`, which DDP reads once, in its constructor, to exclude those names from
+its start-up broadcast and its gradient all-reduce. It names the expert parameters as they are
+when DDP is built (so LoRA factors added after EP are included), relative to the model and to a
+PeftModel around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+# PeftModel -> LoraModel -> model: how a PeftModel names its base model's parameters
+_PEFT_PREFIX = "base_model.model."
+
+
+def is_expert_parameter(param: torch.Tensor) -> bool:
+    """Whether ``param`` is expert-parallel (held by one EP rank, different on every EP rank)."""
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"is_expert_parameter(param): expected a Tensor, got {type(param).__name__}")
+    sync = getattr(param, "_epmoe_expert", None)
+    return sync is not None and sync.active
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every expert-parallel parameter of ``model``, in ``model.parameters()`` order.
+
+    Includes LoRA factors that PEFT added on the experts after EP. Empty for EP size 1 (nothing is
+    sharded: data-parallel wrappers treat the experts like any other parameter).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expert_parameters(model): expected an nn.Module, got {type(model).__name__}")
+    found = {id(p): sync for p, sync in _walk(model)}
+    params = []
+    for p in model.parameters():
+        sync = found.get(id(p))
+        if sync is not None:
+            p._epmoe_expert = sync
+        if is_expert_parameter(p):
+            params.append(p)
+    return params
+
+
+def _walk(model: nn.Module) -> Iterator[tuple[nn.Parameter, object]]:
+    """``(parameter, its GradSync)`` for every expert parameter reachable by structure."""
+    for module in model.modules():
+        state = getattr(module, "_epmoe", None)
+        if state is not None and state.sync.active:
+            if isinstance(state.local_experts, nn.ModuleList):
+                for p in state.local_experts.parameters():
+                    yield p, state.sync
+            else:
+                for name in state.sharded_names:  # the per-expert tensors EP sliced
+                    yield getattr(module, name), state.sync
+        base = _peft_base(module)
+        if base is not None:  # a PEFT wrapper around an experts module: its own factors are per expert
+            base_state = getattr(base, "_epmoe", None)
+            if base_state is not None and base_state.sync.active:
+                base_ids = {id(p) for p in base.parameters()}
+                for p in module.parameters():
+                    if id(p) not in base_ids:
+                        yield p, base_state.sync
+
+
+def _peft_base(module: nn.Module) -> nn.Module | None:
+    """The innermost ``base_layer`` of a PEFT wrapper (peft nests one wrapper per adapted parameter)."""
+    base = getattr(module, "base_layer", None)
+    if not isinstance(base, nn.Module) or not hasattr(module, "lora_A"):
+        return None
+    while isinstance(getattr(base, "base_layer", None), nn.Module):
+        base = base.base_layer
+    return base
+
+
+class ExpertParameterNames:
+    """The names DDP must ignore, computed when DDP reads them (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __iter__(self) -> Iterator[str]:
+        experts = {id(p) for p in expert_parameters(self.model)}
+        for name, param in self.model.named_parameters():
+            if id(param) in experts:
+                yield name
+                yield _PEFT_PREFIX + name
+
+    def __repr__(self) -> str:
+        return f"ExpertParameterNames({sorted(set(self))})"

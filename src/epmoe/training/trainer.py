@@ -1,0 +1,57 @@
+"""``prepare_trainer``: transformers' ``Trainer`` (or any subclass) on an EP model, exact.
+
+What Trainer does on its own is already right once :func:`epmoe.apply_expert_parallel` has run:
+accelerate wraps the model in ``DistributedDataParallel``, which leaves the expert parameters alone
+(:mod:`epmoe.training.params`) and makes ``expert_grad="auto"`` mean over ranks
+(:mod:`epmoe.training.grads`); gradient accumulation, gradient checkpointing and ``evaluate`` need
+nothing. One thing is not: Trainer clips with ``accelerator.clip_grad_norm_``, i.e.
+``torch.nn.utils.clip_grad_norm_``, whose norm on each rank sees only that rank's experts, so every
+rank would clip by a different factor and the replicated weights drift apart. ``prepare_trainer``
+replaces that one method *of this trainer's accelerator* (the class is untouched) by
+:func:`epmoe.clip_grad_norm_`, which also makes the logged ``grad_norm`` the whole model's.
+
+DeepSpeed and accelerate's FSDP plugin shard every parameter, experts included: refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from epmoe.training.clip import clip_grad_norm_
+
+
+def prepare_trainer(trainer: Any) -> Any:
+    """Make ``trainer`` (a ``transformers.Trainer`` or subclass, built on an EP model) exact; returns it.
+
+    Call once, after building the trainer and before ``trainer.train()``. Idempotent.
+    """
+    accelerator = getattr(trainer, "accelerator", None)
+    model = getattr(trainer, "model", None)
+    if accelerator is None or not isinstance(model, nn.Module):
+        raise TypeError(f"prepare_trainer(trainer): expected a transformers.Trainer, got {type(trainer).__name__}")
+    states = [m._epmoe for m in model.modules() if hasattr(m, "_epmoe")]
+    if not states:
+        raise ValueError("prepare_trainer(trainer): trainer.model is not expert-parallel; call "
+                         "epmoe.apply_expert_parallel(model) before building the Trainer")
+    for flag, what in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "accelerate's FSDP plugin")):
+        if getattr(trainer, flag, False):
+            raise ValueError(
+                f"prepare_trainer(trainer): {what} would shard the expert parameters, which differ per EP rank; "
+                f"use DDP (the Trainer default), or FSDP2 by hand with "
+                f"fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
+            )
+    if getattr(accelerator, "_epmoe_prepared", False):
+        return trainer
+    for state in states:
+        if state.sync is not None and state.sync.active:
+            state.sync.set_wrapper("transformers.Trainer")
+
+    def clip(parameters, max_norm, norm_type=2):
+        accelerator.unscale_gradients()  # what accelerate's own clip_grad_norm_ does first
+        return clip_grad_norm_(list(parameters), max_norm, norm_type)
+
+    accelerator.clip_grad_norm_ = clip
+    accelerator._epmoe_prepared = True
+    return trainer

@@ -1,0 +1,94 @@
+"""Training with the tools users already use, each recipe against the same recipe without EP.
+
+2 gloo ranks for DDP (plain and with nn.ModuleList experts), expert_grad modes, expert-parameter
+identity (PEFT LoRA on experts), refusals and generate, batched in one spawn; 4 ranks for EP x DP.
+Exactness is claimed in float64: relative 1e-10.
+"""
+
+import functools
+
+import pytest
+
+from epmoe.launch import run_ranks
+from training_workers import ep_dp_mesh, two_rank_checks
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+TOL = 1e-10
+
+
+@functools.lru_cache(maxsize=1)
+def two_rank_results():
+    return run_ranks(two_rank_checks, 2, timeout=400)
+
+
+def results_of(check):
+    out = [ranks[check] for ranks in two_rank_results()]
+    for rank, result in enumerate(out):
+        assert not (isinstance(result, dict) and "error" in result), f"rank {rank}:\n{result['error']}"
+    return out
+
+
+def assert_errors(errors, rank, tol=TOL):
+    bad = {k: v for k, v in errors.items() if not v <= tol}
+    assert not bad, f"rank {rank}: {len(bad)} of {len(errors)} above {tol}: {dict(list(bad.items())[:6])}"
+
+
+def test_ddp_equals_non_ep_ddp_per_parameter():
+    """DDP(ep_model) with no other code, AdamW x 5, per-rank batch sizes differ, clipped every step:
+    DDP neither broadcast nor reduced the experts; step-0 gradients, every clip norm (2, 1 and inf)
+    and the parameters after 5 steps equal the non-EP DDP run's, per parameter."""
+    for rank, result in enumerate(results_of("ddp")):
+        errors, facts = result["errors"], result["facts"]
+        assert_errors(errors, rank)
+        assert any(k.startswith("param/") and ".experts." in k for k in errors)
+        assert not facts["ddp_reduces_experts"] and facts["num_experts_params"] == 4
+        assert facts["clipped"], facts["norms"]  # the clip factor mattered at every step
+        assert facts["log"] == ["epmoe: expert_grad='auto' -> 'mean' (DistributedDataParallel): expert gradients "
+                                "are divided by the 2 data-parallel ranks"], facts["log"]
+
+
+def test_ddp_with_module_list_experts():
+    for rank, errors in enumerate(results_of("ddp_module_list")):
+        assert_errors(errors, rank)
+        assert any("biased/param/blocks.0.experts" in k for k in errors)
+
+
+def test_expert_grad_modes_without_wrapper():
+    """"sum" and "auto" (no wrapper) give the unsharded model's expert gradients on the concatenated
+    batch; "mean" those divided by the 2 ranks; non-expert gradients are the rank's own."""
+    for rank, errors in enumerate(results_of("expert_grad_modes")):
+        assert_errors(errors, rank)
+        assert {k.split("/")[0] for k in errors} == {"sum", "auto", "mean"}
+
+
+def test_expert_parameters_by_identity_with_lora():
+    for result in results_of("identity"):
+        assert result["base"] == 4  # 2 layers x (gate_up_proj, down_proj)
+        assert len(result["lora"]) == 8 and all("experts" in n and "lora_" in n for n in result["lora"])
+        assert result["all_marked"] and not result["attention_marked"]
+        assert not result["ddp_reduces_experts"] and result["ddp_reduces_attention_lora"]
+
+
+def test_refusals():
+    for result in results_of("refusals"):
+        assert "apply expert parallelism first" in result["ddp"] and "DistributedDataParallel" in result["ddp"]
+        assert "apply expert parallelism first" in result["fsdp2"] and "FSDP2" in result["fsdp2"]
+        assert result["synced_false"] and "synced_gpus" in result["synced_false"]
+
+
+def test_generate_ranks_stop_at_different_steps():
+    results = results_of("generate")
+    assert [r["new_tokens"] for r in results] == [3, 9]
+    for result in results:
+        assert result["greedy_equal"] and result["sampled_reproducible"] and result["sampled_equal_ref"], result
+
+
+def test_ep_x_dp_mesh_four_ranks():
+    """("dp", "ep") = (2, 2): equals 4-rank non-EP DDP per parameter (AdamW x 4, clipped), replicas
+    over "dp" bitwise identical."""
+    for rank, result in enumerate(run_ranks(ep_dp_mesh, 4, timeout=300)):
+        assert result["ep_size"] == 2
+        assert_errors(result["errors"], rank)
+        assert result["replicas_equal"]
