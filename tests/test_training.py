@@ -10,7 +10,7 @@ import functools
 import pytest
 
 from epmoe.launch import run_ranks
-from training_workers import ep_dp_mesh, two_rank_checks
+from training_workers import ep_dp_mesh, trainer_parity_both, two_rank_checks
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -92,3 +92,18 @@ def test_ep_x_dp_mesh_four_ranks():
         assert result["ep_size"] == 2
         assert_errors(result["errors"], rank)
         assert result["replicas_equal"]
+
+
+def test_trainer_defaults_are_exact(tmp_path):
+    """Trainer (a subclass, through prepare_trainer) on the EP model vs a plain Trainer on the unsharded
+    model: AdamW, max_grad_norm=1.0 (it clips: logged norms > 1), gradient checkpointing, accumulation
+    2, evaluate(). After 6 steps: every parameter (float64: 1e-10 element-wise; float32: 1e-5 of each
+    tensor's 2-norm), the logged grad norms and losses, and the eval loss; replicated weights stay
+    identical across ranks."""
+    for rank, by_dtype in enumerate(run_ranks(trainer_parity_both, 2, str(tmp_path), timeout=400)):
+        for dtype, tol in (("float64", TOL), ("float32", 1e-5)):
+            result = by_dtype[dtype]
+            assert result["num_steps"] == 6 and result["checkpointing"], dtype
+            assert min(result["norms"]) > 1.0, result["norms"]
+            assert_errors(result["errors"], rank, tol=tol)
+            assert result["replicated_equal"], dtype

@@ -48,6 +48,12 @@ class Pair:
         return rel(self.mine, self.ref_param[self.rows])
 
     @property
+    def param_norm_error(self):
+        """``|mine - ref| / |ref|`` in the 2-norm: the relative error of the tensor as a whole."""
+        diff = (self.mine.detach().double() - self.ref_param[self.rows].detach().double()).norm()
+        return (diff / self.ref_param[self.rows].detach().double().norm()).item()
+
+    @property
     def grad_error(self):
         return rel(self.mine.grad, self.ref_param.grad[self.rows])
 
@@ -356,3 +362,79 @@ def ep_dp_mesh(rank, world, steps=4):
         dist.all_gather(gathered, p.detach().contiguous(), group=dp_group)
         replicas_equal &= torch.equal(gathered[0], gathered[1])
     return {"errors": errors, "replicas_equal": replicas_equal, "ep_size": shards[0].ep_size, "norms": norms}
+
+
+# --------------------------------------------------------------------------------------------
+# transformers.Trainer
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, n, seq, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.rows = torch.randint(0, VOCAB, (n, seq), generator=g)
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def trainer_parity_both(rank, world, out_dir):
+    return {dtype: trainer_parity(rank, world, f"{out_dir}/{dtype}", dtype_name=dtype)
+            for dtype in ("float64", "float32")}
+
+
+def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32"):
+    """transformers.Trainer on 2 ranks with its defaults (AdamW, max_grad_norm=1.0) plus gradient
+    checkpointing and gradient accumulation 2: the EP model through ``prepare_trainer`` (on a Trainer
+    subclass) vs the unsharded model through a plain Trainer. Per-parameter errors after ``steps``
+    steps (float64: element-wise; float32: of each tensor in the 2-norm, since AdamW turns the
+    rounding of near-zero gradients into full-size update differences of single elements), the
+    logged grad norms and losses, and the evaluation loss."""
+    from transformers import Trainer, TrainingArguments
+
+    class SubclassedTrainer(Trainer):  # what TRL's SFTTrainer and friends are
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def args(tag):
+        return TrainingArguments(
+            output_dir=f"{out_dir}/{tag}", per_device_train_batch_size=2, per_device_eval_batch_size=2,
+            gradient_accumulation_steps=2, max_steps=steps, learning_rate=1e-3, gradient_checkpointing=True,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
+            seed=0, disable_tqdm=True,
+        )
+
+    train, evaluation = TokenDataset(64, 12, seed=1), TokenDataset(6, 12, seed=2)
+    ref = build_model("qwen3_moe", dtype=getattr(torch, dtype_name))
+    model = copy.deepcopy(ref)
+    shards = epmoe.apply_expert_parallel(model)
+    trainer_ref = Trainer(model=ref, args=args("ref"), train_dataset=train, eval_dataset=evaluation)
+    trainer_ref.train()
+    eval_ref = trainer_ref.evaluate()["eval_loss"]
+    trainer = epmoe.prepare_trainer(
+        SubclassedTrainer(model=model, args=args("ep"), train_dataset=train, eval_dataset=evaluation))
+    assert epmoe.prepare_trainer(trainer) is trainer  # idempotent
+    trainer.train()
+    eval_ep = trainer.evaluate()["eval_loss"]
+
+    pairs = reference_view(model, ref, shards).items()
+    errors = {f"param/{name}": pair.param_error if dtype_name == "float64" else pair.param_norm_error
+              for name, pair in pairs}
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    norms_ref = [h["grad_norm"] for h in trainer_ref.state.log_history if "grad_norm" in h]
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    losses_ref = [h["loss"] for h in trainer_ref.state.log_history if "loss" in h]
+    for step, (a, b) in enumerate(zip(norms, norms_ref)):
+        errors[f"grad_norm/{step}"] = abs(a - b) / abs(b)
+    for step, (a, b) in enumerate(zip(losses, losses_ref)):
+        errors[f"loss/{step}"] = abs(a - b) / abs(b)
+    errors["eval_loss"] = abs(eval_ep - eval_ref) / abs(eval_ref)
+    # the non-expert weights are identical on every rank (a per-rank clip factor would split them)
+    non_expert = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not epmoe.is_expert_parameter(p)])
+    gathered = [torch.empty_like(non_expert) for _ in range(world)]
+    dist.all_gather(gathered, non_expert)
+    return {"errors": errors, "norms": norms, "num_steps": len(norms),
+            "replicated_equal": all(torch.equal(gathered[0], g) for g in gathered),
+            "checkpointing": model.is_gradient_checkpointing}
