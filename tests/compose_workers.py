@@ -4,9 +4,10 @@ import copy
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import epmoe
-from epmoe.demo import _average_gradients, _global_loss, synthetic_batch
+from epmoe.demo import _global_loss, synthetic_batch
 from epmoe.models import build_model
 
 EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -216,7 +217,7 @@ def peft_expert_lora_then_ep(rank, world, lengths):
 
 def fsdp2_train(rank, world, steps, dtype_name):
     """EP, then FSDP2 (fully_shard per decoder layer and root, expert params ignored), AdamW for
-    ``steps`` steps; vs the non-EP data-parallel reference of ``epmoe.demo`` (same batches, same objective).
+    ``steps`` steps; vs the non-EP model under DDP (same batches, same objective).
 
     Both clip to a total norm of 0.05 every step (epmoe.clip_grad_norm_ on the FSDP2 model).
     Returns ``(losses_fsdp, losses_ref, max rel error of the final parameters and the clip norms)``.
@@ -240,6 +241,7 @@ def fsdp2_train(rank, world, steps, dtype_name):
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_ddp = DDP(ref)
     losses, losses_ref, norm_err = [], [], 0.0
     for step in range(steps):
         ids = synthetic_batch(step, rank, 2, 16)
@@ -249,9 +251,8 @@ def fsdp2_train(rank, world, steps, dtype_name):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-        loss_ref = ref(ids, labels=ids).loss
+        loss_ref = ref_ddp(ids, labels=ids).loss
         loss_ref.backward()
-        _average_gradients(list(ref.parameters()), world)
         norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         assert norm_ref > 0.05  # the clip factor matters
         norm_err = max(norm_err, max_rel(norm, norm_ref))
@@ -309,6 +310,7 @@ def fsdp2_lora_train(rank, world, family, steps):
     opt = torch.optim.AdamW(lora, lr=1e-2)
     ref_lora = [p for p in ref.parameters() if p.requires_grad]
     opt_ref = torch.optim.AdamW(ref_lora, lr=1e-2)
+    ref_ddp = DDP(ref)
     losses, losses_ref = [], []
     for step in range(steps):
         ids = synthetic_batch(step, rank, 2, 16)
@@ -317,9 +319,8 @@ def fsdp2_lora_train(rank, world, family, steps):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-        loss_ref = ref(ids, labels=ids).loss
+        loss_ref = ref_ddp(ids, labels=ids).loss
         loss_ref.backward()
-        _average_gradients(ref_lora, world)
         opt_ref.step()
         opt_ref.zero_grad(set_to_none=True)
         losses.append(_global_loss(loss, world))

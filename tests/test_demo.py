@@ -19,13 +19,29 @@ def test_training_loss_curves_match_with_and_without_ep(family):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {a} vs {b}"
 
 
+def test_training_through_trainer_matches_without_ep():
+    """``trainer=True``: both models through transformers.Trainer (EP via prepare_trainer): equal loss curves."""
+    result = run_ranks(train_parity, 2, TrainOptions(steps=4, seq_len=16, trainer=True), timeout=300)[0]
+    assert [r.step for r in result.records] == [0, 1, 2, 3]
+    for r in result.records:
+        assert abs(r.loss_ep - r.loss_ref) <= 1e-5 * abs(r.loss_ref), r
+        assert r.time_ep > 0 and r.time_ref > 0
+
+
 def test_demo_command_prints_table_and_writes_plot(tmp_path, capsys):
     assert main(["demo", "--steps", "3", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "loss (EP)" in out and "loss (no EP)" in out and "|diff|" in out
-    assert "grouped-matmul backend: torch" in out
+    assert "grouped-matmul backend: torch" in out and "DistributedDataParallel + gradient clipping" in out
     png = tmp_path / "demo-qwen3_moe-loss.png"
     assert png.stat().st_size > 1000 and str(png) in out
+
+
+def test_demo_trainer_command(tmp_path, capsys):
+    assert main(["demo", "--trainer", "--steps", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "loss (EP)" in out and "transformers.Trainer (epmoe.prepare_trainer on the EP side)" in out
+    assert (tmp_path / "demo-qwen3_moe-loss.png").exists()
 
 
 @pytest.mark.parametrize(

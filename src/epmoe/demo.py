@@ -1,14 +1,16 @@
 """Training with and without expert parallelism, side by side: the body of ``epmoe demo``.
 
-Every rank builds the same small transformers MoE model (same seed) twice:
+Every rank builds the same small transformers MoE model (same seed) twice and trains both the way
+users do, data parallel, with gradient clipping (max norm 1.0):
 
-    without EP: every rank holds all E experts; data parallel (gradients all-reduced)
+    without EP: every rank holds all E experts; DistributedDataParallel, torch's clip_grad_norm_
     with EP:    apply_expert_parallel -> rank r holds experts [r*E/W, (r+1)*E/W);
-                non-expert gradients all-reduced, expert gradients already summed by the exchange
+                DistributedDataParallel (which leaves the experts to epmoe), epmoe.clip_grad_norm_
 
-Both train on the same per-rank batches of a fixed synthetic dataset with AdamW, one step of each in
-turn, and optimise the same objective (the mean over ranks of each rank's loss), so their loss curves
-must agree to floating-point tolerance.
+or, with ``trainer=True``, each through a ``transformers.Trainer`` (the EP one through
+``epmoe.prepare_trainer``). Both train on the same per-rank batches of a fixed synthetic dataset
+with AdamW and optimise the same objective (the mean over ranks of each rank's loss), so their loss
+curves must agree to floating-point tolerance.
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import epmoe
 from epmoe import platform
 from epmoe.experts import experts_backend
 
 VOCAB = 256
+MAX_GRAD_NORM = 1.0
 
 
 @dataclass
@@ -41,6 +45,7 @@ class TrainOptions:
     top_k: int = 4
     lr: float = 1e-3
     seed: int = 0
+    trainer: bool = False  # train through transformers.Trainer instead of a DDP loop
     show_progress: bool = False
 
     def __post_init__(self) -> None:
@@ -89,24 +94,6 @@ def synthetic_batch(step: int, rank: int, batch_size: int, seq_len: int) -> torc
     return torch.cat(rows, dim=1)
 
 
-def _average_gradients(params: list[torch.nn.Parameter], world: int) -> None:
-    """Data-parallel all-reduce (mean) of gradients, one flat buffer (the same size on every rank:
-    a parameter without a gradient here contributes zeros)."""
-    if world == 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def _global_loss(loss: torch.Tensor, world: int) -> float:
     value = loss.detach().double().reshape(1)
     if world > 1:
@@ -127,14 +114,15 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
                             seed=options.seed, dtype=dtype).to(device)
     model = copy.deepcopy(reference)
     shards = epmoe.apply_expert_parallel(model, config={"gmm_backend": options.backend})
-    expert_params = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters()}
-    non_expert = [p for p in model.parameters() if id(p) not in expert_params]
-    experts = [p for p in model.parameters() if id(p) in expert_params]
-
-    opt_ep = torch.optim.AdamW(model.parameters(), lr=options.lr)
-    opt_ref = torch.optim.AdamW(reference.parameters(), lr=options.lr)
     backend = experts_backend(model.get_submodule(shards[0].module_name), options.backend).name
     result = TrainResult(options, world, backend)
+    if options.trainer:
+        _train_with_trainer(result, model, reference, rank, device)
+        return result
+    ddp_args = {"device_ids": [device.index]} if device.type != "cpu" else {}
+    model, reference = DDP(model, **ddp_args), DDP(reference, **ddp_args)
+    opt_ep = torch.optim.AdamW(model.parameters(), lr=options.lr)
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=options.lr)
     steps = range(options.steps)
     if options.show_progress and rank == 0:
         from tqdm import tqdm
@@ -146,10 +134,7 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
         start = time.perf_counter()
         loss_ep = model(ids, labels=ids).loss
         loss_ep.backward()
-        _average_gradients(non_expert, world)
-        for p in experts:  # the exchange summed every rank's contribution: make it the mean over ranks
-            if p.grad is not None:
-                p.grad /= world
+        epmoe.clip_grad_norm_(model, MAX_GRAD_NORM)
         opt_ep.step()
         opt_ep.zero_grad(set_to_none=True)
         platform.synchronize(device)
@@ -158,7 +143,7 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
         start = time.perf_counter()
         loss_ref = reference(ids, labels=ids).loss
         loss_ref.backward()
-        _average_gradients(list(reference.parameters()), world)
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_GRAD_NORM)
         opt_ref.step()
         opt_ref.zero_grad(set_to_none=True)
         platform.synchronize(device)
@@ -167,3 +152,60 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
         result.records.append(StepRecord(step, _global_loss(loss_ep, world), _global_loss(loss_ref, world),
                                          time_ep, time_ref))
     return result
+
+
+class SyntheticDataset(torch.utils.data.Dataset):
+    """The demo's token rows for ``transformers.Trainer``: ``synthetic_batch`` rows, cycled."""
+
+    def __init__(self, options: TrainOptions, world: int):
+        rows = [synthetic_batch(step, rank, options.batch_size, options.seq_len)
+                for step in range(8) for rank in range(world)]
+        self.rows = torch.cat(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
+def _train_with_trainer(result: TrainResult, model, reference, rank: int, device: torch.device) -> None:
+    """Both models through ``transformers.Trainer`` (the reference first); per-step losses from
+    Trainer's logs, per-step times from a callback."""
+    import tempfile
+
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times, self._start = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            platform.synchronize(device)
+            self.times.append(time.perf_counter() - self._start)
+
+    options = result.options
+    dataset = SyntheticDataset(options, result.world_size)
+    curves = {}
+    with tempfile.TemporaryDirectory() as out_dir:
+        for label, net in (("ref", reference), ("ep", model)):
+            args = TrainingArguments(
+                output_dir=f"{out_dir}/{label}", per_device_train_batch_size=options.batch_size,
+                max_steps=options.steps, learning_rate=options.lr, lr_scheduler_type="constant",
+                max_grad_norm=MAX_GRAD_NORM, logging_steps=1, report_to=[], save_strategy="no",
+                use_cpu=device.type == "cpu", disable_tqdm=True, seed=options.seed, dataloader_num_workers=0,
+            )
+            times = StepTimes()
+            trainer = Trainer(model=net, args=args, train_dataset=dataset, callbacks=[times])
+            trainer.remove_callback(PrinterCallback)
+            if label == "ep":
+                epmoe.prepare_trainer(trainer)
+            trainer.train()
+            losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+            curves[label] = (losses, times.times)
+    (losses_ref, times_ref), (losses_ep, times_ep) = curves["ref"], curves["ep"]
+    for step, values in enumerate(zip(losses_ep, losses_ref, times_ep, times_ref)):
+        result.records.append(StepRecord(step, *values))

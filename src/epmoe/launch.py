@@ -9,6 +9,7 @@ the group's timeout and the parent gives up after ``timeout`` seconds.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import queue
@@ -49,6 +50,7 @@ def _worker(fn, rank, world_size, port, backend, timeout, threads, results, args
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
+            gc.collect()  # DDP reducers in reference cycles must go before their process group does
             dist.destroy_process_group()
 
 
