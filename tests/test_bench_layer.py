@@ -61,13 +61,15 @@ def test_ep1_variants_agree_with_eager(one_thread):
 def test_ep2_quick_losses_match_the_unsharded_model(one_thread):
     settings = common.Settings(device=torch.device("cpu"), threads=2, warmup=0, repeats=1, seed=0, quick=True, out=None)
     report = layer.run_ep2(layer.QUICK_SHAPES[0], settings)
-    assert "epmoe" in report.steps_ms and report.steps_ms["epmoe"] > 0
-    assert report.loss_diffs["epmoe"] < 1e-5
+    for label in (layer.EPMOE_DDP, layer.REPLICATED_DDP, layer.EPMOE_TRAINER, layer.REPLICATED_TRAINER):
+        assert report.steps_ms[label] > 0, label
+        assert report.loss_diffs[label] < 1e-5, label
     # transformers' own EP either ran (and then matches too) or its failure is reported, not hidden
     assert "transformers EP" in report.steps_ms or "transformers EP" in report.errors
     if "transformers EP" in report.steps_ms:
         assert report.loss_diffs["transformers EP"] < 1e-5
-    assert "### EP size 2" in report.markdown()
+    text = report.markdown()
+    assert "### EP size 2" in text and "epmoe Trainer step / replicated Trainer step" in text
 
 
 def test_shape_flops():

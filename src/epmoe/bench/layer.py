@@ -19,12 +19,16 @@ glue) is what is left. "Outside GEMMs" is ``(epmoe step - its grouped matmuls) /
 Part ``ep2``, two gloo ranks on CPU, each with its own batch of a one-layer ``Qwen3MoeForCausalLM``
 whose MoE layer has the first shape's experts, saved with ``save_pretrained`` and loaded by every rank::
 
-    epmoe          apply_expert_parallel(model) on the default group; dense grads all-reduced (as DDP)
-    transformers   from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2, ep_size=2))
-    replicated     no EP: every rank holds all experts; all grads all-reduced (plain data parallel)
+    epmoe + DDP        apply_expert_parallel(model), then DistributedDataParallel(model)
+    transformers EP    from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2, ep_size=2))
+    replicated + DDP   no EP: every rank holds all experts; DistributedDataParallel (plain data parallel)
 
-A step is forward, backward and the gradient synchronisation. Loss parity: each variant's loss on
-each rank against the unsharded model's loss on that rank's batch.
+A step is forward, backward and the gradient synchronisation, interleaved round by round. Then the
+same EP and replicated models each train through ``transformers.Trainer`` (the EP one through
+``epmoe.prepare_trainer``) for the same number of steps, timed per step by a callback: a Trainer
+step also clips the gradients and runs AdamW. Loss parity: each interleaved variant's first loss on
+each rank against the unsharded model's on that rank's batch; the EP Trainer's logged losses
+against the replicated Trainer's.
 """
 
 from __future__ import annotations
@@ -86,6 +90,9 @@ SHAPES = (
 )
 QUICK_SHAPES = (Shape("tiny", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=64),)
 EP2_LAYERS = 1  # decoder layers of the EP=2 model (a MoE layer)
+EPMOE_DDP, REPLICATED_DDP = "epmoe + DDP", "replicated (no EP) + DDP"
+EPMOE_TRAINER, REPLICATED_TRAINER = "epmoe, Trainer", "replicated (no EP), Trainer"
+TRAINER_VARIANTS = (EPMOE_TRAINER, REPLICATED_TRAINER)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -350,9 +357,11 @@ class Ep2Report:
 
     def markdown(self) -> str:
         notes = {
-            "epmoe": f"apply_expert_parallel (dispatch {self.dispatch}); dense grads all-reduced",
+            EPMOE_DDP: f"apply_expert_parallel (dispatch {self.dispatch}), then DDP",
             "transformers EP": "DistributedConfig(fsdp_size=2, ep_size=2), experts grouped_mm",
-            "replicated (no EP)": "all experts on every rank; all grads all-reduced",
+            REPLICATED_DDP: "all experts on every rank; DDP",
+            EPMOE_TRAINER: "Trainer step (fwd, bwd, clip, AdamW), prepare_trainer; loss vs replicated Trainer",
+            REPLICATED_TRAINER: "Trainer step (fwd, bwd, clip, AdamW), all experts on every rank",
         }
         rows = []
         for label in notes:
@@ -363,12 +372,11 @@ class Ep2Report:
         lines = [f"### EP size 2: {EP2_RANKS} gloo ranks, {EP2_LAYERS}-layer Qwen3-MoE, {self.tokens_per_rank} tokens "
                  f"per rank, {self.threads_per_rank} thread(s) per rank", "",
                  common.markdown_table(EP2_HEADERS, rows, align="lrrl"), ""]
-        if "epmoe" in self.steps_ms and "transformers EP" in self.steps_ms:
-            ratio = self.steps_ms["epmoe"] / self.steps_ms["transformers EP"]
-            lines.append(f"- epmoe step / transformers EP step = {ratio:.2f}")
-        if "epmoe" in self.steps_ms and "replicated (no EP)" in self.steps_ms:
-            ratio = self.steps_ms["epmoe"] / self.steps_ms["replicated (no EP)"]
-            lines.append(f"- epmoe step / replicated-experts step = {ratio:.2f}")
+        for mine, theirs, what in ((EPMOE_DDP, "transformers EP", "epmoe + DDP step / transformers EP step"),
+                                   (EPMOE_DDP, REPLICATED_DDP, "epmoe + DDP step / replicated + DDP step"),
+                                   (EPMOE_TRAINER, REPLICATED_TRAINER, "epmoe Trainer step / replicated Trainer step")):
+            if mine in self.steps_ms and theirs in self.steps_ms:
+                lines.append(f"- {what} = {self.steps_ms[mine] / self.steps_ms[theirs]:.2f}")
         for rank, losses in enumerate(self.losses):
             lines.append(f"- rank {rank} losses: " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
         for label, error in self.errors.items():
@@ -396,13 +404,18 @@ def run_ep2(shape: Shape, settings: common.Settings) -> Ep2Report:
     labels = [label for label in results[0]["times"] if label not in errors]
     steps_ms = {label: 1e3 * max(statistics.median(r["times"][label]) for r in results) for label in labels}
     losses = [r["losses"] for r in results]
-    loss_diffs = {label: max(abs(r[label] - r["unsharded"]) for r in losses) for label in labels}
+    loss_diffs = {label: max(abs(r[label] - r["unsharded"]) for r in losses) for label in labels
+                  if label not in TRAINER_VARIANTS}
+    for label in TRAINER_VARIANTS:
+        mine, ref = (results[0]["trainer_losses"][v] for v in (label, REPLICATED_TRAINER))
+        loss_diffs[label] = max(abs(a - b) for a, b in zip(mine, ref))
     return Ep2Report(shape, shape.tokens, threads, steps_ms, loss_diffs, losses, errors, results[0]["dispatch"])
 
 
 def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeats: int, seed: int) -> dict:
     """One rank of part ep2: load the variants, check their first loss, time their steps side by side."""
     import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForCausalLM
 
     import epmoe
@@ -421,17 +434,15 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     steps: dict[str, Callable[[], float]] = {}
     errors: dict[str, str] = {}
     model = copy.deepcopy(reference)
-    shards = epmoe.apply_expert_parallel(model)
-    expert_params = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters(recurse=False)}
-    dense = [p for p in model.parameters() if id(p) not in expert_params]
+    epmoe.apply_expert_parallel(model)
     dispatch = sorted({m._epmoe.dispatch_on(ids.device) for m in model.modules() if hasattr(m, "_epmoe")})
-    steps["epmoe"] = _dp_step(model, ids, dense, world)
-    steps["replicated (no EP)"] = _dp_step(reference, ids, list(reference.parameters()), world)
+    steps[EPMOE_DDP] = _step(DDP(model), ids)
+    steps[REPLICATED_DDP] = _step(DDP(copy.deepcopy(reference)), ids)
     try:
         from transformers.distributed import DistributedConfig
 
         hf = load(distributed_config=DistributedConfig(fsdp_size=world, ep_size=world))
-        steps["transformers EP"] = _dp_step(hf, ids, [], world)
+        steps["transformers EP"] = _step(hf, ids)
         losses["transformers EP"] = steps["transformers EP"]()
     except Exception:  # noqa: BLE001 - report why their path could not run, keep measuring ours
         errors["transformers EP"] = traceback.format_exc()
@@ -440,8 +451,8 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     dist.all_gather_object(failed, sorted(errors))
     if any(f != failed[0] for f in failed):
         raise RuntimeError(f"ranks disagree on which variants failed: {failed}")
-    losses["epmoe"] = steps["epmoe"]()
-    losses["replicated (no EP)"] = steps["replicated (no EP)"]()
+    losses[EPMOE_DDP] = steps[EPMOE_DDP]()
+    losses[REPLICATED_DDP] = steps[REPLICATED_DDP]()
 
     names = list(steps)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -454,27 +465,60 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
             dist.barrier()
             if round_ >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {"losses": losses, "times": times, "errors": errors, "dispatch": "/".join(dispatch)}
+    trainer_losses = {}
+    for label in TRAINER_VARIANTS:
+        net = copy.deepcopy(reference)
+        if label == EPMOE_TRAINER:
+            epmoe.apply_expert_parallel(net)
+        step_times, trainer_losses[label] = _trainer_steps(net, label == EPMOE_TRAINER, tokens, warmup + repeats, seed)
+        times[label] = step_times[warmup:]
+    return {"losses": losses, "times": times, "errors": errors, "dispatch": "/".join(dispatch),
+            "trainer_losses": trainer_losses}
 
 
-def _dp_step(model: torch.nn.Module, ids: torch.Tensor, synced: list[torch.nn.Parameter], world: int):
-    """Forward, backward, and one all-reduce (average) of the gradients of ``synced`` (what DDP does)."""
-    import torch.distributed as dist
+def _step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
+    """Forward and backward (DDP synchronises the gradients inside the backward)."""
 
     def step() -> float:
         model.zero_grad(set_to_none=True)
         loss = model(ids, labels=ids).loss
         loss.backward()
-        grads = [p.grad for p in synced if p.grad is not None]
-        if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            flat /= world
-            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                g.copy_(part.view_as(g))
         return loss.item()
 
     return step
+
+
+def _trainer_steps(model: torch.nn.Module, prepare: bool, tokens: int, steps: int, seed: int):
+    """``(seconds per step, logged losses)`` of ``steps`` steps of ``transformers.Trainer`` on ``model``
+    (2 rows of ``tokens // 2`` per rank and step, AdamW, max_grad_norm=1.0)."""
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    import epmoe
+
+    class StepTimes(TrainerCallback):
+        def __init__(self):
+            self.times, self.start = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    generator = torch.Generator().manual_seed(seed + 2000)
+    rows = torch.randint(0, model.config.vocab_size, (4 * steps, tokens // 2), generator=generator)
+    dataset = [{"input_ids": row, "labels": row} for row in rows]
+    with tempfile.TemporaryDirectory(prefix="epmoe-bench-trainer-") as out:
+        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps, logging_steps=1,
+                                 report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=seed,
+                                 dataloader_num_workers=0)
+        timer = StepTimes()
+        trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
+        trainer.remove_callback(PrinterCallback)
+        if prepare:
+            epmoe.prepare_trainer(trainer)
+        trainer.train()
+    return timer.times, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
 # ---------------------------------------------------------------------------------------------
