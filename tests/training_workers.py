@@ -354,14 +354,53 @@ def ep_dp_mesh(rank, world, steps=4):
         opt_ref.zero_grad(set_to_none=True)
     for name, pair in reference_view(model, ref, shards).items():
         errors[f"param/{name}"] = pair.param_error
-    # replicas over "dp": the same experts on ranks r and r +- 2, bit for bit
-    replicas_equal = True
-    dp_group = mesh.get_group("dp")
+    replicas_equal = _replicas_equal(model, mesh)
+    for kind, (errs, equal) in ep_dp_module_list(rank, mesh).items():
+        errors.update({f"{kind}/{k}": v for k, v in errs.items()})
+        replicas_equal &= equal
+    return {"errors": errors, "replicas_equal": replicas_equal, "ep_size": shards[0].ep_size, "norms": norms}
+
+
+def _replicas_equal(model, mesh):
+    """Whether the experts on ranks r and r +- 2 (replicas over "dp") are equal bit for bit."""
+    equal = True
     for p in epmoe.expert_parameters(model):
         gathered = [torch.empty_like(p) for _ in range(2)]
-        dist.all_gather(gathered, p.detach().contiguous(), group=dp_group)
-        replicas_equal &= torch.equal(gathered[0], gathered[1])
-    return {"errors": errors, "replicas_equal": replicas_equal, "ep_size": shards[0].ep_size, "norms": norms}
+        dist.all_gather(gathered, p.detach().contiguous(), group=mesh.get_group("dp"))
+        equal &= torch.equal(gathered[0], gathered[1])
+    return equal
+
+
+def ep_dp_module_list(rank, mesh):
+    """The (2, 2) mesh with nn.ModuleList experts: stacked grouped experts (reduced over "dp" inside
+    the backward) and experts run by their own forward (per-parameter hooks); 3 SGD steps under DDP
+    vs 4-rank non-EP DDP, per parameter."""
+    from custom_moe import BiasedExpert, ExpertMLP, TinyMoELM
+
+    out = {}
+    for kind, expert_cls in (("mlp", ExpertMLP), ("biased", BiasedExpert)):
+        torch.manual_seed(0)
+        ref = TinyMoELM(expert_cls=expert_cls).double()
+        model = copy.deepcopy(ref)
+        shards = epmoe.apply_expert_parallel(model, mesh)
+        ddp, ddp_ref = DDP(model), DDP(ref)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        opt_ref = torch.optim.SGD(ddp_ref.parameters(), lr=0.5)
+        errors = {}
+        for step in range(3):
+            ids = batch(step, rank, [(2, 6), (3, 4), (1, 7), (2, 5)]) % 64
+            ddp(ids).square().mean().backward()
+            ddp_ref(ids).square().mean().backward()
+            for name, pair in reference_view(model, ref, shards).items():
+                errors[f"grad{step}/{name}"] = pair.grad_error
+            opt.step()
+            opt_ref.step()
+            opt.zero_grad(set_to_none=True)
+            opt_ref.zero_grad(set_to_none=True)
+        for name, pair in reference_view(model, ref, shards).items():
+            errors[f"param/{name}"] = pair.param_error
+        out[kind] = (errors, _replicas_equal(model, mesh))
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """How expert gradients are finished: reduced over the ``"dp"`` replicas, then summed or averaged.
 
 After the backward all-to-all-v, an expert's weight gradient on its EP rank is the sum over every
-EP rank's tokens routed to it (section 1 of the contract: the unsharded model on the concatenated
-batch). Two things can remain, both done inside the backward by :class:`ExpertGradSync`, once per
-experts module (one flat buffer: one collective per module per backward):
+EP rank's tokens routed to it (the unsharded model on the concatenated batch). Two things can
+remain, both done inside the backward by :class:`_ExpertGradSync`, once per experts module (one
+flat buffer: one collective per module per backward, started as soon as the module's gradients
+exist and, for packed experts, waited for only at the end of the backward, so it overlaps with the
+backward of the layers below):
 
     EP x DP mesh ("dp", "ep") = (2, 2)        expert block 0 lives on ranks 0 and 2
 
@@ -22,6 +24,12 @@ experts module (one flat buffer: one collective per module per backward):
   :func:`epmoe.prepare_trainer`; ``"sum"`` otherwise. Decided at each forward (so a model wrapped
   after a first forward is handled), never back from ``"mean"`` (a recomputed forward under
   gradient checkpointing runs outside DDP's forward), and logged (one INFO line) when it changes.
+
+Every backward reduces its own contribution (also under DDP's ``no_sync``, whose skipped
+all-reduce concerns the other parameters), so gradient accumulation needs nothing special. Experts
+whose weights are computed (PEFT LoRA on them, a ``ModuleList``'s stacked Linears) are reduced
+inside the backward before flowing on; experts run by their own forward, per parameter by a
+gradient hook.
 
 At each forward the wrapper is also checked to leave the expert parameters alone: a DDP that
 would all-reduce them, or an FSDP2 that sharded them, raises ``ValueError`` saying what to do.
@@ -53,6 +61,7 @@ class GradSync:
         self.wrapper: str | None = None  # what made "auto" resolve to "mean" (sticky)
         self._checked_ddp: weakref.WeakSet = weakref.WeakSet()
         self._logged: str | None = None
+        self._pending: list[tuple] = []  # "dp" all-reduces in flight in this backward
 
     @property
     def data_parallel_size(self) -> int:
@@ -153,17 +162,55 @@ class GradSync:
         return out
 
 
+    def reduce_later(self, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+        """Start the ``"dp"`` all-reduce of ``grads`` (one flat buffer) without waiting; at the end of
+        this backward, :meth:`_land` scales the sums and adds them to ``params``' ``.grad``. The rest
+        of the backward runs meanwhile (on NCCL / HCCL the collective has its own stream)."""
+        present = [(p, g) for p, g in zip(params, grads) if g is not None]
+        if not present:
+            return
+        flat = torch.cat([g.reshape(-1) for _, g in present])
+        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+        if not self._pending:
+            torch.autograd.Variable._execution_engine.queue_callback(self._land)
+        self._pending.append((work, flat, [p for p, _ in present], self.scale))
+
+    def _land(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, flat, params, scale in pending:
+            work.wait()
+            if scale != 1.0:
+                flat.mul_(scale)
+            offset = 0
+            for p in params:
+                part = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = part
+                else:
+                    p.grad.add_(part)
+
+
 class _ExpertGradSync(torch.autograd.Function):
-    """Identity in forward; in backward, :meth:`GradSync.finish` on all the tensors' gradients at once."""
+    """Identity in forward. In backward, the tensors' gradients at once (one flat buffer): where they
+    are all parameters and there are ``"dp"`` replicas, reduced asynchronously and added to ``.grad``
+    at the end of the backward (:meth:`GradSync.reduce_later`, overlapped with the rest of it);
+    otherwise reduced in place (:meth:`GradSync.finish`) and passed on to whatever computed them."""
 
     @staticmethod
     def forward(ctx, sync, *weights):
         ctx.sync = sync
+        ctx.params = [w for w in weights if isinstance(w, nn.Parameter)]
+        ctx.all_params = len(ctx.params) == len(weights)
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *ctx.sync.finish(list(grads)))
+        sync = ctx.sync
+        if ctx.all_params and sync.dp_size > 1:
+            sync.reduce_later(ctx.params, list(grads))
+            return (None,) * (1 + len(grads))
+        return (None, *sync.finish(list(grads)))
 
 
 def sync_expert_weights(
