@@ -47,6 +47,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
+
 class GradSync:
     """The gradient policy of one model's experts, shared by all its experts modules.
 
