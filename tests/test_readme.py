@@ -29,7 +29,7 @@ def recipes():
 
 def test_readme_lists_the_training_recipes():
     assert [name for name, _, _ in recipes()] == ["train_ddp", "train_fsdp2", "train_ep_dp", "train_trainer",
-                                                  "generate"]
+                                                  "generate", "save_and_reload"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -39,7 +39,7 @@ def test_readme_recipes_run(world, tmp_path, monkeypatch):
     module.write_text("\n\n".join(code for _, code in chosen))
     for name, _ in chosen:
         assert f"def {name}(rank, world)" in module.read_text()
-    monkeypatch.chdir(tmp_path)  # the Trainer recipe writes under ./trainer-out
+    monkeypatch.chdir(tmp_path)  # the Trainer and checkpoint recipes write under the working directory
     names = [name for name, _ in chosen]
     results = run_ranks(run_recipes, world, str(tmp_path), module.stem, names, timeout=300)
     for rank, by_name in enumerate(results):
@@ -49,3 +49,5 @@ def test_readme_recipes_run(world, tmp_path, monkeypatch):
         if "generate" in by_name:
             tokens = torch.tensor(by_name["generate"])
             assert tokens.shape == (1, 4 + rank + 2 + 3 * rank)
+        if "save_and_reload" in by_name:
+            assert by_name["save_and_reload"] <= 1e-5

@@ -39,7 +39,9 @@ def test_ddp_equals_non_ep_ddp_per_parameter():
     """DDP(ep_model) with no other code, AdamW x 5, per-rank batch sizes differ, clipped every step:
     DDP neither broadcast nor reduced the experts; step-0 gradients, every clip norm (2, 1 and inf)
     and the parameters after 5 steps equal the non-EP DDP run's, per parameter."""
-    for rank, result in enumerate(results_of("ddp")):
+    results = results_of("ddp")
+    assert results[0]["facts"]["norms"] == results[1]["facts"]["norms"]  # the same clip norm on every rank
+    for rank, result in enumerate(results):
         errors, facts = result["errors"], result["facts"]
         assert_errors(errors, rank)
         assert any(k.startswith("param/") and ".experts." in k for k in errors)
@@ -99,7 +101,8 @@ def test_trainer_defaults_are_exact(tmp_path):
     model: AdamW, max_grad_norm=1.0 (it clips: logged norms > 1), gradient checkpointing, accumulation
     2, evaluate(). After 6 steps: every parameter (float64: 1e-10 element-wise; float32: 1e-5 of each
     tensor's 2-norm), the logged grad norms and losses, and the eval loss; replicated weights stay
-    identical across ranks."""
+    identical across ranks; Trainer.save_model writes every expert (plain from_pretrained reloads
+    the EP model's weights exactly)."""
     for rank, by_dtype in enumerate(run_ranks(trainer_parity_both, 2, str(tmp_path), timeout=400)):
         for dtype, tol in (("float64", TOL), ("float32", 1e-5)):
             result = by_dtype[dtype]

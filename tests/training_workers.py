@@ -430,7 +430,7 @@ def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32"):
     subclass) vs the unsharded model through a plain Trainer. Per-parameter errors after ``steps``
     steps (float64: element-wise; float32: of each tensor in the 2-norm, since AdamW turns the
     rounding of near-zero gradients into full-size update differences of single elements), the
-    logged grad norms and losses, and the evaluation loss."""
+    logged grad norms and losses, and the evaluation loss; then ``save_model`` and a plain reload."""
     from transformers import Trainer, TrainingArguments
 
     class SubclassedTrainer(Trainer):  # what TRL's SFTTrainer and friends are
@@ -470,6 +470,13 @@ def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32"):
     for step, (a, b) in enumerate(zip(losses, losses_ref)):
         errors[f"loss/{step}"] = abs(a - b) / abs(b)
     errors["eval_loss"] = abs(eval_ep - eval_ref) / abs(eval_ref)
+    # Trainer.save_model: every rank joins, the writer writes all experts; plain transformers reloads them
+    from transformers import AutoModelForCausalLM
+
+    trainer.save_model(f"{out_dir}/saved")
+    loaded = AutoModelForCausalLM.from_pretrained(f"{out_dir}/saved", dtype=getattr(torch, dtype_name))
+    saved = reference_view(model, loaded, shards)
+    errors.update({f"saved/{name}": pair.param_error for name, pair in saved.items()})
     # the non-expert weights are identical on every rank (a per-rank clip factor would split them)
     non_expert = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not epmoe.is_expert_parameter(p)])
     gathered = [torch.empty_like(non_expert) for _ in range(world)]

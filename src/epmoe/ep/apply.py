@@ -12,6 +12,11 @@ local experts keep their global index in their names). Routers, shared experts a
 are untouched. A packed experts module's forward becomes :func:`~epmoe.ep.layer.expert_parallel_forward`;
 for ``nn.ModuleList`` experts the enclosing block's forward becomes
 :func:`~epmoe.ep.layer.expert_parallel_block_forward`.
+
+With experts sharded (EP size > 1) the model also gets, as instance attributes: the names DDP must
+ignore (:mod:`epmoe.training.params`), a ``generate`` that keeps every rank stepping
+(:mod:`epmoe.training.generate`) and, on transformers models, a ``save_pretrained`` that writes
+every expert (:mod:`epmoe.checkpoint.save`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.fused import fused_ineligible_reason, shared_block_forward, shared_mlp
 from epmoe.ep.layer import (
@@ -163,6 +169,9 @@ def apply_expert_parallel(
         model._ddp_params_and_buffers_to_ignore = ExpertParameterNames(model)
         if callable(getattr(model, "generate", None)):
             model.generate = SyncedGenerate(model)
+        if callable(getattr(type(model), "gather_sharded_state_dict_for_save", None)):  # a transformers model
+            model.gather_sharded_state_dict_for_save = GatherExperts(model)
+            model.save_pretrained = SavePretrained(model)
     if checked.declined_fused:
         name, reason = next(iter(checked.declined_fused.items()))
         logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",

@@ -8,7 +8,10 @@ nothing. One thing is not: Trainer clips with ``accelerator.clip_grad_norm_``, i
 ``torch.nn.utils.clip_grad_norm_``, whose norm on each rank sees only that rank's experts, so every
 rank would clip by a different factor and the replicated weights drift apart. ``prepare_trainer``
 replaces that one method *of this trainer's accelerator* (the class is untouched) by
-:func:`epmoe.clip_grad_norm_`, which also makes the logged ``grad_norm`` the whole model's.
+:func:`epmoe.clip_grad_norm_`, which also makes the logged ``grad_norm`` the whole model's. And
+Trainer saves (``save_model``, checkpoints) from the main process only, while the experts of an EP
+model must be gathered from every rank: this trainer's ``_save`` lets the other ranks join the
+model's ``save_pretrained`` (:mod:`epmoe.checkpoint.save`) without writing.
 
 DeepSpeed and accelerate's FSDP plugin shard every parameter, experts included: refused.
 """
@@ -53,5 +56,14 @@ def prepare_trainer(trainer: Any) -> Any:
         return clip_grad_norm_(list(parameters), max_norm, norm_type)
 
     accelerator.clip_grad_norm_ = clip
+
+    def save(output_dir=None, state_dict=None):
+        if trainer.args.should_save:
+            return type(trainer)._save(trainer, output_dir, state_dict=state_dict)
+        # Trainer writes from one process only; the EP ranks must all join the experts' gather
+        model = accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+        model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict, is_main_process=False)
+
+    trainer._save = save
     accelerator._epmoe_prepared = True
     return trainer

@@ -1,0 +1,1 @@
+"""Checkpoints of EP models: ``save_pretrained`` writes every expert (:mod:`epmoe.checkpoint.save`)."""

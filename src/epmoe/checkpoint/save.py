@@ -1,0 +1,146 @@
+"""``save_pretrained`` on an EP model writes the complete checkpoint, through transformers' own saving.
+
+transformers' ``save_pretrained`` takes ``model.state_dict()``, hands it to the model's
+``gather_sharded_state_dict_for_save`` on every rank (the hook its own tensor / FSDP parallelism
+uses to assemble full tensors), reverts its weight conversions (packed experts back to the layout
+the class's checkpoints use), splits into shards and lets global rank 0 write. On an EP model each
+rank's state dict holds only its own experts, so :func:`epmoe.apply_expert_parallel` installs, as
+instance attributes of the model (the class is untouched):
+
+* :class:`GatherExperts` as ``gather_sharded_state_dict_for_save``: each experts module's local
+  blocks are gathered to the writer (``dist.gather`` over the EP group that holds global rank 0;
+  the ``"dp"`` replicas hold the same experts and send nothing), in ``E``-expert tensors, so what
+  transformers converts and writes is the unsharded model's state dict;
+* :class:`SavePretrained` as ``save_pretrained``: transformers' own, with ``num_parameters``
+  counting every expert while it runs (the sharded index's ``total_parameters``), and a barrier at
+  the end, so every rank returns once the files are written.
+
+    EP = 2, E = 8           rank 0 state dict           writer's state dict after the gather
+    experts.gate_up_proj    (4, 2I, H) experts 0-3   ->  (8, 2I, H) experts 0-7   -> revert, shard, write
+    rank 1                  (4, 2I, H) experts 4-7   ->  (sent to rank 0; writes nothing)
+
+Every rank must call ``save_pretrained`` (transformers' convention for distributed models):
+:func:`epmoe.prepare_trainer` makes ``Trainer`` save through every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+WRITER = 0  # the global rank transformers writes from
+
+
+class GatherExperts:
+    """``model.gather_sharded_state_dict_for_save`` of an EP model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, model_to_save: nn.Module, state_dict: dict, distributed_config: Any, *,
+                 save_on_this_rank: bool = True) -> dict:
+        state_dict = type(self.model).gather_sharded_state_dict_for_save(
+            self.model, model_to_save, state_dict, distributed_config, save_on_this_rank=save_on_this_rank)
+        return gather_expert_state(model_to_save, state_dict)
+
+
+class SavePretrained:
+    """``model.save_pretrained`` of an EP model: transformers' own, counting every expert."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, save_directory, *args: Any, **kwargs: Any) -> Any:
+        model = self.model
+        extra = _non_local_expert_numel(model)
+
+        def num_parameters(only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+            local = type(model).num_parameters(model, only_trainable, exclude_embeddings)
+            return local + extra["trainable" if only_trainable else "all"]
+
+        model.num_parameters = num_parameters
+        try:
+            result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+        finally:
+            del model.num_parameters
+        dist.barrier()  # the writer has finished: every rank may read the checkpoint now
+        return result
+
+
+def gather_expert_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state_dict`` (of ``model``) with every expert-parallel tensor replaced by all ``E`` experts'
+    on the writer (global rank 0); other ranks get their state dict back without the expert keys
+    they held (they write nothing). Collective over every EP group's ranks, in module order."""
+    out = dict(state_dict)
+    rank = dist.get_rank()
+    for module_name, module in model.named_modules():
+        state = getattr(module, "_epmoe", None)
+        if state is None or state.shard.ep_size == 1:
+            continue
+        group = state.group
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if WRITER not in ranks:  # a "dp" replica of the writer's EP group: same experts, nothing to send
+            continue
+        prefix = f"{module_name}." if module_name else ""
+        if isinstance(state.local_experts, nn.ModuleList):
+            _gather_module_list(out, state, prefix, group, rank)
+        else:
+            for name in state.sharded_names:
+                key = prefix + name
+                if key not in out:
+                    continue
+                local = out[key].detach().contiguous()
+                parts = [torch.empty_like(local) for _ in ranks] if rank == WRITER else None
+                dist.gather(local, parts, dst=WRITER, group=group)
+                out[key] = torch.cat(parts) if rank == WRITER else local
+    return out
+
+
+def _gather_module_list(out: dict, state, prefix: str, group, rank: int) -> None:
+    """The local experts of a ``ModuleList`` (keys ``{prefix}{index}.*``) sent to the writer, which
+    puts every rank's in place of its own, in global expert order."""
+    shard = state.shard
+    mine = range(shard.local_start, shard.local_end)
+    local = {k: v.detach() for k, v in out.items() if _expert_index(k, prefix) in mine}
+    gathered = [None] * shard.ep_size if rank == WRITER else None
+    dist.gather_object(local, gathered, dst=WRITER, group=group)
+    if rank != WRITER:
+        return
+    experts = {k: v for part in gathered for k, v in part.items()}
+    ordered = sorted(experts, key=lambda k: _expert_index(k, prefix))  # stable: per-expert key order kept
+    items, inserted = [], False
+    for key, value in out.items():
+        if key in local:
+            if not inserted:
+                items += [(k, experts[k]) for k in ordered]
+                inserted = True
+        else:
+            items.append((key, value))
+    out.clear()
+    out.update(items)
+
+
+def _expert_index(key: str, prefix: str) -> int | None:
+    if not key.startswith(prefix):
+        return None
+    head = key[len(prefix):].split(".", 1)[0]
+    return int(head) if head.isdigit() else None
+
+
+def _non_local_expert_numel(model: nn.Module) -> dict[str, int]:
+    """Parameters the other EP ranks hold (``all``, and ``trainable`` ones), as the unsharded model counts them."""
+    extra = {"all": 0, "trainable": 0}
+    for module in model.modules():
+        state = getattr(module, "_epmoe", None)
+        if state is None or state.shard.ep_size == 1:
+            continue
+        others = state.shard.ep_size - 1
+        params = (list(state.local_experts.parameters()) if isinstance(state.local_experts, nn.ModuleList)
+                  else [getattr(module, name) for name in state.sharded_names])
+        for p in params:
+            extra["all"] += others * p.numel()
+            extra["trainable"] += others * p.numel() if p.requires_grad else 0
+    return extra
