@@ -70,3 +70,83 @@ def save_checks(rank, world, root):
         "gpt_oss": save_complete(rank, world, root, "gpt_oss", "50GB"),
         "deepseek_v3": save_complete(rank, world, root, "deepseek_v3", "50GB"),
     }
+
+
+# --------------------------------------------------------------------------------------------
+# torch.distributed.checkpoint resume
+
+
+def _train(ddp, opt, rank, steps, start, sizes):
+    from training_workers import batch
+
+    losses = []
+    for step in range(start, start + steps):
+        ids = batch(step, rank, sizes)
+        loss = ddp(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def _full(model, optimizer):
+    """Every parameter and Adam moment as the unsharded model's tensor (experts gathered over EP)."""
+    state = epmoe.get_state_dict(model, optimizer)
+    out = {}
+    for key, value in state["model"].items():
+        out[f"model/{key}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    for fqn, moments in state["optimizer"]["state"].items():
+        for name, value in moments.items():
+            out[f"optim/{fqn}/{name}"] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return {k: v.detach().clone() for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def dcp_resume(rank, world, path, save_group, load_group):
+    """Train 4 AdamW steps with EP over ``save_group``, ``dcp.save``, train 4 more. A fresh model (other
+    weights) with EP over ``load_group`` and a fresh optimizer load the checkpoint and train the same
+    4 steps. Returns the losses of both continuations and the max relative error of every parameter
+    and moment, right after loading and after the 4 steps."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def groups(kind):
+        return None if kind == "world" else init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
+
+    sizes = [(2, 8), (1, 11), (3, 5), (2, 6)]
+    model = build_model("qwen3_moe", dtype=torch.float32)
+    epmoe.apply_expert_parallel(model, groups(save_group))
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    _train(ddp, opt, rank, 4, 0, sizes)
+    dcp.save(epmoe.get_state_dict(ddp, opt), checkpoint_id=path)
+    saved = _full(ddp, opt)
+    losses = _train(ddp, opt, rank, 4, 4, sizes)
+    after = _full(ddp, opt)
+
+    fresh = build_model("qwen3_moe", dtype=torch.float32, seed=123)
+    epmoe.apply_expert_parallel(fresh, groups(load_group))
+    ddp2 = DDP(fresh)
+    opt2 = torch.optim.AdamW(ddp2.parameters(), lr=1e-3)  # never stepped: get_state_dict initialises it
+    state = epmoe.get_state_dict(ddp2, opt2)
+    dcp.load(state, checkpoint_id=path)
+    epmoe.set_state_dict(ddp2, opt2, state=state)
+    loaded = _full(ddp2, opt2)
+    losses2 = _train(ddp2, opt2, rank, 4, 4, sizes)
+    after2 = _full(ddp2, opt2)
+
+    def errors(mine, ref):
+        assert set(mine) == set(ref), sorted(set(mine) ^ set(ref))[:4]
+        return {k: ((mine[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref}
+
+    return {"losses": losses, "losses_loaded": losses2, "loaded": errors(loaded, saved), "after": errors(after2, after),
+            "bitwise": all(torch.equal(after2[k], after[k]) for k in after)}
+
+
+def dcp_checks(rank, world, root):
+    if world == 2:
+        return {"same_size": dcp_resume(rank, world, f"{root}/same", "world", "world")}
+    return {"same_size": dcp_resume(rank, world, f"{root}/same4", "world", "world"),
+            "ep2_to_ep4": dcp_resume(rank, world, f"{root}/2to4", "mesh", "world"),
+            "ep4_to_ep2": dcp_resume(rank, world, f"{root}/4to2", "world", "mesh")}

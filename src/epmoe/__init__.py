@@ -13,6 +13,7 @@ Device-specific calls all live in :mod:`epmoe.platform`; what training around th
 """
 
 from epmoe import platform
+from epmoe.checkpoint import get_state_dict, set_state_dict
 from epmoe.comm import alltoallv_gmm, exchange_counts, gmm_alltoallv
 from epmoe.ep import ExpertParallelConfig, ExpertShard, apply_expert_parallel
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
@@ -31,10 +32,12 @@ __all__ = [
     "expert_parameters",
     "gmm_alltoallv",
     "GmmBackend",
+    "get_state_dict",
     "gmm_backends",
     "grouped_mm",
     "is_expert_parameter",
     "platform",
     "prepare_trainer",
     "register_gmm_backend",
+    "set_state_dict",
 ]
