@@ -15,6 +15,7 @@ def test_training_loss_curves_match_with_and_without_ep(family):
     losses_ref = [r.loss_ref for r in result.records]
     assert len(losses_ep) == 24
     assert losses_ep[-1] < losses_ep[0] - 0.1  # it trains
+    assert result.reload_error <= 1e-5  # the trained EP model's checkpoint, reloaded without EP
     for step, (a, b) in enumerate(zip(losses_ep, losses_ref)):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {a} vs {b}"
 
@@ -23,6 +24,7 @@ def test_training_through_trainer_matches_without_ep():
     """``trainer=True``: both models through transformers.Trainer (EP via prepare_trainer): equal loss curves."""
     result = run_ranks(train_parity, 2, TrainOptions(steps=4, seq_len=16, trainer=True), timeout=300)[0]
     assert [r.step for r in result.records] == [0, 1, 2, 3]
+    assert result.reload_error <= 1e-5  # the trained EP model's checkpoint, reloaded without EP
     for r in result.records:
         assert abs(r.loss_ep - r.loss_ref) <= 1e-5 * abs(r.loss_ref), r
         assert r.time_ep > 0 and r.time_ref > 0
@@ -33,6 +35,7 @@ def test_demo_command_prints_table_and_writes_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "loss (EP)" in out and "loss (no EP)" in out and "|diff|" in out
     assert "grouped-matmul backend: torch" in out and "DistributedDataParallel + gradient clipping" in out
+    assert "reloaded by plain transformers at EP=1" in out
     png = tmp_path / "demo-qwen3_moe-loss.png"
     assert png.stat().st_size > 1000 and str(png) in out
 

@@ -80,6 +80,7 @@ class TrainResult:
     world_size: int
     gmm_backend: str
     records: list[StepRecord] = field(default_factory=list)
+    reload_error: float | None = None  # max relative logits difference, EP model vs its checkpoint reloaded without EP
 
 
 def synthetic_batch(step: int, rank: int, batch_size: int, seq_len: int) -> torch.Tensor:
@@ -116,8 +117,10 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
     shards = epmoe.apply_expert_parallel(model, config={"gmm_backend": options.backend})
     backend = experts_backend(model.get_submodule(shards[0].module_name), options.backend).name
     result = TrainResult(options, world, backend)
+    ep_model = model
     if options.trainer:
         _train_with_trainer(result, model, reference, rank, device)
+        result.reload_error = reload_error(ep_model, rank, world, options, device)
         return result
     ddp_args = {"device_ids": [device.index]} if device.type != "cpu" else {}
     model, reference = DDP(model, **ddp_args), DDP(reference, **ddp_args)
@@ -151,7 +154,33 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
 
         result.records.append(StepRecord(step, _global_loss(loss_ep, world), _global_loss(loss_ref, world),
                                          time_ep, time_ref))
+    result.reload_error = reload_error(ep_model, rank, world, options, device)
     return result
+
+
+def reload_error(model, rank: int, world: int, options: TrainOptions, device: torch.device) -> float:
+    """Save the trained EP model with ``save_pretrained`` (every rank), reload it with plain transformers
+    (no EP, all experts on every rank) and compare logits on this rank's batch: the max over ranks of
+    the relative difference."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    ids = synthetic_batch(0, rank, options.batch_size, options.seq_len).to(device)
+    with tempfile.TemporaryDirectory() as path:
+        shared = [path]
+        if world > 1:
+            dist.broadcast_object_list(shared, src=0)  # one directory, rank 0's
+        model.save_pretrained(shared[0])
+        plain = AutoModelForCausalLM.from_pretrained(shared[0], dtype=getattr(torch, options.dtype)).to(device)
+        with torch.no_grad():
+            mine, theirs = model(ids).logits.double(), plain(ids).logits.double()
+        if world > 1:
+            dist.barrier()  # nobody reads rank 0's directory any more
+    error = ((mine - theirs).abs().max() / theirs.abs().max()).reshape(1)
+    if world > 1:
+        dist.all_reduce(error, op=dist.ReduceOp.MAX)
+    return error.item()
 
 
 class SyntheticDataset(torch.utils.data.Dataset):

@@ -109,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         f"{result.gmm_backend}; without EP: transformers' eager experts"
         f"\nmax |loss difference| {worst:.2e}; median step time with EP / without EP: {ratio:.2f}"
     )
+    print(f"checkpoint: save_pretrained at EP={result.world_size}, reloaded by plain transformers at EP=1: "
+          f"max relative logits difference {result.reload_error:.2e}")
     path = plot(result, Path(args.out) / f"demo-{args.model}-loss.png")
     print(f"loss curves plotted to {path.resolve()}")
     return 0
