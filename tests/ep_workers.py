@@ -151,11 +151,23 @@ def one_rank_fails_validation(rank, world):
 
 
 def disagreeing_config(rank, world):
-    """Ranks pass different configs: every rank must raise (before changing the model), none may hang."""
-    model = build_model("qwen3_moe")
-    try:
-        epmoe.apply_expert_parallel(model, config={"dispatch": "fused" if rank else "alltoallv"})
-    except ValueError as error:
-        assert not any(hasattr(m, "_epmoe") for m in model.modules())
-        return str(error)
-    return None
+    """Ranks pass different configs or models whose experts differ (dtype, hidden size, expert width):
+    every rank must raise ValueError before changing the model, none may hang or abort. Returns the
+    message per case."""
+    cases = {
+        "config": ({}, {"dispatch": "fused" if rank else "alltoallv"}),
+        "dtype": ({"dtype": torch.bfloat16 if rank else torch.float32}, {}),
+        "hidden_size": ({"hidden_size": 64 + 32 * rank}, {}),
+        "moe_intermediate_size": ({"moe_intermediate_size": 32 + 16 * rank}, {}),
+    }
+    messages = {}
+    for case, (model_kwargs, config) in cases.items():
+        model = build_model("qwen3_moe", **model_kwargs)
+        try:
+            epmoe.apply_expert_parallel(model, config=config)
+            messages[case] = None
+        except ValueError as error:
+            assert not any(hasattr(m, "_epmoe") for m in model.modules())
+            messages[case] = str(error)
+        dist.barrier()  # still in step
+    return messages

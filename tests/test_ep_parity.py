@@ -150,5 +150,8 @@ def test_parity_bf16():
 def test_ranks_that_disagree_on_the_config_all_raise():
     from ep_workers import disagreeing_config
 
-    for message in run_ranks(disagreeing_config, 2, timeout=120):
-        assert message is not None and "disagree" in message
+    for messages in run_ranks(disagreeing_config, 2, timeout=120):
+        assert set(messages) == {"config", "dtype", "hidden_size", "moe_intermediate_size"}
+        for case, message in messages.items():
+            assert message is not None and "disagree" in message, (case, message)
+        assert "bfloat16" in messages["dtype"] and "float32" in messages["dtype"]

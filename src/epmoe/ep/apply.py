@@ -241,10 +241,12 @@ def _check_ranks_agree(
     found: list[tuple[str, nn.Module, nn.Module]], checked: _Checked | None, error: Exception | None,
 ) -> None:
     """Raise on every rank if any rank's validation failed or the ranks disagree on the config or the
-    experts modules: otherwise they would issue different collectives later and wait on each other
-    until the group's timeout. One ``all_gather_object`` (none for a group of one)."""
+    experts modules (their number of experts, and every parameter's name, shape and dtype): otherwise
+    they would issue mismatched collectives later (an abort inside the backend, a wait until the
+    group's timeout, or silently wrong rows). One ``all_gather_object`` (none for a group of one)."""
     if ep_size > 1:
-        experts = ([(s.module_name, s.num_experts) for s in checked.shards] if checked is not None
+        experts = ([(s.module_name, s.num_experts, _parameter_layout(module))
+                    for s, (_, module, _) in zip(checked.shards, found)] if checked is not None
                    else [name for name, _, _ in found])
         mine = (dataclasses.astuple(config), experts, None if error is None else f"{type(error).__name__}: {error}")
         gathered: list[Any] = [None] * ep_size
@@ -277,6 +279,11 @@ def _data_parallel_wrapper(module: nn.Module) -> str | None:
     if isinstance(module, FullyShardedDataParallel):
         return "FullyShardedDataParallel"
     return None
+
+
+def _parameter_layout(module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, dtype)`` of every parameter of an experts module, before sharding."""
+    return [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
 
 
 def _resolve_dispatch(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
