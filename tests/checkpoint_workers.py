@@ -150,3 +150,42 @@ def dcp_checks(rank, world, root):
     return {"same_size": dcp_resume(rank, world, f"{root}/same4", "world", "world"),
             "ep2_to_ep4": dcp_resume(rank, world, f"{root}/2to4", "mesh", "world"),
             "ep4_to_ep2": dcp_resume(rank, world, f"{root}/4to2", "world", "mesh")}
+
+
+# --------------------------------------------------------------------------------------------
+# epmoe.from_pretrained: sharded loading
+
+
+def sharded_load(rank, world, root, families):
+    """For each family, in the Hub layout (a plain save_pretrained: per-expert keys) and, for the first,
+    the packed v5 layout: epmoe.from_pretrained vs from_pretrained then apply_expert_parallel: every
+    parameter and buffer bitwise, and the logits."""
+    from epmoe.models import _family_config
+    import transformers
+
+    out = {}
+    for family in families:
+        for layout in (("hub", "packed") if family == families[0] else ("hub",)):
+            path = os.path.join(root, f"{family}-{layout}")
+            if rank == 0:
+                build_model(family, dtype=torch.float32).save_pretrained(path, save_original_format=layout == "hub")
+            dist.barrier()
+            cls = getattr(transformers, _family_config(family, 8, 2)[1])
+            ref = cls.from_pretrained(path, dtype=torch.float32)
+            epmoe.apply_expert_parallel(ref)
+            model, shards = epmoe.from_pretrained(cls, path, dtype=torch.float32)
+            ids = torch.randint(0, 256, (2, 6 + rank), generator=torch.Generator().manual_seed(rank))
+            with torch.no_grad():
+                mine_logits, ref_logits = model(ids).logits, ref(ids).logits
+                err = ((mine_logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
+            mine = dict(model.named_parameters()) | dict(model.named_buffers())
+            theirs = dict(ref.named_parameters()) | dict(ref.named_buffers())
+            out[f"{family}/{layout}"] = {
+                "same_names": set(mine) == set(theirs),
+                "unequal": sorted(k for k in theirs if k in mine and not torch.equal(mine[k], theirs[k])),
+                "logits_error": err,
+                "class": type(model) is cls,
+                "local_experts": all(s.num_local_experts == 8 // world for s in shards),
+                "marked": len(epmoe.expert_parameters(model)) == len(epmoe.expert_parameters(ref)) > 0,
+            }
+    return out

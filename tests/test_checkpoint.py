@@ -40,3 +40,19 @@ def test_dcp_resume(world, tmp_path):
                 assert result["losses"] == pytest.approx(result["losses_loaded"], rel=1e-6), (rank, case)
                 for key, err in result["after"].items():
                     assert err <= (1e-6 if key.startswith("model/") else 1e-5), (rank, case, key, err)
+
+
+def test_from_pretrained_reads_only_local_experts(tmp_path):
+    """epmoe.from_pretrained equals from_pretrained then apply_expert_parallel (every parameter and buffer
+    bitwise, logits to 1e-6) for every family epmoe.models builds, from the Hub layout and the packed layout."""
+    from checkpoint_workers import sharded_load
+    from epmoe.models import FAMILIES
+
+    for rank, by_case in enumerate(run_ranks(sharded_load, 2, str(tmp_path), list(FAMILIES), timeout=300)):
+        assert len(by_case) == len(FAMILIES) + 1
+        for case, result in by_case.items():
+            assert result["same_names"] and not result["unequal"], (rank, case, result["unequal"][:4])
+            # the same weights, bit for bit; BLAS may round differently on differently aligned buffers
+            assert result["logits_error"] <= 1e-6, (rank, case, result["logits_error"])
+            assert result["class"] and result["local_experts"], (rank, case)
+            assert result["marked"], (rank, case)

@@ -13,7 +13,7 @@ Device-specific calls all live in :mod:`epmoe.platform`; what training around th
 """
 
 from epmoe import platform
-from epmoe.checkpoint import get_state_dict, set_state_dict
+from epmoe.checkpoint import from_pretrained, get_state_dict, set_state_dict
 from epmoe.comm import alltoallv_gmm, exchange_counts, gmm_alltoallv
 from epmoe.ep import ExpertParallelConfig, ExpertShard, apply_expert_parallel
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
@@ -30,6 +30,7 @@ __all__ = [
     "clip_grad_norm_",
     "exchange_counts",
     "expert_parameters",
+    "from_pretrained",
     "gmm_alltoallv",
     "GmmBackend",
     "get_state_dict",

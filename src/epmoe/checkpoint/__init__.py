@@ -1,9 +1,11 @@
 """Checkpoints of EP models.
 
 * :mod:`epmoe.checkpoint.save`: ``save_pretrained`` writes every expert (a plain transformers checkpoint).
+* :mod:`epmoe.checkpoint.load`: ``from_pretrained`` reads only each rank's experts.
 * :mod:`epmoe.checkpoint.dcp`: ``get_state_dict`` / ``set_state_dict`` for ``torch.distributed.checkpoint``.
 """
 
 from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
+from epmoe.checkpoint.load import from_pretrained
 
-__all__ = ["get_state_dict", "set_state_dict"]
+__all__ = ["from_pretrained", "get_state_dict", "set_state_dict"]

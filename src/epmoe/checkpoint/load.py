@@ -1,0 +1,111 @@
+"""``epmoe.from_pretrained``: an EP model from a transformers checkpoint, each rank reading only its experts.
+
+transformers' ``from_pretrained`` builds the model on the meta device, then loads the checkpoint
+through its weight conversions (the Hub's per-expert keys merged into packed tensors, renamings...)
+and, for a parameter that is a ``DTensor``, reads only that rank's shard from the memory-mapped
+safetensors files (per-expert keys of other ranks' experts are skipped, a packed tensor is sliced).
+epmoe loads through exactly that path, with one step added where transformers distributes a model
+before loading (``_load_pretrained_model``, on a subclass of the user's class made for the call)::
+
+    meta model --apply_expert_parallel--> local experts, meta, (E/W, ...)
+               --as DTensors------------> meta DTensor (E, ...), Shard(0) over the EP group
+               --transformers' loader---> reads rows [r*E/W, (r+1)*E/W) only, converted as usual
+               --to local Parameters----> plain nn.Parameter (E/W, ...), as apply_expert_parallel leaves them
+
+Everything else (buffers such as rotary ``inv_freq``, tied weights, missing-key initialisation,
+dtype handling, ``config=`` and every other keyword) is transformers' own. The result equals
+``from_pretrained`` followed by :func:`epmoe.apply_expert_parallel`. A checkpoint without some
+expert tensor, or with one of the wrong shape, raises ``ValueError`` (every rank reads the same
+files, so every rank raises).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from epmoe import platform
+
+
+def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=None, **kwargs: Any):
+    """``(model, shards)``: ``model_class.from_pretrained(path, **kwargs)`` made expert-parallel over
+    ``ep_group`` (see :func:`epmoe.apply_expert_parallel`) without materialising other ranks' experts."""
+    if not isinstance(model_class, type) or not hasattr(model_class, "_load_pretrained_model"):
+        raise TypeError(f"from_pretrained(model_class): expected a transformers model class, got {model_class!r}")
+    found: dict[str, Any] = {}
+
+    class ShardedLoad(model_class):
+        @staticmethod
+        def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+            from epmoe.ep.apply import apply_expert_parallel
+
+            found["shards"] = apply_expert_parallel(model, ep_group, config=ep_config)
+            expert_keys = _as_meta_dtensors(model)
+            info = model_class._load_pretrained_model(model, state_dict, checkpoint_files, load_config,
+                                                      expected_keys)
+            _check_loaded(info[0], expert_keys)
+            _as_local_parameters(model)
+            return info
+
+    ShardedLoad.__name__ = ShardedLoad.__qualname__ = model_class.__name__
+    model = ShardedLoad.from_pretrained(path, **kwargs)
+    model.__class__ = model_class  # the user's class again (saving writes its name as the architecture)
+    from epmoe.training.params import expert_parameters
+
+    expert_parameters(model)  # mark the loaded parameters
+    return model, found["shards"]
+
+
+def _sharded(model: nn.Module):
+    """``(name, experts module, its EP state)`` of every packed experts module sharded over > 1 ranks."""
+    for name, module in model.named_modules():
+        state = getattr(module, "_epmoe", None)
+        if state is not None and state.shard.ep_size > 1 and not isinstance(state.local_experts, nn.ModuleList):
+            yield name, module, state
+
+
+def _as_meta_dtensors(model: nn.Module) -> set[str]:
+    """Each local expert tensor as a meta ``DTensor`` of all ``E`` experts, ``Shard(0)`` over its EP
+    group (transformers' loader then reads this rank's rows only); returns their names."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    keys, meshes = set(), {}
+    for name, module, state in _sharded(model):
+        group = state.group if state.group is not None else torch.distributed.group.WORLD
+        mesh = meshes.get(id(group))
+        if mesh is None:
+            mesh = meshes[id(group)] = DeviceMesh.from_group(group, platform.device_type())
+        for param_name in state.sharded_names:
+            local = getattr(module, param_name)
+            shape = torch.Size((local.shape[0] * state.shard.ep_size, *local.shape[1:]))
+            full = DTensor.from_local(torch.empty_like(local, device="meta"), mesh, [Shard(0)], run_check=False,
+                                      shape=shape, stride=torch.empty(shape, device="meta").stride())
+            setattr(module, param_name, nn.Parameter(full, requires_grad=local.requires_grad))
+            keys.add(f"{name}.{param_name}" if name else param_name)
+    return keys
+
+
+def _check_loaded(info: Any, expert_keys: set[str]) -> None:
+    missing = sorted(expert_keys & set(getattr(info, "missing_keys", ())))
+    mismatched = sorted(key for key, *_ in getattr(info, "mismatched_keys", ()) if key in expert_keys)
+    if missing or mismatched:
+        raise ValueError(
+            f"epmoe.from_pretrained: the checkpoint does not hold every expert: missing {missing[:4]}, "
+            f"wrong shape {mismatched[:4]}"
+        )
+
+
+def _as_local_parameters(model: nn.Module) -> None:
+    """The loaded ``DTensor`` expert parameters as plain local ``nn.Parameter``s."""
+    from torch.distributed.tensor import DTensor
+
+    for _, module, state in _sharded(model):
+        for param_name in state.sharded_names:
+            param = getattr(module, param_name)
+            if isinstance(param, DTensor):
+                local = nn.Parameter(param.to_local().detach(), requires_grad=param.requires_grad)
+                local._is_hf_initialized = True
+                setattr(module, param_name, local)
