@@ -189,3 +189,49 @@ def sharded_load(rank, world, root, families):
                 "marked": len(epmoe.expert_parameters(model)) == len(epmoe.expert_parameters(ref)) > 0,
             }
     return out
+
+
+def bad_checkpoints(rank, world, root):
+    """Broken checkpoints for epmoe.from_pretrained: every rank raises a clear error, none hangs.
+    Returns ``{case: "ExceptionType: message"}``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3MoeForCausalLM
+
+    def broken(case, edit=None, **model_kwargs):
+        path = os.path.join(root, case)
+        if rank == 0:
+            build_model("qwen3_moe", **model_kwargs).save_pretrained(path)
+            if edit is not None:
+                edit(os.path.join(path, "model.safetensors"))
+        dist.barrier()
+        return path
+
+    def drop_expert(file):
+        tensors = load_file(file)
+        del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+        save_file(tensors, file, metadata={"format": "pt"})
+
+    def wrong_shape(file):
+        tensors = load_file(file)
+        tensors["model.layers.0.mlp.experts.6.down_proj.weight"] = torch.zeros(64, 16)
+        save_file(tensors, file, metadata={"format": "pt"})
+
+    def truncate(file):
+        with open(file, "r+b") as f:
+            f.truncate(os.path.getsize(file) // 2)
+
+    cases = {
+        "experts_not_divisible": broken("experts_not_divisible", num_experts=7),
+        "missing_expert": broken("missing_expert", drop_expert),
+        "wrong_shape": broken("wrong_shape", wrong_shape),
+        "truncated": broken("truncated", truncate),
+    }
+    out = {}
+    for case, path in cases.items():
+        try:
+            epmoe.from_pretrained(Qwen3MoeForCausalLM, path, dtype=torch.float32)
+            out[case] = None
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            out[case] = f"{type(exc).__name__}: {exc}"
+        dist.barrier()  # every rank got here: no one is left in a collective
+    return out

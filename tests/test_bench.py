@@ -113,3 +113,12 @@ def test_gpu_check_exits_clearly_without_cuda():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert "no CUDA device" in done.stderr
+
+
+def test_bench_checkpoint_quick(capsys):
+    """``epmoe bench checkpoint --quick``: every variant measured on 2 ranks, a table printed."""
+    pytest.importorskip("transformers")
+    assert main(["bench", "checkpoint", "--quick"]) == 0
+    out = capsys.readouterr().out
+    for variant in ("build then EP", "from_pretrained + EP", "epmoe.from_pretrained", "save_pretrained"):
+        assert f"| 2       | {variant}" in out, variant

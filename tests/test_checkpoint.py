@@ -56,3 +56,16 @@ def test_from_pretrained_reads_only_local_experts(tmp_path):
             assert result["logits_error"] <= 1e-6, (rank, case, result["logits_error"])
             assert result["class"] and result["local_experts"], (rank, case)
             assert result["marked"], (rank, case)
+
+
+def test_from_pretrained_bad_checkpoints_fail_on_every_rank(tmp_path):
+    """Experts not divisible by the EP size, a missing expert tensor, a wrong shape, a truncated file:
+    a clear error on every rank, no hang."""
+    from checkpoint_workers import bad_checkpoints
+
+    for rank, errors in enumerate(run_ranks(bad_checkpoints, 2, str(tmp_path), timeout=240)):
+        assert all(message is not None for message in errors.values()), (rank, errors)
+        assert "E=7" in errors["experts_not_divisible"] and "P=2" in errors["experts_not_divisible"]
+        assert "does not hold every expert" in errors["missing_expert"], errors["missing_expert"]
+        assert "experts" in errors["wrong_shape"], errors["wrong_shape"]
+        assert errors["truncated"], errors["truncated"]

@@ -15,8 +15,8 @@ before loading (``_load_pretrained_model``, on a subclass of the user's class ma
 Everything else (buffers such as rotary ``inv_freq``, tied weights, missing-key initialisation,
 dtype handling, ``config=`` and every other keyword) is transformers' own. The result equals
 ``from_pretrained`` followed by :func:`epmoe.apply_expert_parallel`. A checkpoint without some
-expert tensor, or with one of the wrong shape, raises ``ValueError`` (every rank reads the same
-files, so every rank raises).
+expert tensor, or with one of the wrong shape, raises ``ValueError`` on every rank of the EP group
+(a rank finds only its own experts broken: the ranks compare notes in one ``all_gather_object``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=
             expert_keys = _as_meta_dtensors(model)
             info = model_class._load_pretrained_model(model, state_dict, checkpoint_files, load_config,
                                                       expected_keys)
-            _check_loaded(info[0], expert_keys)
+            _raise_on_every_rank(_load_error(info[0], expert_keys), found["shards"], model)
             _as_local_parameters(model)
             return info
 
@@ -88,13 +88,28 @@ def _as_meta_dtensors(model: nn.Module) -> set[str]:
     return keys
 
 
-def _check_loaded(info: Any, expert_keys: set[str]) -> None:
+def _load_error(info: Any, expert_keys: set[str]) -> str | None:
+    """What is wrong with this rank's experts in the checkpoint, or ``None``."""
     missing = sorted(expert_keys & set(getattr(info, "missing_keys", ())))
     mismatched = sorted(key for key, *_ in getattr(info, "mismatched_keys", ()) if key in expert_keys)
     if missing or mismatched:
+        return f"missing or incomplete {missing[:4]}, wrong shape {mismatched[:4]}"
+    return None
+
+
+def _raise_on_every_rank(error: str | None, shards: list, model: nn.Module) -> None:
+    """Each rank reads only its own experts, so only some may find a broken one: tell the EP group
+    (one ``all_gather_object``) and raise ``ValueError`` on all of it."""
+    group = next((m._epmoe.group for m in model.modules() if hasattr(m, "_epmoe")), None)
+    errors = [error]
+    if shards and shards[0].ep_size > 1:
+        errors = [None] * shards[0].ep_size
+        torch.distributed.all_gather_object(errors, error, group=group)
+    bad = [(rank, message) for rank, message in enumerate(errors) if message is not None]
+    if bad:
         raise ValueError(
-            f"epmoe.from_pretrained: the checkpoint does not hold every expert: missing {missing[:4]}, "
-            f"wrong shape {mismatched[:4]}"
+            "epmoe.from_pretrained: the checkpoint does not hold every expert: "
+            + "; ".join(f"EP rank {rank}: {message}" for rank, message in bad)
         )
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from epmoe.bench import common, fused, gmm, layer
+from epmoe.bench import checkpoint, common, fused, gmm, layer
 
-BENCHMARKS = {"gmm": gmm, "layer": layer, "fused": fused}
+BENCHMARKS = {"gmm": gmm, "layer": layer, "fused": fused, "checkpoint": checkpoint}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

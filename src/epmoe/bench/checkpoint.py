@@ -1,0 +1,170 @@
+"""``epmoe bench checkpoint``: peak memory per rank of building or loading an EP model, and of saving it.
+
+An expert-dominated Qwen3-MoE (64 experts by default) is saved once with a plain ``save_pretrained``
+(the Hub's per-expert layout). Then, for EP sizes 2 and 4, each variant runs in a fresh set of gloo
+ranks (peak memory is per process), side by side in one run::
+
+    build then EP          epmoe.models.build_model (random init) -> apply_expert_parallel
+    from_pretrained + EP   transformers from_pretrained (every expert) -> apply_expert_parallel
+    epmoe.from_pretrained  every rank reads only its experts (shard-on-read)
+    save_pretrained        epmoe.from_pretrained, then save_pretrained on every rank (rank 0 writes)
+
+Per rank, sampled every 2 ms by a thread: the peak of ``RssAnon`` (private anonymous memory, the
+number that must fit; clean file-backed pages of the memory-mapped checkpoint are not in it) above
+the baseline after imports, and ``VmHWM`` (peak resident set, file pages included). The budget is
+what the rank must hold anyway: non-expert weights + its own experts' weights. Goal (loading):
+``epmoe.from_pretrained`` peak private memory above baseline within 1.25x of that budget. Linux
+only (``/proc/self/status``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import tempfile
+import threading
+import time
+
+import torch
+
+from epmoe.bench import common
+
+VARIANTS = ("build then EP", "from_pretrained + EP", "epmoe.from_pretrained", "save_pretrained")
+EP_SIZES = (2, 4)
+HEADERS = ("EP size", "variant", "peak private MiB above baseline (max rank)", "budget MiB", "peak / budget",
+           "VmHWM MiB (max rank)", "seconds")
+GOAL = 1.25
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--experts", type=int, default=64, help="experts per MoE layer (default 64)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (default 4)")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+
+
+def model_kwargs(args: argparse.Namespace, quick: bool) -> dict:
+    if quick:
+        return dict(num_experts=8, num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32)
+    return dict(num_experts=args.experts, num_hidden_layers=args.layers, hidden_size=args.hidden,
+                moe_intermediate_size=args.hidden, intermediate_size=4 * args.hidden, head_dim=args.hidden // 4)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ValueError("epmoe bench checkpoint needs transformers v5 (pip install 'epmoe[models]')") from None
+    if not os.path.exists("/proc/self/status"):
+        raise ValueError("epmoe bench checkpoint reads /proc/self/status: Linux only")
+    settings = common.configure(args)
+    rows = measure(model_kwargs(args, settings.quick), EP_SIZES[:1] if settings.quick else EP_SIZES)
+    table = common.markdown_table(HEADERS, rows, align="llrrrrr")
+    print(table)
+    if settings.out:
+        with open(settings.out, "w") as out:
+            out.write(_document(args, settings, table))
+        print(f"\nwrote {settings.out}")
+    return 0
+
+
+def measure(kwargs: dict, ep_sizes) -> list[tuple]:
+    """One row per (EP size, variant): the max over ranks of each rank's numbers."""
+    from epmoe.launch import run_ranks
+    from epmoe.models import build_model
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="epmoe-bench-checkpoint-") as root:
+        path = os.path.join(root, "model")
+        build_model("qwen3_moe", **kwargs).save_pretrained(path)
+        for ep_size in ep_sizes:
+            for variant in VARIANTS:
+                results = run_ranks(_rank, ep_size, path, kwargs, variant, os.path.join(root, "saved"),
+                                    threads_per_rank=1, timeout=900)
+                peak = max(r["peak_anon"] for r in results)
+                budget = max(r["budget"] for r in results)
+                rows.append((str(ep_size), variant, f"{peak / 2**20:.1f}", f"{budget / 2**20:.1f}",
+                             f"{peak / budget:.2f}", f"{max(r['hwm'] for r in results) / 2**20:.1f}",
+                             f"{max(r['seconds'] for r in results):.1f}"))
+    return rows
+
+
+class _Peak:
+    """Samples ``RssAnon`` every 2 ms in a thread; ``peak`` is the highest seen (bytes)."""
+
+    def __init__(self):
+        self.peak, self._stop = _status("RssAnon"), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _status("RssAnon"))
+            time.sleep(0.002)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, _status("RssAnon"))
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _rank(rank: int, world: int, path: str, kwargs: dict, variant: str, save_dir: str) -> dict:
+    import gc
+
+    from transformers import Qwen3MoeForCausalLM
+
+    import epmoe
+    from epmoe.models import build_model
+
+    gc.collect()
+    baseline = _status("RssAnon")
+    sampler = _Peak()
+    start = time.perf_counter()
+    if variant == "build then EP":
+        model = build_model("qwen3_moe", **kwargs)
+        epmoe.apply_expert_parallel(model)
+    elif variant == "from_pretrained + EP":
+        model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+        epmoe.apply_expert_parallel(model)
+    else:
+        model, _ = epmoe.from_pretrained(Qwen3MoeForCausalLM, path, dtype=torch.float32)
+        if variant == "save_pretrained":
+            gc.collect()
+            sampler.stop()
+            baseline, sampler, start = _status("RssAnon"), _Peak(), time.perf_counter()
+            model.save_pretrained(save_dir)
+    seconds = time.perf_counter() - start
+    peak = sampler.stop()
+    budget = sum(p.numel() * p.element_size() for p in model.parameters())  # local: non-experts + own experts
+    return {"peak_anon": peak - baseline, "budget": budget, "hwm": _status("VmHWM"), "seconds": seconds}
+
+
+def _document(args: argparse.Namespace, settings: common.Settings, table: str) -> str:
+    import transformers
+
+    extra = "" if (args.experts, args.layers, args.hidden) == (64, 4, 256) else (
+        f" --experts {args.experts} --layers {args.layers} --hidden {args.hidden}")
+    doc = __doc__.split("\n", 2)[2].strip().replace("``", "`").replace("::\n", ":\n")
+    return f"""# Checkpoint memory benchmark: `epmoe bench checkpoint`
+
+Reproduce (from the repository root, after `pip install -e '.[models]'`):
+
+    epmoe bench checkpoint{' --quick' if settings.quick else ''}{extra}{' --out ' + settings.out if settings.out else ''}
+
+- Machine: {common.machine_description(torch.device('cpu'))}; transformers {transformers.__version__}.
+- Run: {datetime.date.today().isoformat()}; one thread per rank.
+
+{doc}
+
+## Results
+
+{table}
+"""
