@@ -29,7 +29,7 @@ def recipes():
 
 def test_readme_lists_the_training_recipes():
     assert [name for name, _, _ in recipes()] == ["train_ddp", "train_fsdp2", "train_ep_dp", "train_trainer",
-                                                  "generate", "save_and_reload", "resume"]
+                                                  "generate", "save_and_reload", "load_sharded", "resume"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -51,5 +51,7 @@ def test_readme_recipes_run(world, tmp_path, monkeypatch):
             assert tokens.shape == (1, 4 + rank + 2 + 3 * rank)
         if "save_and_reload" in by_name:
             assert by_name["save_and_reload"] <= 1e-5
+        if "load_sharded" in by_name:
+            assert by_name["load_sharded"] == 4
         if "resume" in by_name:
             assert by_name["resume"] == 1.0  # the optimizer resumed after its first step
