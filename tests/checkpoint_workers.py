@@ -235,3 +235,43 @@ def bad_checkpoints(rank, world, root):
             out[case] = f"{type(exc).__name__}: {exc}"
         dist.barrier()  # every rank got here: no one is left in a collective
     return out
+
+
+def state_dict_warnings(rank, world, root):
+    """A bare state_dict() of an EP model warns (torch.save / dcp.save of it would lose or swap experts);
+    epmoe's own paths (save_pretrained, get_state_dict / set_state_dict, from_pretrained) do not.
+    Returns ``{path: number of ExpertStateDictWarning}``."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import Qwen3MoeForCausalLM
+
+    from epmoe.checkpoint.guard import ExpertStateDictWarning
+
+    model = build_model("qwen3_moe")
+    epmoe.apply_expert_parallel(model)
+    opt = torch.optim.AdamW(model.parameters())
+
+    def bare_torch_save():
+        torch.save(model.state_dict(), os.path.join(root, f"bare-{rank}.pt"))
+
+    def bare_dcp_save():
+        dcp.save(model.state_dict(), checkpoint_id=os.path.join(root, "bare-dcp"))
+
+    def epmoe_paths():
+        model.save_pretrained(os.path.join(root, "saved"))
+        state = epmoe.get_state_dict(model, opt)
+        dcp.save(state, checkpoint_id=os.path.join(root, "dcp"))
+        dcp.load(state, checkpoint_id=os.path.join(root, "dcp"))
+        epmoe.set_state_dict(model, opt, state=state)
+        epmoe.from_pretrained(Qwen3MoeForCausalLM, os.path.join(root, "saved"))
+
+    counts = {}
+    for name, fn in (("torch.save", bare_torch_save), ("dcp.save", bare_dcp_save), ("epmoe", epmoe_paths)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+        messages = [str(w.message) for w in caught if issubclass(w.category, ExpertStateDictWarning)]
+        counts[name] = (len(messages), messages[:1])
+        dist.barrier()
+    return counts

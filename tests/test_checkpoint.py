@@ -69,3 +69,13 @@ def test_from_pretrained_bad_checkpoints_fail_on_every_rank(tmp_path):
         assert "does not hold every expert" in errors["missing_expert"], errors["missing_expert"]
         assert "experts" in errors["wrong_shape"], errors["wrong_shape"]
         assert errors["truncated"], errors["truncated"]
+
+
+def test_bare_state_dict_warns_and_epmoe_paths_do_not(tmp_path):
+    from checkpoint_workers import state_dict_warnings
+
+    for rank, counts in enumerate(run_ranks(state_dict_warnings, 2, str(tmp_path), timeout=240)):
+        for path in ("torch.save", "dcp.save"):
+            number, messages = counts[path]
+            assert number >= 1 and "save_pretrained" in messages[0] and "get_state_dict" in messages[0], (rank, path)
+        assert counts["epmoe"][0] == 0, (rank, counts["epmoe"])

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from epmoe import platform
+from epmoe.checkpoint.guard import own_state_dict
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
@@ -37,11 +38,13 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     _check_model(model, "get_state_dict")
     sharded = _sharded_experts(model)
     if optimizer is None:
-        model_state = dcp_state.get_model_state_dict(model)
+        with own_state_dict():
+            model_state = dcp_state.get_model_state_dict(model)
         return {"model": _to_global(model_state, sharded)}
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"get_state_dict(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    model_state, optim_state = dcp_state.get_state_dict(model, optimizer)
+    with own_state_dict():
+        model_state, optim_state = dcp_state.get_state_dict(model, optimizer)
     for fqn, moments in optim_state.get("state", {}).items():
         optim_state["state"][fqn] = _to_global(moments, {key: sharded[fqn] for key in moments} if fqn in sharded else {})
     return {"model": _to_global(model_state, sharded), "optimizer": optim_state}
@@ -58,12 +61,14 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     sharded = _sharded_experts(model)
     model_state = _to_local(state["model"], sharded)
     if optimizer is None:
-        dcp_state.set_model_state_dict(model, model_state)
+        with own_state_dict():
+            dcp_state.set_model_state_dict(model, model_state)
         return
     optim_state = dict(state["optimizer"])
     optim_state["state"] = {fqn: _to_local(moments, set(moments) if fqn in sharded else set())
                             for fqn, moments in optim_state.get("state", {}).items()}
-    dcp_state.set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    with own_state_dict():
+        dcp_state.set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 def _check_model(model: Any, where: str) -> None:

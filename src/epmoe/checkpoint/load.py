@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from epmoe import platform
+from epmoe.checkpoint.guard import own_state_dict
 
 
 def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=None, **kwargs: Any):
@@ -50,7 +51,8 @@ def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=
             return info
 
     ShardedLoad.__name__ = ShardedLoad.__qualname__ = model_class.__name__
-    model = ShardedLoad.from_pretrained(path, **kwargs)
+    with own_state_dict():  # transformers' loader reads the (sharded) model's state dict keys
+        model = ShardedLoad.from_pretrained(path, **kwargs)
     model.__class__ = model_class  # the user's class again (saving writes its name as the architecture)
     from epmoe.training.params import expert_parameters
 

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from epmoe.checkpoint.guard import own_state_dict
+
 WRITER = 0  # the global rank transformers writes from
 
 
@@ -63,7 +65,8 @@ class SavePretrained:
 
         model.num_parameters = num_parameters
         try:
-            result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+            with own_state_dict():
+                result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
         finally:
             del model.num_parameters
         dist.barrier()  # the writer has finished: every rank may read the checkpoint now

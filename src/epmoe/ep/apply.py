@@ -15,8 +15,9 @@ for ``nn.ModuleList`` experts the enclosing block's forward becomes
 
 With experts sharded (EP size > 1) the model also gets, as instance attributes: the names DDP must
 ignore (:mod:`epmoe.training.params`), a ``generate`` that keeps every rank stepping
-(:mod:`epmoe.training.generate`) and, on transformers models, a ``save_pretrained`` that writes
-every expert (:mod:`epmoe.checkpoint.save`).
+(:mod:`epmoe.training.generate`), on transformers models a ``save_pretrained`` that writes
+every expert (:mod:`epmoe.checkpoint.save`), and a warning on a bare ``state_dict()`` of sharded
+experts (:mod:`epmoe.checkpoint.guard`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from epmoe.checkpoint.guard import warn_on_bare_state_dict
 from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.fused import fused_ineligible_reason, shared_block_forward, shared_mlp
@@ -158,6 +160,8 @@ def apply_expert_parallel(
             sharded = _shard_parameters(module, shard)
             module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch, sync=sync,
                                                 ancestors=ancestors, sharded_names=sharded)
+            if sharded:
+                warn_on_bare_state_dict(module)
             module.forward = types.MethodType(expert_parallel_forward, module)
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if dispatch != "alltoallv" and block is not None and _is_shared_expert_block(block, module):
