@@ -110,3 +110,13 @@ def test_trainer_defaults_are_exact(tmp_path):
             assert min(result["norms"]) > 1.0, result["norms"]
             assert_errors(result["errors"], rank, tol=tol)
             assert result["replicated_equal"], dtype
+
+
+def test_trainer_resume_from_checkpoint_is_exact(tmp_path):
+    """Trainer checkpoints of an EP model (through prepare_trainer) resume exactly: a fresh run from
+    checkpoint-4 ends with the uninterrupted run's parameters and step 5-6 losses (fp64)."""
+    from training_workers import trainer_resume
+
+    for rank, errors in enumerate(run_ranks(trainer_resume, 2, str(tmp_path), timeout=300)):
+        assert_errors(errors, rank)
+        assert any(".experts." in k for k in errors)

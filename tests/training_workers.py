@@ -484,3 +484,30 @@ def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32"):
     return {"errors": errors, "norms": norms, "num_steps": len(norms),
             "replicated_equal": all(torch.equal(gathered[0], g) for g in gathered),
             "checkpointing": model.is_gradient_checkpointing}
+
+
+def trainer_resume(rank, world, out_dir, steps=6):
+    """A prepared Trainer checkpointing every 2 steps trains 6 steps; a fresh prepared Trainer (other
+    initial weights) resumes from the step-4 checkpoint and trains to 6: the same parameters, per
+    parameter (fp64), and the same logged losses of steps 5-6."""
+    from transformers import Trainer, TrainingArguments
+
+    def run(tag, seed, resume=None):
+        model = build_model("qwen3_moe", dtype=torch.float64, seed=seed)
+        shards = epmoe.apply_expert_parallel(model)
+        args = TrainingArguments(
+            output_dir=f"{out_dir}/run", per_device_train_batch_size=2, max_steps=steps, learning_rate=1e-3,
+            logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True,
+            dataloader_num_workers=0, seed=0, disable_tqdm=True,
+        )
+        trainer = epmoe.prepare_trainer(Trainer(model=model, args=args, train_dataset=TokenDataset(64, 12, seed=1)))
+        trainer.train(resume_from_checkpoint=resume)
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        return model, shards, losses
+
+    model, shards, losses = run("full", 0)
+    dist.barrier()
+    resumed, _, losses2 = run("resumed", 99, resume=f"{out_dir}/run/checkpoint-4")
+    errors = {f"param/{name}": pair.param_error for name, pair in reference_view(resumed, model, shards).items()}
+    errors.update({f"loss/{step}": abs(losses2[step] - losses[step]) / abs(losses[step]) for step in (5, 6)})
+    return errors

@@ -11,18 +11,27 @@ replaces that one method *of this trainer's accelerator* (the class is untouched
 :func:`epmoe.clip_grad_norm_`, which also makes the logged ``grad_norm`` the whole model's. And
 Trainer saves (``save_model``, checkpoints) from the main process only, while the experts of an EP
 model must be gathered from every rank: this trainer's ``_save`` lets the other ranks join the
-model's ``save_pretrained`` (:mod:`epmoe.checkpoint.save`) without writing.
+model's ``save_pretrained`` (:mod:`epmoe.checkpoint.save`) without writing. Trainer checkpoints
+(``save_strategy``) also get an ``epmoe_dcp/`` directory with the model and optimizer through
+:func:`epmoe.get_state_dict` and ``torch.distributed.checkpoint`` (Trainer's own optimizer file holds
+rank 0's experts' moments only), and ``resume_from_checkpoint`` loads both from it, so a resumed run
+continues exactly.
 
 DeepSpeed and accelerate's FSDP plugin shard every parameter, experts included: refused.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
 from epmoe.training.clip import clip_grad_norm_
+
+DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
 
 
 def prepare_trainer(trainer: Any) -> Any:
@@ -65,5 +74,42 @@ def prepare_trainer(trainer: Any) -> Any:
         model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict, is_main_process=False)
 
     trainer._save = save
+
+    def save_optimizer_and_scheduler(output_dir):
+        type(trainer)._save_optimizer_and_scheduler(trainer, output_dir)  # the scheduler (and rank 0's moments)
+        dcp.save(get_state_dict(_unwrapped(trainer), trainer.optimizer), checkpoint_id=_dcp_dir(output_dir))
+
+    def load_from_checkpoint(resume_from_checkpoint, model=None):
+        model = _unwrapped(trainer)
+        state = get_state_dict(model)
+        dcp.load(state, checkpoint_id=_dcp_dir(resume_from_checkpoint, must_exist=True))
+        set_state_dict(model, state=state)
+
+    def load_optimizer_and_scheduler(checkpoint):
+        type(trainer)._load_optimizer_and_scheduler(trainer, checkpoint)  # the scheduler
+        if checkpoint is not None:
+            model = _unwrapped(trainer)
+            state = get_state_dict(model, trainer.optimizer)
+            dcp.load(state, checkpoint_id=_dcp_dir(checkpoint, must_exist=True))
+            set_state_dict(model, trainer.optimizer, state=state)
+
+    trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
+    trainer._load_from_checkpoint = load_from_checkpoint
+    trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
     accelerator._epmoe_prepared = True
     return trainer
+
+
+def _unwrapped(trainer: Any) -> nn.Module:
+    return trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+
+
+def _dcp_dir(checkpoint: str, must_exist: bool = False) -> str:
+    """Where a Trainer checkpoint keeps the EP model and optimizer for ``torch.distributed.checkpoint``."""
+    path = os.path.join(checkpoint, DCP_DIR)
+    if must_exist and not os.path.isdir(path):
+        raise ValueError(
+            f"prepare_trainer: {checkpoint} has no {DCP_DIR}/: it was not written by a prepared Trainer, and its "
+            f"optimizer file holds only rank 0's experts' moments; resume from a checkpoint a prepared Trainer wrote"
+        )
+    return path
