@@ -57,6 +57,12 @@ def test_ddp_with_module_list_experts():
         assert any("biased/param/blocks.0.experts" in k for k in errors)
 
 
+def test_ddp_gpt_oss_biased_transposed_experts():
+    for rank, errors in enumerate(results_of("ddp_gpt_oss")):
+        assert_errors(errors, rank)
+        assert any("experts.down_proj_bias" in k for k in errors)
+
+
 def test_expert_grad_modes_without_wrapper():
     """"sum" and "auto" (no wrapper) give the unsharded model's expert gradients on the concatenated
     batch; "mean" those divided by the 2 ranks; non-expert gradients are the rank's own."""

@@ -281,7 +281,9 @@ def generate_parity(rank, world):
 def two_rank_checks(rank, world):
     return run_checks({
         "ddp": lambda: ddp_parity(rank, world),
-        "ddp_module_list": lambda: ddp_module_list_parity(rank, world),
+        "ddp_module_list": lambda: {f"{kind}/{k}": v for kind, (errs, _) in ddp_module_list_parity(rank, world).items()
+                                    for k, v in errs.items()},
+        "ddp_gpt_oss": lambda: ddp_families(rank, world),
         "expert_grad_modes": lambda: expert_grad_modes(rank, world),
         "identity": lambda: expert_parameter_identity(rank, world),
         "refusals": lambda: refusals(rank, world),
@@ -289,33 +291,42 @@ def two_rank_checks(rank, world):
     })
 
 
-def ddp_module_list_parity(rank, world):
+def ddp_module_list_parity(rank, world, mesh=None):
     """DDP on custom models with nn.ModuleList experts (stacked grouped path, and experts run by their
-    own forward with gradient hooks): gradients and parameters after 3 SGD steps, per parameter."""
+    own forward with gradient hooks), EP over the world or over ``mesh``'s "ep" dim: gradients and
+    parameters after 3 SGD steps, per parameter. Returns ``{kind: (errors, dp replicas equal)}``."""
     from custom_moe import BiasedExpert, ExpertMLP, TinyMoELM
 
-    errors = {}
+    out = {}
     for kind, expert_cls in (("mlp", ExpertMLP), ("biased", BiasedExpert)):
         torch.manual_seed(0)
         ref = TinyMoELM(expert_cls=expert_cls).double()
         model = copy.deepcopy(ref)
-        shards = epmoe.apply_expert_parallel(model)
+        shards = epmoe.apply_expert_parallel(model, mesh)
         ddp, ddp_ref = DDP(model), DDP(ref)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
         opt_ref = torch.optim.SGD(ddp_ref.parameters(), lr=0.5)
+        errors = {}
         for step in range(3):
-            ids = batch(step, rank, [(2, 6), (3, 4)]) % 64
+            ids = batch(step, rank, [(2, 6), (3, 4), (1, 7), (2, 5)]) % 64
             ddp(ids).square().mean().backward()
             ddp_ref(ids).square().mean().backward()
             for name, pair in reference_view(model, ref, shards).items():
-                errors[f"{kind}/grad{step}/{name}"] = pair.grad_error
+                errors[f"grad{step}/{name}"] = pair.grad_error
             opt.step()
             opt_ref.step()
             opt.zero_grad(set_to_none=True)
             opt_ref.zero_grad(set_to_none=True)
         for name, pair in reference_view(model, ref, shards).items():
-            errors[f"{kind}/param/{name}"] = pair.param_error
-    return errors
+            errors[f"param/{name}"] = pair.param_error
+        out[kind] = (errors, mesh is None or _replicas_equal(model, mesh))
+    return out
+
+
+def ddp_families(rank, world):
+    """DDP parity (3 steps) for GPT-OSS: biased, transposed experts (four tensors per experts module)."""
+    out = ddp_parity(rank, world, family="gpt_oss", steps=3)
+    return out["errors"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,7 +366,7 @@ def ep_dp_mesh(rank, world, steps=4):
     for name, pair in reference_view(model, ref, shards).items():
         errors[f"param/{name}"] = pair.param_error
     replicas_equal = _replicas_equal(model, mesh)
-    for kind, (errs, equal) in ep_dp_module_list(rank, mesh).items():
+    for kind, (errs, equal) in ddp_module_list_parity(rank, world, mesh).items():
         errors.update({f"{kind}/{k}": v for k, v in errs.items()})
         replicas_equal &= equal
     return {"errors": errors, "replicas_equal": replicas_equal, "ep_size": shards[0].ep_size, "norms": norms}
@@ -369,38 +380,6 @@ def _replicas_equal(model, mesh):
         dist.all_gather(gathered, p.detach().contiguous(), group=mesh.get_group("dp"))
         equal &= torch.equal(gathered[0], gathered[1])
     return equal
-
-
-def ep_dp_module_list(rank, mesh):
-    """The (2, 2) mesh with nn.ModuleList experts: stacked grouped experts (reduced over "dp" inside
-    the backward) and experts run by their own forward (per-parameter hooks); 3 SGD steps under DDP
-    vs 4-rank non-EP DDP, per parameter."""
-    from custom_moe import BiasedExpert, ExpertMLP, TinyMoELM
-
-    out = {}
-    for kind, expert_cls in (("mlp", ExpertMLP), ("biased", BiasedExpert)):
-        torch.manual_seed(0)
-        ref = TinyMoELM(expert_cls=expert_cls).double()
-        model = copy.deepcopy(ref)
-        shards = epmoe.apply_expert_parallel(model, mesh)
-        ddp, ddp_ref = DDP(model), DDP(ref)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
-        opt_ref = torch.optim.SGD(ddp_ref.parameters(), lr=0.5)
-        errors = {}
-        for step in range(3):
-            ids = batch(step, rank, [(2, 6), (3, 4), (1, 7), (2, 5)]) % 64
-            ddp(ids).square().mean().backward()
-            ddp_ref(ids).square().mean().backward()
-            for name, pair in reference_view(model, ref, shards).items():
-                errors[f"grad{step}/{name}"] = pair.grad_error
-            opt.step()
-            opt_ref.step()
-            opt.zero_grad(set_to_none=True)
-            opt_ref.zero_grad(set_to_none=True)
-        for name, pair in reference_view(model, ref, shards).items():
-            errors[f"param/{name}"] = pair.param_error
-        out[kind] = (errors, _replicas_equal(model, mesh))
-    return out
 
 
 # --------------------------------------------------------------------------------------------

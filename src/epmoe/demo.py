@@ -198,12 +198,9 @@ class SyntheticDataset(torch.utils.data.Dataset):
         return {"input_ids": self.rows[index], "labels": self.rows[index]}
 
 
-def _train_with_trainer(result: TrainResult, model, reference, rank: int, device: torch.device) -> None:
-    """Both models through ``transformers.Trainer`` (the reference first); per-step losses from
-    Trainer's logs, per-step times from a callback."""
-    import tempfile
-
-    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+def step_times(device: torch.device):
+    """A ``transformers.TrainerCallback`` whose ``times`` are the seconds of each Trainer step."""
+    from transformers import TrainerCallback
 
     class StepTimes(TrainerCallback):
         def __init__(self):
@@ -216,6 +213,16 @@ def _train_with_trainer(result: TrainResult, model, reference, rank: int, device
             platform.synchronize(device)
             self.times.append(time.perf_counter() - self._start)
 
+    return StepTimes()
+
+
+def _train_with_trainer(result: TrainResult, model, reference, rank: int, device: torch.device) -> None:
+    """Both models through ``transformers.Trainer`` (the reference first); per-step losses from
+    Trainer's logs, per-step times from a callback."""
+    import tempfile
+
+    from transformers import PrinterCallback, Trainer, TrainingArguments
+
     options = result.options
     dataset = SyntheticDataset(options, result.world_size)
     curves = {}
@@ -227,7 +234,7 @@ def _train_with_trainer(result: TrainResult, model, reference, rank: int, device
                 max_grad_norm=MAX_GRAD_NORM, logging_steps=1, report_to=[], save_strategy="no",
                 use_cpu=device.type == "cpu", disable_tqdm=True, seed=options.seed, dataloader_num_workers=0,
             )
-            times = StepTimes()
+            times = step_times(device)
             trainer = Trainer(model=net, args=args, train_dataset=dataset, callbacks=[times])
             trainer.remove_callback(PrinterCallback)
             if label == "ep":

@@ -478,8 +478,8 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
         net = copy.deepcopy(reference)
         if label == EPMOE_TRAINER:
             epmoe.apply_expert_parallel(net)
-        step_times, trainer_losses[label] = _trainer_steps(net, label == EPMOE_TRAINER, tokens, warmup + repeats, seed)
-        times[label] = step_times[warmup:]
+        seconds, trainer_losses[label] = _trainer_steps(net, label == EPMOE_TRAINER, tokens, warmup + repeats, seed)
+        times[label] = seconds[warmup:]
     return {"losses": losses, "times": times, "errors": errors, "dispatch": "/".join(dispatch),
             "trainer_losses": trainer_losses}
 
@@ -499,19 +499,10 @@ def _step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
 def _trainer_steps(model: torch.nn.Module, prepare: bool, tokens: int, steps: int, seed: int):
     """``(seconds per step, logged losses)`` of ``steps`` steps of ``transformers.Trainer`` on ``model``
     (2 rows of ``tokens // 2`` per rank and step, AdamW, max_grad_norm=1.0)."""
-    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainingArguments
 
     import epmoe
-
-    class StepTimes(TrainerCallback):
-        def __init__(self):
-            self.times, self.start = [], 0.0
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.start)
+    from epmoe.demo import step_times
 
     generator = torch.Generator().manual_seed(seed + 2000)
     rows = torch.randint(0, model.config.vocab_size, (4 * steps, tokens // 2), generator=generator)
@@ -520,7 +511,7 @@ def _trainer_steps(model: torch.nn.Module, prepare: bool, tokens: int, steps: in
         args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps, logging_steps=1,
                                  report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=seed,
                                  dataloader_num_workers=0)
-        timer = StepTimes()
+        timer = step_times(torch.device("cpu"))
         trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
         trainer.remove_callback(PrinterCallback)
         if prepare:

@@ -89,11 +89,11 @@ class GradSync:
         """Record a data-parallel wrapper (DDP, FSDP2, Trainer): ``"auto"`` means ``"mean"`` from now on."""
         if self.wrapper is None:
             world = dist.get_world_size() if dist.is_initialized() else 1
-            if self.mode == "auto" and world != self.data_parallel_size:
+            if world != self.data_parallel_size:
                 raise ValueError(
-                    f"epmoe: expert_grad='auto' under {wrapper}: the EP x DP mesh covers {self.data_parallel_size} "
-                    f"ranks but the world has {world}; pass ExpertParallelConfig(expert_grad='sum' or 'mean') "
-                    f"to say which ranks the data-parallel mean runs over"
+                    f"epmoe: {wrapper} runs over {world} ranks but the experts are sharded over {self.ep_size} and "
+                    f"reduced over {self.dp_size} replica(s): the other ranks' copies of these experts would "
+                    f"never be reduced; pass a ('dp', 'ep') DeviceMesh covering every rank to apply_expert_parallel"
                 )
             self.wrapper = wrapper
         self._log()
