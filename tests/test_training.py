@@ -126,3 +126,66 @@ def test_trainer_resume_from_checkpoint_is_exact(tmp_path):
     for rank, errors in enumerate(run_ranks(trainer_resume, 2, str(tmp_path), timeout=300)):
         assert_errors(errors, rank)
         assert any(".experts." in k for k in errors)
+
+
+@pytest.mark.parametrize("option", [{"save_on_each_node": True},
+                                    {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"}])
+def test_prepare_trainer_refuses_what_it_cannot_make_exact(option, tmp_path):
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    import epmoe
+    from epmoe.models import build_model
+
+    model = build_model("qwen3_moe")
+    epmoe.apply_expert_parallel(model)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **option)
+    rows = torch.randint(0, 256, (4, 8))
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows],
+                      eval_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    with pytest.raises(ValueError, match=next(iter(option))):
+        epmoe.prepare_trainer(trainer)
+
+
+def test_prepare_trainer_needs_an_ep_model(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    import epmoe
+    from epmoe.models import build_model
+
+    trainer = Trainer(model=build_model("qwen3_moe"), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
+                                                                              report_to=[]))
+    with pytest.raises(ValueError, match="apply_expert_parallel"):
+        epmoe.prepare_trainer(trainer)
+    with pytest.raises(TypeError, match="trainer"):
+        epmoe.prepare_trainer(object())
+
+
+def test_public_functions_validate_their_arguments():
+    import math
+
+    import torch
+
+    import epmoe
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    for bad, arg in ((-1.0, "max_norm"), ("1", "max_norm")):
+        with pytest.raises(ValueError, match=arg):
+            epmoe.clip_grad_norm_([p], bad)
+    with pytest.raises(ValueError, match="norm_type"):
+        epmoe.clip_grad_norm_([p], 1.0, norm_type=0)
+    with pytest.raises(TypeError, match="parameters_or_model"):
+        epmoe.clip_grad_norm_([p, 3], 1.0)
+    # outside any process group: torch's own result
+    assert epmoe.clip_grad_norm_([p], math.inf).item() == pytest.approx(torch.full((3,), 2.0).norm().item())
+    with pytest.raises(TypeError, match="model"):
+        epmoe.expert_parameters("model")
+    with pytest.raises(TypeError, match="param"):
+        epmoe.is_expert_parameter(3)
+    with pytest.raises(TypeError, match="model"):
+        epmoe.get_state_dict(None)
+    with pytest.raises(TypeError, match="model_class"):
+        epmoe.from_pretrained(3, "path")
+    with pytest.raises(ValueError, match="expert_grad"):
+        epmoe.ExpertParallelConfig(expert_grad="average")

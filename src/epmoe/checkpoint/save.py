@@ -75,8 +75,9 @@ class SavePretrained:
 
 def gather_expert_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state_dict`` (of ``model``) with every expert-parallel tensor replaced by all ``E`` experts'
-    on the writer (global rank 0); other ranks get their state dict back without the expert keys
-    they held (they write nothing). Collective over every EP group's ranks, in module order."""
+    on the writer (global rank 0); other ranks get theirs back unchanged (they write nothing).
+    Collective over every EP group's ranks, in module order; what is gathered follows the model's
+    structure, not the state dict's keys (which transformers may build differently per rank)."""
     out = dict(state_dict)
     rank = dist.get_rank()
     for module_name, module in model.named_modules():
@@ -87,18 +88,16 @@ def gather_expert_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         if WRITER not in ranks:  # a "dp" replica of the writer's EP group: same experts, nothing to send
             continue
+        if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
+            _gather_module_list(out, state, f"{state.shard.module_name}.", group, rank)
+            continue
         prefix = f"{module_name}." if module_name else ""
-        if isinstance(state.local_experts, nn.ModuleList):
-            _gather_module_list(out, state, prefix, group, rank)
-        else:
-            for name in state.sharded_names:
-                key = prefix + name
-                if key not in out:
-                    continue
-                local = out[key].detach().contiguous()
-                parts = [torch.empty_like(local) for _ in ranks] if rank == WRITER else None
-                dist.gather(local, parts, dst=WRITER, group=group)
-                out[key] = torch.cat(parts) if rank == WRITER else local
+        for name in state.sharded_names:
+            local = getattr(module, name).detach().contiguous()
+            parts = [torch.empty_like(local) for _ in ranks] if rank == WRITER else None
+            dist.gather(local, parts, dst=WRITER, group=group)
+            if rank == WRITER and prefix + name in out:
+                out[prefix + name] = torch.cat(parts).to(out[prefix + name].dtype)
     return out
 
 
@@ -106,8 +105,8 @@ def _gather_module_list(out: dict, state, prefix: str, group, rank: int) -> None
     """The local experts of a ``ModuleList`` (keys ``{prefix}{index}.*``) sent to the writer, which
     puts every rank's in place of its own, in global expert order."""
     shard = state.shard
-    mine = range(shard.local_start, shard.local_end)
-    local = {k: v.detach() for k, v in out.items() if _expert_index(k, prefix) in mine}
+    local = {f"{prefix}{shard.local_start + j}.{k}": v.detach()
+             for j, expert in enumerate(state.local_experts) for k, v in expert.state_dict().items()}
     gathered = [None] * shard.ep_size if rank == WRITER else None
     dist.gather_object(local, gathered, dst=WRITER, group=group)
     if rank != WRITER:

@@ -171,7 +171,7 @@ def apply_expert_parallel(
         expert_parameters(model)  # marks them
         # what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets, named when DDP reads it
         model._ddp_params_and_buffers_to_ignore = ExpertParameterNames(model)
-        if callable(getattr(model, "generate", None)):
+        if SyncedGenerate.applies_to(model):
             model.generate = SyncedGenerate(model)
         if callable(getattr(type(model), "gather_sharded_state_dict_for_save", None)):  # a transformers model
             model.gather_sharded_state_dict_for_save = GatherExperts(model)

@@ -46,9 +46,9 @@ def clip_grad_norm_(
     norm_type = float(norm_type)
     parts = _parts(params)
     grads = [g for part in parts.values() for g in part.grads]
-    if not grads:
-        return torch.tensor(0.0)
-    device, dtype = grads[0].device, grads[0].dtype
+    # a rank without gradients still joins its peers' reductions below
+    device = grads[0].device if grads else (params[0].device if params else torch.device("cpu"))
+    dtype = grads[0].dtype if grads else torch.float32
     total = torch.zeros((), dtype=torch.float64, device=device)
     for part in parts.values():
         total = _combine(total, part.reduce(norm_type, device), norm_type)
@@ -60,6 +60,8 @@ def clip_grad_norm_(
             f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is non-finite; set "
             f"error_if_nonfinite=False to clip anyway"
         )
+    if not grads:
+        return total
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for g in grads:

@@ -10,6 +10,7 @@ every rank is. :func:`epmoe.apply_expert_parallel` installs :class:`SyncedGenera
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -21,6 +22,19 @@ class SyncedGenerate:
     ``synced_gpus=False`` raises ``ValueError``: on an EP model it hangs as soon as one rank stops
     before the others.
     """
+
+    @staticmethod
+    def applies_to(model: nn.Module) -> bool:
+        """Whether ``model``'s class has a ``generate`` taking ``synced_gpus`` (transformers', or one
+        passing keywords on, like PEFT's)."""
+        generate = getattr(type(model), "generate", None)
+        if not callable(generate):
+            return False
+        try:
+            params = inspect.signature(generate).parameters.values()
+        except (TypeError, ValueError):
+            return False
+        return any(p.name == "synced_gpus" or p.kind is p.VAR_KEYWORD for p in params)
 
     def __init__(self, model: nn.Module):
         self.model = model  # deepcopy of the model copies this reference to the copy

@@ -63,6 +63,7 @@ class GradSync:
         self._checked_ddp: weakref.WeakSet = weakref.WeakSet()
         self._logged: str | None = None
         self._pending: list[tuple] = []  # "dp" all-reduces in flight in this backward
+        self._queued = False  # whether this backward's _land is queued
 
     @property
     def data_parallel_size(self) -> int:
@@ -158,7 +159,7 @@ class GradSync:
             if g is None:
                 out.append(None)
                 continue
-            out.append(flat[offset:offset + g.numel()].view_as(g))
+            out.append(flat[offset:offset + g.numel()].view_as(g).to(g.dtype))
             offset += g.numel()
         return out
 
@@ -167,24 +168,28 @@ class GradSync:
         """Start the ``"dp"`` all-reduce of ``grads`` (one flat buffer) without waiting; at the end of
         this backward, :meth:`_land` scales the sums and adds them to ``params``' ``.grad``. The rest
         of the backward runs meanwhile (on NCCL / HCCL the collective has its own stream)."""
-        present = [(p, g) for p, g in zip(params, grads) if g is not None]
+        present = [(p, g) for p, g in zip(params, grads) if g is not None and p.requires_grad]
         if not present:
             return
         flat = torch.cat([g.reshape(-1) for _, g in present])
         work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
-        if not self._pending:
+        if not self._queued:  # first of this backward (what a failed backward left is dropped)
+            for stale in self._pending:
+                stale[0].wait()
+            self._pending = []
             torch.autograd.Variable._execution_engine.queue_callback(self._land)
+            self._queued = True
         self._pending.append((work, flat, [p for p, _ in present], self.scale))
 
     def _land(self) -> None:
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._queued = self._pending, [], False
         for work, flat, params, scale in pending:
             work.wait()
             if scale != 1.0:
                 flat.mul_(scale)
             offset = 0
             for p in params:
-                part = flat[offset:offset + p.numel()].view_as(p)
+                part = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
                 offset += p.numel()
                 if p.grad is None:
                     p.grad = part

@@ -17,7 +17,8 @@ model's ``save_pretrained`` (:mod:`epmoe.checkpoint.save`) without writing. Trai
 rank 0's experts' moments only), and ``resume_from_checkpoint`` loads both from it, so a resumed run
 continues exactly.
 
-DeepSpeed and accelerate's FSDP plugin shard every parameter, experts included: refused.
+DeepSpeed and accelerate's FSDP plugin shard every parameter, experts included: refused; so are
+``save_on_each_node`` and ``load_best_model_at_end`` (see the errors).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
+from epmoe.checkpoint.save import SavePretrained
 from epmoe.training.clip import clip_grad_norm_
 
 DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
@@ -54,6 +56,13 @@ def prepare_trainer(trainer: Any) -> Any:
                 f"use DDP (the Trainer default), or FSDP2 by hand with "
                 f"fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
             )
+    for option, why in (("save_on_each_node", "each node's first rank would write a checkpoint, but the experts "
+                                               "are gathered to global rank 0 only"),
+                        ("load_best_model_at_end", "Trainer reloads the best checkpoint with load_state_dict of a "
+                                                   "full checkpoint into the sharded model")):
+        if getattr(trainer.args, option, False):
+            raise ValueError(f"prepare_trainer(trainer): TrainingArguments({option}=True) is not supported on an "
+                             f"expert-parallel model: {why}")
     if getattr(accelerator, "_epmoe_prepared", False):
         return trainer
     for state in states:
@@ -70,8 +79,10 @@ def prepare_trainer(trainer: Any) -> Any:
         if trainer.args.should_save:
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict)
         # Trainer writes from one process only; the EP ranks must all join the experts' gather
-        model = accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
-        model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict, is_main_process=False)
+        model = _unwrapped(trainer)
+        if isinstance(getattr(model, "save_pretrained", None), SavePretrained):
+            model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict,
+                                  is_main_process=False)
 
     trainer._save = save
 
