@@ -95,7 +95,8 @@ def test_generate_ranks_stop_at_different_steps():
 
 def test_ep_x_dp_mesh_four_ranks():
     """("dp", "ep") = (2, 2): equals 4-rank non-EP DDP per parameter (AdamW x 4, clipped), replicas
-    over "dp" bitwise identical."""
+    over "dp" bitwise identical; the same with ModuleList experts, and with frozen expert weights
+    (which get no gradient)."""
     for rank, result in enumerate(run_ranks(ep_dp_mesh, 4, timeout=300)):
         assert result["ep_size"] == 2
         assert_errors(result["errors"], rank)

@@ -366,10 +366,34 @@ def ep_dp_mesh(rank, world, steps=4):
     for name, pair in reference_view(model, ref, shards).items():
         errors[f"param/{name}"] = pair.param_error
     replicas_equal = _replicas_equal(model, mesh)
+    errors.update({f"frozen/{k}": v for k, v in frozen_experts_ep_dp(rank, mesh).items()})
     for kind, (errs, equal) in ddp_module_list_parity(rank, world, mesh).items():
         errors.update({f"{kind}/{k}": v for k, v in errs.items()})
         replicas_equal &= equal
     return {"errors": errors, "replicas_equal": replicas_equal, "ep_size": shards[0].ep_size, "norms": norms}
+
+
+def frozen_experts_ep_dp(rank, mesh):
+    """The (2, 2) mesh with every experts module's down_proj frozen: it gets no gradient (the "dp"
+    reduction skips it) and 2 AdamW steps equal non-EP DDP's, per parameter."""
+    ref = build_model("qwen3_moe", dtype=torch.float64)
+    for layer in ref.model.layers:
+        layer.mlp.experts.down_proj.requires_grad_(False)
+    model = copy.deepcopy(ref)
+    shards = epmoe.apply_expert_parallel(model, mesh)
+    ddp, ddp_ref = DDP(model), DDP(ref)
+    opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-2)
+    opt_ref = torch.optim.AdamW([p for p in ddp_ref.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(2):
+        ids = batch(step, rank, [(2, 8), (1, 11), (3, 5), (2, 6)])
+        ddp(ids, labels=ids).loss.backward()
+        ddp_ref(ids, labels=ids).loss.backward()
+        assert all(layer.mlp.experts.down_proj.grad is None for layer in model.model.layers)
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad(set_to_none=True)
+        opt_ref.zero_grad(set_to_none=True)
+    return {f"param/{name}": pair.param_error for name, pair in reference_view(model, ref, shards).items()}
 
 
 def _replicas_equal(model, mesh):
