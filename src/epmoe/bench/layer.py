@@ -557,7 +557,7 @@ Reproduce (from the repository root, after `pip install -e '.[models]'`):
 
 {_markdown(__doc__.split(chr(10), 2)[2].strip())}
 
-Goals (issue 3): epmoe at most {GOALS['grouped_mm']}x transformers' `grouped_mm` time, at most {GOALS['eager']}x
+Goals: epmoe at most {GOALS['grouped_mm']}x transformers' `grouped_mm` time, at most {GOALS['eager']}x
 `eager`, and at least {GOALS['dense']} of the dense floor's speed.
 
 ## Shapes

@@ -106,10 +106,15 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Modu
 def apply_expert_parallel(
     model: nn.Module, ep_group: Any = None, *, config: ExpertParallelConfig | dict | None = None
 ) -> list[ExpertShard]:
-    """Turn ``model`` into an expert-parallel model, in place; see ``API.md`` section 1.
+    """Turn ``model`` into an expert-parallel model, in place (see the module docstring).
 
-    Returns one :class:`ExpertShard` per experts module, in ``model.named_modules()`` order. A second
-    call on the same model returns the same shards (with the same group size) and changes nothing.
+    ``ep_group``: a ProcessGroup, a 1-D DeviceMesh, a ``("dp", "ep")`` DeviceMesh or ``None`` (the
+    default group); ``config``: an :class:`ExpertParallelConfig`, a dict of its fields or ``None``.
+    Each rank then runs the model on its own batch and gets the unsharded model's outputs, losses
+    and gradients on that batch (expert gradients summed over every rank's tokens, or averaged, see
+    ``ExpertParallelConfig.expert_grad``). Returns one :class:`ExpertShard` per experts module, in
+    ``model.named_modules()`` order. A second call on the same model returns the same shards (with
+    the same group size) and changes nothing.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_expert_parallel(model): expected an nn.Module, got {type(model).__name__}")

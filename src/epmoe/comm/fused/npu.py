@@ -1,7 +1,7 @@
 """The ``npu_fused`` implementation: ``torch_npu.npu_alltoallv_gmm`` / ``npu_gmm_alltoallv``.
 
-Used only where every documented and kernel constraint holds (``reference/npu-fused-ops-layout.md``
-section 1.5)::
+Used only where every constraint of the vendor's documentation and of the kernel sources of
+these ops holds::
 
     device        Atlas A3 (device name Ascend910_93xx), torch_npu installed, tensors on the NPU
     world size    W in {8, 16, 32, 64}
