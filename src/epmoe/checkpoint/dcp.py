@@ -79,12 +79,11 @@ def _check_model(model: Any, where: str) -> None:
 def _sharded_experts(model: nn.Module) -> dict[str, Any]:
     """FQN (as torch's state-dict helpers name it: no ``module.`` of DDP) -> the experts' EP state,
     for every packed experts tensor sharded over an EP group of size > 1."""
+    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
+
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     sharded = {}
-    for name, module in inner.named_modules():
-        state = getattr(module, "_epmoe", None)
-        if state is None or state.shard.ep_size == 1 or isinstance(state.local_experts, nn.ModuleList):
-            continue
+    for name, _, state in sharded_experts(inner, packed_only=True):
         prefix = f"{name}." if name else ""
         for param_name in state.sharded_names:
             sharded[prefix + param_name] = state
@@ -105,23 +104,31 @@ def _lora_on(model: nn.Module, experts_name: str) -> str | None:
 
 def _to_global(tensors: dict[str, Any], sharded: dict[str, Any]) -> dict[str, Any]:
     """Each ``sharded`` entry as a ``DTensor`` ``Shard(0)`` of all ``E`` experts over its EP group."""
+    from torch.distributed.tensor import DTensor
+
+    out, meshes = dict(tensors), {}
+    for key, state in sharded.items():
+        local = out.get(key)
+        if isinstance(local, torch.Tensor) and local.dim() > 0 and not isinstance(local, DTensor):
+            out[key] = expert_dtensor(local.contiguous(), state, meshes)
+    return out
+
+
+def expert_dtensor(local: torch.Tensor, state: Any, meshes: dict) -> Any:
+    """``local`` (this rank's ``E/W`` experts of a packed tensor, on any device, meta included) as the
+    ``DTensor`` ``Shard(0)`` of all ``E`` over the EP group of ``state``; ``meshes`` caches one
+    ``DeviceMesh`` per group."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    out = dict(tensors)
-    meshes: dict[int, DeviceMesh] = {}
-    for key, state in sharded.items():
-        local = out.get(key)
-        if not isinstance(local, torch.Tensor) or local.dim() == 0 or isinstance(local, DTensor):
-            continue
-        group = state.group if state.group is not None else torch.distributed.group.WORLD
-        mesh = meshes.get(id(group))
-        if mesh is None:
-            mesh = meshes[id(group)] = DeviceMesh.from_group(group, platform.device_type(local))
-        shape = torch.Size((local.shape[0] * state.shard.ep_size, *local.shape[1:]))
-        out[key] = DTensor.from_local(local.contiguous(), mesh, [Shard(0)], run_check=False, shape=shape,
-                                      stride=torch.empty(shape, device="meta").stride())
-    return out
+    group = state.group if state.group is not None else torch.distributed.group.WORLD
+    mesh = meshes.get(id(group))
+    if mesh is None:
+        device = platform.device_type() if local.device.type == "meta" else platform.device_type(local)
+        mesh = meshes[id(group)] = DeviceMesh.from_group(group, device)
+    shape = torch.Size((local.shape[0] * state.shard.ep_size, *local.shape[1:]))
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def _to_local(tensors: dict[str, Any], sharded) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from epmoe import platform
+from epmoe.checkpoint.dcp import expert_dtensor
 from epmoe.checkpoint.guard import own_state_dict
 
 
@@ -60,31 +60,16 @@ def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=
     return model, found["shards"]
 
 
-def _sharded(model: nn.Module):
-    """``(name, experts module, its EP state)`` of every packed experts module sharded over > 1 ranks."""
-    for name, module in model.named_modules():
-        state = getattr(module, "_epmoe", None)
-        if state is not None and state.shard.ep_size > 1 and not isinstance(state.local_experts, nn.ModuleList):
-            yield name, module, state
-
-
 def _as_meta_dtensors(model: nn.Module) -> set[str]:
     """Each local expert tensor as a meta ``DTensor`` of all ``E`` experts, ``Shard(0)`` over its EP
     group (transformers' loader then reads this rank's rows only); returns their names."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
+    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
 
     keys, meshes = set(), {}
-    for name, module, state in _sharded(model):
-        group = state.group if state.group is not None else torch.distributed.group.WORLD
-        mesh = meshes.get(id(group))
-        if mesh is None:
-            mesh = meshes[id(group)] = DeviceMesh.from_group(group, platform.device_type())
+    for name, module, state in sharded_experts(model, packed_only=True):
         for param_name in state.sharded_names:
             local = getattr(module, param_name)
-            shape = torch.Size((local.shape[0] * state.shard.ep_size, *local.shape[1:]))
-            full = DTensor.from_local(torch.empty_like(local, device="meta"), mesh, [Shard(0)], run_check=False,
-                                      shape=shape, stride=torch.empty(shape, device="meta").stride())
+            full = expert_dtensor(torch.empty_like(local, device="meta"), state, meshes)
             setattr(module, param_name, nn.Parameter(full, requires_grad=local.requires_grad))
             keys.add(f"{name}.{param_name}" if name else param_name)
     return keys
@@ -117,9 +102,11 @@ def _raise_on_every_rank(error: str | None, shards: list, model: nn.Module) -> N
 
 def _as_local_parameters(model: nn.Module) -> None:
     """The loaded ``DTensor`` expert parameters as plain local ``nn.Parameter``s."""
+    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
+
     from torch.distributed.tensor import DTensor
 
-    for _, module, state in _sharded(model):
+    for _, module, state in sharded_experts(model, packed_only=True):
         for param_name in state.sharded_names:
             param = getattr(module, param_name)
             if isinstance(param, DTensor):

@@ -78,12 +78,11 @@ def gather_expert_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -
     on the writer (global rank 0); other ranks get theirs back unchanged (they write nothing).
     Collective over every EP group's ranks, in module order; what is gathered follows the model's
     structure, not the state dict's keys (which transformers may build differently per rank)."""
+    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
+
     out = dict(state_dict)
     rank = dist.get_rank()
-    for module_name, module in model.named_modules():
-        state = getattr(module, "_epmoe", None)
-        if state is None or state.shard.ep_size == 1:
-            continue
+    for module_name, module, state in sharded_experts(model):
         group = state.group
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         if WRITER not in ranks:  # a "dp" replica of the writer's EP group: same experts, nothing to send
@@ -134,15 +133,12 @@ def _expert_index(key: str, prefix: str) -> int | None:
 
 def _non_local_expert_numel(model: nn.Module) -> dict[str, int]:
     """Parameters the other EP ranks hold (``all``, and ``trainable`` ones), as the unsharded model counts them."""
+    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
+
     extra = {"all": 0, "trainable": 0}
-    for module in model.modules():
-        state = getattr(module, "_epmoe", None)
-        if state is None or state.shard.ep_size == 1:
-            continue
+    for _, module, state in sharded_experts(model):
         others = state.shard.ep_size - 1
-        params = (list(state.local_experts.parameters()) if isinstance(state.local_experts, nn.ModuleList)
-                  else [getattr(module, name) for name in state.sharded_names])
-        for p in params:
+        for p in state.sharded_params(module):
             extra["all"] += others * p.numel()
             extra["trainable"] += others * p.numel() if p.requires_grad else 0
     return extra

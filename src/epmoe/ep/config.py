@@ -1,10 +1,14 @@
-"""``ExpertParallelConfig`` (how the experts run) and ``ExpertShard`` (what a rank holds)."""
+"""``ExpertParallelConfig`` (how the experts run), ``ExpertShard`` (what a rank holds) and
+``sharded_experts`` (where a model's sharded experts are)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from torch import nn
 
 DISPATCH_MODES = ("auto", "alltoallv", "fused")
 EXPERT_GRAD_MODES = ("auto", "sum", "mean")
@@ -73,3 +77,18 @@ class ExpertShard:
     local_end: int
     ep_rank: int
     ep_size: int
+
+
+def sharded_experts(model: nn.Module, *, packed_only: bool = False
+                    ) -> Iterator[tuple[str, nn.Module, Any]]:
+    """``(name, module, state)`` (``state``: the module's ``ExpertParallelState``, ``module._epmoe``)
+    of every module holding EP state whose experts are sharded over more
+    than one rank, in ``named_modules()`` order: packed experts modules, and (unless ``packed_only``)
+    blocks around ``nn.ModuleList`` experts."""
+    for name, module in model.named_modules():
+        state = getattr(module, "_epmoe", None)
+        if state is None or state.shard.ep_size == 1:
+            continue
+        if packed_only and isinstance(state.local_experts, nn.ModuleList):
+            continue
+        yield name, module, state

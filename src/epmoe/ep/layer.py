@@ -61,6 +61,13 @@ class ExpertParallelState:
             return "alltoallv" if device.type == "cpu" else "fused"
         return self.dispatch
 
+    def sharded_params(self, owner: nn.Module) -> list[nn.Parameter]:
+        """The parameters that differ per EP rank (``owner``: the module this state is on): the packed
+        tensors EP sliced, or every parameter of the local ``ModuleList`` experts."""
+        if isinstance(self.local_experts, nn.ModuleList):
+            return list(self.local_experts.parameters())
+        return [getattr(owner, name) for name in self.sharded_names]
+
     def sync_weights(self, weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
         """The experts' weights as this forward uses them: gradients finished by :attr:`sync` (a
         :class:`~epmoe.experts.WeightsHook`)."""

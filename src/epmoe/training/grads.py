@@ -37,6 +37,7 @@ would all-reduce them, or an FSDP2 that sharded them, raises ``ValueError`` sayi
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Sequence
@@ -265,6 +266,7 @@ def _leaves(tensor: torch.Tensor) -> list[nn.Parameter]:
     return found
 
 
+@functools.cache
 def _fsdp_module_type():
     try:
         from torch.distributed.fsdp import FSDPModule

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from epmoe.ep.config import sharded_experts
+
 # PeftModel -> LoraModel -> model: how a PeftModel names its base model's parameters
 _PEFT_PREFIX = "base_model.model."
 
@@ -55,15 +57,10 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def _walk(model: nn.Module) -> Iterator[tuple[nn.Parameter, object]]:
     """``(parameter, its GradSync)`` for every expert parameter reachable by structure."""
+    for _, module, state in sharded_experts(model):
+        for p in state.sharded_params(module):
+            yield p, state.sync
     for module in model.modules():
-        state = getattr(module, "_epmoe", None)
-        if state is not None and state.sync.active:
-            if isinstance(state.local_experts, nn.ModuleList):
-                for p in state.local_experts.parameters():
-                    yield p, state.sync
-            else:
-                for name in state.sharded_names:  # the per-expert tensors EP sliced
-                    yield getattr(module, name), state.sync
         base = _peft_base(module)
         if base is not None:  # a PEFT wrapper around an experts module: its own factors are per expert
             base_state = getattr(base, "_epmoe", None)
