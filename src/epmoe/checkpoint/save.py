@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.checkpoint.guard import own_state_dict
+from epmoe.comm.steps import SAVE, OutOfStepError, Position, StepChannel
 
 WRITER = 0  # the global rank transformers writes from
 
@@ -82,22 +83,46 @@ def gather_expert_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -
 
     out = dict(state_dict)
     rank = dist.get_rank()
+    started: dict[int, Position] = {}  # channel -> this save's position on it
     for module_name, module, state in sharded_experts(model):
-        group = state.group
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        channel = state.channel
+        group = channel.group
+        ranks = dist.get_process_group_ranks(group)
         if WRITER not in ranks:  # a "dp" replica of the writer's EP group: same experts, nothing to send
             continue
-        if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
-            _gather_module_list(out, state, f"{state.shard.module_name}.", group, rank)
-            continue
-        prefix = f"{module_name}." if module_name else ""
-        for name in state.sharded_names:
-            local = getattr(module, name).detach().contiguous()
-            parts = [torch.empty_like(local) for _ in ranks] if rank == WRITER else None
-            dist.gather(local, parts, dst=WRITER, group=group)
-            if rank == WRITER and prefix + name in out:
-                out[prefix + name] = torch.cat(parts).to(out[prefix + name].dtype)
+        if id(channel) not in started:
+            started[id(channel)] = _start_save(channel, next(iter(state.sharded_params(module))).device)
+        try:
+            if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
+                _gather_module_list(out, state, f"{state.shard.module_name}.", group, rank)
+                continue
+            prefix = f"{module_name}." if module_name else ""
+            for name in state.sharded_names:
+                local = getattr(module, name).detach().contiguous()
+                parts = [torch.empty_like(local) for _ in ranks] if rank == WRITER else None
+                dist.gather(local, parts, dst=WRITER, group=group)
+                if rank == WRITER and prefix + name in out:
+                    out[prefix + name] = torch.cat(parts).to(out[prefix + name].dtype)
+        except RuntimeError as exc:
+            raise channel.failed(started[id(channel)], exc) from exc
     return out
+
+
+def _start_save(channel: StepChannel, device: torch.device) -> Position:
+    """The step header that opens a save on ``channel``: every EP rank must be saving too."""
+    position = channel.next_call(SAVE)
+    try:
+        channel.check(position, device)
+    except OutOfStepError:
+        raise
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"epmoe: save_pretrained on an expert-parallel model must be called on every rank (each holds "
+            f"different experts); EP rank {channel.rank} waited {channel.timeout_s:g} s (ExpertParallelConfig."
+            f"timeout) for the others. With a Trainer, call epmoe.prepare_trainer(trainer) so that its saves run "
+            f"on every rank. ({exc})"
+        ) from exc
+    return position
 
 
 def _gather_module_list(out: dict, state, prefix: str, group, rank: int) -> None:

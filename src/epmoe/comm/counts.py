@@ -1,15 +1,20 @@
 """Counts exchange: every rank learns how many rows it sends to and receives from each expert.
 
-One ``all_to_all_single`` of the per-global-expert histograms with equal splits of ``e`` rows (each
-followed by one flag saying whether the sender's histogram has a negative count, so that bad input
-raises on every rank rather than on some while the others wait in their next collective), then one
-host read for both lists. With ``W = 2`` ranks and ``e = 2`` local experts::
+One ``all_to_all_single`` of the per-global-expert histograms with equal splits of ``e`` rows, each
+row behind a step header (:mod:`epmoe.comm.steps`) whose flag says whether the sender's histogram
+has a negative count, so that bad input raises on every rank rather than on some while the others
+wait in their next collective; then one host read for both lists. With ``W = 2`` ranks and
+``e = 2`` local experts::
 
     rank 0 tokens_per_expert = [a00 a01 | a10 a11]      (global expert g = r*e + j)
     rank 1 tokens_per_expert = [b00 b01 | b10 b11]
 
     rank 0: send_counts = [a00 a01 a10 a11]   recv_counts = [a00 a01 | b00 b01]   (source-rank-major)
     rank 1: send_counts = [b00 b01 b10 b11]   recv_counts = [a10 a11 | b10 b11]
+
+An EP layer's forward runs :func:`counts_exchange` on its model's step channel (the header names the
+layer and its forward call). The public :func:`exchange_counts` first agrees on the histogram's
+length in a small header exchange, so ranks with different lengths raise instead of aborting.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from epmoe import platform
+from epmoe import messages
+from epmoe.comm.steps import COUNTS, MODEL_WIDE, Position, StepChannel
 
 
 def exchange_counts(
@@ -26,8 +32,44 @@ def exchange_counts(
     """``(send_counts, recv_counts)`` as Python lists of length ``W*e`` (see the module docstring).
 
     ``tokens_per_expert``: ``(W*e,)`` integer tensor, this rank's histogram over global experts, on
-    the device the group communicates on. Costs one collective and one host synchronisation.
+    the device the group communicates on. Costs two small collectives (lengths, then counts) and two
+    host synchronisations; ranks whose lengths differ raise ``ValueError`` on every rank.
     """
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    _validate(tokens_per_expert, world)
+    if world == 1:
+        both = tokens_per_expert.to(torch.int64).tolist()
+        _check_non_negative(both, [int(min(both) < 0)])
+        return both, list(both)
+    device, length = tokens_per_expert.device, tokens_per_expert.numel()
+    lengths, _ = StepChannel(group, 1, what="exchange_counts").exchange(
+        Position(MODEL_WIDE, COUNTS, 0), torch.full((world, 1), length, dtype=torch.int64, device=device)
+    )
+    theirs = [row[0] for row in lengths]
+    if any(n != length for n in theirs):
+        raise ValueError(
+            f"exchange_counts(tokens_per_expert): the ranks' histograms differ in length: {messages.summarize(theirs)} "
+            f"by rank (each must be W*e = the global number of experts)"
+        )
+    channel = StepChannel(group, length // world, what="exchange_counts")
+    return counts_exchange(channel, Position(MODEL_WIDE, COUNTS, 1), tokens_per_expert)
+
+
+def counts_exchange(channel: StepChannel, position: Position, tokens_per_expert: torch.Tensor
+                    ) -> tuple[list[int], list[int]]:
+    """:func:`exchange_counts` as one header exchange on ``channel`` at ``position`` (lengths known
+    to agree). Raises on every rank if the headers differ or any rank's histogram is negative."""
+    W = channel.size
+    send_We = tokens_per_expert.to(torch.int64).view(W, -1)
+    negative = (send_We < 0).any().to(torch.int64)  # on the device: no host read yet
+    received, flags = channel.exchange(position, send_We, negative)
+    send_counts = send_We.reshape(-1).tolist()
+    recv_counts = [c for row in received for c in row]
+    _check_non_negative(send_counts, flags)
+    return send_counts, recv_counts
+
+
+def _validate(tokens_per_expert, world: int) -> None:
     if not isinstance(tokens_per_expert, torch.Tensor):
         raise TypeError(f"exchange_counts(tokens_per_expert): expected a Tensor, got {type(tokens_per_expert).__name__}")
     if tokens_per_expert.dim() != 1 or tokens_per_expert.dtype.is_floating_point or tokens_per_expert.dtype == torch.bool:
@@ -35,34 +77,21 @@ def exchange_counts(
             f"exchange_counts(tokens_per_expert): expected a 1-D integer tensor, got shape "
             f"{tuple(tokens_per_expert.shape)} dtype {tokens_per_expert.dtype}"
         )
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if tokens_per_expert.device.type == "meta":
+        raise ValueError(
+            "exchange_counts(tokens_per_expert): the tensor is on the meta device and has no values to exchange; "
+            "materialise the model first (epmoe.from_pretrained, or to_empty() then load the weights)"
+        )
     if tokens_per_expert.numel() == 0 or tokens_per_expert.numel() % world:
         raise ValueError(
             f"exchange_counts(tokens_per_expert): length {tokens_per_expert.numel()} is not a positive multiple "
             f"of the group size {world}"
         )
-    send_E = tokens_per_expert.to(torch.int64)
-    if world == 1:
-        both = send_E.tolist()
-        _check_non_negative(both, [min(both) < 0])
-        return both, list(both)
-    negative = (send_E < 0).any().to(torch.int64).expand(world, 1)  # on the device: no host read yet
-    send_We1 = torch.cat([send_E.view(world, -1), negative], dim=1)
-    recv_We1 = torch.empty_like(send_We1)
-    dist.all_to_all_single(recv_We1.view(-1), send_We1.view(-1), group=group)
-    # The collective may run on its own stream (HCCL): host reads are not ordered with it.
-    platform.synchronize(send_E.device)
-    both = torch.stack([send_We1, recv_We1]).tolist()  # [sent, received]: W rows of e counts + the flag
-    send_counts = [c for row in both[0] for c in row[:-1]]
-    recv_counts = [c for row in both[1] for c in row[:-1]]
-    _check_non_negative(send_counts, [row[-1] for row in both[1]])
-    return send_counts, recv_counts
 
 
 def _check_non_negative(send_counts: list[int], negative_by_rank: list[int]) -> None:
     """Raise, on every rank alike, if any rank's histogram had a negative count."""
     bad = [rank for rank, flag in enumerate(negative_by_rank) if flag]
     if bad:
-        raise ValueError(
-            f"exchange_counts(tokens_per_expert): negative counts on rank(s) {bad}; this rank sends {send_counts}"
-        )
+        mine = f"; this rank's: {messages.negatives(send_counts)}" if min(send_counts) < 0 else ""
+        raise ValueError(f"exchange_counts(tokens_per_expert): negative counts on rank(s) {bad}{mine}")

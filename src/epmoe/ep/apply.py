@@ -17,7 +17,8 @@ With experts sharded (EP size > 1) the model also gets, as instance attributes: 
 ignore (:mod:`epmoe.training.params`), a ``generate`` that keeps every rank stepping
 (:mod:`epmoe.training.generate`), on transformers models a ``save_pretrained`` that writes
 every expert (:mod:`epmoe.checkpoint.save`), and a warning on a bare ``state_dict()`` of sharded
-experts (:mod:`epmoe.checkpoint.guard`).
+experts (:mod:`epmoe.checkpoint.guard`). Its experts then communicate on groups created for EP
+with ``config.timeout``, every collective behind a step header (:mod:`epmoe.comm.steps`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from torch import nn
 
 from epmoe.checkpoint.guard import warn_on_bare_state_dict
 from epmoe.checkpoint.save import GatherExperts, SavePretrained
+from epmoe.comm.steps import StepChannel, step_group
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.fused import fused_ineligible_reason, shared_block_forward, shared_mlp
 from epmoe.ep.layer import (
@@ -151,20 +153,21 @@ def apply_expert_parallel(
     shards, backend, declined = checked.shards, checked.backend, checked.declined_backends
 
     modules = dict(model.named_modules())
-    sync = GradSync(config.expert_grad, group, ep_size, dp_group, dp_size)
-    for (name, module, owner), shard, dispatch, returns_logits in zip(
+    ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, shards)
+    sync = GradSync(config.expert_grad, ep_channel, ep_size, dp_channel, dp_size, config.check_steps)
+    for layer, ((name, module, owner), shard, dispatch, returns_logits) in enumerate(zip(
         found, shards, checked.dispatch, checked.returns_logits
-    ):
-        ancestors = _ancestors(modules, name)
+    )):
+        common = dict(sync=sync, ancestors=_ancestors(modules, name), channel=ep_channel, layer=layer)
         if isinstance(module, nn.ModuleList):
             local = _shard_module_list(module, shard)
             owner._epmoe = ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits,
-                                               sync=sync, ancestors=ancestors)
+                                               **common)
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
             sharded = _shard_parameters(module, shard)
-            module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch, sync=sync,
-                                                ancestors=ancestors, sharded_names=sharded)
+            module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch,
+                                                sharded_names=sharded, **common)
             if sharded:
                 warn_on_bare_state_dict(module)
             module.forward = types.MethodType(expert_parallel_forward, module)
@@ -190,6 +193,18 @@ def apply_expert_parallel(
         len(found), ep_size, backend.name, config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
     )
     return shards
+
+
+def _step_channels(group, ep_size: int, dp_group, dp_size: int, config: ExpertParallelConfig,
+                   shards: list[ExpertShard]) -> tuple[StepChannel | None, StepChannel | None]:
+    """The model's EP and ``"dp"`` step channels, each on a group created for it with
+    ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
+    names = tuple(shard.module_name for shard in shards)
+    width = max(shard.num_local_experts for shard in shards)  # every header of the model: one row size
+    timeout = config.timeout_s
+    ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
+    dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None
+    return ep, dp
 
 
 @dataclasses.dataclass

@@ -10,6 +10,8 @@ from typing import Any
 
 from torch import nn
 
+from epmoe.comm.steps import DEFAULT_TIMEOUT_S
+
 DISPATCH_MODES = ("auto", "alltoallv", "fused")
 EXPERT_GRAD_MODES = ("auto", "sum", "mean")
 
@@ -27,12 +29,22 @@ class ExpertParallelConfig:
             tokens (the unsharded model on the concatenated batch), ``"mean"`` (divided by the
             data-parallel size, as DDP / FSDP2 do to the other gradients), or ``"auto"`` (``"mean"``
             under DDP, FSDP2 or a prepared Trainer, ``"sum"`` otherwise); see :mod:`epmoe.training.grads`.
+        timeout: seconds an EP collective may wait for its peers before every waiting rank raises
+            (``None``: 300 s). epmoe's collectives run on a group created for EP with this timeout,
+            so a rank that died, hung or raised ends the others' wait; see :mod:`epmoe.comm.steps`.
+        check_steps: whether each layer's backward and each expert-gradient reduction start with a
+            step-header exchange (one small collective and one host read each) that turns ranks out
+            of step into an error on every rank: ``True``, ``False``, or ``"auto"`` (on for tensors on
+            the CPU, off on accelerators, where the host synchronisation would cost more). The
+            forward's check rides in the counts exchange and is always on.
     """
 
     gmm_backend: str = "auto"
     dispatch: str = "auto"
     num_chunks: int | str = "auto"
     expert_grad: str = "auto"
+    timeout: float | None = None
+    check_steps: bool | str = "auto"
 
     def __post_init__(self) -> None:
         from epmoe.gmm import gmm_backends
@@ -49,6 +61,20 @@ class ExpertParallelConfig:
             raise ValueError(
                 f"ExpertParallelConfig(expert_grad): {self.expert_grad!r} is not one of {list(EXPERT_GRAD_MODES)}"
             )
+
+        timeout = self.timeout
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):
+            raise ValueError(f"ExpertParallelConfig(timeout): expected a positive number of seconds or None, "
+                             f"got {timeout!r}")
+        if not (isinstance(self.check_steps, bool) or self.check_steps == "auto"):
+            raise ValueError(f"ExpertParallelConfig(check_steps): expected True, False or 'auto', "
+                             f"got {self.check_steps!r}")
+
+    @property
+    def timeout_s(self) -> float:
+        """:attr:`timeout` in seconds, the default filled in."""
+        return float(self.timeout) if self.timeout is not None else DEFAULT_TIMEOUT_S
 
     @classmethod
     def from_any(cls, config: ExpertParallelConfig | dict[str, Any] | None) -> ExpertParallelConfig:

@@ -16,7 +16,8 @@ from the counts alone, whose backward is the gather by the inverse permutation (
 backward, which fails on some NPU stacks, and no accumulating scatter); repeating each token ``K``
 times is ``x[idx]``, whose backward is index_put. A single sort per layer (slots by expert, on the
 sender). The counts are exchanged once per
-layer (one host synchronisation) and reused by combine and by both backward exchanges.
+layer (one host synchronisation, the layer's step header riding along: :mod:`epmoe.comm.steps`)
+and reused by combine and by both backward exchanges.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ import torch
 import torch.distributed as dist
 
 from epmoe import platform
-from epmoe.comm import all_to_all_v, exchange_counts
+from epmoe.comm import all_to_all_v
+from epmoe.comm.counts import counts_exchange
 from epmoe.comm.fused.layout import Plan
+from epmoe.comm.steps import Position, StepChannel
 
 
 @dataclass
@@ -70,16 +73,22 @@ class RoutingPlan:
 
 
 def plan_routing(
-    top_k_index_TK: torch.Tensor, num_experts: int, ep_size: int, group: dist.ProcessGroup | None
+    top_k_index_TK: torch.Tensor, num_experts: int, channel: StepChannel | None, position: Position
 ) -> RoutingPlan:
-    """Sort this rank's slots by global expert and exchange the counts with the EP group."""
+    """Sort this rank's slots by global expert and exchange the counts with the EP group at
+    ``position`` (``channel``: the model's EP step channel, ``None`` on a single rank)."""
     expert_S = top_k_index_TK.reshape(-1)
     tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=expert_S.device)
     tokens_per_expert.scatter_add_(0, expert_S.long(), torch.ones_like(expert_S, dtype=torch.int64))
     sort_S = torch.sort(expert_S, stable=True).indices
     unsort_S = torch.empty_like(sort_S)
     unsort_S[sort_S] = torch.arange(sort_S.numel(), device=sort_S.device)
-    send_counts, recv_counts = exchange_counts(tokens_per_expert, group)
+    if channel is None:
+        send_counts = recv_counts = tokens_per_expert.tolist()
+        ep_size, group = 1, None
+    else:
+        send_counts, recv_counts = counts_exchange(channel, position, tokens_per_expert)
+        ep_size, group = channel.size, channel.group
     return RoutingPlan(sort_S, unsort_S, send_counts, recv_counts, ep_size, num_experts // ep_size, group)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from epmoe.comm.fused import alltoallv_gmm, gmm_alltoallv
+from epmoe.comm.steps import FORWARD
 from epmoe.ep.dispatcher import permute_tokens, plan_routing, unpermute_and_combine
 from epmoe.experts import gate_activation, packed_weight_names
 
@@ -52,7 +53,7 @@ def fused_routed_experts(
     """``(routed_TH, shared_TH or None)``: the routed experts through the fused ops, and the shared
     expert MLP computed inside their communication gaps."""
     shard, experts, config = state.shard, state.local_experts, state.config
-    plan = plan_routing(top_k_index, shard.num_experts, shard.ep_size, state.group)
+    plan = plan_routing(top_k_index, shard.num_experts, state.channel, state.position(FORWARD))
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
     trans_weight = not experts.is_transposed
     up_proj, down_proj = state.sync_weights([getattr(experts, name) for name in packed_weight_names(experts)])
@@ -77,6 +78,7 @@ def fused_routed_experts(
         h_expert_major, down_proj, plan.recv_counts, plan.send_counts, plan.group,
         trans_weight=trans_weight, **shared_down, **options,
     )
+    y_rank_major = state.backward_header(y_rank_major)
     return unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_TH.dtype), shared_out
 
 
@@ -93,6 +95,7 @@ def shared_block_forward(block: nn.Module, hidden_states: torch.Tensor) -> torch
         return block._epmoe_block_forward(hidden_states)
     shape = hidden_states.shape
     hidden_TH = hidden_states.reshape(-1, shape[-1])
+    state.begin_forward(hidden_TH)
     _, top_k_weights, top_k_index = block.gate(hidden_TH)
     routed, shared_out = fused_routed_experts(state, hidden_TH, top_k_index, top_k_weights, shared)
     if hasattr(block, "shared_expert_gate"):

@@ -14,13 +14,16 @@ Both run the same routed path (with ``dispatch="fused"``, :mod:`epmoe.ep.fused` 
 steps as ``alltoallv_gmm`` / ``gmm_alltoallv`` instead):
 
     hidden_TH, top_k_index_TK, top_k_weights_TK      (from the model's own router)
-      -> plan_routing          sort slots by expert; exchange counts (one host sync)
+      -> plan_routing          sort slots by expert; exchange counts and step headers (one host sync)
       -> permute_tokens        rank-major rows
       -> dispatcher.dispatch   all-to-all-v; expert-major rows on the expert's rank
       -> experts_forward       grouped matmuls on the local experts
       -> dispatcher.combine    back to the sender, rank-major
       -> unpermute_and_combine weight by the router, sum each token's K rows
     out_TH
+
+Each forward is the layer's next *call*; its backward starts with a step-header exchange (where
+``check_steps`` says so), before the layer's backward exchanges (:mod:`epmoe.comm.steps`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from epmoe.comm.steps import BACKWARD, FORWARD, GRAD_REDUCE, Position, StepChannel, checks_on, header_in_backward
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatcher import AllToAllDispatcher, permute_tokens, plan_routing, unpermute_and_combine
 from epmoe.ep.fused import fused_routed_experts
@@ -51,6 +55,29 @@ class ExpertParallelState:
     sync: GradSync | None = None  # how the expert gradients are finished (shared by the model's experts)
     ancestors: tuple[nn.Module, ...] = ()  # the model's root down to the experts module (wrapper checks)
     sharded_names: tuple[str, ...] = ()  # packed experts: the per-expert parameters EP sliced
+    channel: StepChannel | None = None  # the model's EP step channel (None on a single rank)
+    layer: int = 0  # this experts module's index among the model's (step headers name it)
+    calls: int = 0  # forwards run so far
+
+    def position(self, phase: int) -> Position:
+        """Where this layer is for ``phase``: its latest forward call."""
+        return Position(self.layer, phase, self.calls)
+
+    def begin_forward(self, hidden_TH: torch.Tensor) -> None:
+        """Count this forward (its step headers carry the count); refuse meta tensors."""
+        if hidden_TH.device.type == "meta":
+            raise ValueError(
+                f"{self.shard.module_name}: the hidden states are on the meta device: an EP model cannot run before "
+                f"its weights exist (load them with epmoe.from_pretrained, or to_empty() then load a state dict)"
+            )
+        self.calls += 1
+
+    def backward_header(self, y_rank_major: torch.Tensor) -> torch.Tensor:
+        """``y_rank_major`` (the output of the layer's last exchange), its backward checked to start
+        at this layer's position, where ``config.check_steps`` asks for it."""
+        if self.channel is None or not checks_on(self.config.check_steps, y_rank_major.device):
+            return y_rank_major
+        return header_in_backward(y_rank_major, self.channel, self.position(BACKWARD))
 
     def dispatch_on(self, device: torch.device) -> str:
         """``"fused"`` or ``"alltoallv"`` for hidden states on ``device``. ``"auto"`` is decided per call
@@ -73,9 +100,9 @@ class ExpertParallelState:
         :class:`~epmoe.experts.WeightsHook`)."""
         if per_parameter and self.sync is not None and self.sync.active:
             self.sync.observe(self.ancestors, weights)
-            register_param_hooks(self.sync, weights)
+            register_param_hooks(self.sync, weights, lambda: self.position(GRAD_REDUCE))
             return weights
-        return sync_expert_weights(self.sync, self.ancestors, weights)
+        return sync_expert_weights(self.sync, self.ancestors, weights, self.position(GRAD_REDUCE))
 
 
 def routed_experts(
@@ -88,9 +115,10 @@ def routed_experts(
             f"{shard.module_name}: expected top_k_index and top_k_weights of shape (T, K) with T={hidden_TH.shape[0]}, "
             f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
         )
+    state.begin_forward(hidden_TH)
     if state.dispatch_on(hidden_TH.device) == "fused":
         return fused_routed_experts(state, hidden_TH, top_k_index, top_k_weights)[0]
-    plan = plan_routing(top_k_index, shard.num_experts, shard.ep_size, state.group)
+    plan = plan_routing(top_k_index, shard.num_experts, state.channel, state.position(FORWARD))
     dispatcher = AllToAllDispatcher(plan, hidden_TH.device)
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
     x_expert_major = dispatcher.dispatch(x_rank_major)
@@ -98,7 +126,7 @@ def routed_experts(
         state.local_experts, x_expert_major, plan.local_counts, backend=state.config.gmm_backend,
         sync_weights=state.sync_weights,
     )
-    y_rank_major = dispatcher.combine(y_expert_major)
+    y_rank_major = state.backward_header(dispatcher.combine(y_expert_major))
     return unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_TH.dtype)
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from epmoe.comm.steps import CLIP, StepChannel
 from epmoe.training.params import expert_parameters, is_expert_parameter
 
 
@@ -88,7 +89,15 @@ class _Part:
             local = torch.zeros((), dtype=torch.float64, device=device)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         for group in self.groups:
-            dist.all_reduce(local, op=op, group=group)
+            if isinstance(group, StepChannel):  # the experts' EP group: a step header first
+                position = group.next_call(CLIP)
+                group.check(position, device)
+                try:
+                    dist.all_reduce(local, op=op, group=group.group)
+                except RuntimeError as exc:
+                    raise group.failed(position, exc) from exc
+            else:
+                dist.all_reduce(local, op=op, group=group)
         return local
 
 
@@ -110,9 +119,9 @@ def _parts(params: list[torch.Tensor]) -> dict[tuple, _Part]:
 
 
 def _reduction_groups(p: torch.Tensor) -> tuple:
-    """The process groups over which ``p``'s gradient is split into different pieces."""
+    """The process groups (or EP step channel) over which ``p``'s gradient is split into different pieces."""
     if is_expert_parameter(p):
-        return (p._epmoe_expert.ep_group,)  # None: the default group
+        return (p._epmoe_expert.ep_channel,)
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(p, dtensor):
         groups = []

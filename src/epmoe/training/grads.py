@@ -40,11 +40,13 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from epmoe.comm.steps import Position, StepChannel, checks_on
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +54,18 @@ logger = logging.getLogger(__name__)
 class GradSync:
     """The gradient policy of one model's experts, shared by all its experts modules.
 
-    ``ep_group`` / ``ep_size``: the EP group; ``dp_group`` / ``dp_size``: the ``"dp"`` replicas of
-    this rank's experts (``None`` / 1 without an EP x DP mesh).
+    ``ep_channel`` / ``ep_size``: the EP group's step channel; ``dp_channel`` / ``dp_size``: that of
+    the ``"dp"`` replicas of this rank's experts (``None`` / 1 without an EP x DP mesh; see
+    :mod:`epmoe.comm.steps`); ``check_steps``: ``ExpertParallelConfig.check_steps``, whether each
+    ``"dp"`` reduction starts with a step header.
     """
 
-    def __init__(self, mode: str, ep_group, ep_size: int, dp_group, dp_size: int):
+    def __init__(self, mode: str, ep_channel: StepChannel | None, ep_size: int, dp_channel: StepChannel | None,
+                 dp_size: int, check_steps: bool | str = "auto"):
         self.mode = mode
-        self.ep_group, self.ep_size = ep_group, ep_size
-        self.dp_group, self.dp_size = dp_group, dp_size
+        self.ep_channel, self.ep_size = ep_channel, ep_size
+        self.dp_channel, self.dp_size = dp_channel, dp_size
+        self.check_steps = check_steps
         self.wrapper: str | None = None  # what made "auto" resolve to "mean" (sticky)
         self._checked_ddp: weakref.WeakSet = weakref.WeakSet()
         self._logged: str | None = None
@@ -144,15 +150,26 @@ class GradSync:
             leaf._epmoe_expert = self
         self._log()
 
-    def finish(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Reduce ``grads`` over ``"dp"`` (one flat buffer) and apply the scale; ``None`` entries stay."""
+    def _all_reduce(self, flat: torch.Tensor, position: Position, *, async_op: bool = False):
+        """``flat`` summed over ``"dp"``, after a step header at ``position`` where checks are on."""
+        channel = self.dp_channel
+        if checks_on(self.check_steps, flat.device):
+            channel.check(position, flat.device, [flat.numel()])
+        try:
+            return dist.all_reduce(flat, group=channel.group, async_op=async_op)
+        except RuntimeError as exc:
+            raise channel.failed(position, exc) from exc
+
+    def finish(self, grads: list[torch.Tensor | None], position: Position) -> list[torch.Tensor | None]:
+        """Reduce ``grads`` over ``"dp"`` (one flat buffer) and apply the scale; ``None`` entries stay.
+        ``position``: the layer's, for the step header."""
         present = [g for g in grads if g is not None]
         scale = self.scale
         if not present or (self.dp_size == 1 and scale == 1.0):
             return grads
         flat = torch.cat([g.reshape(-1) for g in present])
         if self.dp_size > 1:
-            dist.all_reduce(flat, group=self.dp_group)
+            self._all_reduce(flat, position)
         if scale != 1.0:
             flat.mul_(scale)
         out, offset = [], 0
@@ -165,7 +182,7 @@ class GradSync:
         return out
 
 
-    def reduce_later(self, params: list[nn.Parameter], grads: list[torch.Tensor | None]) -> None:
+    def reduce_later(self, params: list[nn.Parameter], grads: list[torch.Tensor | None], position: Position) -> None:
         """Start the ``"dp"`` all-reduce of ``grads`` (one flat buffer) without waiting; at the end of
         this backward, :meth:`_land` scales the sums and adds them to ``params``' ``.grad``. The rest
         of the backward runs meanwhile (on NCCL / HCCL the collective has its own stream)."""
@@ -173,7 +190,7 @@ class GradSync:
         if not present:
             return
         flat = torch.cat([g.reshape(-1) for _, g in present])
-        work = dist.all_reduce(flat, group=self.dp_group, async_op=True)
+        work = self._all_reduce(flat, position, async_op=True)
         if not self._queued:  # first of this backward (what a failed backward left is dropped)
             for stale in self._pending:
                 stale[0].wait()
@@ -205,8 +222,8 @@ class _ExpertGradSync(torch.autograd.Function):
     otherwise reduced in place (:meth:`GradSync.finish`) and passed on to whatever computed them."""
 
     @staticmethod
-    def forward(ctx, sync, *weights):
-        ctx.sync = sync
+    def forward(ctx, sync, position, *weights):
+        ctx.sync, ctx.position = sync, position
         ctx.params = [w for w in weights if isinstance(w, nn.Parameter)]
         ctx.all_params = len(ctx.params) == len(weights)
         return tuple(w.view_as(w) for w in weights)
@@ -215,19 +232,20 @@ class _ExpertGradSync(torch.autograd.Function):
     def backward(ctx, *grads):
         sync = ctx.sync
         if ctx.all_params and sync.dp_size > 1:
-            sync.reduce_later(ctx.params, list(grads))
-            return (None,) * (1 + len(grads))
-        return (None, *sync.finish(list(grads)))
+            sync.reduce_later(ctx.params, list(grads), ctx.position)
+            return (None,) * (2 + len(grads))
+        return (None, None, *sync.finish(list(grads), ctx.position))
 
 
 def sync_expert_weights(
-    sync: GradSync | None, ancestors: Sequence[nn.Module], weights: Sequence[torch.Tensor]
+    sync: GradSync | None, ancestors: Sequence[nn.Module], weights: Sequence[torch.Tensor], position: Position
 ) -> list[torch.Tensor]:
     """The experts module's weights as its forward should use them, gradients finished by ``sync``.
 
     Weights reached through a wrapper (PEFT's LoRA parametrization ``W + B @ A``, or the stack of a
     ``ModuleList``'s Linear weights) are finished before they flow into their leaves, so LoRA factors
-    on the experts are covered too; every leaf is marked as an expert parameter.
+    on the experts are covered too; every leaf is marked as an expert parameter. ``position``: the
+    layer's, for the step header of its reduction.
     """
     weights = list(weights)
     if sync is None or not sync.active:
@@ -235,16 +253,17 @@ def sync_expert_weights(
     sync.observe(ancestors, weights)
     if not any(w.requires_grad for w in weights) or (sync.dp_size == 1 and sync.scale == 1.0):
         return weights
-    return list(_ExpertGradSync.apply(sync, *weights))
+    return list(_ExpertGradSync.apply(sync, position, *weights))
 
 
-def register_param_hooks(sync: GradSync, params: Sequence[nn.Parameter]) -> None:
+def register_param_hooks(sync: GradSync, params: Sequence[nn.Parameter], position: Callable[[], Position]) -> None:
     """For experts run by their own forward (no weight tensor to intercept): a gradient hook per
-    parameter that finishes its incoming gradient (one collective per parameter over ``"dp"``)."""
+    parameter that finishes its incoming gradient (one collective per parameter over ``"dp"``);
+    ``position()`` gives the layer's position when the hook runs."""
     for p in params:
         if getattr(p, "_epmoe_grad_hook", None) is sync or not p.requires_grad:
             continue
-        p.register_hook(lambda g, sync=sync: sync.finish([g])[0])
+        p.register_hook(lambda g, sync=sync: sync.finish([g], position())[0])
         p._epmoe_grad_hook = sync
         p._epmoe_expert = sync
 

@@ -1,0 +1,180 @@
+"""Step agreement: EP ranks that fall out of step raise on every rank instead of aborting or hanging.
+
+The ranks of an EP group must issue the same collectives in the same order with the same sizes. A
+rank that skipped a backward, a layer or a step meets a different collective on its peers, which
+gloo answers by killing a process (``SIGABRT``: the sizes differ) and a peer that raised and stayed
+alive by a wait as long as the process group's timeout (30 minutes by default). So every collective
+epmoe issues on a model's EP (or ``"dp"``) group is a *header exchange* or follows one within the
+same operation. A header exchange is one ``all_to_all_single`` of one int64 row per peer, the same
+row size for every header on that group::
+
+    row sent to each peer:  [ MAGIC | layer | phase | call | flag | payload ... padded to width ]
+                              \\____ Position ____/
+
+    forward of experts module `layer`   the counts exchange is the header exchange: its payload is
+                                        the counts for the peer's experts (free: it runs anyway)
+    backward of that layer              an empty header before the layer's first backward exchange
+    "dp" expert-gradient reduction      a header (payload: the element count) before each one
+    clip_grad_norm_, save_pretrained    a header before their reductions / gathers
+
+Each rank receives every peer's header, so a mismatch raises :class:`OutOfStepError` on every rank,
+naming both positions. ``call`` counts the layer's forwards (a backward carries the count of the
+forward it differentiates), so a rank that skipped a whole step is caught at the next one. The
+backward and reduction headers cost one small collective and one host read each: on by default
+where the tensors are on the CPU, an option on accelerators (``ExpertParallelConfig.check_steps``).
+
+Waiting is bounded by the group epmoe creates for EP at :func:`epmoe.apply_expert_parallel`
+(:func:`step_group`): the same ranks and backend as the user's, with ``ExpertParallelConfig.timeout``
+(300 s by default, well under the process group's 30 minutes), and nothing but epmoe on it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epmoe import platform
+
+MAGIC = 0x65706D6F65  # "epmoe": a row that lacks it is not a header (the ranks' collectives differ)
+HEADER = 5  # MAGIC, layer, phase, call, flag
+DEFAULT_TIMEOUT_S = 300.0
+
+FORWARD, BACKWARD, GRAD_REDUCE, CLIP, SAVE, COUNTS = 1, 2, 3, 4, 5, 6
+PHASES = {FORWARD: "forward", BACKWARD: "backward", GRAD_REDUCE: "expert-gradient reduction",
+          CLIP: "clip_grad_norm_", SAVE: "save_pretrained", COUNTS: "exchange_counts"}
+MODEL_WIDE = -1  # the layer of a position that concerns the whole model (clip, save)
+
+
+class OutOfStepError(RuntimeError):
+    """EP ranks reached different collectives: raised on every rank of the group, naming both positions."""
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a rank is: experts module ``layer`` (its index in the model), ``phase``, and ``call``
+    (the layer's forward count, or the count of a model-wide step)."""
+
+    layer: int
+    phase: int
+    call: int
+
+    def describe(self, layer_names: tuple[str, ...]) -> str:
+        phase = PHASES.get(self.phase, f"phase {self.phase}")
+        if self.layer == MODEL_WIDE:
+            return f"{phase} #{self.call}"
+        name = layer_names[self.layer] if 0 <= self.layer < len(layer_names) else f"layer {self.layer}"
+        return f"{phase} of {name} (experts module {self.layer}), forward call #{self.call}"
+
+
+def step_group(group: dist.ProcessGroup | None, timeout_s: float) -> dist.ProcessGroup:
+    """A new process group over ``group``'s ranks, with ``group``'s backend and a ``timeout_s``
+    timeout, created by those ranks alone (every EP group of a mesh creates its own)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(
+        ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=dist.get_backend(group),
+        use_local_synchronization=True,
+    )
+
+
+class StepChannel:
+    """One group's header exchanges (see the module docstring). ``width``: payload values per row,
+    fixed for the group; ``layer_names``: the model's experts modules, for error messages."""
+
+    def __init__(self, group: dist.ProcessGroup | None, width: int, layer_names: tuple[str, ...] = (),
+                 timeout_s: float | None = None, what: str = "EP"):
+        self.group, self.width, self.layer_names, self.timeout_s, self.what = group, width, layer_names, timeout_s, what
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.calls: dict[int, int] = {}  # model-wide phase -> how many have run
+
+    def next_call(self, phase: int) -> Position:
+        """The position of this rank's next model-wide ``phase`` (clip, save)."""
+        self.calls[phase] = self.calls.get(phase, 0) + 1
+        return Position(MODEL_WIDE, phase, self.calls[phase])
+
+    def exchange(self, position: Position, payload_Wn: torch.Tensor, flag: torch.Tensor | None = None
+                 ) -> tuple[list[list[int]], list[int]]:
+        """Send ``payload_Wn[r]`` (``(W, n)`` int64, ``n <= width``, on the group's device) to rank
+        ``r`` with this rank's header; return ``(payloads received per source, flags per source)``
+        once every header matched. ``flag``: a 0-d integer tensor on the same device (no host read)."""
+        W, n = payload_Wn.shape
+        device = payload_Wn.device
+        head = torch.tensor([MAGIC, position.layer, position.phase, position.call, 0], dtype=torch.int64)
+        rows = torch.cat([
+            platform.host_to_device(head, device).expand(W, HEADER),
+            payload_Wn.to(torch.int64),
+            payload_Wn.new_zeros(W, self.width - n, dtype=torch.int64),
+        ], dim=1)
+        if flag is not None:
+            rows[:, HEADER - 1] = flag
+        received = torch.empty_like(rows)
+        try:
+            dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group)
+            platform.synchronize(device)  # the collective may run on its own stream (HCCL)
+        except RuntimeError as exc:
+            raise self.failed(position, exc) from exc
+        got = received.tolist()
+        for source, row in enumerate(got):
+            if row[0] != MAGIC:
+                raise OutOfStepError(
+                    f"epmoe: {self.what} rank {source} sent something other than a step header while this rank "
+                    f"({self.what} rank {self.rank}) is at {position.describe(self.layer_names)}: the ranks run "
+                    f"different collectives (a rank skipped or added one)"
+                )
+            theirs = Position(*row[1:HEADER - 1])
+            if theirs != position:
+                raise OutOfStepError(
+                    f"epmoe: {self.what} ranks are out of step: this rank ({self.what} rank {self.rank}) is at "
+                    f"{position.describe(self.layer_names)}, {self.what} rank {source} is at "
+                    f"{theirs.describe(self.layer_names)}. Every rank of the group must run the same forwards and "
+                    f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)"
+                )
+        return [row[HEADER:HEADER + n] for row in got], [row[HEADER - 1] for row in got]
+
+    def check(self, position: Position, device: torch.device, payload: list[int] = ()) -> None:
+        """A header exchange carrying the same ``payload`` to every peer, which must send the same."""
+        payload = list(payload)
+        rows = torch.tensor([payload] * self.size, dtype=torch.int64).reshape(self.size, len(payload))
+        rows = platform.host_to_device(rows, device)
+        received, _ = self.exchange(position, rows)
+        for source, theirs in enumerate(received):
+            if theirs != payload:
+                raise OutOfStepError(
+                    f"epmoe: at {position.describe(self.layer_names)}, {self.what} rank {source} has {theirs} "
+                    f"where this rank ({self.what} rank {self.rank}) has {payload}: the ranks differ in what they "
+                    f"reduce (e.g. parameters frozen on some ranks only)"
+                )
+
+    def failed(self, position: Position, exc: BaseException) -> RuntimeError:
+        """The error a failed or timed-out collective of this group becomes."""
+        bound = ("the process group's timeout bounds the wait" if self.timeout_s is None
+                 else f"epmoe waits at most ExpertParallelConfig.timeout = {self.timeout_s:g} s")
+        return RuntimeError(
+            f"epmoe: {self.what} rank {self.rank}: a collective of the {self.what} group failed at "
+            f"{position.describe(self.layer_names)}: another rank died, raised, or is out of step ({bound}): {exc}"
+        )
+
+
+class _BackwardHeader(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, channel, position):
+        ctx.channel, ctx.position = channel, position
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        ctx.channel.check(ctx.position, dx.device)
+        return dx, None, None
+
+
+def header_in_backward(x: torch.Tensor, channel: StepChannel, position: Position) -> torch.Tensor:
+    """``x`` unchanged; the backward through it starts with a header exchange at ``position`` (put it
+    on the output of a layer's last exchange: it then runs before the layer's backward exchanges)."""
+    return _BackwardHeader.apply(x, channel, position) if x.requires_grad else x
+
+
+def checks_on(setting: bool | str, device: torch.device) -> bool:
+    """Whether the optional header exchanges run for tensors on ``device`` (``check_steps``)."""
+    return setting if isinstance(setting, bool) else device.type == "cpu"
