@@ -1,5 +1,7 @@
 """Training parity (the seed's own validation) and the ``epmoe demo`` / ``epmoe info`` commands."""
 
+import time
+
 import pytest
 
 from epmoe.cli import main
@@ -56,11 +58,26 @@ def test_demo_trainer_command(tmp_path, capsys):
         (["demo", "--backend", "fastest"], "gmm_backend"),
         (["demo", "--device", "tpu"], "--device"),
         (["demo", "--steps", "0"], "--steps"),
+        (["demo", "--nproc", "3"], "--nproc: 3 ranks cannot share the demo model's 32 experts"),
+        (["demo", "--timeout", "0"], "--timeout"),
     ],
 )
 def test_demo_bad_options_fail_clearly(argv, message, capsys):
+    started = time.monotonic()
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and time.monotonic() - started < 5  # one line, before any rank starts
+
+
+def test_demo_out_that_is_a_file_fails_before_running(tmp_path, capsys):
+    out = tmp_path / "plot.png"
+    out.write_text("not a directory")
+    started = time.monotonic()
+    assert main(["demo", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out: {out} exists and is not a directory" in err and err.count("\n") == 1
+    assert time.monotonic() - started < 5
 
 
 def test_info_lists_backends(capsys):

@@ -2,8 +2,10 @@
 
 Used by ``epmoe demo`` and by the multi-rank tests. Each rank is a spawned process that joins a
 process group over 127.0.0.1 on a free port; the first rank to fail ends every other rank, and its
-traceback is raised in the parent as :class:`RankError`. Nothing waits forever: collectives carry
-the group's timeout and the parent gives up after ``timeout`` seconds.
+traceback is raised in the parent as :class:`RankError`. A rank that dies without a word (killed
+by a signal, ``os._exit``) is the one blamed, not the survivors whose collectives then fail
+("Connection reset by peer"). Nothing waits forever: collectives carry the group's timeout and the
+parent gives up after ``timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import gc
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -54,6 +57,33 @@ def _worker(fn, rank, world_size, port, backend, timeout, threads, results, args
             dist.destroy_process_group()
 
 
+# After a rank fails, how long to keep listening: for a rank that died silently (the usual cause of
+# a peer's "Connection reset by peer"), and for the peers' own errors once a rank died.
+FAILURE_GRACE_S = 3.0
+DEATH_GRACE_S = 10.0
+
+
+def _report(deaths: dict[int, int], failures: dict[int, str]) -> str:
+    """The dead ranks first (the cause), then the first traceback (what a survivor saw)."""
+    lines = [_died(rank, code) for rank, code in deaths.items()]
+    if failures:
+        rank, trace = next(iter(failures.items()))
+        others = sorted(set(failures) - {rank})
+        also = f" (ranks {others} failed too)" if others else ""
+        lines.append(f"{'then ' if deaths else ''}rank {rank} failed{also}:\n{trace}")
+    return "; ".join(lines)
+
+
+def _died(rank: int, exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        return f"rank {rank} died, killed by {name} (exit code {exitcode})"
+    return f"rank {rank} died with exit code {exitcode} without reporting an error"
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -65,8 +95,9 @@ def run_ranks(
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank.
 
     ``fn`` must be importable (module level). ``threads_per_rank`` defaults to an even share of the
-    machine's cores. Raises :class:`RankError` with the first failing rank's traceback, or
-    ``TimeoutError`` after ``timeout`` seconds; either way every rank is stopped.
+    machine's cores. Raises :class:`RankError` naming the ranks that died without a word (signal or
+    exit code) and the first failing rank's traceback, or ``TimeoutError`` after ``timeout``
+    seconds; either way every rank is stopped.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_ranks(world_size): expected a positive int, got {world_size!r}")
@@ -87,23 +118,35 @@ def run_ranks(
     for proc in procs:
         proc.start()
     outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}  # rank -> traceback, in the order they arrived
+    deaths: dict[int, int] = {}  # rank -> exit code, for ranks that exited without reporting
     deadline = time.monotonic() + timeout
+    trouble_since = None
     try:
-        while len(outputs) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while len(outputs) + len(failures) + len(deaths) < world_size:
+            now = time.monotonic()
+            if trouble_since is not None and now - trouble_since > (DEATH_GRACE_S if deaths else FAILURE_GRACE_S):
+                break  # the others are stuck in collectives with the failed rank: stop waiting for them
+            if now >= deadline:
+                if trouble_since is not None:
+                    break
                 missing = sorted(set(range(world_size)) - set(outputs))
                 raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
             try:
-                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+                rank, ok, value = results.get(timeout=0.2 if trouble_since is not None else min(deadline - now, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outputs]
-                if dead:
-                    raise RankError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                for r, proc in enumerate(procs):
+                    if r not in outputs and r not in failures and r not in deaths and proc.exitcode not in (None, 0):
+                        deaths[r] = proc.exitcode
+                        trouble_since = trouble_since or time.monotonic()
                 continue
-            if not ok:
-                raise RankError(f"rank {rank} failed:\n{value}")
-            outputs[rank] = value
+            if ok:
+                outputs[rank] = value
+            else:
+                failures[rank] = value
+                trouble_since = trouble_since or time.monotonic()
+        if deaths or failures:
+            raise RankError(_report(deaths, failures))
     finally:
         for proc in procs:
             proc.join(timeout=5 if len(outputs) == world_size else 0.1)

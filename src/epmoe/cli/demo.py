@@ -73,9 +73,12 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def run(args: argparse.Namespace) -> int:
+def _validate(args: argparse.Namespace) -> TrainOptions:
+    """Every option checked before any rank starts (a ValueError: one line, exit status 2)."""
     if args.nproc < 1:
         raise ValueError(f"--nproc: must be >= 1, got {args.nproc}")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     if args.device != "cpu" and not platform.is_available(args.device):
         raise ValueError(f"--device: {args.device!r} is not available on this machine")
     options = TrainOptions(family=args.model, steps=args.steps, dtype=args.dtype, backend=args.backend,
@@ -83,6 +86,23 @@ def run(args: argparse.Namespace) -> int:
     from epmoe.ep.config import ExpertParallelConfig
 
     ExpertParallelConfig(gmm_backend=args.backend)  # a bad --backend fails here, not in every rank
+    world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
+    if options.num_experts % world:
+        what = "the torchrun world size" if _under_torchrun() else "--nproc"
+        raise ValueError(f"{what}: {world} ranks cannot share the demo model's {options.num_experts} experts "
+                         f"evenly; use a divisor of {options.num_experts} (1, 2, 4, 8...)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--out: cannot create {out}: {exc.strerror}") from None
+    return options
+
+
+def run(args: argparse.Namespace) -> int:
+    options = _validate(args)
     if _under_torchrun():
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(platform.comm_backend(args.device), timeout=datetime.timedelta(seconds=args.timeout))

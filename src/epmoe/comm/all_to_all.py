@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from epmoe.errors import refuse_double_backward
+
 
 def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
@@ -30,6 +32,7 @@ class _AllToAllV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_double_backward("all_to_all_v")
         output_splits, input_splits = ctx.splits
         return _exchange(dy, input_splits, output_splits, ctx.group), None, None, None
 

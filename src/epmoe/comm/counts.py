@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from epmoe import messages
+from epmoe import errors
 from epmoe.comm.steps import COUNTS, MODEL_WIDE, Position, StepChannel
 
 
@@ -48,7 +48,7 @@ def exchange_counts(
     theirs = [row[0] for row in lengths]
     if any(n != length for n in theirs):
         raise ValueError(
-            f"exchange_counts(tokens_per_expert): the ranks' histograms differ in length: {messages.summarize(theirs)} "
+            f"exchange_counts(tokens_per_expert): the ranks' histograms differ in length: {errors.summarize(theirs)} "
             f"by rank (each must be W*e = the global number of experts)"
         )
     channel = StepChannel(group, length // world, what="exchange_counts")
@@ -93,5 +93,5 @@ def _check_non_negative(send_counts: list[int], negative_by_rank: list[int]) -> 
     """Raise, on every rank alike, if any rank's histogram had a negative count."""
     bad = [rank for rank, flag in enumerate(negative_by_rank) if flag]
     if bad:
-        mine = f"; this rank's: {messages.negatives(send_counts)}" if min(send_counts) < 0 else ""
+        mine = f"; this rank's: {errors.negatives(send_counts)}" if min(send_counts) < 0 else ""
         raise ValueError(f"exchange_counts(tokens_per_expert): negative counts on rank(s) {bad}{mine}")

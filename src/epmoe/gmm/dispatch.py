@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from epmoe import errors
+from epmoe.errors import refuse_double_backward
 from epmoe.gmm.backend import BackendStatus, GmmBackend
 from epmoe.gmm.loop import LoopBackend
 from epmoe.gmm.npu import NpuBackend
@@ -210,6 +212,9 @@ def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
             raise ValueError(f"grouped_mm(counts): expected an integer tensor, got {counts.dtype}")
         if counts.dim() != 1:
             raise ValueError(f"grouped_mm(counts): expected a 1-D tensor, got shape {tuple(counts.shape)}")
+        if counts.device.type == "meta":
+            raise ValueError("grouped_mm(counts): the tensor is on the meta device and has no values; pass real "
+                             "counts (a list, or a tensor on a real device)")
         values = counts.tolist()
     elif isinstance(counts, Sequence) and not isinstance(counts, (str, bytes)):
         values = []
@@ -225,7 +230,7 @@ def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
     if len(values) != num_groups:
         raise ValueError(f"grouped_mm(counts): {len(values)} counts for {num_groups} groups in weight")
     if any(c < 0 for c in values):
-        raise ValueError(f"grouped_mm(counts): counts must be non-negative, got {values}")
+        raise ValueError(f"grouped_mm(counts): counts must be non-negative, got {errors.negatives(values)}")
     if sum(values) != num_rows:
         raise ValueError(f"grouped_mm(counts): counts sum to {sum(values)}, but x has {num_rows} rows")
     return values
@@ -243,6 +248,7 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_TN):
+        refuse_double_backward("grouped_mm")
         x_TK, weight = ctx.saved_tensors
         counts, trans_weight, backend = ctx.counts, ctx.trans_weight, ctx.backend
         dx = dw = None

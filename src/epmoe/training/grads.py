@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.comm.steps import Position, StepChannel, checks_on
+from epmoe.errors import refuse_double_backward
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +231,7 @@ class _ExpertGradSync(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        refuse_double_backward("expert-gradient reduction")
         sync = ctx.sync
         if ctx.all_params and sync.dp_size > 1:
             sync.reduce_later(ctx.params, list(grads), ctx.position)

@@ -27,6 +27,7 @@ import torch
 from epmoe.comm.fused import npu, pipelined
 from epmoe.comm.fused.compute import gmm_grad_weight, shared_backward, shared_forward
 from epmoe.comm.fused.layout import Plan
+from epmoe.errors import refuse_double_backward
 
 logger = logging.getLogger(__name__)
 _logged: set = set()
@@ -127,6 +128,7 @@ class Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_expert_major, dshared_y, dpermuted):
+        refuse_double_backward("alltoallv_gmm")
         call, plan = ctx.call, ctx.call.plan
         permuted, weight, shared_x, shared_weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]
@@ -175,6 +177,7 @@ class Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_rank_major, dshared_y):
+        refuse_double_backward("gmm_alltoallv")
         call, plan = ctx.call, ctx.call.plan
         x_expert_major, weight, shared_x, shared_weight = ctx.saved_tensors
         need_dx, need_dw = ctx.needs_input_grad[:2]

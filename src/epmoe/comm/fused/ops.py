@@ -1,9 +1,16 @@
-"""The public fused ops, ``alltoallv_gmm`` and ``gmm_alltoallv``: validation, then an implementation.
+"""The public fused ops, ``alltoallv_gmm`` and ``gmm_alltoallv``: validation, agreement, then an implementation.
 
-Everything a rank can check on its own is checked here, before any collective, and raises
-``TypeError`` / ``ValueError`` naming the argument: shapes, dtypes, devices, count lengths
-(``W * e``), signs and sums. Whether a rank's ``recv_counts`` match the other ranks' ``send_counts``
-cannot be known without communicating: use :func:`epmoe.exchange_counts` to build them.
+Everything a rank can check on its own is checked first and raises ``TypeError`` / ``ValueError``
+naming the argument: shapes, dtypes, devices, count lengths (``W * e``), signs and sums. Then (unless
+``check=False``) the ranks agree, in one small ``all_gather`` of a fixed-size header per rank::
+
+    [MAGIC | error flag | dtype | exchanged width | rounds | e | len(send) | len(recv) | impl
+     | per peer r: rows sent to r, hash of those counts | per source s: rows expected, hash ]
+
+so that what only the group can know (the exchanged rows' dtype and width, the rounds, whether
+``recv_counts`` match the peers' ``send_counts``) and a peer's own bad arguments raise ``ValueError`` on
+every rank, where mismatched collectives would abort a process or move wrong rows. Counts
+straight from :func:`epmoe.exchange_counts` agree by construction: ``check=False`` skips the step.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from epmoe import platform
+from epmoe import errors, platform
 from epmoe.comm.fused import reference
 from epmoe.comm.fused.autograd import Call, Combine, Dispatch
 from epmoe.comm.fused.layout import Plan, round_bounds
@@ -44,6 +51,7 @@ def alltoallv_gmm(
     num_chunks: int | str = 1,
     impl: str = "auto",
     gmm_backend: str = "auto",
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Dispatch: all-to-all-v, permute to expert-major, grouped matmul (``torch_npu.npu_alltoallv_gmm``).
 
@@ -64,6 +72,10 @@ def alltoallv_gmm(
         impl: ``"auto"`` (``npu_fused`` where eligible, else ``pipelined``), ``"npu_fused"``,
             ``"pipelined"`` or ``"reference"``.
         gmm_backend: the grouped-matmul backend (see :func:`epmoe.grouped_mm`).
+        check: agree with the peers first (see the module docstring; one small collective). Unsafe
+            to turn off unless the counts come straight from :func:`epmoe.exchange_counts` and every
+            rank passes the same dtype, width and ``num_chunks``: a mismatch then aborts a process
+            or moves wrong rows.
 
     Returns:
         ``(y, shared_y, permuted)``: ``y`` ``(sum(recv_counts), N1)`` expert-major (sorted by local
@@ -72,7 +84,7 @@ def alltoallv_gmm(
     """
     call, shared = _prepare(
         "alltoallv_gmm", x, weight, send_counts, recv_counts, group, trans_weight, shared_x, shared_weight,
-        trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend,
+        trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend, check,
     )
     if impl == "reference":
         return reference.dispatch(
@@ -96,6 +108,7 @@ def gmm_alltoallv(
     num_chunks: int | str = 1,
     impl: str = "auto",
     gmm_backend: str = "auto",
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Combine: grouped matmul, unpermute, all-to-all-v back (``torch_npu.npu_gmm_alltoallv``).
 
@@ -109,8 +122,8 @@ def gmm_alltoallv(
             rank ``s`` (the dispatch's ``recv_counts``).
         recv_counts: ``W*e`` ints; ``recv_counts[r*e + j]`` rows come back from rank ``r``'s expert
             ``j`` (the dispatch's ``send_counts``).
-        group, shared_x, shared_weight, trans_shared_weight, num_chunks, impl, gmm_backend: as for
-            :func:`alltoallv_gmm`; the shared expert is computed last, hiding the last round.
+        group, shared_x, shared_weight, trans_shared_weight, num_chunks, impl, gmm_backend, check: as
+            for :func:`alltoallv_gmm`; the shared expert is computed last, hiding the last round.
 
     Returns:
         ``(y, shared_y)``: ``y`` ``(sum(recv_counts), N1)`` rank-major, i.e. in the order of the
@@ -118,7 +131,7 @@ def gmm_alltoallv(
     """
     call, shared = _prepare(
         "gmm_alltoallv", x, weight, send_counts, recv_counts, group, trans_weight, shared_x, shared_weight,
-        trans_shared_weight, False, num_chunks, impl, gmm_backend,
+        trans_shared_weight, False, num_chunks, impl, gmm_backend, check,
     )
     if impl == "reference":
         return reference.combine(call.plan, x, weight, trans_weight, group, shared=shared, gmm_backend=gmm_backend)
@@ -127,9 +140,33 @@ def gmm_alltoallv(
 
 def _prepare(
     op, x, weight, send_counts, recv_counts, group, trans_weight, shared_x, shared_weight, trans_shared_weight,
-    return_permuted, num_chunks, impl, gmm_backend,
+    return_permuted, num_chunks, impl, gmm_backend, check,
 ) -> tuple[Call, tuple[torch.Tensor, torch.Tensor, bool] | None]:
-    """Validate every argument (no collective) and build the call's :class:`Call`."""
+    """Validate every argument, agree with the peers unless ``check`` is off, build the :class:`Call`."""
+    if not isinstance(check, bool):
+        raise TypeError(f"{op}(check): expected a bool, got {type(check).__name__}")
+    world = _world_size(op, group)
+    try:
+        call, shared = _validate(op, x, weight, send_counts, recv_counts, group, world, trans_weight, shared_x,
+                                 shared_weight, trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend)
+    except (TypeError, ValueError):
+        if check and world > 1:  # the peers must not wait for this rank in the exchange: tell them
+            try:
+                _agree(op, group, world, None, x if isinstance(x, torch.Tensor) else None)
+            except ValueError:
+                pass  # the peers raise; this rank raises its own error
+        raise
+    if check and world > 1:
+        width = x.shape[1] if op == "alltoallv_gmm" else weight.shape[1 if trans_weight else 2]
+        _agree(op, group, world, call, x, width)
+    return call, shared
+
+
+def _validate(
+    op, x, weight, send_counts, recv_counts, group, world, trans_weight, shared_x, shared_weight,
+    trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend,
+) -> tuple[Call, tuple[torch.Tensor, torch.Tensor, bool] | None]:
+    """Every check a rank can make on its own (no collective)."""
     for name, flag in (("trans_weight", trans_weight), ("trans_shared_weight", trans_shared_weight),
                        ("return_permuted", return_permuted)):
         if not isinstance(flag, bool):
@@ -140,7 +177,6 @@ def _prepare(
         raise TypeError(f"{op}(gmm_backend): expected a str, got {type(gmm_backend).__name__}")
     _check_routed(op, x, weight, trans_weight)
     shared = _check_shared(op, x, shared_x, shared_weight, trans_shared_weight)
-    world = _world_size(op, group)
     e = weight.shape[0]
     send = _counts(op, "send_counts", send_counts, world, e)
     recv = _counts(op, "recv_counts", recv_counts, world, e)
@@ -155,8 +191,75 @@ def _prepare(
     return call, shared
 
 
+MAGIC = 0x65706D6F66  # an agreement header
+_FIXED = 9  # header fields before the per-peer ones
+_HASH_MOD = (1 << 61) - 1
+
+
+def _counts_hash(counts: Sequence[int]) -> int:
+    h = 0
+    for c in counts:
+        h = (h * 1_000_003 + c + 1) % _HASH_MOD
+    return h
+
+
+def _agree(op: str, group, world: int, call: Call | None, x: torch.Tensor | None, exchanged_width: int = 0) -> None:
+    """The agreement step (see the module docstring): ``ValueError`` on every rank unless every rank's
+    arguments were valid (``call`` is ``None`` on a rank whose were not) and fit together;
+    ``exchanged_width``: the columns of the rows that travel."""
+    row = [MAGIC, 1] + [0] * (_FIXED - 2 + 4 * world)
+    if call is not None:
+        plan, e = call.plan, call.plan.e
+        send, recv = (plan.counts_rank_major_WE, plan.counts_expert_major_WE) if op == "alltoallv_gmm" else (
+            plan.counts_expert_major_WE, plan.counts_rank_major_WE)
+        row[1:_FIXED] = [0, _DTYPE_CODES.get(x.dtype, -1), exchanged_width, len(plan.rounds), e, len(send), len(recv),
+                         IMPLS.index(call.impl)]
+        for r in range(world):
+            block_sent, block_expected = send[r * e:(r + 1) * e], recv[r * e:(r + 1) * e]
+            row[_FIXED + 2 * r:_FIXED + 2 * r + 2] = [sum(block_sent), _counts_hash(block_sent)]
+            row[_FIXED + 2 * world + 2 * r:_FIXED + 2 * world + 2 * r + 2] = [sum(block_expected),
+                                                                              _counts_hash(block_expected)]
+    device = x.device if x is not None else platform.current_device()
+    mine = platform.host_to_device(torch.tensor(row, dtype=torch.int64), device)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine, group=group)
+    platform.synchronize(device)
+    headers = torch.stack(rows).tolist()
+    me = dist.get_rank(group)
+    failed = [r for r, h in enumerate(headers) if h[1]]
+    if failed:
+        raise ValueError(f"{op}: rank(s) {failed} of the group rejected their own arguments (see their error); "
+                         f"no rank exchanges anything")
+    names = ("dtype", "exchanged row width", "number of rounds (num_chunks clamped to e)", "local experts e",
+             "len(send_counts)", "len(recv_counts)", "impl")
+    for field, name in enumerate(names, start=2):
+        values = [h[field] for h in headers]
+        if len(set(values)) > 1:
+            shown = [_DTYPE_NAMES.get(v, v) if field == 2 else IMPLS[v] if field == 8 else v for v in values]
+            raise ValueError(f"{op}: the ranks disagree on the {name}: {shown} by rank (this is rank {me})")
+    for r, receiver in enumerate(headers):
+        for s, sender in enumerate(headers):
+            sent = sender[_FIXED + 2 * r:_FIXED + 2 * r + 2]
+            expected = receiver[_FIXED + 2 * world + 2 * s:_FIXED + 2 * world + 2 * s + 2]
+            if sent != expected:
+                how = (f"expects {expected[0]} rows from rank {s}, which sends {sent[0]}" if sent[0] != expected[0]
+                       else f"expects from rank {s} the {sent[0]} rows it sends, split differently over its experts")
+                raise ValueError(
+                    f"{op}(recv_counts): rank {r} {how} (send_counts[{r}*e:({r}+1)*e] on rank {s} must equal "
+                    f"recv_counts[{s}*e:({s}+1)*e] on rank {r}; epmoe.exchange_counts builds matching counts; "
+                    f"this is rank {me})"
+                )
+
+
+_DTYPE_CODES = {dtype: code for code, dtype in enumerate(
+    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2), start=1)}
+_DTYPE_NAMES = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
+
+
 def _check_routed(op: str, x: Any, weight: Any, trans_weight: bool) -> None:
     check_operands(x, weight, trans_weight, op)
+    if x.device.type == "meta":
+        raise ValueError(f"{op}(x): on the meta device: there are no rows to exchange")
     if weight.shape[0] == 0:
         raise ValueError(f"{op}(weight): expected at least one local expert, got shape {tuple(weight.shape)}")
 
@@ -222,9 +325,8 @@ def _counts(op: str, name: str, counts: Any, world: int, e: int) -> list[int]:
             f"{op}({name}): expected W*e = {world}*{e} = {world * e} counts ({world} ranks in the group, "
             f"e = weight.shape[0] = {e} local experts), got {len(values)}"
         )
-    negative = [c for c in values if c < 0]
-    if negative:
-        raise ValueError(f"{op}({name}): counts must be non-negative, got {negative[0]}")
+    if any(c < 0 for c in values):
+        raise ValueError(f"{op}({name}): counts must be non-negative, got {errors.negatives(values)}")
     return values
 
 
