@@ -275,3 +275,24 @@ def state_dict_warnings(rank, world, root):
         counts[name] = (len(messages), messages[:1])
         dist.barrier()
     return counts
+
+
+def rank0_only_save(rank, world, root, timeout):
+    """``save_pretrained`` called on rank 0 alone (what ``Trainer._save`` does without
+    ``prepare_trainer``): ``(error type, message, seconds, files written)`` on rank 0."""
+    import time
+
+    model = build_model("qwen3_moe")
+    epmoe.apply_expert_parallel(model, config={"timeout": timeout})
+    path = os.path.join(root, "rank0-only")
+    if rank != 0:
+        time.sleep(timeout + 4)  # alive, elsewhere
+        return None
+    started = time.monotonic()
+    try:
+        model.save_pretrained(path)
+    except RuntimeError as exc:
+        seen = (type(exc).__name__, str(exc), time.monotonic() - started)
+    else:
+        seen = (None, "", time.monotonic() - started)
+    return (*seen, sorted(os.listdir(path)) if os.path.isdir(path) else [])

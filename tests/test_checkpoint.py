@@ -79,3 +79,12 @@ def test_bare_state_dict_warns_and_epmoe_paths_do_not(tmp_path):
             number, messages = counts[path]
             assert number >= 1 and "save_pretrained" in messages[0] and "get_state_dict" in messages[0], (rank, path)
         assert counts["epmoe"][0] == 0, (rank, counts["epmoe"])
+
+
+def test_save_pretrained_on_rank_0_only_raises_within_the_ep_timeout(tmp_path):
+    from checkpoint_workers import rank0_only_save
+
+    kind, message, seconds, files = run_ranks(rank0_only_save, 2, str(tmp_path), 4.0, timeout=240)[0]
+    assert kind == "RuntimeError" and "must be called on every rank" in message, message
+    assert "prepare_trainer" in message and seconds < 4.0 + 10, (seconds, message)
+    assert not any(name.endswith(".safetensors") or name.endswith(".index.json") for name in files), files

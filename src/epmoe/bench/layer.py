@@ -91,6 +91,7 @@ SHAPES = (
 QUICK_SHAPES = (Shape("tiny", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=64),)
 EP2_LAYERS = 1  # decoder layers of the EP=2 model (a MoE layer)
 EPMOE_DDP, REPLICATED_DDP = "epmoe + DDP", "replicated (no EP) + DDP"
+EPMOE_UNCHECKED = "epmoe + DDP, check_steps=False"
 EPMOE_TRAINER, REPLICATED_TRAINER = "epmoe, Trainer", "replicated (no EP), Trainer"
 TRAINER_VARIANTS = (EPMOE_TRAINER, REPLICATED_TRAINER)
 
@@ -359,7 +360,9 @@ class Ep2Report:
 
     def markdown(self) -> str:
         notes = {
-            EPMOE_DDP: f"apply_expert_parallel (dispatch {self.dispatch}), then DDP",
+            EPMOE_DDP: f"apply_expert_parallel (dispatch {self.dispatch}), then DDP; step headers in backward "
+                       f"(check_steps='auto': on for CPU)",
+            EPMOE_UNCHECKED: "the same without the backward step headers (the forward's ride in the counts)",
             "transformers EP": "DistributedConfig(fsdp_size=2, ep_size=2), experts grouped_mm",
             REPLICATED_DDP: "all experts on every rank; DDP",
             EPMOE_TRAINER: "Trainer step (fwd, bwd, clip, AdamW), prepare_trainer; first loss vs replicated Trainer",
@@ -376,6 +379,7 @@ class Ep2Report:
                  common.markdown_table(EP2_HEADERS, rows, align="lrrl"), ""]
         for mine, theirs, what in ((EPMOE_DDP, "transformers EP", "epmoe + DDP step / transformers EP step"),
                                    (EPMOE_DDP, REPLICATED_DDP, "epmoe + DDP step / replicated + DDP step"),
+                                   (EPMOE_DDP, EPMOE_UNCHECKED, "backward step headers on / off (cost of check_steps)"),
                                    (EPMOE_TRAINER, REPLICATED_TRAINER, "epmoe Trainer step / replicated Trainer step")):
             if mine in self.steps_ms and theirs in self.steps_ms:
                 lines.append(f"- {what} = {self.steps_ms[mine] / self.steps_ms[theirs]:.2f}")
@@ -445,6 +449,9 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     epmoe.apply_expert_parallel(model)
     dispatch = sorted({m._epmoe.dispatch_on(ids.device) for m in model.modules() if hasattr(m, "_epmoe")})
     steps[EPMOE_DDP] = _step(DDP(model), ids)
+    unchecked = copy.deepcopy(reference)
+    epmoe.apply_expert_parallel(unchecked, config={"check_steps": False})
+    steps[EPMOE_UNCHECKED] = _step(DDP(unchecked), ids)
     steps[REPLICATED_DDP] = _step(DDP(copy.deepcopy(reference)), ids)
     try:
         from transformers.distributed import DistributedConfig
@@ -460,6 +467,7 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     if any(f != failed[0] for f in failed):
         raise RuntimeError(f"ranks disagree on which variants failed: {failed}")
     losses[EPMOE_DDP] = steps[EPMOE_DDP]()
+    losses[EPMOE_UNCHECKED] = steps[EPMOE_UNCHECKED]()
     losses[REPLICATED_DDP] = steps[REPLICATED_DDP]()
 
     names = list(steps)
