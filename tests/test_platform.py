@@ -124,22 +124,25 @@ def test_exchange_counts_synchronises_through_platform(monkeypatch):
     """Counts read on the host only after platform.synchronize (the seed's NPU race)."""
     from epmoe.launch import run_ranks
 
-    assert run_ranks(_sync_order_worker, 2, timeout=60) == [["collective", "synchronize", "tolist"]] * 2
+    # two header exchanges (lengths, then counts), each read only after synchronising; then the
+    # rank's own send counts, which no collective wrote
+    order = ["collective", "synchronize", "tolist"] * 2 + ["tolist"]
+    assert run_ranks(_sync_order_worker, 2, timeout=60) == [order] * 2
 
 
 def _sync_order_worker(rank, world):
     import torch.distributed as dist
 
-    from epmoe.comm import counts
+    from epmoe.comm import counts, steps
 
     order = []
-    real_a2a, real_sync, real_tolist = dist.all_to_all_single, counts.platform.synchronize, torch.Tensor.tolist
-    counts.dist.all_to_all_single = lambda *a, **k: (order.append("collective"), real_a2a(*a, **k))[1]
-    counts.platform.synchronize = lambda device=None: (order.append("synchronize"), real_sync(device))[1]
+    real_a2a, real_sync, real_tolist = dist.all_to_all_single, steps.platform.synchronize, torch.Tensor.tolist
+    steps.dist.all_to_all_single = lambda *a, **k: (order.append("collective"), real_a2a(*a, **k))[1]
+    steps.platform.synchronize = lambda device=None: (order.append("synchronize"), real_sync(device))[1]
     torch.Tensor.tolist = lambda self: (order.append("tolist"), real_tolist(self))[1]
     try:
         counts.exchange_counts(torch.tensor([1, 2, 3, 4]))
     finally:
-        counts.dist.all_to_all_single, counts.platform.synchronize = real_a2a, real_sync
+        steps.dist.all_to_all_single, steps.platform.synchronize = real_a2a, real_sync
         torch.Tensor.tolist = real_tolist
     return order

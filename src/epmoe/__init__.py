@@ -8,6 +8,8 @@ The data path of one MoE layer, and where each step lives::
       -> grouped experts                     epmoe.experts          on epmoe.gmm.grouped_mm
       -> combine (all-to-all-v + unpermute)  epmoe.ep.dispatcher    / epmoe.comm.fused gmm_alltoallv
 
+Every collective on a model's EP group carries or follows a step header (:mod:`epmoe.comm.steps`),
+so ranks out of step raise on every rank and no wait outlasts ``ExpertParallelConfig.timeout``.
 Device-specific calls all live in :mod:`epmoe.platform`; what training around the engine needs
 (DDP, FSDP2, EP x DP meshes, clipping, Trainer, generate) in :mod:`epmoe.training`.
 """
@@ -15,6 +17,7 @@ Device-specific calls all live in :mod:`epmoe.platform`; what training around th
 from epmoe import platform
 from epmoe.checkpoint import from_pretrained, get_state_dict, set_state_dict
 from epmoe.comm import alltoallv_gmm, exchange_counts, gmm_alltoallv
+from epmoe.comm.steps import OutOfStepError
 from epmoe.ep import ExpertParallelConfig, ExpertShard, apply_expert_parallel
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
 from epmoe.training import clip_grad_norm_, expert_parameters, is_expert_parameter, prepare_trainer
@@ -37,6 +40,7 @@ __all__ = [
     "gmm_backends",
     "grouped_mm",
     "is_expert_parameter",
+    "OutOfStepError",
     "platform",
     "prepare_trainer",
     "register_gmm_backend",
