@@ -149,7 +149,36 @@ def dcp_checks(rank, world, root):
         return {"same_size": dcp_resume(rank, world, f"{root}/same", "world", "world")}
     return {"same_size": dcp_resume(rank, world, f"{root}/same4", "world", "world"),
             "ep2_to_ep4": dcp_resume(rank, world, f"{root}/2to4", "mesh", "world"),
-            "ep4_to_ep2": dcp_resume(rank, world, f"{root}/4to2", "world", "mesh")}
+            "ep4_to_ep2": dcp_resume(rank, world, f"{root}/4to2", "world", "mesh"),
+            "pretrained_any_size": pretrained_any_size(rank, world, root)}
+
+
+def pretrained_any_size(rank, world, root):
+    """save_pretrained at EP 2 (a ("dp", "ep") mesh) -> epmoe.from_pretrained at EP 4, and that model's
+    save_pretrained at EP 4 -> epmoe.from_pretrained at EP 2: logits against the unsharded model's
+    (max relative difference per hop)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen3MoeForCausalLM
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
+    reference = build_model("qwen3_moe", dtype=torch.float32, seed=5)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        want = reference(ids).logits
+
+    def error(model):
+        with torch.no_grad():
+            return ((model(ids).logits - want).abs().max() / want.abs().max()).item()
+
+    ep2 = copy.deepcopy(reference)
+    epmoe.apply_expert_parallel(ep2, mesh)
+    ep2.save_pretrained(os.path.join(root, "pretrained-ep2"))
+    ep4, shards4 = epmoe.from_pretrained(Qwen3MoeForCausalLM, os.path.join(root, "pretrained-ep2"), dtype=torch.float32)
+    ep4.save_pretrained(os.path.join(root, "pretrained-ep4"))
+    back, shards2 = epmoe.from_pretrained(Qwen3MoeForCausalLM, os.path.join(root, "pretrained-ep4"), mesh,
+                                          dtype=torch.float32)
+    return {"sizes": [shards4[0].ep_size, shards2[0].ep_size], "ep2": error(ep2), "ep2_to_ep4": error(ep4),
+            "ep4_to_ep2": error(back)}
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,10 +28,14 @@ def test_dcp_resume(world, tmp_path):
     bitwise after the 4 steps too, with the same losses. On 4 ranks (same size, and EP 2 <-> 4: a
     ("dp", "ep") mesh vs the whole world) parameters within 1e-6 and moments within 1e-5 after the 4
     steps: the fresh DDP's first buckets differ from the resumed one's, so its 4-way sums round
-    differently."""
+    differently. The 4-rank run also saves with save_pretrained at EP 2 and loads with
+    epmoe.from_pretrained at EP 4, and back: the unsharded model's logits to 1e-6."""
     from checkpoint_workers import dcp_checks
 
     for rank, by_case in enumerate(run_ranks(dcp_checks, world, str(tmp_path), timeout=300)):
+        if world == 4:  # save_pretrained -> epmoe.from_pretrained across EP sizes, in the same run
+            hops = by_case.pop("pretrained_any_size")
+            assert hops.pop("sizes") == [4, 2] and max(hops.values()) <= 1e-6, (rank, hops)
         for case, result in by_case.items():
             assert max(result["loaded"].values()) == 0.0, (rank, case)
             if world == 2:
