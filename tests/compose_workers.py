@@ -155,8 +155,38 @@ def peft_expert_lora_parity(rank, world, lengths):
             errors["expert_lora_grads"] = max(errors["expert_lora_grads"], max_rel(param.grad, full))
         else:
             errors["attention_lora_grads"] = max(errors["attention_lora_grads"], max_rel(param.grad, ref_grads[name]))
+    errors.update(adapter_save_roundtrip(model, ref, rank, ids))
     errors["peft_first"] = peft_expert_lora_then_ep(rank, world, lengths)
     return errors
+
+
+def adapter_save_roundtrip(model, ref, rank, ids):
+    """peft's save_pretrained with epmoe.adapter_state_dict, reloaded by plain peft into an unsharded
+    model on every rank: every adapter tensor bitwise the reference's (whose values the EP factors
+    were seeded from), and the reference's logits."""
+    import tempfile
+
+    from peft import PeftModel
+
+    from transformers import Trainer, TrainingArguments
+
+    paths = [tempfile.mkdtemp(prefix="epmoe-adapter-") if rank == 0 else None]
+    dist.broadcast_object_list(paths, src=0)
+    direct, through_trainer = f"{paths[0]}/direct", f"{paths[0]}/trainer"
+    model.save_pretrained(direct, state_dict=epmoe.adapter_state_dict(model), is_main_process=rank == 0)
+    args = TrainingArguments(output_dir=f"{paths[0]}/out", report_to=[], use_cpu=True, save_strategy="no")
+    epmoe.prepare_trainer(Trainer(model=model, args=args)).save_model(through_trainer)  # every rank joins
+    dist.barrier()
+    out = {}
+    with torch.no_grad():
+        want = ref(ids).logits
+    for label, path in (("adapter", direct), ("trainer_adapter", through_trainer)):
+        reloaded = PeftModel.from_pretrained(build_model("qwen3_moe", dtype=torch.float64), path)
+        got = dict(reloaded.named_parameters())
+        out[f"{label}_unequal_tensors"] = float(sum(not torch.equal(got[n], p) for n, p in trainable(ref).items()))
+        with torch.no_grad():
+            out[f"{label}_logits"] = max_rel(reloaded(ids).logits, want)
+    return out
 
 
 def peft_fused_shared_expert_parity(rank, world, lengths):

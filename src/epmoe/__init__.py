@@ -15,7 +15,7 @@ Device-specific calls all live in :mod:`epmoe.platform`; what training around th
 """
 
 from epmoe import platform
-from epmoe.checkpoint import from_pretrained, get_state_dict, set_state_dict
+from epmoe.checkpoint import adapter_state_dict, from_pretrained, get_state_dict, set_state_dict
 from epmoe.comm import alltoallv_gmm, exchange_counts, gmm_alltoallv
 from epmoe.comm.steps import OutOfStepError
 from epmoe.ep import ExpertParallelConfig, ExpertShard, apply_expert_parallel
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendStatus",
+    "adapter_state_dict",
     "ExpertParallelConfig",
     "ExpertShard",
     "alltoallv_gmm",

@@ -48,6 +48,7 @@ def _warn(module, state_dict, prefix, local_metadata) -> None:
         f"epmoe: this state_dict holds only this rank's experts of {prefix.rstrip('.') or 'the model'} "
         f"({shard.num_local_experts} of {shard.num_experts}) under the unsharded names: torch.save or dcp.save "
         f"of it would lose or swap experts. Save with model.save_pretrained(path) on every rank, or "
-        f"epmoe.get_state_dict(model, optimizer) for torch.distributed.checkpoint",
+        f"epmoe.get_state_dict(model, optimizer) for torch.distributed.checkpoint; a PEFT adapter with "
+        f"peft_model.save_pretrained(path, state_dict=epmoe.adapter_state_dict(peft_model))",
         ExpertStateDictWarning, stacklevel=3,
     )

@@ -21,6 +21,13 @@ instance attributes of the model (the class is untouched):
 
 Every rank must call ``save_pretrained`` (transformers' convention for distributed models):
 :func:`epmoe.prepare_trainer` makes ``Trainer`` save through every rank.
+
+PEFT adapters with LoRA on the packed experts (``target_parameters``) are saved through peft's own
+``save_pretrained(state_dict=...)``: :func:`adapter_state_dict` gathers each expert LoRA factor in
+peft's layout (``lora_A`` ``(r*E, in)`` expert-major, ``lora_B`` ``(out, r*E)`` expert-minor)::
+
+    peft_model.save_pretrained(path, state_dict=epmoe.adapter_state_dict(peft_model),
+                               is_main_process=dist.get_rank() == 0)
 """
 
 from __future__ import annotations
@@ -72,6 +79,49 @@ class SavePretrained:
             del model.num_parameters
         dist.barrier()  # the writer has finished: every rank may read the checkpoint now
         return result
+
+
+def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
+    """``peft_model.state_dict()`` with every LoRA factor on expert-parallel experts holding all ``E``
+    experts on the writer (global rank 0), for peft's ``save_pretrained(state_dict=...)`` (see the
+    module docstring); other ranks get their own factors. Collective: every rank calls it."""
+    from epmoe.training.params import _peft_base
+
+    with own_state_dict():
+        out = peft_model.state_dict()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    started: dict[int, Position] = {}
+    for name, module in peft_model.named_modules():
+        base = _peft_base(module)
+        state = getattr(base, "_epmoe", None)
+        if state is None or state.channel is None:
+            continue
+        channel = state.channel
+        ranks = dist.get_process_group_ranks(channel.group)
+        if WRITER not in ranks:
+            continue
+        for factor in ("lora_A", "lora_B"):
+            for adapter, linear in getattr(module, factor).items():
+                local = linear.weight.detach().contiguous()
+                if id(channel) not in started:
+                    started[id(channel)] = _start_save(channel, local.device)
+                try:
+                    parts = [torch.empty_like(local) for _ in ranks] if rank == WRITER else None
+                    dist.gather(local, parts, dst=WRITER, group=channel.group)
+                except RuntimeError as exc:
+                    raise channel.failed(started[id(channel)], exc) from exc
+                if rank == WRITER:
+                    out[f"{name}.{factor}.{adapter}.weight"] = _cat_lora(factor, parts, module.num_experts)
+    return out
+
+
+def _cat_lora(factor: str, parts: list[torch.Tensor], local_experts: int) -> torch.Tensor:
+    """Every rank's ``local_experts`` experts of one LoRA factor, in global expert order."""
+    if factor == "lora_A":  # (r*e, in), expert-major: row blocks
+        return torch.cat(parts)
+    out_features = parts[0].shape[0]  # (out, r*e), expert-minor: viewed (out, r, e)
+    blocks = [p.view(out_features, -1, local_experts) for p in parts]
+    return torch.cat(blocks, dim=2).reshape(out_features, -1)
 
 
 def gather_expert_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -30,8 +30,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
-from epmoe.checkpoint.save import SavePretrained
+from epmoe.checkpoint.save import SavePretrained, adapter_state_dict
 from epmoe.training.clip import clip_grad_norm_
+from epmoe.training.params import _peft_base
 
 DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
 
@@ -76,10 +77,13 @@ def prepare_trainer(trainer: Any) -> Any:
     accelerator.clip_grad_norm_ = clip
 
     def save(output_dir=None, state_dict=None):
+        model = _unwrapped(trainer)
+        if state_dict is None and _has_expert_lora(model):  # a PeftModel: its expert LoRA factors gathered
+            state_dict = adapter_state_dict(model)
+            return type(trainer)._save(trainer, output_dir, state_dict=state_dict) if trainer.args.should_save else None
         if trainer.args.should_save:
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict)
         # Trainer writes from one process only; the EP ranks must all join the experts' gather
-        model = _unwrapped(trainer)
         if isinstance(getattr(model, "save_pretrained", None), SavePretrained):
             model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict,
                                   is_main_process=False)
@@ -109,6 +113,11 @@ def prepare_trainer(trainer: Any) -> Any:
     trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
     accelerator._epmoe_prepared = True
     return trainer
+
+
+def _has_expert_lora(model: nn.Module) -> bool:
+    """Whether ``model`` holds PEFT LoRA factors on expert-parallel experts."""
+    return any(getattr(_peft_base(m), "_epmoe", None) is not None for m in model.modules())
 
 
 def _unwrapped(trainer: Any) -> nn.Module:
