@@ -19,8 +19,9 @@ from epmoe.checkpoint import adapter_state_dict, from_pretrained, get_state_dict
 from epmoe.comm import alltoallv_gmm, exchange_counts, gmm_alltoallv
 from epmoe.comm.steps import OutOfStepError
 from epmoe.ep import ExpertParallelConfig, ExpertShard, apply_expert_parallel
+from epmoe.ep.load import expert_load, load_summary, reset_expert_load
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
-from epmoe.training import clip_grad_norm_, expert_parameters, is_expert_parameter, prepare_trainer
+from epmoe.training import LoadBalancer, clip_grad_norm_, expert_parameters, is_expert_parameter, prepare_trainer
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "apply_expert_parallel",
     "clip_grad_norm_",
     "exchange_counts",
+    "expert_load",
     "expert_parameters",
     "from_pretrained",
     "gmm_alltoallv",
@@ -41,9 +43,12 @@ __all__ = [
     "gmm_backends",
     "grouped_mm",
     "is_expert_parameter",
+    "load_summary",
+    "LoadBalancer",
     "OutOfStepError",
     "platform",
     "prepare_trainer",
     "register_gmm_backend",
+    "reset_expert_load",
     "set_state_dict",
 ]

@@ -16,6 +16,7 @@ row size for every header on that group::
     backward of that layer              an empty header before the layer's first backward exchange
     "dp" expert-gradient reduction      a header (payload: the element count) before each one
     clip_grad_norm_, save_pretrained    a header before their reductions / gathers
+    expert_load (telemetry)             the header exchange carries each rank's expert counts
 
 Each rank receives every peer's header, so a mismatch raises :class:`OutOfStepError` on every rank,
 naming both positions. ``call`` counts the layer's forwards (a backward carries the count of the
@@ -42,9 +43,9 @@ MAGIC = 0x65706D6F65  # "epmoe": a row that lacks it is not a header (the ranks'
 HEADER = 5  # MAGIC, layer, phase, call, flag
 DEFAULT_TIMEOUT_S = 300.0
 
-FORWARD, BACKWARD, GRAD_REDUCE, CLIP, SAVE, COUNTS = 1, 2, 3, 4, 5, 6
+FORWARD, BACKWARD, GRAD_REDUCE, CLIP, SAVE, COUNTS, TELEMETRY = 1, 2, 3, 4, 5, 6, 7
 PHASES = {FORWARD: "forward", BACKWARD: "backward", GRAD_REDUCE: "expert-gradient reduction",
-          CLIP: "clip_grad_norm_", SAVE: "save_pretrained", COUNTS: "exchange_counts"}
+          CLIP: "clip_grad_norm_", SAVE: "save_pretrained", COUNTS: "exchange_counts", TELEMETRY: "expert_load"}
 MODEL_WIDE = -1  # the layer of a position that concerns the whole model (clip, save)
 
 

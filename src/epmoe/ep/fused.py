@@ -54,6 +54,7 @@ def fused_routed_experts(
     expert MLP computed inside their communication gaps."""
     shard, experts, config = state.shard, state.local_experts, state.config
     plan = plan_routing(top_k_index, shard.num_experts, state.channel, state.position(FORWARD))
+    state.count_load(plan.local_counts)
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
     trans_weight = not experts.is_transposed
     up_proj, down_proj = state.sync_weights([getattr(experts, name) for name in packed_weight_names(experts)])

@@ -28,7 +28,7 @@ Each forward is the layer's next *call*; its backward starts with a step-header 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,18 @@ class ExpertParallelState:
     channel: StepChannel | None = None  # the model's EP step channel (None on a single rank)
     layer: int = 0  # this experts module's index among the model's (step headers name it)
     calls: int = 0  # forwards run so far
+    loads: dict[str, list[int]] = field(default_factory=dict)  # counter -> slots per local expert (epmoe.ep.load)
+    load_counters: tuple[str, ...] = ("telemetry",)  # the counters forwards add to
+
+    def count_load(self, local_counts: list[int]) -> None:
+        """Add this forward's slots per local expert (from the counts exchange) to every counter; a
+        forward recomputed inside the backward (gradient checkpointing) adds nothing."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        for counter in self.load_counters:
+            total = self.loads.setdefault(counter, [0] * len(local_counts))
+            for j, n in enumerate(local_counts):
+                total[j] += n
 
     def position(self, phase: int) -> Position:
         """Where this layer is for ``phase``: its latest forward call."""
@@ -119,6 +131,7 @@ def routed_experts(
     if state.dispatch_on(hidden_TH.device) == "fused":
         return fused_routed_experts(state, hidden_TH, top_k_index, top_k_weights)[0]
     plan = plan_routing(top_k_index, shard.num_experts, state.channel, state.position(FORWARD))
+    state.count_load(plan.local_counts)
     dispatcher = AllToAllDispatcher(plan, hidden_TH.device)
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
     x_expert_major = dispatcher.dispatch(x_rank_major)

@@ -1,0 +1,80 @@
+"""Expert-load telemetry: how many routed slots each global expert received, summed over the EP group.
+
+Each forward already tells every rank, in its counts exchange, how many rows its own ``e`` local
+experts receive from every source; the layer adds them to its counters (host lists, nothing on the
+device, no collective). A recomputed forward (gradient checkpointing, inside the backward) adds
+nothing. :func:`expert_load` then assembles the global histogram in one step-header exchange per
+experts module, each rank's row carrying its local counters::
+
+    EP = 2, E = 4          rank 0 counts experts 0 1      rank 1 counts experts 2 3
+    expert_load            [n0 n1 | n2 n3] on both ranks  (= the unsharded model's histogram of the
+                                                           ranks' batches concatenated)
+
+Every rank of the EP group must call :func:`expert_load` (a collective, tagged like every EP
+collective: :mod:`epmoe.comm.steps`). ``dropped=True`` gives the slots capacity dropped: none, epmoe
+is dropless.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from epmoe.comm.steps import TELEMETRY
+
+TELEMETRY_COUNTER = "telemetry"
+
+
+def experts_states(model: nn.Module, caller: str) -> list[tuple[str, object]]:
+    """``(experts module name, ExpertParallelState)`` of every experts module of an EP model (any EP size)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller}(model): expected an nn.Module, got {type(model).__name__}")
+    found = [(m._epmoe.shard.module_name, m._epmoe) for m in model.modules() if hasattr(m, "_epmoe")]
+    if not found:
+        raise ValueError(f"{caller}(model): {type(model).__name__} is not expert-parallel (call apply_expert_parallel)")
+    return found
+
+
+def global_load(state, counter: str) -> torch.Tensor:
+    """``(E,)`` int64: the slots each global expert received in ``counter`` of one layer, summed over
+    the EP group (one header exchange; none on a single rank)."""
+    local = state.loads.get(counter, [0] * state.shard.num_local_experts)
+    channel = state.channel
+    if channel is None:
+        return torch.tensor(local, dtype=torch.int64)
+    device = next(state.local_experts.parameters()).device
+    rows = torch.tensor([local] * channel.size, dtype=torch.int64, device=device)
+    received, _ = channel.exchange(channel.next_call(TELEMETRY), rows)
+    return torch.tensor([c for row in received for c in row], dtype=torch.int64)
+
+
+def expert_load(model: nn.Module, *, dropped: bool = False) -> dict[str, torch.Tensor]:
+    """Experts module name -> ``(E,)`` int64 routed slots per global expert since the last
+    :func:`reset_expert_load` (see the module docstring); with ``dropped``, the slots capacity
+    dropped (dropless: zeros). Collective over the EP group."""
+    if not isinstance(dropped, bool):
+        raise TypeError(f"expert_load(dropped): expected a bool, got {type(dropped).__name__}")
+    states = experts_states(model, "expert_load")
+    if dropped:
+        return {name: torch.zeros(state.shard.num_experts, dtype=torch.int64) for name, state in states}
+    return {name: global_load(state, TELEMETRY_COUNTER) for name, state in states}
+
+
+def reset_expert_load(model: nn.Module) -> None:
+    """Start counting afresh (local: no collective)."""
+    for _, state in experts_states(model, "reset_expert_load"):
+        state.loads.pop(TELEMETRY_COUNTER, None)
+
+
+def load_summary(loads: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
+    """Per experts module: ``max_over_mean`` (the busiest expert's load over the mean; 1.0 is
+    perfect balance) and ``idle_share`` (the share of experts that received nothing)."""
+    if not isinstance(loads, dict) or not all(isinstance(v, torch.Tensor) and v.dim() == 1 for v in loads.values()):
+        raise TypeError("load_summary(loads): expected what expert_load returns, {name: (E,) tensor}")
+    out = {}
+    for name, load in loads.items():
+        load = load.double()
+        mean = load.mean().item()
+        out[name] = {"max_over_mean": load.max().item() / mean if mean > 0 else float("nan"),
+                     "idle_share": (load == 0).double().mean().item()}
+    return out

@@ -1,0 +1,76 @@
+"""Expert-load telemetry, auxiliary-loss-free balancing and the models' own auxiliary losses under EP,
+on 2 gloo ranks (one spawned run, see ``balance_workers``), and their validation."""
+
+import pytest
+import torch
+
+import epmoe
+from balance_workers import all_checks
+from epmoe.launch import run_ranks
+from epmoe.models import build_model
+
+_RUN: list = []
+
+
+def results():
+    if not _RUN:
+        _RUN.append(run_ranks(all_checks, 2, timeout=400))
+    return _RUN[0]
+
+
+def test_expert_load_is_the_unsharded_histogram_on_every_rank():
+    for by_check in results():
+        seen = by_check["telemetry"]
+        assert seen["load"] == seen["want"] and seen["same_on_every_rank"], seen
+        assert all(sum(v) == 0 for v in seen["after_reset"].values()) and all(sum(v) == 0 for v in seen["dropped"].values())
+        for name, summary in seen["summary"].items():
+            counts = seen["load"][name]
+            assert summary["max_over_mean"] == pytest.approx(max(counts) / (sum(counts) / len(counts)))
+            assert summary["idle_share"] == sum(c == 0 for c in counts) / len(counts)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_load_balancer_gives_the_same_biases_and_training_at_ep_1_and_2(family):
+    for by_check in results():
+        seen = by_check[f"parity/{family}"]
+        assert seen["bias_equal"] and seen["moved"] and seen["param_error"] < 1e-10, seen
+
+
+def test_load_balancer_balances_a_skewed_router():
+    for by_check in results():
+        seen = by_check["balancing"]
+        assert seen["first"] > 2.5 and seen["best_late"] < 0.6 * seen["first"], seen
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_models_own_auxiliary_loss_is_exact_under_ep(family):
+    for by_check in results():
+        seen = by_check[f"aux/{family}"]
+        assert seen["router_coef"] > 0 and seen["aux"] < 1e-12 and seen["loss"] < 1e-12, seen
+        assert seen["non_expert_grads"] < 1e-10, seen
+
+
+def test_validation():
+    model = build_model("qwen3_moe")
+    with pytest.raises(ValueError, match="not expert-parallel"):
+        epmoe.expert_load(model)
+    epmoe.apply_expert_parallel(model)
+    with pytest.raises(TypeError, match="dropped"):
+        epmoe.expert_load(model, dropped=1)
+    for bad in (0, -1.0, True):
+        with pytest.raises(ValueError, match="update_rate"):
+            epmoe.LoadBalancer(model, update_rate=bad)
+    with pytest.raises(TypeError, match="optimizer"):
+        epmoe.LoadBalancer(model, optimizer="adam")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    balancer = epmoe.LoadBalancer(model, update_rate=0.1, optimizer=optimizer)
+    with pytest.raises(ValueError, match="already has a LoadBalancer"):
+        epmoe.LoadBalancer(model)
+    ids = torch.randint(0, 256, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()  # hooked: the biases moved without a call to balancer.step()
+    assert all(b.abs().sum() > 0 for b in balancer.bias.values())
+    gpt = build_model("gpt_oss")
+    epmoe.apply_expert_parallel(gpt)
+    with pytest.raises(ValueError, match="not a top-k-of-softmax router"):
+        epmoe.LoadBalancer(gpt)
