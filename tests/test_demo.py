@@ -33,13 +33,21 @@ def test_training_through_trainer_matches_without_ep():
 
 
 def test_demo_command_prints_table_and_writes_plot(tmp_path, capsys):
-    assert main(["demo", "--steps", "3", "--out", str(tmp_path)]) == 0
+    """With --balance: the EP model's LoadBalancer mirrored on the reference keeps the losses equal, and
+    the reload (biases mirrored too) gives the same logits."""
+    assert main(["demo", "--steps", "4", "--balance", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "loss (EP)" in out and "loss (no EP)" in out and "|diff|" in out
+    assert "loss (EP)" in out and "loss (no EP)" in out and "|diff|" in out and "max/mean expert load" in out
     assert "grouped-matmul backend: torch" in out and "DistributedDataParallel + gradient clipping" in out
-    assert "reloaded by plain transformers at EP=1" in out
-    png = tmp_path / "demo-qwen3_moe-loss.png"
-    assert png.stat().st_size > 1000 and str(png) in out
+    assert "expert load, max/mean (mean over layers): first 1 steps" in out and "(LoadBalancer on)" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "ms" in line]
+    assert len(rows) == 4 and all(float(row[3]) < 1e-5 for row in rows), rows  # |diff| with balancing
+    assert all(len(row) == 8 and all(float(x) >= 1.0 for x in row[6:]) for row in rows), rows  # 2 layers' imbalance
+    reload = float(out.split("max relative logits difference ")[1].split()[0])
+    assert reload < 1e-5, reload
+    for name in ("loss", "load"):
+        png = tmp_path / f"demo-qwen3_moe-{name}.png"
+        assert png.stat().st_size > 1000 and str(png) in out
 
 
 def test_demo_trainer_command(tmp_path, capsys):
@@ -60,6 +68,7 @@ def test_demo_trainer_command(tmp_path, capsys):
         (["demo", "--steps", "0"], "--steps"),
         (["demo", "--nproc", "3"], "--nproc: 3 ranks cannot share the demo model's 32 experts"),
         (["demo", "--timeout", "0"], "--timeout"),
+        (["demo", "--trainer", "--balance"], "--balance: not supported with --trainer"),
     ],
 )
 def test_demo_bad_options_fail_clearly(argv, message, capsys):

@@ -30,6 +30,7 @@ from epmoe.experts import experts_backend
 
 VOCAB = 256
 MAX_GRAD_NORM = 1.0
+BALANCE_RATE = 2e-3  # --balance: per step, a fifteenth of a 32-expert softmax score (1/32)
 
 
 @dataclass
@@ -46,6 +47,7 @@ class TrainOptions:
     lr: float = 1e-3
     seed: int = 0
     trainer: bool = False  # train through transformers.Trainer instead of a DDP loop
+    balance: bool = False  # DDP loop only: epmoe.LoadBalancer on the EP model, mirrored on the reference
     show_progress: bool = False
 
     def __post_init__(self) -> None:
@@ -57,6 +59,9 @@ class TrainOptions:
             raise ValueError(f"--dtype: {self.dtype!r} is not one of float32, bfloat16, float64")
         if self.steps < 1:
             raise ValueError(f"--steps: must be >= 1, got {self.steps}")
+        if self.balance and self.trainer:
+            raise ValueError("--balance: not supported with --trainer yet (the DDP loop mirrors the biases on the "
+                             "reference step by step)")
         if self.device not in ("cpu", "cuda", "npu", "xpu"):
             raise ValueError(f"--device: {self.device!r} is not one of cpu, cuda, npu, xpu")
 
@@ -68,6 +73,12 @@ class StepRecord:
     loss_ref: float
     time_ep: float
     time_ref: float
+    load: dict[str, list[int]] = field(default_factory=dict)  # EP model: slots per global expert, per layer
+
+    @property
+    def imbalance(self) -> list[float]:
+        """Per layer, the busiest expert's load over the mean (1.0: perfect balance)."""
+        return [max(c) * len(c) / sum(c) if sum(c) else float("nan") for c in self.load.values()]
 
     @property
     def diff(self) -> float:
@@ -118,9 +129,14 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
     backend = experts_backend(model.get_submodule(shards[0].module_name), options.backend).name
     result = TrainResult(options, world, backend)
     ep_model = model
+    balancer = None
+    if options.balance:
+        balancer = epmoe.LoadBalancer(model, update_rate=BALANCE_RATE)
+        balancer.mirror(reference)  # the reference selects with the same biases: the curves stay comparable
+    epmoe.reset_expert_load(model)
     if options.trainer:
         _train_with_trainer(result, model, reference, rank, device)
-        result.reload_error = reload_error(ep_model, rank, world, options, device)
+        result.reload_error = reload_error(ep_model, rank, world, options, device, balancer)
         return result
     ddp_args = {"device_ids": [device.index]} if device.type != "cpu" else {}
     model, reference = DDP(model, **ddp_args), DDP(reference, **ddp_args)
@@ -153,15 +169,24 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
         time_ref = time.perf_counter() - start
 
         result.records.append(StepRecord(step, _global_loss(loss_ep, world), _global_loss(loss_ref, world),
-                                         time_ep, time_ref))
-    result.reload_error = reload_error(ep_model, rank, world, options, device)
+                                         time_ep, time_ref, _step_load(ep_model)))
+        if balancer is not None:  # after both steps: the next step of both selects with the new biases
+            balancer.step()
+    result.reload_error = reload_error(ep_model, rank, world, options, device, balancer)
     return result
 
 
-def reload_error(model, rank: int, world: int, options: TrainOptions, device: torch.device) -> float:
+def _step_load(model) -> dict[str, list[int]]:
+    """The EP model's expert load of the step just run (a collective), counting afresh after it."""
+    load = {name: counts.tolist() for name, counts in epmoe.expert_load(model).items()}
+    epmoe.reset_expert_load(model)
+    return load
+
+
+def reload_error(model, rank: int, world: int, options: TrainOptions, device: torch.device, balancer=None) -> float:
     """Save the trained EP model with ``save_pretrained`` (every rank), reload it with plain transformers
-    (no EP, all experts on every rank) and compare logits on this rank's batch: the max over ranks of
-    the relative difference."""
+    (no EP, all experts on every rank; selecting with the balancer's biases, if any) and compare logits
+    on this rank's batch: the max over ranks of the relative difference."""
     import tempfile
 
     from transformers import AutoModelForCausalLM
@@ -173,6 +198,8 @@ def reload_error(model, rank: int, world: int, options: TrainOptions, device: to
             dist.broadcast_object_list(shared, src=0)  # one directory, rank 0's
         model.save_pretrained(shared[0])
         plain = AutoModelForCausalLM.from_pretrained(shared[0], dtype=getattr(torch, options.dtype)).to(device)
+        if balancer is not None:
+            balancer.mirror(plain)
         with torch.no_grad():
             mine, theirs = model(ids).logits.double(), plain(ids).logits.double()
         if world > 1:
@@ -217,17 +244,25 @@ def step_times(device: torch.device):
 
 
 def _train_with_trainer(result: TrainResult, model, reference, rank: int, device: torch.device) -> None:
-    """Both models through ``transformers.Trainer`` (the reference first); per-step losses from
-    Trainer's logs, per-step times from a callback."""
+    """Both models through ``transformers.Trainer``; per-step losses from Trainer's logs, per-step times
+    and the EP model's expert load from callbacks."""
     import tempfile
 
-    from transformers import PrinterCallback, Trainer, TrainingArguments
+    from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    class Loads(TrainerCallback):  # after each optimizer step: the step's expert load
+        def __init__(self):
+            self.loads = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.loads.append(_step_load(model))
 
     options = result.options
     dataset = SyntheticDataset(options, result.world_size)
     curves = {}
+    loads = Loads()
     with tempfile.TemporaryDirectory() as out_dir:
-        for label, net in (("ref", reference), ("ep", model)):
+        for label, net in (("ep", model), ("ref", reference)):
             args = TrainingArguments(
                 output_dir=f"{out_dir}/{label}", per_device_train_batch_size=options.batch_size,
                 max_steps=options.steps, learning_rate=options.lr, lr_scheduler_type="constant",
@@ -235,7 +270,8 @@ def _train_with_trainer(result: TrainResult, model, reference, rank: int, device
                 use_cpu=device.type == "cpu", disable_tqdm=True, seed=options.seed, dataloader_num_workers=0,
             )
             times = step_times(device)
-            trainer = Trainer(model=net, args=args, train_dataset=dataset, callbacks=[times])
+            extra = [loads] if label == "ep" else []
+            trainer = Trainer(model=net, args=args, train_dataset=dataset, callbacks=[times, *extra])
             trainer.remove_callback(PrinterCallback)
             if label == "ep":
                 epmoe.prepare_trainer(trainer)
@@ -243,5 +279,5 @@ def _train_with_trainer(result: TrainResult, model, reference, rank: int, device
             losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
             curves[label] = (losses, times.times)
     (losses_ref, times_ref), (losses_ep, times_ep) = curves["ref"], curves["ep"]
-    for step, values in enumerate(zip(losses_ep, losses_ref, times_ep, times_ref)):
+    for step, values in enumerate(zip(losses_ep, losses_ref, times_ep, times_ref, loads.loads)):
         result.records.append(StepRecord(step, *values))

@@ -31,6 +31,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu (default cpu)")
     parser.add_argument("--trainer", action="store_true",
                         help="train both models through transformers.Trainer instead of a DDP loop")
+    parser.add_argument("--balance", action="store_true",
+                        help="auxiliary-loss-free load balancing (epmoe.LoadBalancer) on both models")
     parser.add_argument("--out", default="epmoe-out", help="directory for the plot (default ./epmoe-out)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the run is abandoned")
     parser.set_defaults(run=run)
@@ -38,14 +40,41 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def format_table(result: TrainResult) -> str:
     lines = [
-        f"{'step':>4}  {'loss (EP)':>10}  {'loss (no EP)':>12}  {'|diff|':>9}  {'time EP':>9}  {'time no EP':>10}",
+        f"{'step':>4}  {'loss (EP)':>10}  {'loss (no EP)':>12}  {'|diff|':>9}  {'time EP':>9}  {'time no EP':>10}"
+        f"  max/mean expert load per layer",
     ]
     for r in result.records:
         lines.append(
             f"{r.step:>4}  {r.loss_ep:>10.6f}  {r.loss_ref:>12.6f}  {r.diff:>9.2e}  "
-            f"{r.time_ep * 1e3:>7.1f}ms  {r.time_ref * 1e3:>8.1f}ms"
+            f"{r.time_ep * 1e3:>7.1f}ms  {r.time_ref * 1e3:>8.1f}ms  " + " ".join(f"{x:.2f}" for x in r.imbalance)
         )
     return "\n".join(lines)
+
+
+def plot_load(result: TrainResult, path: Path) -> Path:
+    """A heat map per MoE layer: each expert's share of the layer's routed slots (rows) at each step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(result.records[0].load)
+    shares = [[[c / max(1, sum(r.load[name])) for c in r.load[name]] for r in result.records] for name in names]
+    fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names) + 1, 4.5), squeeze=False)
+    top = max(max(max(step) for step in layer) for layer in shares)
+    for ax, name, layer in zip(axes[0], names, shares):
+        image = ax.imshow([list(col) for col in zip(*layer)], aspect="auto", origin="lower", cmap="viridis",
+                          vmin=0, vmax=top, interpolation="nearest")
+        ax.set_title(name.replace(".mlp.experts", ""), fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert")
+    balanced = " (LoadBalancer on)" if result.options.balance else ""
+    fig.suptitle(f"{result.options.family}: share of each layer's routed slots per expert{balanced}")
+    fig.colorbar(image, ax=axes[0].tolist(), label="share of the layer's slots")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def plot(result: TrainResult, path: Path) -> Path:
@@ -82,7 +111,8 @@ def _validate(args: argparse.Namespace) -> TrainOptions:
     if args.device != "cpu" and not platform.is_available(args.device):
         raise ValueError(f"--device: {args.device!r} is not available on this machine")
     options = TrainOptions(family=args.model, steps=args.steps, dtype=args.dtype, backend=args.backend,
-                           device=args.device, trainer=args.trainer, show_progress=not args.trainer)
+                           device=args.device, trainer=args.trainer, balance=args.balance,
+                           show_progress=not args.trainer)
     from epmoe.ep.config import ExpertParallelConfig
 
     ExpertParallelConfig(gmm_backend=args.backend)  # a bad --backend fails here, not in every rank
@@ -131,6 +161,13 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"checkpoint: save_pretrained at EP={result.world_size}, reloaded by plain transformers at EP=1: "
           f"max relative logits difference {result.reload_error:.2e}")
+    window = max(1, len(result.records) // 4)
+    means = [statistics.fmean(r.imbalance) for r in result.records]
+    print(f"expert load, max/mean (mean over layers): first {window} steps {statistics.fmean(means[:window]):.2f}, "
+          f"last {window} steps {statistics.fmean(means[-window:]):.2f}"
+          f"{' (LoadBalancer on)' if args.balance else ' (--balance: with epmoe.LoadBalancer)'}")
     path = plot(result, Path(args.out) / f"demo-{args.model}-loss.png")
     print(f"loss curves plotted to {path.resolve()}")
+    heat = plot_load(result, Path(args.out) / f"demo-{args.model}-load.png")
+    print(f"expert load heat map written to {heat.resolve()}")
     return 0

@@ -56,6 +56,7 @@ class LoadBalancer:
             if _COUNTER not in state.load_counters:
                 state.load_counters = (*state.load_counters, _COUNTER)
             state.loads.pop(_COUNTER, None)
+        self._followers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bias, a mirror's buffer)
         self._hook = optimizer.register_step_post_hook(lambda *_: self.step()) if optimizer is not None else None
 
     @torch.no_grad()
@@ -68,6 +69,28 @@ class LoadBalancer:
                 continue
             delta = self.update_rate * torch.sign(load.mean() - load)
             self.bias[name].add_(delta.to(self.bias[name].device, self.bias[name].dtype))
+        self.sync_mirrors()
+
+    @torch.no_grad()
+    def sync_mirrors(self) -> None:
+        """Copy the biases into the bias buffers of the models given to :meth:`mirror` (done by :meth:`step`)."""
+        for bias, follower in self._followers:
+            follower.copy_(bias)
+
+    def mirror(self, other: nn.Module) -> None:
+        """Make ``other``, an unsharded copy of the model (no EP), select experts with these same biases
+        from now on (e.g. a reference or evaluation copy): hooks sharing the bias tensors, or, where the
+        router has its own bias buffer, that buffer following at every :meth:`step`."""
+        modules = dict(other.named_modules())
+        for name, bias in self.bias.items():
+            router = _router_of(modules, name)
+            own = getattr(router, "e_score_correction_bias", None)
+            if isinstance(own, torch.Tensor):
+                self._followers.append((bias, own))
+                with torch.no_grad():
+                    own.copy_(bias)
+            else:
+                router.register_forward_hook(_biased_selection(bias))
 
     def remove(self) -> None:
         """Stop being called by the optimizer (the biases stay in force)."""
