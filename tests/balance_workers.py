@@ -176,4 +176,62 @@ def all_checks(rank, world):
             "parity/deepseek_v3": balancer_parity_run(rank, world, "deepseek_v3"),
             "balancing": balancing_run(rank, world),
             "aux/qwen3_moe": aux_loss_run(rank, world, "qwen3_moe"),
-            "aux/mixtral": aux_loss_run(rank, world, "mixtral")}
+            "aux/mixtral": aux_loss_run(rank, world, "mixtral"),
+            "capacity": capacity_run(rank, world)}
+
+
+def capacity_run(rank, world, factor=0.6):
+    """capacity_factor at the experts module: EP 2 against transformers' eager experts on the ranks'
+    batches concatenated, the dropped slots' routing weights masked to zero (an independent oracle
+    of the policy: per expert, the first C slots in (source rank, token, k) order are kept); then at
+    the model: EP 2 against EP 1 on the concatenated batch, logits and dropped counts."""
+    import math
+
+    from ep_layer_workers import base_model, experts_of, max_rel, run_module
+
+    base = base_model("qwen3_moe")
+    reference = copy.deepcopy(experts_of(base))
+    model = copy.deepcopy(base)
+    epmoe.apply_expert_parallel(model, config={"capacity_factor": factor})
+    ep = experts_of(model)
+    E, K, H = 8, 2, reference.gate_up_proj.shape[-1]
+    g = torch.Generator().manual_seed(7)
+    inputs = []
+    for T in (7, 11)[:world]:
+        inputs.append((torch.randn(T, H, generator=g, dtype=torch.float64),
+                       torch.rand(T, E, generator=g).argsort(dim=1)[:, :K],
+                       torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), -1),
+                       torch.randn(T, H, generator=g, dtype=torch.float64)))
+    h, index, w, grad_out = (torch.cat(parts) for parts in zip(*inputs))
+    capacity = math.ceil(factor * index.numel() / E)
+    seen, keep = [0] * E, torch.zeros(index.shape, dtype=torch.float64)
+    for t in range(index.shape[0]):
+        for k in range(K):
+            e = int(index[t, k])
+            keep[t, k] = float(seen[e] < capacity)
+            seen[e] += 1
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    want = reference(hh, index, ww * keep)
+    (want * grad_out).sum().backward()
+    out, dh, dw = run_module(ep, *[t.clone() for t in inputs[rank]], dtype=torch.float64, needs_graph=True)
+    start = sum(len(inputs[r][0]) for r in range(rank))
+    rows = slice(start, start + len(inputs[rank][0]))
+    shard = ep._epmoe.shard
+    errors = [max_rel(out, want.detach()[rows]), max_rel(dh, hh.grad[rows]), max_rel(dw, ww.grad[rows])]
+    for name, param in ep.named_parameters():
+        errors.append(max_rel(param.grad, dict(reference.named_parameters())[name].grad[shard.local_start:shard.local_end]))
+    dropped = epmoe.expert_load(ep, dropped=True)[shard.module_name].tolist()
+    want_dropped = [max(0, n - capacity) for n in seen]
+
+    # the model: EP 2 on each rank's batch vs EP 1 on the concatenation (same lengths)
+    full = copy.deepcopy(base)
+    epmoe.apply_expert_parallel(full, _group_of_one(rank, world), config={"capacity_factor": factor})
+    ids = [batch(r, length=10)[:, :10] for r in range(world)]
+    with torch.no_grad():
+        epmoe.reset_expert_load(model)
+        mine = model(ids[rank]).logits
+        theirs = full(torch.cat(ids)).logits[2 * rank:2 * rank + 2]
+    model_dropped = {n: t.tolist() for n, t in epmoe.expert_load(model, dropped=True).items()}
+    full_dropped = {n: t.tolist() for n, t in epmoe.expert_load(full, dropped=True).items()}
+    return {"errors": errors, "dropped": dropped, "want_dropped": want_dropped,
+            "model_logits": max_rel(mine, theirs), "model_dropped": model_dropped, "full_dropped": full_dropped}

@@ -50,6 +50,15 @@ def test_models_own_auxiliary_loss_is_exact_under_ep(family):
         assert seen["non_expert_grads"] < 1e-10, seen
 
 
+def test_capacity_factor_drops_the_same_slots_at_every_ep_size():
+    for by_check in results():
+        seen = by_check["capacity"]
+        assert max(seen["errors"]) < 1e-10, seen["errors"]  # outputs and every gradient vs the masked oracle
+        assert seen["dropped"] == seen["want_dropped"] and sum(seen["dropped"]) > 0, seen
+        assert seen["model_logits"] < 1e-10 and seen["model_dropped"] == seen["full_dropped"], seen
+        assert sum(sum(v) for v in seen["model_dropped"].values()) > 0, seen
+
+
 def test_validation():
     model = build_model("qwen3_moe")
     with pytest.raises(ValueError, match="not expert-parallel"):
@@ -70,6 +79,11 @@ def test_validation():
     model(ids, labels=ids).loss.backward()
     optimizer.step()  # hooked: the biases moved without a call to balancer.step()
     assert all(b.abs().sum() > 0 for b in balancer.bias.values())
+    for bad in (0, -0.5, float("inf"), True):
+        with pytest.raises(ValueError, match="capacity_factor"):
+            epmoe.ExpertParallelConfig(capacity_factor=bad)
+    with pytest.raises(ValueError, match="dispatch='alltoallv' or 'auto'"):
+        epmoe.ExpertParallelConfig(capacity_factor=1.0, dispatch="fused")
     gpt = build_model("gpt_oss")
     epmoe.apply_expert_parallel(gpt)
     with pytest.raises(ValueError, match="not a top-k-of-softmax router"):

@@ -51,22 +51,26 @@ def exchange_counts(
             f"exchange_counts(tokens_per_expert): the ranks' histograms differ in length: {errors.summarize(theirs)} "
             f"by rank (each must be W*e = the global number of experts)"
         )
-    channel = StepChannel(group, length // world, what="exchange_counts")
-    return counts_exchange(channel, Position(MODEL_WIDE, COUNTS, 1), tokens_per_expert)
+    channel = StepChannel(group, length // world + 1, what="exchange_counts")
+    send_counts, recv_counts, _ = counts_exchange(channel, Position(MODEL_WIDE, COUNTS, 1), tokens_per_expert)
+    return send_counts, recv_counts
 
 
 def counts_exchange(channel: StepChannel, position: Position, tokens_per_expert: torch.Tensor
-                    ) -> tuple[list[int], list[int]]:
+                    ) -> tuple[list[int], list[int], list[int]]:
     """:func:`exchange_counts` as one header exchange on ``channel`` at ``position`` (lengths known
-    to agree). Raises on every rank if the headers differ or any rank's histogram is negative."""
+    to agree; ``channel.width`` at least ``e + 1``), plus every source's total slots (each row also
+    carries its sender's histogram total). Raises on every rank if the headers differ or any rank's
+    histogram is negative."""
     W = channel.size
     send_We = tokens_per_expert.to(torch.int64).view(W, -1)
     negative = (send_We < 0).any().to(torch.int64)  # on the device: no host read yet
-    received, flags = channel.exchange(position, send_We, negative)
+    total = send_We.sum().expand(W, 1)
+    received, flags = channel.exchange(position, torch.cat([send_We, total], dim=1), negative)
     send_counts = send_We.reshape(-1).tolist()
-    recv_counts = [c for row in received for c in row]
+    recv_counts = [c for row in received for c in row[:-1]]
     _check_non_negative(send_counts, flags)
-    return send_counts, recv_counts
+    return send_counts, recv_counts, [row[-1] for row in received]
 
 
 def _validate(tokens_per_expert, world: int) -> None:

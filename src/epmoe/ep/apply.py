@@ -200,7 +200,7 @@ def _step_channels(group, ep_size: int, dp_group, dp_size: int, config: ExpertPa
     """The model's EP and ``"dp"`` step channels, each on a group created for it with
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
     names = tuple(shard.module_name for shard in shards)
-    width = max(shard.num_local_experts for shard in shards)  # every header of the model: one row size
+    width = max(shard.num_local_experts for shard in shards) + 1  # one row size (counts + slot total)
     timeout = config.timeout_s
     ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
     dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None
@@ -314,7 +314,7 @@ def _resolve_dispatch(experts: nn.Module, config: ExpertParallelConfig) -> tuple
     """``(ExpertParallelState.dispatch, why a requested fused path was declined or None)`` for one module:
     the configured mode where the fused ops can run these experts (``"auto"`` is then decided per
     call, see :meth:`~epmoe.ep.layer.ExpertParallelState.dispatch_on`), else ``"alltoallv"``."""
-    if config.dispatch == "alltoallv":
+    if config.dispatch == "alltoallv" or config.capacity_factor is not None:  # capacity: see the config
         return "alltoallv", None
     reason = fused_ineligible_reason(experts)
     if reason is None:

@@ -14,6 +14,7 @@ from epmoe.comm.steps import DEFAULT_TIMEOUT_S
 
 DISPATCH_MODES = ("auto", "alltoallv", "fused")
 EXPERT_GRAD_MODES = ("auto", "sum", "mean")
+DROPPED_COUNTER = "dropped"  # ExpertParallelState.loads key of the slots capacity dropped
 
 
 @dataclass
@@ -37,6 +38,13 @@ class ExpertParallelConfig:
             of step into an error on every rank: ``True``, ``False``, or ``"auto"`` (on for tensors on
             the CPU, off on accelerators, where the host synchronisation would cost more). The
             forward's check rides in the counts exchange and is always on.
+        capacity_factor: ``None`` (dropless, the default) or a float > 0: each expert then keeps at
+            most ``ceil(capacity_factor * T_global * K / E)`` slots of a forward (``T_global * K``: the
+            slots of every rank of the EP group), the first in the global order (source rank, then
+            token, then k: the ranks' batches concatenated in rank order), so EP size 1 on that
+            concatenation drops the same slots as any EP size. A dropped slot contributes zero (its
+            expert output and routing-weight gradient are zero) and is counted
+            (``epmoe.expert_load(model, dropped=True)``). Runs the all-to-all-v dispatch.
     """
 
     gmm_backend: str = "auto"
@@ -45,6 +53,7 @@ class ExpertParallelConfig:
     expert_grad: str = "auto"
     timeout: float | None = None
     check_steps: bool | str = "auto"
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         from epmoe.gmm import gmm_backends
@@ -70,6 +79,14 @@ class ExpertParallelConfig:
         if not (isinstance(self.check_steps, bool) or self.check_steps == "auto"):
             raise ValueError(f"ExpertParallelConfig(check_steps): expected True, False or 'auto', "
                              f"got {self.check_steps!r}")
+
+        factor = self.capacity_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                   or not 0 < factor < float("inf")):
+            raise ValueError(f"ExpertParallelConfig(capacity_factor): expected None or a number > 0, got {factor!r}")
+        if factor is not None and self.dispatch == "fused":
+            raise ValueError("ExpertParallelConfig(capacity_factor): drops slots between the exchange and the grouped "
+                             "matmul, which the fused ops do not expose; use dispatch='alltoallv' or 'auto'")
 
     @property
     def timeout_s(self) -> float:

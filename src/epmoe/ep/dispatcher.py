@@ -49,6 +49,7 @@ class RoutingPlan:
     ep_size: int
     num_local_experts: int
     group: dist.ProcessGroup | None
+    global_slots: int  # slots of every rank of the EP group in this forward (T_global * K)
 
     @functools.cached_property
     def layout(self) -> Plan:
@@ -85,11 +86,11 @@ def plan_routing(
     unsort_S[sort_S] = torch.arange(sort_S.numel(), device=sort_S.device)
     if channel is None:
         send_counts = recv_counts = tokens_per_expert.tolist()
-        ep_size, group = 1, None
+        ep_size, group, slots = 1, None, [expert_S.numel()]
     else:
-        send_counts, recv_counts = counts_exchange(channel, position, tokens_per_expert)
+        send_counts, recv_counts, slots = counts_exchange(channel, position, tokens_per_expert)
         ep_size, group = channel.size, channel.group
-    return RoutingPlan(sort_S, unsort_S, send_counts, recv_counts, ep_size, num_experts // ep_size, group)
+    return RoutingPlan(sort_S, unsort_S, send_counts, recv_counts, ep_size, num_experts // ep_size, group, sum(slots))
 
 
 def _reorder_index(counts_AB: torch.Tensor, total: int) -> torch.Tensor:

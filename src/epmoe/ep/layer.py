@@ -28,14 +28,17 @@ Each forward is the layer's next *call*; its backward starts with a step-header 
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from epmoe import platform
 from epmoe.comm.steps import BACKWARD, FORWARD, GRAD_REDUCE, Position, StepChannel, checks_on, header_in_backward
-from epmoe.ep.config import ExpertParallelConfig, ExpertShard
+from epmoe.ep.config import DROPPED_COUNTER, ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatcher import AllToAllDispatcher, permute_tokens, plan_routing, unpermute_and_combine
 from epmoe.ep.fused import fused_routed_experts
 from epmoe.experts import experts_forward
@@ -59,14 +62,15 @@ class ExpertParallelState:
     layer: int = 0  # this experts module's index among the model's (step headers name it)
     calls: int = 0  # forwards run so far
     loads: dict[str, list[int]] = field(default_factory=dict)  # counter -> slots per local expert (epmoe.ep.load)
-    load_counters: tuple[str, ...] = ("telemetry",)  # the counters forwards add to
+    load_counters: tuple[str, ...] = ("telemetry",)  # the routed-load counters forwards add to
 
-    def count_load(self, local_counts: list[int]) -> None:
-        """Add this forward's slots per local expert (from the counts exchange) to every counter; a
-        forward recomputed inside the backward (gradient checkpointing) adds nothing."""
+    def count_load(self, local_counts: list[int], counters: tuple[str, ...] | None = None) -> None:
+        """Add this forward's slots per local expert (from the counts exchange) to ``counters``
+        (default: every routed-load counter); a forward recomputed inside the backward (gradient
+        checkpointing) adds nothing."""
         if torch._C._current_graph_task_id() != -1:
             return
-        for counter in self.load_counters:
+        for counter in counters or self.load_counters:
             total = self.loads.setdefault(counter, [0] * len(local_counts))
             for j, n in enumerate(local_counts):
                 total[j] += n
@@ -135,12 +139,33 @@ def routed_experts(
     dispatcher = AllToAllDispatcher(plan, hidden_TH.device)
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
     x_expert_major = dispatcher.dispatch(x_rank_major)
-    y_expert_major = experts_forward(
-        state.local_experts, x_expert_major, plan.local_counts, backend=state.config.gmm_backend,
-        sync_weights=state.sync_weights,
-    )
+    y_expert_major = experts_with_capacity(state, plan, x_expert_major)
     y_rank_major = state.backward_header(dispatcher.combine(y_expert_major))
     return unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_TH.dtype)
+
+
+def experts_with_capacity(state: ExpertParallelState, plan, x_expert_major: torch.Tensor) -> torch.Tensor:
+    """The local experts on their expert-major rows; with ``config.capacity_factor``, only the first
+    ``C`` rows of each expert (the global order: source rank, then token, then k), the others' outputs
+    zero and counted as dropped (see :class:`~epmoe.ep.config.ExpertParallelConfig`)."""
+    counts = plan.local_counts
+    run = functools.partial(experts_forward, state.local_experts, backend=state.config.gmm_backend,
+                            sync_weights=state.sync_weights)
+    factor = state.config.capacity_factor
+    if factor is None:
+        return run(x_expert_major, counts)
+    capacity = math.ceil(factor * plan.global_slots / state.shard.num_experts)
+    kept = [min(capacity, n) for n in counts]
+    state.count_load([n - k for n, k in zip(counts, kept)], (DROPPED_COUNTER,))
+    if kept == counts:
+        return run(x_expert_major, counts)
+    start, rows = 0, []
+    for n, k in zip(counts, kept):
+        rows.append(torch.arange(start, start + k))
+        start += n
+    index = platform.host_to_device(torch.cat(rows), x_expert_major.device)
+    y_kept = run(x_expert_major[index], kept)
+    return y_kept.new_zeros(x_expert_major.shape[0], y_kept.shape[1]).index_copy(0, index, y_kept)
 
 
 def expert_parallel_forward(

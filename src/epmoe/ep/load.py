@@ -11,8 +11,8 @@ experts module, each rank's row carrying its local counters::
                                                            ranks' batches concatenated)
 
 Every rank of the EP group must call :func:`expert_load` (a collective, tagged like every EP
-collective: :mod:`epmoe.comm.steps`). ``dropped=True`` gives the slots capacity dropped: none, epmoe
-is dropless.
+collective: :mod:`epmoe.comm.steps`). ``dropped=True`` gives the slots
+``ExpertParallelConfig.capacity_factor`` dropped (none when dropless, the default), counted the same way.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from epmoe.comm.steps import TELEMETRY
+from epmoe.ep.config import DROPPED_COUNTER
 
 TELEMETRY_COUNTER = "telemetry"
 
@@ -54,16 +55,15 @@ def expert_load(model: nn.Module, *, dropped: bool = False) -> dict[str, torch.T
     dropped (dropless: zeros). Collective over the EP group."""
     if not isinstance(dropped, bool):
         raise TypeError(f"expert_load(dropped): expected a bool, got {type(dropped).__name__}")
-    states = experts_states(model, "expert_load")
-    if dropped:
-        return {name: torch.zeros(state.shard.num_experts, dtype=torch.int64) for name, state in states}
-    return {name: global_load(state, TELEMETRY_COUNTER) for name, state in states}
+    counter = DROPPED_COUNTER if dropped else TELEMETRY_COUNTER
+    return {name: global_load(state, counter) for name, state in experts_states(model, "expert_load")}
 
 
 def reset_expert_load(model: nn.Module) -> None:
     """Start counting afresh (local: no collective)."""
     for _, state in experts_states(model, "reset_expert_load"):
         state.loads.pop(TELEMETRY_COUNTER, None)
+        state.loads.pop(DROPPED_COUNTER, None)
 
 
 def load_summary(loads: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
