@@ -30,7 +30,7 @@ from epmoe.experts import experts_backend
 
 VOCAB = 256
 MAX_GRAD_NORM = 1.0
-BALANCE_RATE = 2e-3  # --balance: per step, a fifteenth of a 32-expert softmax score (1/32)
+BALANCE_RATE = 1e-3  # --balance: per step, a thirtieth of a 32-expert softmax score (1/32)
 
 
 @dataclass

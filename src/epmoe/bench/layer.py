@@ -92,6 +92,7 @@ QUICK_SHAPES = (Shape("tiny", num_experts=8, top_k=2, hidden=64, intermediate=32
 EP2_LAYERS = 1  # decoder layers of the EP=2 model (a MoE layer)
 EPMOE_DDP, REPLICATED_DDP = "epmoe + DDP", "replicated (no EP) + DDP"
 EPMOE_UNCHECKED = "epmoe + DDP, check_steps=False"
+EPMOE_BALANCED = "epmoe + DDP + expert_load + LoadBalancer"
 EPMOE_TRAINER, REPLICATED_TRAINER = "epmoe, Trainer", "replicated (no EP), Trainer"
 TRAINER_VARIANTS = (EPMOE_TRAINER, REPLICATED_TRAINER)
 
@@ -357,12 +358,15 @@ class Ep2Report:
     dispatch: str  # the dispatch epmoe resolved ("alltoallv" or "fused")
     trainer_drift: dict[str, float]  # Trainer variant -> max over its steps of |loss - replicated Trainer loss|
     trainer_steps: int
+    count_load_us: float  # the forward's telemetry: one layer's count_load, microseconds
+    balancer_ms: float  # expert_load + reset + LoadBalancer.step, timed inside the step (slowest rank)
 
     def markdown(self) -> str:
         notes = {
             EPMOE_DDP: f"apply_expert_parallel (dispatch {self.dispatch}), then DDP; step headers in backward "
                        f"(check_steps='auto': on for CPU)",
             EPMOE_UNCHECKED: "the same without the backward step headers (the forward's ride in the counts)",
+            EPMOE_BALANCED: "epmoe + DDP, then every step expert_load, reset_expert_load and LoadBalancer.step",
             "transformers EP": "DistributedConfig(fsdp_size=2, ep_size=2), experts grouped_mm",
             REPLICATED_DDP: "all experts on every rank; DDP",
             EPMOE_TRAINER: "Trainer step (fwd, bwd, clip, AdamW), prepare_trainer; first loss vs replicated Trainer",
@@ -380,9 +384,18 @@ class Ep2Report:
         for mine, theirs, what in ((EPMOE_DDP, "transformers EP", "epmoe + DDP step / transformers EP step"),
                                    (EPMOE_DDP, REPLICATED_DDP, "epmoe + DDP step / replicated + DDP step"),
                                    (EPMOE_DDP, EPMOE_UNCHECKED, "backward step headers on / off (cost of check_steps)"),
+                                   (EPMOE_BALANCED, EPMOE_DDP, "with / without telemetry reads and the balancer"),
                                    (EPMOE_TRAINER, REPLICATED_TRAINER, "epmoe Trainer step / replicated Trainer step")):
             if mine in self.steps_ms and theirs in self.steps_ms:
                 lines.append(f"- {what} = {self.steps_ms[mine] / self.steps_ms[theirs]:.2f}")
+        if EPMOE_DDP in self.steps_ms:
+            share = self.count_load_us * 1e-3 * EP2_LAYERS / self.steps_ms[EPMOE_DDP]
+            lines.append(f"- forward-side telemetry (counting each layer's slots, always on): {self.count_load_us:.1f} us "
+                         f"per layer forward = {100 * share:.4f}% of the epmoe + DDP step")
+        if EPMOE_BALANCED in self.steps_ms:
+            lines.append(f"- expert_load + reset_expert_load + LoadBalancer.step, timed inside the step: "
+                         f"{self.balancer_ms:.2f} ms = {100 * self.balancer_ms / self.steps_ms[EPMOE_BALANCED]:.2f}% "
+                         f"of it (the step-time ratio above is within the rounds' spread)")
         if EPMOE_TRAINER in self.trainer_drift:
             lines.append(f"- epmoe Trainer loss vs replicated Trainer loss, max over {self.trainer_steps} steps: "
                          f"{self.trainer_drift[EPMOE_TRAINER]:.2e} (fp32 rounding, grown by AdamW)")
@@ -421,7 +434,8 @@ def run_ep2(shape: Shape, settings: common.Settings) -> Ep2Report:
         loss_diffs[label] = abs(mine[0] - ref[0])
         trainer_drift[label] = max(abs(a - b) for a, b in zip(mine, ref))
     return Ep2Report(shape, shape.tokens, threads, steps_ms, loss_diffs, losses, errors, results[0]["dispatch"],
-                     trainer_drift, len(results[0]["trainer_losses"][EPMOE_TRAINER]))
+                     trainer_drift, len(results[0]["trainer_losses"][EPMOE_TRAINER]),
+                     max(r["count_load_us"] for r in results), max(r["balancer_ms"] for r in results))
 
 
 def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeats: int, seed: int) -> dict:
@@ -452,6 +466,11 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     unchecked = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(unchecked, config={"check_steps": False})
     steps[EPMOE_UNCHECKED] = _step(DDP(unchecked), ids)
+    balanced = copy.deepcopy(reference)
+    epmoe.apply_expert_parallel(balanced)
+    balancer_seconds: list[float] = []
+    steps[EPMOE_BALANCED] = _step(DDP(balanced), ids, epmoe.LoadBalancer(balanced, update_rate=1e-3),
+                                  balancer_seconds)
     steps[REPLICATED_DDP] = _step(DDP(copy.deepcopy(reference)), ids)
     try:
         from transformers.distributed import DistributedConfig
@@ -468,6 +487,7 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
         raise RuntimeError(f"ranks disagree on which variants failed: {failed}")
     losses[EPMOE_DDP] = steps[EPMOE_DDP]()
     losses[EPMOE_UNCHECKED] = steps[EPMOE_UNCHECKED]()
+    losses[EPMOE_BALANCED] = steps[EPMOE_BALANCED]()
     losses[REPLICATED_DDP] = steps[REPLICATED_DDP]()
 
     names = list(steps)
@@ -488,17 +508,34 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
             epmoe.apply_expert_parallel(net)
         seconds, trainer_losses[label] = _trainer_steps(net, label == EPMOE_TRAINER, tokens, warmup + repeats, seed)
         times[label] = seconds[warmup:]
+    state = next(m._epmoe for m in model.modules() if hasattr(m, "_epmoe"))
+    counts = [tokens // state.shard.num_experts] * state.shard.num_local_experts
+    start = time.perf_counter()
+    for _ in range(10_000):
+        state.count_load(counts)
+    count_load_us = (time.perf_counter() - start) / 10_000 * 1e6
     return {"losses": losses, "times": times, "errors": errors, "dispatch": "/".join(dispatch),
-            "trainer_losses": trainer_losses}
+            "trainer_losses": trainer_losses, "count_load_us": count_load_us,
+            "balancer_ms": 1e3 * statistics.median(balancer_seconds[-repeats:])}
 
 
-def _step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], float]:
-    """Forward and backward (DDP synchronises the gradients inside the backward)."""
+def _step(model: torch.nn.Module, ids: torch.Tensor, balancer=None, extra_seconds: list | None = None
+          ) -> Callable[[], float]:
+    """Forward and backward (DDP synchronises the gradients inside the backward); with a
+    ``balancer``, then the step's expert load read and reset and the balancer's update, whose own
+    seconds are appended to ``extra_seconds`` (timed inside the step)."""
+    import epmoe
 
     def step() -> float:
         model.zero_grad(set_to_none=True)
         loss = model(ids, labels=ids).loss
         loss.backward()
+        if balancer is not None:
+            start = time.perf_counter()
+            epmoe.expert_load(model.module)
+            epmoe.reset_expert_load(model.module)
+            balancer.step()
+            extra_seconds.append(time.perf_counter() - start)
         return loss.item()
 
     return step
