@@ -39,7 +39,7 @@ def test_demo_command_prints_table_and_writes_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "loss (EP)" in out and "loss (no EP)" in out and "|diff|" in out and "max/mean expert load" in out
     assert "grouped-matmul backend: torch" in out and "DistributedDataParallel + gradient clipping" in out
-    assert "expert load, max/mean (mean over layers): first 1 steps" in out and "(LoadBalancer on)" in out
+    assert "expert load max/mean of 5-step windows (mean over layers): steps 0-3 " in out and "(LoadBalancer on)" in out
     rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and "ms" in line]
     assert len(rows) == 4 and all(float(row[3]) < 1e-5 for row in rows), rows  # |diff| with balancing
     assert all(len(row) == 8 and all(float(x) >= 1.0 for x in row[6:]) for row in rows), rows  # 2 layers' imbalance

@@ -51,6 +51,23 @@ def format_table(result: TrainResult) -> str:
     return "\n".join(lines)
 
 
+LOAD_WINDOW = 5  # steps whose loads are summed: the persistent skew the balancer removes, not one batch's noise
+
+
+def window_imbalance(result: TrainResult) -> list[tuple[int, int, float]]:
+    """``(first step, end, max/mean)`` of the EP model's expert load summed over consecutive windows of
+    ``LOAD_WINDOW`` steps, averaged over the layers."""
+    out = []
+    for start in range(0, len(result.records), LOAD_WINDOW):
+        part = result.records[start:start + LOAD_WINDOW]
+        values = []
+        for name in part[0].load:
+            total = [sum(column) for column in zip(*(r.load[name] for r in part))]
+            values.append(max(total) * len(total) / sum(total) if sum(total) else float("nan"))
+        out.append((part[0].step, part[-1].step + 1, statistics.fmean(values)))
+    return out
+
+
 def plot_load(result: TrainResult, path: Path) -> Path:
     """A heat map per MoE layer: each expert's share of the layer's routed slots (rows) at each step."""
     import matplotlib
@@ -161,10 +178,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"checkpoint: save_pretrained at EP={result.world_size}, reloaded by plain transformers at EP=1: "
           f"max relative logits difference {result.reload_error:.2e}")
-    window = max(1, len(result.records) // 4)
-    means = [statistics.fmean(r.imbalance) for r in result.records]
-    print(f"expert load, max/mean (mean over layers): first {window} steps {statistics.fmean(means[:window]):.2f}, "
-          f"last {window} steps {statistics.fmean(means[-window:]):.2f}"
+    windows = ", ".join(f"steps {start}-{end - 1} {value:.2f}" for start, end, value in window_imbalance(result))
+    print(f"expert load max/mean of {LOAD_WINDOW}-step windows (mean over layers): {windows}"
           f"{' (LoadBalancer on)' if args.balance else ' (--balance: with epmoe.LoadBalancer)'}")
     path = plot(result, Path(args.out) / f"demo-{args.model}-loss.png")
     print(f"loss curves plotted to {path.resolve()}")
