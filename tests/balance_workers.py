@@ -235,3 +235,19 @@ def capacity_run(rank, world, factor=0.6):
     full_dropped = {n: t.tolist() for n, t in epmoe.expert_load(full, dropped=True).items()}
     return {"errors": errors, "dropped": dropped, "want_dropped": want_dropped,
             "model_logits": max_rel(mine, theirs), "model_dropped": model_dropped, "full_dropped": full_dropped}
+
+
+def mesh_balancer_run(rank, world):
+    """A ("dp", "ep") = (2, 2) mesh, every rank its own batches: the LoadBalancer's biases are the same
+    on all four ranks (the load summed over the "dp" replicas too) and they moved."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
+    model = build_model("qwen3_moe")
+    epmoe.apply_expert_parallel(model, mesh)
+    balancer = epmoe.LoadBalancer(model, update_rate=0.01)
+    for step in range(3):
+        with torch.no_grad():
+            model(batch(rank, step))
+        balancer.step()
+    return {name: bias.tolist() for name, bias in balancer.bias.items()}

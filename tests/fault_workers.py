@@ -92,6 +92,10 @@ def agreement_run(rank: int, world: int) -> dict:
         epmoe.exchange_counts(torch.ones(4 if rank == 0 else 6, dtype=torch.int64))
     out["exchange_counts_lengths"] = _outcome(lengths)
 
+    def invalid_on_one_rank():  # rank 1's length is not a multiple of the group size
+        epmoe.exchange_counts(torch.ones(4 if rank == 0 else 5, dtype=torch.int64))
+    out["exchange_counts_invalid_on_one_rank"] = _outcome(invalid_on_one_rank)
+
     def negative():
         counts = torch.ones(20_000, dtype=torch.int64)
         if rank == 1:

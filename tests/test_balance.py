@@ -59,6 +59,14 @@ def test_capacity_factor_drops_the_same_slots_at_every_ep_size():
         assert sum(sum(v) for v in seen["model_dropped"].values()) > 0, seen
 
 
+def test_load_balancer_biases_agree_over_dp_replicas():
+    from balance_workers import mesh_balancer_run
+
+    biases = run_ranks(mesh_balancer_run, 4, timeout=300)
+    assert all(b == biases[0] for b in biases), biases
+    assert all(any(v != 0 for v in values) for values in biases[0].values())
+
+
 def test_validation():
     model = build_model("qwen3_moe")
     with pytest.raises(ValueError, match="not expert-parallel"):

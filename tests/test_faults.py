@@ -45,6 +45,7 @@ AGREEMENT = {
     "gmm_alltoallv_send_counts_permuted": "gmm_alltoallv(recv_counts)",
     "exchange_counts_lengths": "differ in length: [4, 6]",
     "exchange_counts_negative": "negative counts on rank(s) [1]",
+    "exchange_counts_invalid_on_one_rank": "rank(s) [1] passed an invalid histogram",
 }
 
 
@@ -55,7 +56,9 @@ def test_disagreeing_arguments_raise_value_error_on_every_rank(case):
         seen = outcome[case]
         assert seen["type"] == "ValueError", (rank, seen)
         assert seen["seconds"] < 10, (rank, seen)
-        if case.startswith("recv_counts_too") and rank == 1:
+        if case == "exchange_counts_invalid_on_one_rank" and rank == 1:
+            assert "is not a positive multiple of the group size" in seen["message"], seen  # its own error
+        elif case.startswith("recv_counts_too") and rank == 1:
             assert "expected W*e" in seen["message"], seen  # its own error, in full
         elif case.startswith("recv_counts_too"):
             assert "rank(s) [1] of the group rejected their own arguments" in seen["message"], seen

@@ -8,8 +8,9 @@ The data path of one MoE layer, and where each step lives::
       -> grouped experts                     epmoe.experts          on epmoe.gmm.grouped_mm
       -> combine (all-to-all-v + unpermute)  epmoe.ep.dispatcher    / epmoe.comm.fused gmm_alltoallv
 
-Every collective on a model's EP group carries or follows a step header (:mod:`epmoe.comm.steps`),
-so ranks out of step raise on every rank and no wait outlasts ``ExpertParallelConfig.timeout``.
+The collectives of a training step on a model's EP groups carry or follow step headers
+(:mod:`epmoe.comm.steps`), so ranks out of step raise on every rank, and run on groups whose waits
+end after ``ExpertParallelConfig.timeout``.
 Device-specific calls all live in :mod:`epmoe.platform`; what training around the engine needs
 (DDP, FSDP2, EP x DP meshes, clipping, Trainer, generate) in :mod:`epmoe.training`.
 """

@@ -82,9 +82,11 @@ class SavePretrained:
 
 
 def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
-    """``peft_model.state_dict()`` with every LoRA factor on expert-parallel experts holding all ``E``
-    experts on the writer (global rank 0), for peft's ``save_pretrained(state_dict=...)`` (see the
-    module docstring); other ranks get their own factors. Collective: every rank calls it."""
+    """``peft_model.state_dict()`` with every LoRA factor on expert-parallel *packed* experts (peft's
+    ``target_parameters``) holding all ``E`` experts on the writer (global rank 0), for peft's
+    ``save_pretrained(state_dict=...)`` (see the module docstring); other ranks get their own
+    factors. LoRA on ``nn.ModuleList`` experts' Linears and LoRA biases are not gathered (they stay
+    each rank's). Collective: every rank calls it."""
     from epmoe.training.params import _peft_base
 
     with own_state_dict():
@@ -140,8 +142,11 @@ def gather_expert_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -
         ranks = dist.get_process_group_ranks(group)
         if WRITER not in ranks:  # a "dp" replica of the writer's EP group: same experts, nothing to send
             continue
+        params = state.sharded_params(module)
+        if not params:  # nothing of this module differs per rank
+            continue
         if id(channel) not in started:
-            started[id(channel)] = _start_save(channel, next(iter(state.sharded_params(module))).device)
+            started[id(channel)] = _start_save(channel, params[0].device)
         try:
             if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
                 _gather_module_list(out, state, f"{state.shard.module_name}.", group, rank)
@@ -168,9 +173,9 @@ def _start_save(channel: StepChannel, device: torch.device) -> Position:
     except RuntimeError as exc:
         raise RuntimeError(
             f"epmoe: save_pretrained on an expert-parallel model must be called on every rank (each holds "
-            f"different experts); EP rank {channel.rank} waited {channel.timeout_s:g} s (ExpertParallelConfig."
-            f"timeout) for the others. With a Trainer, call epmoe.prepare_trainer(trainer) so that its saves run "
-            f"on every rank. ({exc})"
+            f"different experts); the other EP ranks did not join EP rank {channel.rank}'s save (it waits at most "
+            f"ExpertParallelConfig.timeout = {channel.timeout_s:g} s). With a Trainer, call "
+            f"epmoe.prepare_trainer(trainer) so that its saves run on every rank. Cause: {exc.__cause__ or exc}"
         ) from exc
     return position
 

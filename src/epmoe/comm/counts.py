@@ -3,7 +3,7 @@
 One ``all_to_all_single`` of the per-global-expert histograms with equal splits of ``e`` rows, each
 row behind a step header (:mod:`epmoe.comm.steps`) whose flag says whether the sender's histogram
 has a negative count, so that bad input raises on every rank rather than on some while the others
-wait in their next collective; then one host read for both lists. With ``W = 2`` ranks and
+wait in their next collective; then one host read of what was received. With ``W = 2`` ranks and
 ``e = 2`` local experts::
 
     rank 0 tokens_per_expert = [a00 a01 | a10 a11]      (global expert g = r*e + j)
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from epmoe import errors
+from epmoe import errors, platform
 from epmoe.comm.steps import COUNTS, MODEL_WIDE, Position, StepChannel
 
 
@@ -33,18 +33,30 @@ def exchange_counts(
 
     ``tokens_per_expert``: ``(W*e,)`` integer tensor, this rank's histogram over global experts, on
     the device the group communicates on. Costs two small collectives (lengths, then counts) and two
-    host synchronisations; ranks whose lengths differ raise ``ValueError`` on every rank.
+    host synchronisations; ranks whose lengths differ, or a rank whose histogram is invalid, raise
+    ``ValueError`` on every rank.
     """
     world = dist.get_world_size(group) if dist.is_initialized() else 1
-    _validate(tokens_per_expert, world)
+    try:
+        _validate(tokens_per_expert, world)
+    except (TypeError, ValueError):
+        if world > 1:  # the peers are entering the lengths exchange: join it, flagged, then raise
+            lengths = torch.zeros(world, 1, dtype=torch.int64, device=platform.current_device())
+            StepChannel(group, 1, what="exchange_counts").exchange(
+                Position(MODEL_WIDE, COUNTS, 0), lengths, torch.ones((), dtype=torch.int64, device=lengths.device))
+        raise
     if world == 1:
         both = tokens_per_expert.to(torch.int64).tolist()
         _check_non_negative(both, [int(min(both) < 0)])
         return both, list(both)
     device, length = tokens_per_expert.device, tokens_per_expert.numel()
-    lengths, _ = StepChannel(group, 1, what="exchange_counts").exchange(
+    lengths, invalid = StepChannel(group, 1, what="exchange_counts").exchange(
         Position(MODEL_WIDE, COUNTS, 0), torch.full((world, 1), length, dtype=torch.int64, device=device)
     )
+    if any(invalid):
+        bad = [rank for rank, flag in enumerate(invalid) if flag]
+        raise ValueError(f"exchange_counts(tokens_per_expert): rank(s) {bad} passed an invalid histogram (see "
+                         f"their error); no rank exchanges counts")
     theirs = [row[0] for row in lengths]
     if any(n != length for n in theirs):
         raise ValueError(

@@ -4,8 +4,9 @@ The ranks of an EP group must issue the same collectives in the same order with 
 rank that skipped a backward, a layer or a step meets a different collective on its peers, which
 gloo answers by killing a process (``SIGABRT``: the sizes differ) and a peer that raised and stayed
 alive by a wait as long as the process group's timeout (30 minutes by default). So every collective
-epmoe issues on a model's EP (or ``"dp"``) group is a *header exchange* or follows one within the
-same operation. A header exchange is one ``all_to_all_single`` of one int64 row per peer, the same
+epmoe issues on the groups it creates for a model's EP (and ``"dp"``) traffic is a *header exchange*
+or follows one within the same operation (backward and ``"dp"`` headers only where ``check_steps``
+is on; checkpoint loading and DCP keep to the user's groups). A header exchange is one ``all_to_all_single`` of one int64 row per peer, the same
 row size for every header on that group::
 
     row sent to each peer:  [ MAGIC | layer | phase | call | flag | payload ... padded to width ]

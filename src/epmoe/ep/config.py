@@ -14,6 +14,7 @@ from epmoe.comm.steps import DEFAULT_TIMEOUT_S
 
 DISPATCH_MODES = ("auto", "alltoallv", "fused")
 EXPERT_GRAD_MODES = ("auto", "sum", "mean")
+TELEMETRY_COUNTER = "telemetry"  # ExpertParallelState.loads key of the routed slots epmoe.expert_load reports
 DROPPED_COUNTER = "dropped"  # ExpertParallelState.loads key of the slots capacity dropped
 
 

@@ -38,7 +38,7 @@ from torch import nn
 
 from epmoe import platform
 from epmoe.comm.steps import BACKWARD, FORWARD, GRAD_REDUCE, Position, StepChannel, checks_on, header_in_backward
-from epmoe.ep.config import DROPPED_COUNTER, ExpertParallelConfig, ExpertShard
+from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER, ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatcher import AllToAllDispatcher, permute_tokens, plan_routing, unpermute_and_combine
 from epmoe.ep.fused import fused_routed_experts
 from epmoe.experts import experts_forward
@@ -62,7 +62,7 @@ class ExpertParallelState:
     layer: int = 0  # this experts module's index among the model's (step headers name it)
     calls: int = 0  # forwards run so far
     loads: dict[str, list[int]] = field(default_factory=dict)  # counter -> slots per local expert (epmoe.ep.load)
-    load_counters: tuple[str, ...] = ("telemetry",)  # the routed-load counters forwards add to
+    load_counters: tuple[str, ...] = (TELEMETRY_COUNTER,)  # the routed-load counters forwards add to
 
     def count_load(self, local_counts: list[int], counters: tuple[str, ...] | None = None) -> None:
         """Add this forward's slots per local expert (from the counts exchange) to ``counters``

@@ -18,12 +18,11 @@ collective: :mod:`epmoe.comm.steps`). ``dropped=True`` gives the slots
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from epmoe.comm.steps import TELEMETRY
-from epmoe.ep.config import DROPPED_COUNTER
-
-TELEMETRY_COUNTER = "telemetry"
+from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER
 
 
 def experts_states(model: nn.Module, caller: str) -> list[tuple[str, object]]:
@@ -47,6 +46,24 @@ def global_load(state, counter: str) -> torch.Tensor:
     rows = torch.tensor([local] * channel.size, dtype=torch.int64, device=device)
     received, _ = channel.exchange(channel.next_call(TELEMETRY), rows)
     return torch.tensor([c for row in received for c in row], dtype=torch.int64)
+
+
+def replicas_load(state, load_E: torch.Tensor) -> torch.Tensor:
+    """``load_E`` (one EP group's) summed over the ``"dp"`` replicas of an EP x DP mesh too (a header
+    exchange then an all-reduce over ``"dp"``; nothing without replicas): every rank's batches."""
+    sync = state.sync
+    channel = sync.dp_channel if sync is not None else None
+    if channel is None:
+        return load_E
+    device = next(state.local_experts.parameters()).device
+    position = channel.next_call(TELEMETRY)
+    channel.check(position, device, [load_E.numel()])
+    total = load_E.to(device)
+    try:
+        dist.all_reduce(total, group=channel.group)
+    except RuntimeError as exc:
+        raise channel.failed(position, exc) from exc
+    return total.cpu()
 
 
 def expert_load(model: nn.Module, *, dropped: bool = False) -> dict[str, torch.Tensor]:

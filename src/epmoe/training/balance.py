@@ -5,7 +5,9 @@
     after each optimizer step:          bias += update_rate * sign(mean(load) - load)
 
 ``load`` is the global load since the balancer's last step (:mod:`epmoe.ep.load`: summed over the
-EP group), so the biases are identical on every rank and at every EP size. Where the router has a
+EP group and, on an EP x DP mesh, over the ``"dp"`` replicas), so the biases are identical on every
+rank and at every EP size. With EP size 1 there is no EP group to sum over: the load is this
+process's own (under plain data parallelism with EP size 1, each rank's biases follow its own batches). Where the router has a
 selection bias of its own (DeepSeek-V3's ``e_score_correction_bias``) that buffer is the bias; other
 routers that select ``top-k`` of ``softmax(logits)`` (Qwen3-MoE, Qwen2-MoE, Qwen3.5-MoE, Mixtral,
 OLMoE) get a forward hook that re-selects with the bias, recomputing the weights exactly as the
@@ -18,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from epmoe.ep.load import experts_states, global_load
+from epmoe.ep.load import experts_states, global_load, replicas_load
 
 _COUNTER = "balancer"
 
@@ -63,7 +65,7 @@ class LoadBalancer:
     def step(self) -> None:
         """Update every bias from the global load since the last step (a collective over the EP group)."""
         for name, state in self._states:
-            load = global_load(state, _COUNTER).to(torch.float64)
+            load = replicas_load(state, global_load(state, _COUNTER)).to(torch.float64)
             state.loads.pop(_COUNTER, None)
             if load.sum() == 0:
                 continue

@@ -16,6 +16,7 @@ straight from :func:`epmoe.exchange_counts` agree by construction: ``check=False
 from __future__ import annotations
 
 import operator
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -143,16 +144,16 @@ def _prepare(
     return_permuted, num_chunks, impl, gmm_backend, check,
 ) -> tuple[Call, tuple[torch.Tensor, torch.Tensor, bool] | None]:
     """Validate every argument, agree with the peers unless ``check`` is off, build the :class:`Call`."""
-    if not isinstance(check, bool):
-        raise TypeError(f"{op}(check): expected a bool, got {type(check).__name__}")
     world = _world_size(op, group)
     try:
+        if not isinstance(check, bool):
+            raise TypeError(f"{op}(check): expected a bool, got {type(check).__name__}")
         call, shared = _validate(op, x, weight, send_counts, recv_counts, group, world, trans_weight, shared_x,
                                  shared_weight, trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend)
     except (TypeError, ValueError):
-        if check and world > 1:  # the peers must not wait for this rank in the exchange: tell them
+        if check is not False and world > 1:  # the peers must not wait for this rank: tell them
             try:
-                _agree(op, group, world, None, x if isinstance(x, torch.Tensor) else None)
+                _agree(op, group, world, None, None)
             except ValueError:
                 pass  # the peers raise; this rank raises its own error
         raise
@@ -212,20 +213,24 @@ def _agree(op: str, group, world: int, call: Call | None, x: torch.Tensor | None
         plan, e = call.plan, call.plan.e
         send, recv = (plan.counts_rank_major_WE, plan.counts_expert_major_WE) if op == "alltoallv_gmm" else (
             plan.counts_expert_major_WE, plan.counts_rank_major_WE)
-        row[1:_FIXED] = [0, _DTYPE_CODES.get(x.dtype, -1), exchanged_width, len(plan.rounds), e, len(send), len(recv),
+        row[1:_FIXED] = [0, zlib.crc32(str(x.dtype).encode()), exchanged_width, len(plan.rounds), e, len(send), len(recv),
                          IMPLS.index(call.impl)]
         for r in range(world):
             block_sent, block_expected = send[r * e:(r + 1) * e], recv[r * e:(r + 1) * e]
             row[_FIXED + 2 * r:_FIXED + 2 * r + 2] = [sum(block_sent), _counts_hash(block_sent)]
             row[_FIXED + 2 * world + 2 * r:_FIXED + 2 * world + 2 * r + 2] = [sum(block_expected),
                                                                               _counts_hash(block_expected)]
-    device = x.device if x is not None else platform.current_device()
+    device = x.device if x is not None else platform.current_device()  # a rank whose arguments failed: the group's
     mine = platform.host_to_device(torch.tensor(row, dtype=torch.int64), device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(rows, mine, group=group)
     platform.synchronize(device)
     headers = torch.stack(rows).tolist()
     me = dist.get_rank(group)
+    strangers = [r for r, h in enumerate(headers) if h[0] != MAGIC]
+    if strangers:
+        raise ValueError(f"{op}: rank(s) {strangers} of the group are in another collective of the same size: the "
+                         f"ranks call different collectives (this is rank {me})")
     failed = [r for r, h in enumerate(headers) if h[1]]
     if failed:
         raise ValueError(f"{op}: rank(s) {failed} of the group rejected their own arguments (see their error); "
@@ -251,9 +256,8 @@ def _agree(op: str, group, world: int, call: Call | None, x: torch.Tensor | None
                 )
 
 
-_DTYPE_CODES = {dtype: code for code, dtype in enumerate(
-    (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2), start=1)}
-_DTYPE_NAMES = {code: str(dtype) for dtype, code in _DTYPE_CODES.items()}
+_DTYPE_NAMES = {zlib.crc32(str(dtype).encode()): str(dtype) for dtype in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 def _check_routed(op: str, x: Any, weight: Any, trans_weight: bool) -> None:
