@@ -80,13 +80,16 @@ def test_validation():
     with pytest.raises(TypeError, match="optimizer"):
         epmoe.LoadBalancer(model, optimizer="adam")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    balancer = epmoe.LoadBalancer(model, update_rate=0.1, optimizer=optimizer)
+    wrapped = torch.nn.ModuleDict({"inner": model})  # a wrapper (DDP, PeftModel...) around the EP model
+    balancer = epmoe.LoadBalancer(wrapped, update_rate=0.1, optimizer=optimizer)
     with pytest.raises(ValueError, match="already has a LoadBalancer"):
         epmoe.LoadBalancer(model)
     ids = torch.randint(0, 256, (2, 8))
     model(ids, labels=ids).loss.backward()
     optimizer.step()  # hooked: the biases moved without a call to balancer.step()
     assert all(b.abs().sum() > 0 for b in balancer.bias.values())
+    with pytest.raises(ValueError, match="pass the unsharded model itself"):
+        balancer.mirror(torch.nn.ModuleDict({"inner": build_model("qwen3_moe")}))
     for bad in (0, -0.5, float("inf"), True):
         with pytest.raises(ValueError, match="capacity_factor"):
             epmoe.ExpertParallelConfig(capacity_factor=bad)

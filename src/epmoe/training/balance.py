@@ -41,8 +41,7 @@ class LoadBalancer:
         self.update_rate = float(update_rate)
         self.bias: dict[str, torch.Tensor] = {}
         self._states = experts_states(model, "LoadBalancer")
-        modules = dict(model.named_modules())
-        routers = [(name, _router_of(modules, name)) for name, _ in self._states]
+        routers = [(name, _router_beside(state.ancestors[-2], name)) for name, state in self._states]
         for (name, router), (_, state) in zip(routers, self._states):
             if getattr(router, "_epmoe_balanced", False):
                 raise ValueError(f"LoadBalancer: {name} already has a LoadBalancer (one per model)")
@@ -85,7 +84,11 @@ class LoadBalancer:
         router has its own bias buffer, that buffer following at every :meth:`step`."""
         modules = dict(other.named_modules())
         for name, bias in self.bias.items():
-            router = _router_of(modules, name)
+            block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+            if block is None:
+                raise ValueError(f"LoadBalancer.mirror(other): {type(other).__name__} has no module "
+                                 f"{name.rsplit('.', 1)[0]!r}: pass the unsharded model itself, unwrapped")
+            router = _router_beside(block, name)
             own = getattr(router, "e_score_correction_bias", None)
             if isinstance(own, torch.Tensor):
                 self._followers.append((bias, own))
@@ -101,8 +104,8 @@ class LoadBalancer:
             self._hook = None
 
 
-def _router_of(modules: dict[str, nn.Module], experts_name: str) -> nn.Module:
-    block = modules.get(experts_name.rsplit(".", 1)[0]) if "." in experts_name else None
+def _router_beside(block: nn.Module, experts_name: str) -> nn.Module:
+    """The ``gate`` or ``router`` of the block that holds the experts module ``experts_name``."""
     for attr in ("gate", "router"):
         router = getattr(block, attr, None)
         if isinstance(router, nn.Module):
