@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import epmoe
 from epmoe import platform
+from epmoe.ep.load import max_over_mean
 from epmoe.experts import experts_backend
 
 VOCAB = 256
@@ -78,7 +79,7 @@ class StepRecord:
     @property
     def imbalance(self) -> list[float]:
         """Per layer, the busiest expert's load over the mean (1.0: perfect balance)."""
-        return [max(c) * len(c) / sum(c) if sum(c) else float("nan") for c in self.load.values()]
+        return [max_over_mean(counts) for counts in self.load.values()]
 
     @property
     def diff(self) -> float:

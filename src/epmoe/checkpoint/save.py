@@ -91,28 +91,15 @@ def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
 
     with own_state_dict():
         out = peft_model.state_dict()
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    started: dict[int, Position] = {}
+    gathers = _WriterGathers()
     for name, module in peft_model.named_modules():
-        base = _peft_base(module)
-        state = getattr(base, "_epmoe", None)
-        if state is None or state.channel is None:
-            continue
-        channel = state.channel
-        ranks = dist.get_process_group_ranks(channel.group)
-        if WRITER not in ranks:
+        state = getattr(_peft_base(module), "_epmoe", None)
+        if state is None or not gathers.joins(state.channel):
             continue
         for factor in ("lora_A", "lora_B"):
             for adapter, linear in getattr(module, factor).items():
-                local = linear.weight.detach().contiguous()
-                if id(channel) not in started:
-                    started[id(channel)] = _start_save(channel, local.device)
-                try:
-                    parts = [torch.empty_like(local) for _ in ranks] if rank == WRITER else None
-                    dist.gather(local, parts, dst=WRITER, group=channel.group)
-                except RuntimeError as exc:
-                    raise channel.failed(started[id(channel)], exc) from exc
-                if rank == WRITER:
+                parts = gathers.gather(state.channel, linear.weight.detach().contiguous())
+                if parts is not None:
                     out[f"{name}.{factor}.{adapter}.weight"] = _cat_lora(factor, parts, module.num_experts)
     return out
 
@@ -134,33 +121,52 @@ def gather_expert_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -
     from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
 
     out = dict(state_dict)
-    rank = dist.get_rank()
-    started: dict[int, Position] = {}  # channel -> this save's position on it
+    gathers = _WriterGathers()
     for module_name, module, state in sharded_experts(model):
-        channel = state.channel
-        group = channel.group
-        ranks = dist.get_process_group_ranks(group)
-        if WRITER not in ranks:  # a "dp" replica of the writer's EP group: same experts, nothing to send
+        if not gathers.joins(state.channel):  # a "dp" replica of the writer's EP group: same experts
             continue
-        params = state.sharded_params(module)
-        if not params:  # nothing of this module differs per rank
+        if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
+            _gather_module_list(out, state, f"{state.shard.module_name}.", gathers)
             continue
-        if id(channel) not in started:
-            started[id(channel)] = _start_save(channel, params[0].device)
-        try:
-            if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
-                _gather_module_list(out, state, f"{state.shard.module_name}.", group, rank)
-                continue
-            prefix = f"{module_name}." if module_name else ""
-            for name in state.sharded_names:
-                local = getattr(module, name).detach().contiguous()
-                parts = [torch.empty_like(local) for _ in ranks] if rank == WRITER else None
-                dist.gather(local, parts, dst=WRITER, group=group)
-                if rank == WRITER and prefix + name in out:
-                    out[prefix + name] = torch.cat(parts).to(out[prefix + name].dtype)
-        except RuntimeError as exc:
-            raise channel.failed(started[id(channel)], exc) from exc
+        prefix = f"{module_name}." if module_name else ""
+        for name in state.sharded_names:
+            parts = gathers.gather(state.channel, getattr(module, name).detach().contiguous())
+            if parts is not None and prefix + name in out:
+                out[prefix + name] = torch.cat(parts).to(out[prefix + name].dtype)
     return out
+
+
+class _WriterGathers:
+    """One save's gathers to the writer (global rank 0), each EP group's opened by a step header."""
+
+    def __init__(self):
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.started: dict[int, Position] = {}  # channel -> this save's position on it
+
+    def joins(self, channel: StepChannel | None) -> bool:
+        """Whether ``channel``'s ranks take part: an EP group holding the writer (its ``"dp"``
+        replicas hold the same experts and send nothing)."""
+        return channel is not None and WRITER in dist.get_process_group_ranks(channel.group)
+
+    def gather(self, channel: StepChannel, local: torch.Tensor) -> list[torch.Tensor] | None:
+        """``local`` of every EP rank, on the writer (``None`` elsewhere)."""
+        parts = [torch.empty_like(local) for _ in range(channel.size)] if self.rank == WRITER else None
+        return self._run(channel, local.device, lambda: dist.gather(local, parts, dst=WRITER, group=channel.group),
+                         parts)
+
+    def gather_object(self, channel: StepChannel, obj, device: torch.device) -> list | None:
+        parts = [None] * channel.size if self.rank == WRITER else None
+        return self._run(channel, device, lambda: dist.gather_object(obj, parts, dst=WRITER, group=channel.group),
+                         parts)
+
+    def _run(self, channel, device, collective, parts):
+        if id(channel) not in self.started:
+            self.started[id(channel)] = _start_save(channel, device)
+        try:
+            collective()
+        except RuntimeError as exc:
+            raise channel.failed(self.started[id(channel)], exc) from exc
+        return parts
 
 
 def _start_save(channel: StepChannel, device: torch.device) -> Position:
@@ -180,15 +186,15 @@ def _start_save(channel: StepChannel, device: torch.device) -> Position:
     return position
 
 
-def _gather_module_list(out: dict, state, prefix: str, group, rank: int) -> None:
+def _gather_module_list(out: dict, state, prefix: str, gathers: _WriterGathers) -> None:
     """The local experts of a ``ModuleList`` (keys ``{prefix}{index}.*``) sent to the writer, which
     puts every rank's in place of its own, in global expert order."""
     shard = state.shard
     local = {f"{prefix}{shard.local_start + j}.{k}": v.detach()
              for j, expert in enumerate(state.local_experts) for k, v in expert.state_dict().items()}
-    gathered = [None] * shard.ep_size if rank == WRITER else None
-    dist.gather_object(local, gathered, dst=WRITER, group=group)
-    if rank != WRITER:
+    device = next(state.local_experts.parameters()).device
+    gathered = gathers.gather_object(state.channel, local, device)
+    if gathered is None:
         return
     experts = {k: v for part in gathered for k, v in part.items()}
     ordered = sorted(experts, key=lambda k: _expert_index(k, prefix))  # stable: per-expert key order kept

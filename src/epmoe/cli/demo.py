@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from epmoe import platform
 from epmoe.demo import TrainOptions, TrainResult, train_parity
+from epmoe.ep.load import max_over_mean
 from epmoe.launch import run_ranks
 
 
@@ -60,10 +61,8 @@ def window_imbalance(result: TrainResult) -> list[tuple[int, int, float]]:
     out = []
     for start in range(0, len(result.records), LOAD_WINDOW):
         part = result.records[start:start + LOAD_WINDOW]
-        values = []
-        for name in part[0].load:
-            total = [sum(column) for column in zip(*(r.load[name] for r in part))]
-            values.append(max(total) * len(total) / sum(total) if sum(total) else float("nan"))
+        values = [max_over_mean([sum(column) for column in zip(*(r.load[name] for r in part))])
+                  for name in part[0].load]
         out.append((part[0].step, part[-1].step + 1, statistics.fmean(values)))
     return out
 

@@ -149,6 +149,17 @@ class StepChannel:
                     f"reduce (e.g. parameters frozen on some ranks only)"
                 )
 
+    def all_reduce(self, tensor: torch.Tensor, position: Position, *, op=dist.ReduceOp.SUM, header: bool = True,
+                   async_op: bool = False):
+        """``tensor`` reduced in place over the group, after a header at ``position`` carrying its
+        element count (unless ``header`` is off); a failure or timeout raises :meth:`failed`'s error."""
+        if header:
+            self.check(position, tensor.device, [tensor.numel()])
+        try:
+            return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        except RuntimeError as exc:
+            raise self.failed(position, exc) from exc
+
     def failed(self, position: Position, exc: BaseException) -> RuntimeError:
         """The error a failed or timed-out collective of this group becomes."""
         bound = ("the process group's timeout bounds the wait" if self.timeout_s is None

@@ -178,12 +178,12 @@ def expert_parallel_forward(
 
 
 def block_router(block: nn.Module) -> nn.Module:
-    """The router of a block holding ModuleList experts: its ``gate`` or ``router`` submodule."""
+    """The router of a block holding experts: its ``gate`` or ``router`` submodule."""
     for name in ("gate", "router"):
         router = getattr(block, name, None)
         if isinstance(router, nn.Module):
             return router
-    raise ValueError(f"{type(block).__name__}: a block with ModuleList experts needs a `gate` or `router` module")
+    raise ValueError(f"{type(block).__name__}: a block with experts needs a `gate` or `router` module")
 
 
 def block_top_k(block: nn.Module) -> int:

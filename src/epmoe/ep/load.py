@@ -18,7 +18,6 @@ collective: :mod:`epmoe.comm.steps`). ``dropped=True`` gives the slots
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from epmoe.comm.steps import TELEMETRY
@@ -55,14 +54,8 @@ def replicas_load(state, load_E: torch.Tensor) -> torch.Tensor:
     channel = sync.dp_channel if sync is not None else None
     if channel is None:
         return load_E
-    device = next(state.local_experts.parameters()).device
-    position = channel.next_call(TELEMETRY)
-    channel.check(position, device, [load_E.numel()])
-    total = load_E.to(device)
-    try:
-        dist.all_reduce(total, group=channel.group)
-    except RuntimeError as exc:
-        raise channel.failed(position, exc) from exc
+    total = load_E.to(next(state.local_experts.parameters()).device)
+    channel.all_reduce(total, channel.next_call(TELEMETRY))
     return total.cpu()
 
 
@@ -83,6 +76,13 @@ def reset_expert_load(model: nn.Module) -> None:
         state.loads.pop(DROPPED_COUNTER, None)
 
 
+def max_over_mean(counts) -> float:
+    """The busiest expert's load over the mean (1.0: perfect balance; NaN when nothing was routed)."""
+    counts = [float(c) for c in counts]
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else float("nan")
+
+
 def load_summary(loads: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
     """Per experts module: ``max_over_mean`` (the busiest expert's load over the mean; 1.0 is
     perfect balance) and ``idle_share`` (the share of experts that received nothing)."""
@@ -90,8 +90,5 @@ def load_summary(loads: dict[str, torch.Tensor]) -> dict[str, dict[str, float]]:
         raise TypeError("load_summary(loads): expected what expert_load returns, {name: (E,) tensor}")
     out = {}
     for name, load in loads.items():
-        load = load.double()
-        mean = load.mean().item()
-        out[name] = {"max_over_mean": load.max().item() / mean if mean > 0 else float("nan"),
-                     "idle_share": (load == 0).double().mean().item()}
+        out[name] = {"max_over_mean": max_over_mean(load.tolist()), "idle_share": (load == 0).double().mean().item()}
     return out

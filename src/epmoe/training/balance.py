@@ -40,8 +40,10 @@ class LoadBalancer:
             raise TypeError(f"LoadBalancer(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.update_rate = float(update_rate)
         self.bias: dict[str, torch.Tensor] = {}
+        from epmoe.ep.layer import block_router  # epmoe.ep imports this package
+
         self._states = experts_states(model, "LoadBalancer")
-        routers = [(name, _router_beside(state.ancestors[-2], name)) for name, state in self._states]
+        routers = [(name, block_router(state.ancestors[-2])) for name, state in self._states]
         for (name, router), (_, state) in zip(routers, self._states):
             if getattr(router, "_epmoe_balanced", False):
                 raise ValueError(f"LoadBalancer: {name} already has a LoadBalancer (one per model)")
@@ -82,13 +84,15 @@ class LoadBalancer:
         """Make ``other``, an unsharded copy of the model (no EP), select experts with these same biases
         from now on (e.g. a reference or evaluation copy): hooks sharing the bias tensors, or, where the
         router has its own bias buffer, that buffer following at every :meth:`step`."""
+        from epmoe.ep.layer import block_router  # epmoe.ep imports this package
+
         modules = dict(other.named_modules())
         for name, bias in self.bias.items():
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if block is None:
                 raise ValueError(f"LoadBalancer.mirror(other): {type(other).__name__} has no module "
                                  f"{name.rsplit('.', 1)[0]!r}: pass the unsharded model itself, unwrapped")
-            router = _router_beside(block, name)
+            router = block_router(block)
             own = getattr(router, "e_score_correction_bias", None)
             if isinstance(own, torch.Tensor):
                 self._followers.append((bias, own))
@@ -102,15 +106,6 @@ class LoadBalancer:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-
-
-def _router_beside(block: nn.Module, experts_name: str) -> nn.Module:
-    """The ``gate`` or ``router`` of the block that holds the experts module ``experts_name``."""
-    for attr in ("gate", "router"):
-        router = getattr(block, attr, None)
-        if isinstance(router, nn.Module):
-            return router
-    raise ValueError(f"LoadBalancer: no `gate` or `router` module beside {experts_name}")
 
 
 def _select(router: nn.Module, logits: torch.Tensor, bias: torch.Tensor, dtype: torch.dtype):

@@ -90,12 +90,7 @@ class _Part:
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
         for group in self.groups:
             if isinstance(group, StepChannel):  # the experts' EP group: a step header first
-                position = group.next_call(CLIP)
-                group.check(position, device)
-                try:
-                    dist.all_reduce(local, op=op, group=group.group)
-                except RuntimeError as exc:
-                    raise group.failed(position, exc) from exc
+                group.all_reduce(local, group.next_call(CLIP), op=op)
             else:
                 dist.all_reduce(local, op=op, group=group)
         return local

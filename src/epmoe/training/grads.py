@@ -153,13 +153,8 @@ class GradSync:
 
     def _all_reduce(self, flat: torch.Tensor, position: Position, *, async_op: bool = False):
         """``flat`` summed over ``"dp"``, after a step header at ``position`` where checks are on."""
-        channel = self.dp_channel
-        if checks_on(self.check_steps, flat.device):
-            channel.check(position, flat.device, [flat.numel()])
-        try:
-            return dist.all_reduce(flat, group=channel.group, async_op=async_op)
-        except RuntimeError as exc:
-            raise channel.failed(position, exc) from exc
+        return self.dp_channel.all_reduce(flat, position, header=checks_on(self.check_steps, flat.device),
+                                          async_op=async_op)
 
     def finish(self, grads: list[torch.Tensor | None], position: Position) -> list[torch.Tensor | None]:
         """Reduce ``grads`` over ``"dp"`` (one flat buffer) and apply the scale; ``None`` entries stay.
