@@ -64,11 +64,33 @@ def save_complete(rank, world, root, family, max_shard_size):
     }
 
 
+def save_refusals(rank, world, root):
+    """What save_pretrained of an EP model refuses, on every rank, before writing any weights."""
+    model = build_model("qwen3_moe", dtype=torch.float32)
+    epmoe.apply_expert_parallel(model)
+    out = {}
+    for case, call in {
+        "push_to_hub": lambda path: model.save_pretrained(path, push_to_hub=True),
+        "class_call": lambda path: type(model).save_pretrained(model, path),
+    }.items():
+        path = os.path.join(root, f"refused-{case}")
+        try:
+            call(path)
+            out[case] = None
+        except (ValueError, RuntimeError) as exc:
+            out[case] = (type(exc).__name__, str(exc))
+        dist.barrier()
+        out[case + "_weights"] = sorted(n for n in os.listdir(path) if ".safetensors" in n) if os.path.isdir(path) \
+            else []
+    return out
+
+
 def save_checks(rank, world, root):
     return {
         "qwen3_moe_sharded": save_complete(rank, world, root, "qwen3_moe", "200KB"),
         "gpt_oss": save_complete(rank, world, root, "gpt_oss", "50GB"),
         "deepseek_v3": save_complete(rank, world, root, "deepseek_v3", "50GB"),
+        "refusals": save_refusals(rank, world, root),
     }
 
 
@@ -188,35 +210,39 @@ def pretrained_any_size(rank, world, root):
 def sharded_load(rank, world, root, families):
     """For each family, in the Hub layout (a plain save_pretrained: per-expert keys) and, for the first,
     the packed v5 layout: epmoe.from_pretrained vs from_pretrained then apply_expert_parallel: every
-    parameter and buffer bitwise, and the logits."""
+    parameter and buffer bitwise, and the logits; the first family also with a named grouped-matmul
+    backend."""
     from epmoe.models import _family_config
     import transformers
 
     out = {}
-    for family in families:
-        for layout in (("hub", "packed") if family == families[0] else ("hub",)):
-            path = os.path.join(root, f"{family}-{layout}")
-            if rank == 0:
-                build_model(family, dtype=torch.float32).save_pretrained(path, save_original_format=layout == "hub")
-            dist.barrier()
-            cls = getattr(transformers, _family_config(family, 8, 2)[1])
-            ref = cls.from_pretrained(path, dtype=torch.float32)
-            epmoe.apply_expert_parallel(ref)
-            model, shards = epmoe.from_pretrained(cls, path, dtype=torch.float32)
-            ids = torch.randint(0, 256, (2, 6 + rank), generator=torch.Generator().manual_seed(rank))
-            with torch.no_grad():
-                mine_logits, ref_logits = model(ids).logits, ref(ids).logits
-                err = ((mine_logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
-            mine = dict(model.named_parameters()) | dict(model.named_buffers())
-            theirs = dict(ref.named_parameters()) | dict(ref.named_buffers())
-            out[f"{family}/{layout}"] = {
-                "same_names": set(mine) == set(theirs),
-                "unequal": sorted(k for k in theirs if k in mine and not torch.equal(mine[k], theirs[k])),
-                "logits_error": err,
-                "class": type(model) is cls,
-                "local_experts": all(s.num_local_experts == 8 // world for s in shards),
-                "marked": len(epmoe.expert_parameters(model)) == len(epmoe.expert_parameters(ref)) > 0,
-            }
+    cases = [(family, layout) for family in families
+             for layout in (("hub", "packed", "named backend") if family == families[0] else ("hub",))]
+    for family, layout in cases:
+        path = os.path.join(root, f"{family}-{layout}")
+        if rank == 0:
+            build_model(family, dtype=torch.float32).save_pretrained(path, save_original_format=layout != "packed")
+        dist.barrier()
+        cls = getattr(transformers, _family_config(family, 8, 2)[1])
+        ref = cls.from_pretrained(path, dtype=torch.float32)
+        epmoe.apply_expert_parallel(ref)
+        # a named grouped-matmul backend is checked at the first forward, not on the meta weights
+        config = epmoe.ExpertParallelConfig(gmm_backend="torch") if layout == "named backend" else None
+        model, shards = epmoe.from_pretrained(cls, path, ep_config=config, dtype=torch.float32)
+        ids = torch.randint(0, 256, (2, 6 + rank), generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            mine_logits, ref_logits = model(ids).logits, ref(ids).logits
+            err = ((mine_logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
+        mine = dict(model.named_parameters()) | dict(model.named_buffers())
+        theirs = dict(ref.named_parameters()) | dict(ref.named_buffers())
+        out[f"{family}/{layout}"] = {
+            "same_names": set(mine) == set(theirs),
+            "unequal": sorted(k for k in theirs if k in mine and not torch.equal(mine[k], theirs[k])),
+            "logits_error": err,
+            "class": type(model) is cls,
+            "local_experts": all(s.num_local_experts == 8 // world for s in shards),
+            "marked": len(epmoe.expert_parameters(model)) == len(epmoe.expert_parameters(ref)) > 0,
+        }
     return out
 
 

@@ -11,8 +11,14 @@ pytest.importorskip("transformers")
 def test_save_pretrained_writes_every_expert(tmp_path):
     """2 ranks, EP=2: the same keys, shapes, dtypes, config.json and sharded index (its total_parameters
     the full model's) as a plain save of the unsharded model; plain from_pretrained reloads every weight
-    bitwise and reproduces the EP model's logits (fp32, 1e-6)."""
+    bitwise and reproduces the EP model's logits (fp32, 1e-6). push_to_hub (the weights are written after
+    transformers' own save) and the class's save_pretrained called on the instance (it would write no
+    weights) raise on every rank, before any weights are written."""
     for rank, by_case in enumerate(run_ranks(save_checks, 2, str(tmp_path), timeout=300)):
+        refusals = by_case.pop("refusals")
+        assert refusals["push_to_hub"][0] == "ValueError" and "upload_folder" in refusals["push_to_hub"][1], refusals
+        assert refusals["class_call"][0] == "RuntimeError" and "every rank" in refusals["class_call"][1], refusals
+        assert refusals["push_to_hub_weights"] == refusals["class_call_weights"] == [], refusals
         for case, result in by_case.items():
             assert result["same_tensors"] and result["same_config"] and result["same_index"], (rank, case, result)
             assert result["weights_equal"], (rank, case)
@@ -48,12 +54,13 @@ def test_dcp_resume(world, tmp_path):
 
 def test_from_pretrained_reads_only_local_experts(tmp_path):
     """epmoe.from_pretrained equals from_pretrained then apply_expert_parallel (every parameter and buffer
-    bitwise, logits to 1e-6) for every family epmoe.models builds, from the Hub layout and the packed layout."""
+    bitwise, logits to 1e-6) for every family epmoe.models builds, from the Hub layout and the packed layout,
+    and with a named grouped-matmul backend (chosen at the first forward, not on the meta weights)."""
     from checkpoint_workers import sharded_load
     from epmoe.models import FAMILIES
 
     for rank, by_case in enumerate(run_ranks(sharded_load, 2, str(tmp_path), list(FAMILIES), timeout=300)):
-        assert len(by_case) == len(FAMILIES) + 1
+        assert len(by_case) == len(FAMILIES) + 2
         for case, result in by_case.items():
             assert result["same_names"] and not result["unequal"], (rank, case, result["unequal"][:4])
             # the same weights, bit for bit; BLAS may round differently on differently aligned buffers

@@ -3,23 +3,35 @@
 transformers' ``save_pretrained`` takes ``model.state_dict()``, hands it to the model's
 ``gather_sharded_state_dict_for_save`` on every rank (the hook its own tensor / FSDP parallelism
 uses to assemble full tensors), reverts its weight conversions (packed experts back to the layout
-the class's checkpoints use), splits into shards and lets global rank 0 write. On an EP model each
-rank's state dict holds only its own experts, so :func:`epmoe.apply_expert_parallel` installs, as
+the class's checkpoints use) on the whole dict at once, splits it into shards and lets global rank
+0 write. On an EP model each rank's state dict holds only its own experts, and the whole model's
+experts held at once would not fit the writer, so :func:`epmoe.apply_expert_parallel` installs, as
 instance attributes of the model (the class is untouched):
 
-* :class:`GatherExperts` as ``gather_sharded_state_dict_for_save``: each experts module's local
-  blocks are gathered to the writer (``dist.gather`` over the EP group that holds global rank 0;
-  the ``"dp"`` replicas hold the same experts and send nothing), in ``E``-expert tensors, so what
-  transformers converts and writes is the unsharded model's state dict;
-* :class:`SavePretrained` as ``save_pretrained``: transformers' own, with ``num_parameters``
-  counting every expert while it runs (the sharded index's ``total_parameters``), and a barrier at
-  the end, so every rank returns once the files are written.
+* :class:`SavePretrained` as ``save_pretrained``: transformers' own (config, generation config,
+  custom code, removal of stale shards), with ``num_parameters`` counting every expert while it
+  runs (the index's ``total_parameters``); then :class:`StreamedWeights` writes the weights, and a
+  barrier lets every rank return once the files are written;
+* :class:`GatherExperts` as ``gather_sharded_state_dict_for_save``: it takes the state dict
+  transformers prepared (keys to ignore removed) for :class:`StreamedWeights` and hands transformers
+  an empty one, so transformers itself writes no weights.
 
-    EP = 2, E = 8           rank 0 state dict           writer's state dict after the gather
-    experts.gate_up_proj    (4, 2I, H) experts 0-3   ->  (8, 2I, H) experts 0-7   -> revert, shard, write
-    rank 1                  (4, 2I, H) experts 4-7   ->  (sent to rank 0; writes nothing)
+:class:`StreamedWeights` plans the files exactly as transformers would for the unsharded model:
+each experts tensor stands in as a meta tensor of all ``E`` experts, transformers'
+``revert_weight_conversion`` and the hub's shard splitter run on that dict (a tensor's storage is
+the meta tensor it is a view of, as the real one is a view of a real tensor), which gives the same
+keys, shapes, dtypes, file names and index. The writer (global rank 0) then writes each file
+tensor by tensor, gathering one experts tensor (``dist.gather`` over the EP group holding the
+writer; its ``"dp"`` replicas hold the same experts and send nothing) when its file needs it,
+reverting just it and dropping it once written::
 
-Every rank must call ``save_pretrained`` (transformers' convention for distributed models):
+    EP = 2, E = 8               rank 0                                rank 1
+    experts.gate_up_proj        (4, 2I, H) experts 0-3   --gather-->  (4, 2I, H) experts 4-7
+    writer, one tensor at once  (8, 2I, H) -> revert -> experts.{0..7}.gate_proj / up_proj
+                                -> written into its planned file, then freed
+
+The writer so holds its own shard plus one gathered experts tensor and transformers' reverted copy
+of it. Every rank must call ``save_pretrained`` (transformers' convention for distributed models):
 :func:`epmoe.prepare_trainer` makes ``Trainer`` save through every rank.
 
 PEFT adapters with LoRA on the packed experts (``target_parameters``) are saved through peft's own
@@ -32,6 +44,13 @@ peft's layout (``lora_A`` ``(r*E, in)`` expert-major, ``lora_B`` ``(out, r*E)`` 
 
 from __future__ import annotations
 
+import contextvars
+import inspect
+import json
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -42,6 +61,7 @@ from epmoe.checkpoint.guard import own_state_dict
 from epmoe.comm.steps import SAVE, OutOfStepError, Position, StepChannel
 
 WRITER = 0  # the global rank transformers writes from
+_SAVING: contextvars.ContextVar[StreamedWeights | None] = contextvars.ContextVar("epmoe_saving", default=None)
 
 
 class GatherExperts:
@@ -54,31 +74,310 @@ class GatherExperts:
                  save_on_this_rank: bool = True) -> dict:
         state_dict = type(self.model).gather_sharded_state_dict_for_save(
             self.model, model_to_save, state_dict, distributed_config, save_on_this_rank=save_on_this_rank)
-        return gather_expert_state(model_to_save, state_dict)
+        if getattr(model_to_save, "_hf_peft_config_loaded", False):
+            return state_dict  # transformers' own adapters: adapter weights only, written as they are
+        save = _SAVING.get()
+        if save is None:
+            raise RuntimeError(
+                f"epmoe: {type(self.model).__name__}.save_pretrained was called on the class, bypassing the EP "
+                f"model's save_pretrained: call model.save_pretrained(path) on every rank")
+        save.take(model_to_save, state_dict, save_on_this_rank)
+        return {}  # transformers writes no weights: StreamedWeights writes them, module by module
 
 
 class SavePretrained:
-    """``model.save_pretrained`` of an EP model: transformers' own, counting every expert."""
+    """``model.save_pretrained`` of an EP model: transformers' own, counting every expert, with the
+    weights written by :class:`StreamedWeights`."""
 
     def __init__(self, model: nn.Module):
         self.model = model
 
     def __call__(self, save_directory, *args: Any, **kwargs: Any) -> Any:
         model = self.model
+        options = inspect.signature(type(model).save_pretrained).bind(model, save_directory, *args, **kwargs)
+        options.apply_defaults()
+        if options.arguments["push_to_hub"]:
+            raise ValueError(
+                "save_pretrained(push_to_hub=True): an expert-parallel model's weights are written after "
+                "transformers' own save, so they would not be uploaded; save, then upload the folder "
+                "(huggingface_hub.upload_folder)")
         extra = _non_local_expert_numel(model)
 
         def num_parameters(only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
             local = type(model).num_parameters(model, only_trainable, exclude_embeddings)
             return local + extra["trainable" if only_trainable else "all"]
 
+        weights = StreamedWeights(os.fspath(save_directory), options.arguments)
         model.num_parameters = num_parameters
+        token = _SAVING.set(weights)
         try:
             with own_state_dict():
                 result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+                weights.write()
         finally:
+            _SAVING.reset(token)
             del model.num_parameters
         dist.barrier()  # the writer has finished: every rank may read the checkpoint now
         return result
+
+
+@dataclass
+class _Unit:
+    """One experts tensor (or one ``ModuleList``'s experts), gathered to the writer as a whole.
+
+    ``full``: its keys as meta tensors of all ``E`` experts (what the files are planned with);
+    ``gather``: the collective that returns the real ``full`` on the writer (``None`` elsewhere)."""
+
+    full: dict[str, torch.Tensor]
+    gather: Callable[[], dict[str, torch.Tensor] | None]
+
+
+class StreamedWeights:
+    """The weights of one ``save_pretrained`` of an EP model, written tensor by tensor (see the module
+    docstring). Every rank takes part in :meth:`write`; the writer writes."""
+
+    def __init__(self, save_directory: str, options: dict[str, Any]):
+        self.directory = save_directory
+        self.options = options
+        self.model: nn.Module | None = None
+        self.state_dict: dict[str, torch.Tensor] | None = None
+        self.on_this_rank = False
+
+    def take(self, model: nn.Module, state_dict: dict[str, torch.Tensor], save_on_this_rank: bool) -> None:
+        if getattr(model, "hf_quantizer", None) is not None:
+            raise NotImplementedError("epmoe: save_pretrained of a quantized expert-parallel model is not supported")
+        self.model, self.state_dict = model, state_dict
+        self.on_this_rank = save_on_this_rank and (dist.get_rank() if dist.is_initialized() else 0) == WRITER
+
+    def write(self) -> None:
+        """Plan the files on every rank (the same plan everywhere: it decides the gathers' order),
+        then gather and write them."""
+        if self.state_dict is None:  # transformers returned before taking the state dict
+            return
+        from huggingface_hub import split_state_dict_into_shards_factory
+        from transformers.modeling_utils import _add_variant, remove_tied_weights_from_state_dict
+        from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+        model, variant = self.model, self.options["variant"]
+        state_dict = remove_tied_weights_from_state_dict(self.state_dict, model)
+        self.state_dict = None
+        gathers = _WriterGathers()
+        full, units = _with_full_experts(model, state_dict, gathers)
+        if not units and not self.on_this_rank:  # no experts to send, nothing to write
+            return
+        planned = self._revert(full)
+        owner = _owners(planned, units, self._revert)
+        weights_name = _add_variant(SAFE_WEIGHTS_NAME, variant)
+        split = split_state_dict_into_shards_factory(
+            planned, get_storage_id=_storage_id, get_storage_size=_storage_size, max_shard_size=self.options[
+                "max_shard_size"], filename_pattern=weights_name.replace(".safetensors", "{suffix}.safetensors"))
+        for filename, keys in split.filename_to_tensors.items():
+            self._write_file(filename, keys, planned, owner, units)
+        if self.on_this_rank and split.is_sharded:
+            index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+                     "weight_map": split.tensor_to_filename}
+            with open(os.path.join(self.directory, _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)), "w",
+                      encoding="utf-8") as f:
+                f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    def _revert(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """transformers' own conversion back to the class's checkpoint layout (unless
+        ``save_original_format=False``)."""
+        if not self.options["save_original_format"]:
+            return state_dict
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return revert_weight_conversion(self.model, state_dict)
+
+    def _write_file(self, filename: str, keys: list[str], planned: dict, owner: dict[str, int],
+                    units: list[_Unit]) -> None:
+        """One safetensors file: the header from the plan, then its tensors, each unit's gathered once."""
+        order: dict[int | None, list[str]] = {}
+        for key in keys:
+            order.setdefault(owner.get(key), []).append(key)
+        keys = [key for group in order.values() for key in group]  # a unit's tensors are written together
+        writer = _SafetensorsWriter(os.path.join(self.directory, filename), keys, planned) if self.on_this_rank \
+            else None
+        try:
+            for unit, group in order.items():
+                if unit is None:
+                    tensors = planned
+                else:
+                    gathered = units[unit].gather()
+                    tensors = self._revert(gathered) if gathered is not None else None
+                    del gathered  # transformers' reverted tensors may be copies: the gathered one can go
+                if writer is not None:
+                    for key in group:
+                        writer.write(key, tensors[key])
+                del tensors
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        if writer is not None:
+            writer.close()
+
+
+def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], gathers: _WriterGathers
+                       ) -> tuple[dict[str, torch.Tensor], list[_Unit]]:
+    """``state_dict`` with every expert-parallel tensor replaced by its meta tensor of all ``E``
+    experts, and the units that gather them. What is gathered follows the model's structure, not the
+    state dict's keys (which transformers may build differently per rank)."""
+    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
+
+    full, units = dict(state_dict), []
+    for module_name, module, state in sharded_experts(model):
+        if not gathers.joins(state.channel):  # a "dp" replica of the writer's EP group: same experts
+            continue
+        if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
+            _module_list_unit(full, units, state, f"{state.shard.module_name}.", gathers)
+            continue
+        prefix = f"{module_name}." if module_name else ""
+        for name in state.sharded_names:
+            key = prefix + name
+            if key not in full:
+                continue
+            local = getattr(module, name).detach()
+            dtype = full[key].dtype
+            full[key] = torch.empty((state.shard.num_experts, *local.shape[1:]), dtype=dtype, device="meta")
+            units.append(_Unit({key: full[key]}, _packed_gather(gathers, state.channel, local, key, dtype)))
+    return full, units
+
+
+def _packed_gather(gathers: _WriterGathers, channel: StepChannel, local: torch.Tensor, key: str,
+                   dtype: torch.dtype) -> Callable[[], dict[str, torch.Tensor] | None]:
+    def gather():
+        gathered = gathers.gather_rows(channel, local.contiguous())
+        return None if gathered is None else {key: gathered.to(dtype)}
+    return gather
+
+
+def _module_list_unit(full: dict, units: list[_Unit], state, prefix: str, gathers: _WriterGathers) -> None:
+    """The experts of a ``ModuleList`` (keys ``{prefix}{index}.*``): all ``E`` planned in global
+    expert order in place of the local ones (experts of one list have the same structure), gathered
+    to the writer with ``gather_object``."""
+    shard = state.shard
+    local = {f"{prefix}{shard.local_start + j}.{k}": v.detach()
+             for j, expert in enumerate(state.local_experts) for k, v in expert.state_dict().items()}
+    if not any(key in full for key in local):
+        return
+    first = state.local_experts[0].state_dict()
+    experts = {f"{prefix}{e}.{k}": torch.empty_like(v, device="meta")
+               for e in range(shard.num_experts) for k, v in first.items()}
+    items, inserted = [], False
+    for key, value in full.items():
+        if key not in local:
+            items.append((key, value))
+        elif not inserted:
+            items += list(experts.items())
+            inserted = True
+    full.clear()
+    full.update(items)
+    device = next(state.local_experts.parameters()).device
+
+    def gather():
+        parts = gathers.gather_object(state.channel, local, device)
+        return None if parts is None else {k: v for part in parts for k, v in part.items()}
+    units.append(_Unit(experts, gather))
+
+
+def _owners(planned: dict[str, torch.Tensor], units: list[_Unit],
+            revert: Callable[[dict], dict]) -> dict[str, int]:
+    """Which unit each planned key comes from. Each unit is reverted alone when written, so its keys
+    there must be exactly the ones the whole dict's conversion gives it; a conversion that mixes
+    several units (or experts with other weights) cannot be written unit by unit and raises, before
+    anything is written."""
+    owner: dict[str, int] = {}
+    for index, unit in enumerate(units):
+        for key, tensor in revert(dict(unit.full)).items():
+            if key in owner or key not in planned or planned[key].shape != tensor.shape:
+                raise NotImplementedError(
+                    f"epmoe: save_pretrained cannot write {key!r} one experts tensor at a time (the class's weight "
+                    f"conversion combines several tensors into it); save with save_original_format=False")
+            owner[key] = index
+    stray = [key for key, tensor in planned.items() if tensor.device.type == "meta" and key not in owner]
+    if stray:
+        raise NotImplementedError(f"epmoe: save_pretrained cannot attribute {stray[:4]} to one experts tensor; "
+                                  f"save with save_original_format=False")
+    return owner
+
+
+def _storage_id(tensor: torch.Tensor):
+    """The hub's storage identity, for the planned meta tensors too: views of one meta tensor (one
+    reverted experts tensor) share a storage, as their real counterparts will."""
+    from huggingface_hub import get_torch_storage_id
+
+    if tensor.device.type == "meta":
+        return "meta", id(_root(tensor))
+    return get_torch_storage_id(tensor)
+
+
+def _storage_size(tensor: torch.Tensor) -> int:
+    from huggingface_hub import get_torch_storage_size
+
+    if tensor.device.type == "meta":
+        root = _root(tensor)
+        return root.numel() * root.element_size()
+    return get_torch_storage_size(tensor)
+
+
+def _root(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor._base is None else tensor._base
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+
+
+class _SafetensorsWriter:
+    """A safetensors file written tensor by tensor: the header (every tensor's dtype, shape and byte
+    range, in ``keys`` order, ``{"format": "pt"}`` metadata as transformers writes) first, then each
+    tensor's bytes as it arrives, so the file never needs all its tensors in memory at once
+    (``safetensors.torch.save_file`` does). Written to ``path + ".tmp"``, renamed when complete."""
+
+    def __init__(self, path: str, keys: list[str], planned: dict[str, torch.Tensor]):
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        self.expected: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        for key in keys:
+            tensor = planned[key]
+            if tensor.dtype not in _SAFETENSORS_DTYPES:
+                raise TypeError(f"epmoe: save_pretrained cannot write {key!r} of dtype {tensor.dtype}")
+            size = tensor.numel() * tensor.element_size()
+            header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                           "data_offsets": [offset, offset + size]}
+            self.expected.append((key, tensor.dtype, tuple(tensor.shape)))
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        self.path, self.next = path, 0
+        self.file = open(path + ".tmp", "wb")
+        self.file.write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        expected_key, dtype, shape = self.expected[self.next]
+        if key != expected_key or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise RuntimeError(f"epmoe: {key!r} {tuple(tensor.shape)} {tensor.dtype} written where the plan has "
+                               f"{expected_key!r} {shape} {dtype}")
+        self.next += 1
+        if tensor.numel():
+            data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            self.file.write(memoryview(data.numpy()))
+
+    def close(self) -> None:
+        if self.next != len(self.expected):
+            self.abort()
+            raise RuntimeError(f"epmoe: {self.path} got {self.next} of its {len(self.expected)} tensors")
+        self.file.close()
+        os.replace(self.path + ".tmp", self.path)
+
+    def abort(self) -> None:
+        self.file.close()
+        os.remove(self.path + ".tmp")
 
 
 def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
@@ -113,29 +412,6 @@ def _cat_lora(factor: str, parts: list[torch.Tensor], local_experts: int) -> tor
     return torch.cat(blocks, dim=2).reshape(out_features, -1)
 
 
-def gather_expert_state(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state_dict`` (of ``model``) with every expert-parallel tensor replaced by all ``E`` experts'
-    on the writer (global rank 0); other ranks get theirs back unchanged (they write nothing).
-    Collective over every EP group's ranks, in module order; what is gathered follows the model's
-    structure, not the state dict's keys (which transformers may build differently per rank)."""
-    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
-
-    out = dict(state_dict)
-    gathers = _WriterGathers()
-    for module_name, module, state in sharded_experts(model):
-        if not gathers.joins(state.channel):  # a "dp" replica of the writer's EP group: same experts
-            continue
-        if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
-            _gather_module_list(out, state, f"{state.shard.module_name}.", gathers)
-            continue
-        prefix = f"{module_name}." if module_name else ""
-        for name in state.sharded_names:
-            parts = gathers.gather(state.channel, getattr(module, name).detach().contiguous())
-            if parts is not None and prefix + name in out:
-                out[prefix + name] = torch.cat(parts).to(out[prefix + name].dtype)
-    return out
-
-
 class _WriterGathers:
     """One save's gathers to the writer (global rank 0), each EP group's opened by a step header."""
 
@@ -153,6 +429,16 @@ class _WriterGathers:
         parts = [torch.empty_like(local) for _ in range(channel.size)] if self.rank == WRITER else None
         return self._run(channel, local.device, lambda: dist.gather(local, parts, dst=WRITER, group=channel.group),
                          parts)
+
+    def gather_rows(self, channel: StepChannel, local: torch.Tensor) -> torch.Tensor | None:
+        """Every EP rank's ``local`` rows in rank order, as one tensor on the writer (received in
+        place: no second copy), ``None`` elsewhere."""
+        full = None
+        if self.rank == WRITER:
+            full = local.new_empty((channel.size * local.shape[0], *local.shape[1:]))
+        parts = list(full.chunk(channel.size)) if full is not None else None
+        self._run(channel, local.device, lambda: dist.gather(local, parts, dst=WRITER, group=channel.group), parts)
+        return full
 
     def gather_object(self, channel: StepChannel, obj, device: torch.device) -> list | None:
         parts = [None] * channel.size if self.rank == WRITER else None
@@ -184,37 +470,6 @@ def _start_save(channel: StepChannel, device: torch.device) -> Position:
             f"epmoe.prepare_trainer(trainer) so that its saves run on every rank. Cause: {exc.__cause__ or exc}"
         ) from exc
     return position
-
-
-def _gather_module_list(out: dict, state, prefix: str, gathers: _WriterGathers) -> None:
-    """The local experts of a ``ModuleList`` (keys ``{prefix}{index}.*``) sent to the writer, which
-    puts every rank's in place of its own, in global expert order."""
-    shard = state.shard
-    local = {f"{prefix}{shard.local_start + j}.{k}": v.detach()
-             for j, expert in enumerate(state.local_experts) for k, v in expert.state_dict().items()}
-    device = next(state.local_experts.parameters()).device
-    gathered = gathers.gather_object(state.channel, local, device)
-    if gathered is None:
-        return
-    experts = {k: v for part in gathered for k, v in part.items()}
-    ordered = sorted(experts, key=lambda k: _expert_index(k, prefix))  # stable: per-expert key order kept
-    items, inserted = [], False
-    for key, value in out.items():
-        if key in local:
-            if not inserted:
-                items += [(k, experts[k]) for k in ordered]
-                inserted = True
-        else:
-            items.append((key, value))
-    out.clear()
-    out.update(items)
-
-
-def _expert_index(key: str, prefix: str) -> int | None:
-    if not key.startswith(prefix):
-        return None
-    head = key[len(prefix):].split(".", 1)[0]
-    return int(head) if head.isdigit() else None
 
 
 def _non_local_expert_numel(model: nn.Module) -> dict[str, int]:

@@ -190,7 +190,8 @@ def apply_expert_parallel(
                        len(checked.declined_fused), name, reason)
     logger.info(
         "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
-        len(found), ep_size, backend.name, config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
+        len(found), ep_size, backend.name if backend else "chosen at the first forward (meta weights)",
+        config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
     )
     return shards
 
@@ -214,7 +215,7 @@ class _Checked:
     shards: list[ExpertShard]
     dispatch: list[str]  # ExpertParallelState.dispatch per module
     returns_logits: list[bool]  # ModuleList blocks: whether the block's own forward returns router logits
-    backend: Any  # the grouped-matmul backend the experts run
+    backend: Any  # the grouped-matmul backend the experts run (None for meta weights: chosen per forward)
     declined_backends: list[str]
     declined_fused: dict[str, str]  # module name -> why a requested fused path is declined
 
@@ -255,8 +256,12 @@ def _validate(
         if reason is not None:
             checked.declined_fused[name] = reason
         checked.returns_logits.append(isinstance(module, nn.ModuleList) and _block_returns_router_logits(name, owner))
-    checked.backend = experts_backend(found[0][1], config.gmm_backend)  # a named backend that declines raises here
-    checked.declined_backends = [f"{s.name}: {s.reason}" for s in experts_gmm_backends(found[0][1]) if not s.eligible]
+    experts = found[0][1]
+    if any(p.is_meta for p in experts.parameters()):  # epmoe.from_pretrained: no kernel to ask about yet
+        checked.backend, checked.declined_backends = None, []  # each forward chooses, as always
+        return checked
+    checked.backend = experts_backend(experts, config.gmm_backend)  # a named backend that declines raises here
+    checked.declined_backends = [f"{s.name}: {s.reason}" for s in experts_gmm_backends(experts) if not s.eligible]
     return checked
 
 
