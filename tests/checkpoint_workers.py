@@ -166,10 +166,64 @@ def dcp_resume(rank, world, path, save_group, load_group):
             "bitwise": all(torch.equal(after2[k], after[k]) for k in after)}
 
 
+def dcp_lora_resume(rank, world, path, save_group, load_group):
+    """LoRA on the packed experts (and q/v), EP over ``save_group``: 3 AdamW steps, ``dcp.save``, 2 more.
+    A fresh adapted model (other weights) with EP over ``load_group`` and a fresh optimizer load it
+    and take the same 2 steps. Every rank trains on the same batch (the non-expert factors stay
+    replicas without DDP). Returns the losses and the max relative error per parameter and moment."""
+    import torch.distributed.checkpoint as dcp
+    from peft import get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from compose_workers import lora_config
+
+    def adapted(seed, kind):
+        model = build_model("qwen3_moe", dtype=torch.float32, seed=seed)
+        mesh = None if kind == "world" else init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
+        epmoe.apply_expert_parallel(model, mesh)
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, lora_config(experts=True, attention=True))  # A and B random
+        return peft_model, torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
+
+    def train(model, opt, steps):
+        losses = []
+        for step in range(steps):
+            ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(step))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+    model, opt = adapted(0, save_group)
+    train(model, opt, 3)
+    dcp.save(epmoe.get_state_dict(model, opt), checkpoint_id=path)
+    saved = _full(model, opt)
+    losses = train(model, opt, 2)
+    after = _full(model, opt)
+    fresh, opt2 = adapted(7, load_group)
+    state = epmoe.get_state_dict(fresh, opt2)
+    dcp.load(state, checkpoint_id=path)
+    epmoe.set_state_dict(fresh, opt2, state=state)
+    loaded = _full(fresh, opt2)
+    losses2 = train(fresh, opt2, 2)
+    after2 = _full(fresh, opt2)
+
+    def errors(mine, ref):
+        assert set(mine) == set(ref), sorted(set(mine) ^ set(ref))[:4]
+        return {k: ((mine[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref}
+
+    return {"losses": losses, "losses_loaded": losses2, "loaded": errors(loaded, saved), "after": errors(after2, after),
+            "expert_lora": sorted(k for k in saved if ".experts." in k and ".lora_" in k),
+            "bitwise": all(torch.equal(after2[k], after[k]) for k in after)}
+
+
 def dcp_checks(rank, world, root):
     if world == 2:
-        return {"same_size": dcp_resume(rank, world, f"{root}/same", "world", "world")}
+        return {"same_size": dcp_resume(rank, world, f"{root}/same", "world", "world"),
+                "lora_same_size": dcp_lora_resume(rank, world, f"{root}/lora", "world", "world")}
     return {"same_size": dcp_resume(rank, world, f"{root}/same4", "world", "world"),
+            "lora_ep2_to_ep4": dcp_lora_resume(rank, world, f"{root}/lora2to4", "mesh", "world"),
             "ep2_to_ep4": dcp_resume(rank, world, f"{root}/2to4", "mesh", "world"),
             "ep4_to_ep2": dcp_resume(rank, world, f"{root}/4to2", "world", "mesh"),
             "pretrained_any_size": pretrained_any_size(rank, world, root)}

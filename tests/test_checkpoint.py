@@ -35,13 +35,18 @@ def test_dcp_resume(world, tmp_path):
     ("dp", "ep") mesh vs the whole world) parameters within 1e-6 and moments within 1e-5 after the 4
     steps: the fresh DDP's first buckets differ from the resumed one's, so its 4-way sums round
     differently. The 4-rank run also saves with save_pretrained at EP 2 and loads with
-    epmoe.from_pretrained at EP 4, and back: the unsharded model's logits to 1e-6."""
+    epmoe.from_pretrained at EP 4, and back: the unsharded model's logits to 1e-6. PEFT LoRA on the packed
+    experts (and q/v) resumes the same way (on 2 ranks at the same EP size, on 4 from EP 2 to EP 4),
+    every factor and moment of every expert included."""
     from checkpoint_workers import dcp_checks
 
     for rank, by_case in enumerate(run_ranks(dcp_checks, world, str(tmp_path), timeout=300)):
         if world == 4:  # save_pretrained -> epmoe.from_pretrained across EP sizes, in the same run
             hops = by_case.pop("pretrained_any_size")
             assert hops.pop("sizes") == [4, 2] and max(hops.values()) <= 1e-6, (rank, hops)
+        lora = by_case["lora_same_size" if world == 2 else "lora_ep2_to_ep4"].pop("expert_lora")
+        # A and B of both packed experts tensors of each of the 2 layers, and AdamW's step and moments of each
+        assert sum(k.startswith("model/") for k in lora) == 8 and len(lora) == 8 * 4, (rank, lora)
         for case, result in by_case.items():
             assert max(result["loaded"].values()) == 0.0, (rank, case)
             if world == 2:

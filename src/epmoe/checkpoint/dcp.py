@@ -10,6 +10,12 @@ DCP each of them, and each optimizer moment shaped like them, as what it is: a `
     get_state_dict          DTensor (8, 2I, H), Shard(0): rows 0-3      rows 4-7
     dcp.save / dcp.load     one (8, 2I, H) tensor in the checkpoint, read back at any EP size
 
+PEFT LoRA factors on packed experts (``target_parameters``) follow their experts: ``lora_A``
+``(r*e, in)`` is expert-major (rows ``Shard(0)`` of ``(r*E, in)``); ``lora_B`` ``(out, r*e)`` is
+expert-minor, so it goes to DCP viewed ``(out, r, e)``, ``Shard(2)`` of ``(out, r, E)``::
+
+    lora_B (out, r*e) --view--> (out, r, e) --DTensor--> (out, r, E), Shard(2)  (read back at any EP size)
+
 ``"dp"`` replicas of an EP group give the same shards (DCP's planner writes one copy). The rest is
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` (FQNs without DDP's
 ``module.``, FSDP2 DTensors, an optimizer without state initialised first). ``nn.ModuleList``
@@ -22,6 +28,7 @@ experts already carry their global index in their names and need nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -65,7 +72,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
             dcp_state.set_model_state_dict(model, model_state)
         return
     optim_state = dict(state["optimizer"])
-    optim_state["state"] = {fqn: _to_local(moments, set(moments) if fqn in sharded else set())
+    optim_state["state"] = {fqn: _to_local(moments, {key: sharded[fqn] for key in moments} if fqn in sharded else {})
                             for fqn, moments in optim_state.get("state", {}).items()}
     with own_state_dict():
         dcp_state.set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
@@ -76,48 +83,57 @@ def _check_model(model: Any, where: str) -> None:
         raise TypeError(f"{where}(model): expected an nn.Module, got {type(model).__name__}")
 
 
-def _sharded_experts(model: nn.Module) -> dict[str, Any]:
-    """FQN (as torch's state-dict helpers name it: no ``module.`` of DDP) -> the experts' EP state,
-    for every packed experts tensor sharded over an EP group of size > 1."""
+@dataclass(frozen=True)
+class _Sharded:
+    """How one local tensor (and each optimizer moment shaped like it) goes to DCP: viewed as
+    ``view`` (``None``: as it is), then ``Shard(dim)`` of the tensor of all ``E`` experts."""
+
+    state: Any
+    dim: int = 0
+    view: tuple[int, ...] | None = None
+
+
+def _sharded_experts(model: nn.Module) -> dict[str, _Sharded]:
+    """FQN (as torch's state-dict helpers name it: no ``module.`` of DDP) -> how it is sharded, for
+    every packed experts tensor sharded over an EP group of size > 1 and every LoRA factor on one."""
     from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
+    from epmoe.training.params import _peft_base
 
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     sharded = {}
     for name, _, state in sharded_experts(inner, packed_only=True):
         prefix = f"{name}." if name else ""
         for param_name in state.sharded_names:
-            sharded[prefix + param_name] = state
-        wrapper = _lora_on(inner, name)
-        if wrapper is not None:
-            raise ValueError(
-                f"get_state_dict: {wrapper} holds LoRA factors on expert-parallel experts, whose column layout "
-                f"per expert DCP cannot shard by rows; save the adapter with peft or at EP size 1"
-            )
+            sharded[prefix + param_name] = _Sharded(state)
+    for name, module in inner.named_modules():
+        state = getattr(_peft_base(module), "_epmoe", None)
+        if state is None or state.shard.ep_size == 1:
+            continue
+        for adapter in module.lora_A:  # (r*e, in), expert-major
+            sharded[f"{name}.lora_A.{adapter}.weight"] = _Sharded(state)
+        for adapter, linear in module.lora_B.items():  # (out, r*e), expert-minor
+            out_features = linear.weight.shape[0]
+            sharded[f"{name}.lora_B.{adapter}.weight"] = _Sharded(state, 2, (out_features, -1, module.num_experts))
     return sharded
 
 
-def _lora_on(model: nn.Module, experts_name: str) -> str | None:
-    parent = experts_name.rsplit(".", 1)[0] if "." in experts_name else ""
-    module = model.get_submodule(parent) if parent else model
-    return parent if hasattr(module, "lora_A") and getattr(module, "base_layer", None) is not None else None
-
-
-def _to_global(tensors: dict[str, Any], sharded: dict[str, Any]) -> dict[str, Any]:
-    """Each ``sharded`` entry as a ``DTensor`` ``Shard(0)`` of all ``E`` experts over its EP group."""
+def _to_global(tensors: dict[str, Any], sharded: dict[str, _Sharded]) -> dict[str, Any]:
+    """Each ``sharded`` entry as a ``DTensor`` of all ``E`` experts over its EP group."""
     from torch.distributed.tensor import DTensor
 
     out, meshes = dict(tensors), {}
-    for key, state in sharded.items():
+    for key, how in sharded.items():
         local = out.get(key)
         if isinstance(local, torch.Tensor) and local.dim() > 0 and not isinstance(local, DTensor):
-            out[key] = expert_dtensor(local.contiguous(), state, meshes)
+            local = local.contiguous() if how.view is None else local.contiguous().view(how.view)
+            out[key] = expert_dtensor(local, how.state, meshes, dim=how.dim)
     return out
 
 
-def expert_dtensor(local: torch.Tensor, state: Any, meshes: dict) -> Any:
-    """``local`` (this rank's ``E/W`` experts of a packed tensor, on any device, meta included) as the
-    ``DTensor`` ``Shard(0)`` of all ``E`` over the EP group of ``state``; ``meshes`` caches one
-    ``DeviceMesh`` per group."""
+def expert_dtensor(local: torch.Tensor, state: Any, meshes: dict, dim: int = 0) -> Any:
+    """``local`` (this rank's ``E/W`` experts along ``dim`` of a packed tensor, on any device, meta
+    included) as the ``DTensor`` ``Shard(dim)`` of all ``E`` over the EP group of ``state``;
+    ``meshes`` caches one ``DeviceMesh`` per group."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
@@ -126,12 +142,21 @@ def expert_dtensor(local: torch.Tensor, state: Any, meshes: dict) -> Any:
     if mesh is None:
         device = platform.device_type() if local.device.type == "meta" else platform.device_type(local)
         mesh = meshes[id(group)] = DeviceMesh.from_group(group, device)
-    shape = torch.Size((local.shape[0] * state.shard.ep_size, *local.shape[1:]))
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape,
+    shape = list(local.shape)
+    shape[dim] *= state.shard.ep_size
+    shape = torch.Size(shape)
+    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
 
 
-def _to_local(tensors: dict[str, Any], sharded) -> dict[str, Any]:
+def _to_local(tensors: dict[str, Any], sharded: dict[str, _Sharded]) -> dict[str, Any]:
+    """Each ``sharded`` ``DTensor`` entry as this rank's local tensor, in the parameter's shape."""
     from torch.distributed.tensor import DTensor
 
-    return {k: v.to_local() if k in sharded and isinstance(v, DTensor) else v for k, v in tensors.items()}
+    out = dict(tensors)
+    for key, how in sharded.items():
+        value = out.get(key)
+        if isinstance(value, DTensor):
+            local = value.to_local()
+            out[key] = local if how.view is None else local.reshape(local.shape[0], -1)
+    return out

@@ -20,19 +20,19 @@ instance attributes of the model (the class is untouched):
 each experts tensor stands in as a meta tensor of all ``E`` experts, transformers'
 ``revert_weight_conversion`` and the hub's shard splitter run on that dict (a tensor's storage is
 the meta tensor it is a view of, as the real one is a view of a real tensor), which gives the same
-keys, shapes, dtypes, file names and index. The writer (global rank 0) then writes each file
-tensor by tensor, gathering one experts tensor (``dist.gather`` over the EP group holding the
-writer; its ``"dp"`` replicas hold the same experts and send nothing) when its file needs it,
-reverting just it and dropping it once written::
+keys, shapes, dtypes, file names and index. The writer (global rank 0) then writes each file tensor
+by tensor, from a header written first. An experts tensor comes from the EP group holding the
+writer (its ``"dp"`` replicas hold the same experts and send nothing) one rank's part at a time,
+reverted alone and renumbered, where the class's checkpoints name each expert's tensors; whole
+(``dist.gather``) where they keep the experts packed::
 
-    EP = 2, E = 8               rank 0                                rank 1
-    experts.gate_up_proj        (4, 2I, H) experts 0-3   --gather-->  (4, 2I, H) experts 4-7
-    writer, one tensor at once  (8, 2I, H) -> revert -> experts.{0..7}.gate_proj / up_proj
-                                -> written into its planned file, then freed
+    EP = 2, E = 8             rank 0: experts.gate_up_proj (4, 2I, H) experts 0-3   rank 1: experts 4-7
+    writer, part by part      rank 0's part -> revert -> experts.{0..3}.gate_proj / up_proj -> written, freed
+                              rank 1's part --send--> revert -> experts.{0..3} renumbered {4..7} -> written
 
-The writer so holds its own shard plus one gathered experts tensor and transformers' reverted copy
-of it. Every rank must call ``save_pretrained`` (transformers' convention for distributed models):
-:func:`epmoe.prepare_trainer` makes ``Trainer`` save through every rank.
+The writer so holds its own shard, one rank's part of one experts tensor and transformers' reverted
+copy of it. Every rank must call ``save_pretrained`` (transformers' convention for distributed
+models): :func:`epmoe.prepare_trainer` makes ``Trainer`` save through every rank.
 
 PEFT adapters with LoRA on the packed experts (``target_parameters``) are saved through peft's own
 ``save_pretrained(state_dict=...)``: :func:`adapter_state_dict` gathers each expert LoRA factor in
@@ -49,8 +49,7 @@ import inspect
 import json
 import os
 import struct
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -121,17 +120,6 @@ class SavePretrained:
         return result
 
 
-@dataclass
-class _Unit:
-    """One experts tensor (or one ``ModuleList``'s experts), gathered to the writer as a whole.
-
-    ``full``: its keys as meta tensors of all ``E`` experts (what the files are planned with);
-    ``gather``: the collective that returns the real ``full`` on the writer (``None`` elsewhere)."""
-
-    full: dict[str, torch.Tensor]
-    gather: Callable[[], dict[str, torch.Tensor] | None]
-
-
 class StreamedWeights:
     """The weights of one ``save_pretrained`` of an EP model, written tensor by tensor (see the module
     docstring). Every rank takes part in :meth:`write`; the writer writes."""
@@ -167,6 +155,7 @@ class StreamedWeights:
             return
         planned = self._revert(full)
         owner = _owners(planned, units, self._revert)
+        del full
         weights_name = _add_variant(SAFE_WEIGHTS_NAME, variant)
         split = split_state_dict_into_shards_factory(
             planned, get_storage_id=_storage_id, get_storage_size=_storage_size, max_shard_size=self.options[
@@ -190,26 +179,28 @@ class StreamedWeights:
         return revert_weight_conversion(self.model, state_dict)
 
     def _write_file(self, filename: str, keys: list[str], planned: dict, owner: dict[str, int],
-                    units: list[_Unit]) -> None:
-        """One safetensors file: the header from the plan, then its tensors, each unit's gathered once."""
-        order: dict[int | None, list[str]] = {}
+                    units: list[_PackedUnit | _ModuleListUnit]) -> None:
+        """One safetensors file: the header from the plan, then its tensors, each unit's as its pieces
+        arrive (the header lists them in that order)."""
+        in_file = set(keys)
+        sources: dict[int | None, list[str]] = {}  # None: the tensors every rank holds (not experts)
         for key in keys:
-            order.setdefault(owner.get(key), []).append(key)
-        keys = [key for group in order.values() for key in group]  # a unit's tensors are written together
-        writer = _SafetensorsWriter(os.path.join(self.directory, filename), keys, planned) if self.on_this_rank \
+            sources.setdefault(owner.get(key), []).append(key)
+        order = [key for source, own in sources.items()
+                 for key in (own if source is None else [k for k in units[source].keys if k in in_file])]
+        writer = _SafetensorsWriter(os.path.join(self.directory, filename), order, planned) if self.on_this_rank \
             else None
         try:
-            for unit, group in order.items():
-                if unit is None:
-                    tensors = planned
-                else:
-                    gathered = units[unit].gather()
-                    tensors = self._revert(gathered) if gathered is not None else None
-                    del gathered  # transformers' reverted tensors may be copies: the gathered one can go
-                if writer is not None:
-                    for key in group:
-                        writer.write(key, tensors[key])
-                del tensors
+            for source, own in sources.items():
+                if source is None:
+                    for key in own if writer is not None else ():
+                        writer.write(key, planned[key])
+                    continue
+                for piece in units[source].pieces(self._revert):
+                    for key, tensor in piece.items() if writer is not None and piece is not None else ():
+                        if key in in_file:
+                            writer.write(key, tensor)
+                    del piece  # before the next piece arrives
         except BaseException:
             if writer is not None:
                 writer.abort()
@@ -219,7 +210,7 @@ class StreamedWeights:
 
 
 def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], gathers: _WriterGathers
-                       ) -> tuple[dict[str, torch.Tensor], list[_Unit]]:
+                       ) -> tuple[dict[str, torch.Tensor], list[_PackedUnit | _ModuleListUnit]]:
     """``state_dict`` with every expert-parallel tensor replaced by its meta tensor of all ``E``
     experts, and the units that gather them. What is gathered follows the model's structure, not the
     state dict's keys (which transformers may build differently per rank)."""
@@ -230,58 +221,126 @@ def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], ga
         if not gathers.joins(state.channel):  # a "dp" replica of the writer's EP group: same experts
             continue
         if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
-            _module_list_unit(full, units, state, f"{state.shard.module_name}.", gathers)
+            unit = _ModuleListUnit(state, f"{state.shard.module_name}.", gathers)
+            if any(key in full for key in unit.local):
+                full = unit.placed_in(full)
+                units.append(unit)
             continue
         prefix = f"{module_name}." if module_name else ""
         for name in state.sharded_names:
-            key = prefix + name
-            if key not in full:
-                continue
-            local = getattr(module, name).detach()
-            dtype = full[key].dtype
-            full[key] = torch.empty((state.shard.num_experts, *local.shape[1:]), dtype=dtype, device="meta")
-            units.append(_Unit({key: full[key]}, _packed_gather(gathers, state.channel, local, key, dtype)))
+            if prefix + name in full:
+                unit = _PackedUnit(prefix + name, getattr(module, name).detach(), full[prefix + name].dtype, state,
+                                   gathers)
+                full.update(unit.full)
+                units.append(unit)
     return full, units
 
 
-def _packed_gather(gathers: _WriterGathers, channel: StepChannel, local: torch.Tensor, key: str,
-                   dtype: torch.dtype) -> Callable[[], dict[str, torch.Tensor] | None]:
-    def gather():
-        gathered = gathers.gather_rows(channel, local.contiguous())
-        return None if gathered is None else {key: gathered.to(dtype)}
-    return gather
+class _PackedUnit:
+    """One packed experts tensor ``(E/W, ...)`` per rank. Where the class's conversion names each
+    expert's tensors (one dot-separated number in the key, as the Hub's ``experts.{e}.gate_proj``),
+    the writer receives and reverts one rank's part at a time and renumbers its keys; otherwise (a
+    checkpoint layout that keeps the experts packed) it gathers all ``E`` experts at once."""
+
+    def __init__(self, key: str, local: torch.Tensor, dtype: torch.dtype, state, gathers: _WriterGathers):
+        self.key, self.local, self.dtype, self.gathers = key, local.contiguous(), dtype, gathers
+        self.channel, self.parts = state.channel, state.shard.ep_size
+        self.full = {key: torch.empty((state.shard.num_experts, *local.shape[1:]), dtype=dtype, device="meta")}
+        self.keys: list[str] = []  # the planned keys, in the order pieces() gives them
+        self.renumber: Callable[[int, str], str] | None = None
+
+    def plan(self, revert: Callable[[dict], dict]) -> dict[str, torch.Tensor]:
+        whole = revert(dict(self.full))
+        part = revert({self.key: torch.empty_like(self.local, dtype=self.dtype, device="meta")})
+        self.renumber = _renumbering(whole, part, self.parts, self.local.shape[0])
+        if self.renumber is None:
+            self.keys = list(whole)
+            return whole
+        self.keys = [self.renumber(rank, key) for rank in range(self.parts) for key in part]
+        return {self.renumber(rank, key): tensor for rank in range(self.parts) for key, tensor in part.items()}
+
+    def pieces(self, revert: Callable[[dict], dict]) -> Iterator[dict[str, torch.Tensor] | None]:
+        """The unit's tensors, named as planned, on the writer (``None`` elsewhere): one rank's part
+        at a time, or all at once."""
+        if self.renumber is None:
+            yield self._whole(revert)
+            return
+        for rank in range(self.parts):
+            yield self._part(rank, revert)  # no name holds a part across the yield: one at a time
+
+    def _part(self, rank: int, revert: Callable[[dict], dict]) -> dict[str, torch.Tensor] | None:
+        part = self.gathers.part(self.channel, self.local, rank)
+        if part is None:
+            return None
+        return {self.renumber(rank, key): tensor for key, tensor in revert({self.key: part.to(self.dtype)}).items()}
 
 
-def _module_list_unit(full: dict, units: list[_Unit], state, prefix: str, gathers: _WriterGathers) -> None:
-    """The experts of a ``ModuleList`` (keys ``{prefix}{index}.*``): all ``E`` planned in global
-    expert order in place of the local ones (experts of one list have the same structure), gathered
-    to the writer with ``gather_object``."""
-    shard = state.shard
-    local = {f"{prefix}{shard.local_start + j}.{k}": v.detach()
-             for j, expert in enumerate(state.local_experts) for k, v in expert.state_dict().items()}
-    if not any(key in full for key in local):
-        return
-    first = state.local_experts[0].state_dict()
-    experts = {f"{prefix}{e}.{k}": torch.empty_like(v, device="meta")
-               for e in range(shard.num_experts) for k, v in first.items()}
-    items, inserted = [], False
-    for key, value in full.items():
-        if key not in local:
-            items.append((key, value))
-        elif not inserted:
-            items += list(experts.items())
-            inserted = True
-    full.clear()
-    full.update(items)
-    device = next(state.local_experts.parameters()).device
-
-    def gather():
-        parts = gathers.gather_object(state.channel, local, device)
-        return None if parts is None else {k: v for part in parts for k, v in part.items()}
-    units.append(_Unit(experts, gather))
+    def _whole(self, revert: Callable[[dict], dict]) -> dict[str, torch.Tensor] | None:
+        gathered = self.gathers.gather_rows(self.channel, self.local)
+        return None if gathered is None else revert({self.key: gathered.to(self.dtype)})
 
 
-def _owners(planned: dict[str, torch.Tensor], units: list[_Unit],
+def _renumbering(whole: dict, part: dict, parts: int, local_experts: int) -> Callable[[int, str], str] | None:
+    """``(rank, key) -> key``: the name in ``whole`` (the reverted tensor of all experts) of ``key``
+    of ``part`` (the reverted tensor of one rank's experts, numbered from 0) when rank ``rank``'s
+    experts are reverted; ``None`` unless exactly one dot-separated number in the keys counts the
+    experts and renumbering every rank's part gives exactly ``whole`` (same shapes)."""
+    split = [key.split(".") for key in whole]
+    if len(part) * parts != len(whole) or len({len(segments) for segments in split}) != 1:
+        return None
+    counting = [i for i in range(len(split[0]))
+                if len({s[i] for s in split}) > 1 and all(s[i].isdigit() for s in split)]
+    if len(counting) != 1:
+        return None
+    at = counting[0]
+
+    def renumber(rank: int, key: str) -> str:
+        segments = key.split(".")
+        segments[at] = str(int(segments[at]) + rank * local_experts)
+        return ".".join(segments)
+
+    named = {renumber(rank, key): tensor.shape for rank in range(parts) for key, tensor in part.items()}
+    return renumber if named == {key: tensor.shape for key, tensor in whole.items()} else None
+
+
+class _ModuleListUnit:
+    """The experts of a ``ModuleList`` (keys ``{prefix}{index}.*``), gathered to the writer with
+    ``gather_object``; all ``E`` planned in global expert order in place of the local ones (experts
+    of one list have the same structure)."""
+
+    def __init__(self, state, prefix: str, gathers: _WriterGathers):
+        shard = state.shard
+        self.channel, self.gathers = state.channel, gathers
+        self.local = {f"{prefix}{shard.local_start + j}.{k}": v.detach()
+                      for j, expert in enumerate(state.local_experts) for k, v in expert.state_dict().items()}
+        first = state.local_experts[0].state_dict()
+        self.full = {f"{prefix}{e}.{k}": torch.empty_like(v, device="meta")
+                     for e in range(shard.num_experts) for k, v in first.items()}
+        self.device = next(state.local_experts.parameters()).device
+        self.keys: list[str] = []
+
+    def placed_in(self, state_dict: dict) -> dict:
+        """``state_dict`` with this list's local experts replaced by all ``E``, where the first was."""
+        items, inserted = [], False
+        for key, value in state_dict.items():
+            if key not in self.local:
+                items.append((key, value))
+            elif not inserted:
+                items += list(self.full.items())
+                inserted = True
+        return dict(items)
+
+    def plan(self, revert: Callable[[dict], dict]) -> dict[str, torch.Tensor]:
+        whole = revert(dict(self.full))
+        self.keys = list(whole)
+        return whole
+
+    def pieces(self, revert: Callable[[dict], dict]) -> Iterator[dict[str, torch.Tensor] | None]:
+        parts = self.gathers.gather_object(self.channel, self.local, self.device)
+        yield None if parts is None else revert({k: v for part in parts for k, v in part.items()})
+
+
+def _owners(planned: dict[str, torch.Tensor], units: list[_PackedUnit | _ModuleListUnit],
             revert: Callable[[dict], dict]) -> dict[str, int]:
     """Which unit each planned key comes from. Each unit is reverted alone when written, so its keys
     there must be exactly the ones the whole dict's conversion gives it; a conversion that mixes
@@ -289,7 +348,7 @@ def _owners(planned: dict[str, torch.Tensor], units: list[_Unit],
     anything is written."""
     owner: dict[str, int] = {}
     for index, unit in enumerate(units):
-        for key, tensor in revert(dict(unit.full)).items():
+        for key, tensor in unit.plan(revert).items():
             if key in owner or key not in planned or planned[key].shape != tensor.shape:
                 raise NotImplementedError(
                     f"epmoe: save_pretrained cannot write {key!r} one experts tensor at a time (the class's weight "
@@ -440,14 +499,33 @@ class _WriterGathers:
         self._run(channel, local.device, lambda: dist.gather(local, parts, dst=WRITER, group=channel.group), parts)
         return full
 
+    def part(self, channel: StepChannel, local: torch.Tensor, ep_rank: int) -> torch.Tensor | None:
+        """EP rank ``ep_rank``'s ``local`` on the writer (``None`` elsewhere): the writer holds one
+        rank's part at a time. Every EP rank calls it for each ``ep_rank`` in turn."""
+        self._start(channel, local.device)
+        source = dist.get_process_group_ranks(channel.group)[ep_rank]
+        if self.rank == WRITER:
+            if source == WRITER:
+                return local
+            part = torch.empty_like(local)
+            self._run(channel, local.device, lambda: dist.recv(part, src=source, group=channel.group), None)
+            return part
+        if source == self.rank:
+            self._run(channel, local.device, lambda: dist.send(local, dst=WRITER, group=channel.group), None)
+        return None
+
     def gather_object(self, channel: StepChannel, obj, device: torch.device) -> list | None:
         parts = [None] * channel.size if self.rank == WRITER else None
         return self._run(channel, device, lambda: dist.gather_object(obj, parts, dst=WRITER, group=channel.group),
                          parts)
 
-    def _run(self, channel, device, collective, parts):
+    def _start(self, channel: StepChannel, device: torch.device) -> None:
+        """The step header opening this save on ``channel``, once, before its first transfer."""
         if id(channel) not in self.started:
             self.started[id(channel)] = _start_save(channel, device)
+
+    def _run(self, channel, device, collective, parts):
+        self._start(channel, device)
         try:
             collective()
         except RuntimeError as exc:
