@@ -49,6 +49,23 @@ def test_bench_gmm_rejects_an_unknown_backend(capsys, one_thread):
     assert "--backend" in capsys.readouterr().err
 
 
+def test_renamed_options_keep_their_old_spelling_with_a_warning(capsys):
+    """--gmm-backend (demo, bench gmm) and --dist-backend (bench fused) were --backend: the old spelling
+    still parses, to the same value, and warns on stderr; the new one does not warn."""
+    from epmoe.cli import build_parser
+
+    for argv, dest, value in (
+        (["demo", "--gmm-backend", "loop"], "gmm_backend", "loop"),
+        (["bench", "gmm", "--gmm-backend", "loop", "--gmm-backend", "torch"], "gmm_backend", ["loop", "torch"]),
+        (["bench", "fused", "--dist-backend", "gloo"], "dist_backend", "gloo"),
+    ):
+        new = build_parser().parse_args(argv)
+        assert getattr(new, dest) == value and "renamed" not in capsys.readouterr().err, argv
+        old = build_parser().parse_args([a.replace(f"--{dest.replace('_', '-')}", "--backend") for a in argv])
+        assert getattr(old, dest) == value, argv
+        assert f"--backend is renamed --{dest.replace('_', '-')}" in capsys.readouterr().err, argv
+
+
 def test_counts_are_seeded_and_sum_to_rows():
     case = gmm.CASES[0]
     counts = case.counts(0)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import epmoe
 from epmoe import platform
 from epmoe.comm.fused import npu as fused_npu
-from epmoe.comm.fused.layout import Plan, round_bounds
+from epmoe.comm.layout import Plan, round_bounds
 from epmoe.launch import run_ranks
 from npu_fused_emulation import EmulatedTorchNpu, FusedOpError
 
@@ -556,5 +556,5 @@ def test_bench_fused_quick(tmp_path, capsys):
         (shared, pass_, v) for shared in ("no", "yes") for pass_ in ("fwd", "fwd+bwd") for v in variants]
     assert all(r[6] == "1.00" for r in rows if r[2] == "unfused")
     document = out.read_text()
-    assert "epmoe bench fused --quick" in document and "--backend gloo" in document and "## `tiny`" in document
-    assert "--backend nccl" in document  # the prepared command for GPUs
+    assert "epmoe bench fused --quick" in document and "--dist-backend gloo" in document and "## `tiny`" in document
+    assert "--dist-backend nccl" in document  # the prepared command for GPUs

@@ -1,4 +1,4 @@
-"""grouped_mm: every backend against a float64 per-group reference, autograd, validation, dispatch."""
+"""grouped_mm: every backend against a float64 per-group reference, autograd, validation, the registry."""
 
 import logging
 
@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import epmoe
-from epmoe.gmm import GmmBackend, dispatch, select_backend, unregister_gmm_backend
+from epmoe import errors
+from epmoe.gmm import GmmBackend, registry, select_backend, unregister_gmm_backend
 
 CPU_BACKENDS = ["torch", "loop"]
 
@@ -148,7 +149,7 @@ def test_trans_weight_is_not_copied(monkeypatch):
 
         def forward(self, x_TK, weight, counts, trans_weight):
             seen.append((weight.data_ptr(), trans_weight))
-            return dispatch.LoopBackend().forward(x_TK, weight, counts, trans_weight)
+            return registry.LoopBackend().forward(x_TK, weight, counts, trans_weight)
 
     epmoe.register_gmm_backend(Spy(), before="npu")
     try:
@@ -175,9 +176,9 @@ def test_trans_weight_is_not_copied(monkeypatch):
         (torch.randn(2, 3), torch.randn(2, 3, 2), [2], {}, ValueError, r"grouped_mm\(counts\): 1 counts for 2 groups"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [3, -1], {}, ValueError, r"grouped_mm\(counts\): .*non-negative"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 2], {}, ValueError, r"grouped_mm\(counts\): counts sum to 3"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [1.0, 1.0], {}, ValueError, r"grouped_mm\(counts\): expected ints"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [True, 1], {}, ValueError, r"grouped_mm\(counts\): expected ints"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), torch.tensor([1.0, 1.0]), {}, ValueError,
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [1.0, 1.0], {}, TypeError, r"grouped_mm\(counts\): expected ints"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), [True, 1], {}, TypeError, r"grouped_mm\(counts\): expected ints"),
+        (torch.randn(2, 3), torch.randn(2, 3, 2), torch.tensor([1.0, 1.0]), {}, TypeError,
          r"grouped_mm\(counts\): expected an integer tensor"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), "11", {}, TypeError, r"grouped_mm\(counts\): expected a sequence"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"trans_weight": 1}, TypeError,
@@ -194,7 +195,7 @@ def test_validation(x, w, counts, kwargs, error, match):
 
 
 def test_torch_backend_reasons():
-    torch_backend = next(b for b in dispatch._registry if b.name == "torch")
+    torch_backend = next(b for b in registry._registry if b.name == "torch")
     assert torch_backend.ineligible_reason(torch.randn(4, 8), torch.randn(2, 8, 4)) is None
     assert "16 bytes" in torch_backend.ineligible_reason(torch.randn(4, 6), torch.randn(2, 6, 4))
     assert "16 bytes" in torch_backend.ineligible_reason(torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(2, 8, 4, dtype=torch.bfloat16))
@@ -221,15 +222,15 @@ def test_env_forces_backend(monkeypatch):
 
 def test_select_backend_validates_like_grouped_mm(monkeypatch, caplog):
     """A bad operand raises naming it, before any backend is judged or any fallback is logged."""
-    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.setattr(errors, "_said", set())
     with pytest.raises(TypeError, match=r"select_backend\(x\): expected a Tensor"):
         select_backend([[1.0]], torch.randn(2, 1, 4))
-    with caplog.at_level(logging.INFO, logger="epmoe.gmm.dispatch"):
+    with caplog.at_level(logging.INFO, logger="epmoe.gmm.registry"):
         with pytest.raises(ValueError, match=r"select_backend\(weight\): .* has K=6, but x has K=8"):
             select_backend(torch.randn(4, 8), torch.randn(2, 6, 4))
         with pytest.raises(ValueError, match=r"gmm_backends\(weight\): .* has K=6, but x has K=8"):
             epmoe.gmm_backends(torch.randn(4, 8), torch.randn(2, 6, 4))
-    assert caplog.records == [] and dispatch._logged == set()
+    assert caplog.records == [] and errors._said == set()
 
 
 @pytest.mark.parametrize(
@@ -252,12 +253,12 @@ def test_non_contiguous_x_judged_as_grouped_mm_passes_it(make_x, torch_eligible)
 def test_gmm_backends_for_judges_every_call():
     x8, w8 = torch.randn(0, 8), torch.randn(2, 8, 8)
     x6, w6 = torch.randn(0, 6), torch.randn(2, 6, 8)
-    statuses = {s.name: s for s in dispatch.gmm_backends_for({"up": (x8, w8, False), "down": (x6, w6, False)})}
+    statuses = {s.name: s for s in registry.gmm_backends_for({"up": (x8, w8, False), "down": (x6, w6, False)})}
     assert not statuses["torch"].eligible and statuses["torch"].reason.startswith("down: x stride 6")
     assert statuses["loop"].eligible
-    assert all(s.eligible for s in dispatch.gmm_backends_for({}))
+    assert all(s.eligible for s in registry.gmm_backends_for({}))
     with pytest.raises(ValueError, match=r"gmm_backends_for\['down'\]\(weight\): .* has K=8, but x has K=6"):
-        dispatch.gmm_backends_for({"up": (x8, w8, False), "down": (x6, w8, False)})
+        registry.gmm_backends_for({"up": (x8, w8, False), "down": (x6, w8, False)})
 
 
 def test_gmm_backends_lists_every_backend():
@@ -269,8 +270,8 @@ def test_gmm_backends_lists_every_backend():
 
 
 def test_fallback_warns_once_and_info_once(monkeypatch, caplog):
-    monkeypatch.setattr(dispatch, "_logged", set())
-    with caplog.at_level(logging.INFO, logger="epmoe.gmm.dispatch"):
+    monkeypatch.setattr(errors, "_said", set())
+    with caplog.at_level(logging.INFO, logger="epmoe.gmm.registry"):
         for _ in range(3):
             epmoe.grouped_mm(torch.randn(4, 6), torch.randn(2, 6, 4), [2, 2])
             epmoe.grouped_mm(torch.randn(4, 8), torch.randn(2, 8, 4), [2, 2])

@@ -11,7 +11,7 @@ from npu_emulation import MAX_GROUPS, NpuOpError, fake_torch_npu  # noqa: F401 -
 
 import epmoe
 from epmoe import platform
-from epmoe.gmm.dispatch import _GroupedMM, select_backend
+from epmoe.gmm.registry import _GroupedMM, select_backend
 from epmoe.gmm.npu import NpuBackend
 
 COUNTS = [[5, 0, 7, 3], [3, 4, 5], [0, 0, 9], [12], [0, 12, 0, 0], [1, 1, 1, 1, 1, 1]]

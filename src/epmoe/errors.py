@@ -1,13 +1,27 @@
-"""What the engine's errors share: messages that stay short however large the input (lists
-capped, offenders named), and the refusal of double backward."""
+"""What the engine's errors and log lines share: messages that stay short however large the input
+(lists capped, offenders named), log lines said once per process, and the refusal of double
+backward."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import operator
+from collections.abc import Hashable, Sequence
 
 import torch
 
 LIMIT = 8
+_said: set[Hashable] = set()
+
+
+def log_once(logger: logging.Logger, level: int, key: Hashable, message: str, *args) -> None:
+    """``logger.log(level, message, *args)`` the first time ``key`` is seen in this process. No lock
+    (set membership is atomic under the GIL; two threads may both say it once), so it is safe on
+    paths ``torch.compile`` traces."""
+    if key in _said:
+        return
+    _said.add(key)
+    logger.log(level, message, *args)
 
 
 def summarize(values: Sequence[int], limit: int = LIMIT) -> str:
@@ -25,6 +39,37 @@ def negatives(values: Sequence[int], limit: int = LIMIT) -> str:
     shown = ", ".join(f"index {i} ({v})" for i, v in bad[:limit])
     more = f", ... ({len(bad)} negative of {len(values)})" if len(bad) > limit else ""
     return shown + more
+
+
+def int_list(where: str, counts: object, *, host_only: bool = False) -> list[int]:
+    """``counts`` (a sequence of ints, or a 1-D integer tensor) as a Python list, for every function
+    taking counts (``where``: ``"caller(argument)"``). ``TypeError`` for anything else (floats,
+    bools, strings); ``ValueError`` for a tensor that is not 1-D or has no values (meta). With
+    ``host_only``, a tensor off the CPU is refused too (reading it would synchronise the host);
+    otherwise it is read once."""
+    if isinstance(counts, torch.Tensor):
+        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+            raise TypeError(f"{where}: expected an integer tensor, got {counts.dtype}")
+        if counts.dim() != 1:
+            raise ValueError(f"{where}: expected a 1-D tensor, got shape {tuple(counts.shape)}")
+        if counts.device.type == "meta":
+            raise ValueError(f"{where}: the tensor is on the meta device and has no values; pass real counts (a "
+                             f"list, or a tensor on a real device)")
+        if host_only and counts.device.type != "cpu":
+            raise TypeError(f"{where}: a tensor on {counts.device}; pass Python lists (epmoe.exchange_counts returns "
+                            f"them), reading a device tensor would synchronise the host")
+        return counts.tolist()
+    if not isinstance(counts, Sequence) or isinstance(counts, (str, bytes)):
+        raise TypeError(f"{where}: expected a sequence of ints or an integer tensor, got {type(counts).__name__}")
+    values = []
+    for c in counts:
+        try:
+            if isinstance(c, bool):
+                raise TypeError
+            values.append(operator.index(c))
+        except TypeError:
+            raise TypeError(f"{where}: expected ints, got {c!r} ({type(c).__name__})") from None
+    return values
 
 
 def refuse_double_backward(op: str) -> None:

@@ -119,8 +119,8 @@ def synchronize(device: Any = None) -> None:
 
     ``device`` is a tensor, module, ``torch.device`` or string; without an index (``"cuda"``) it means
     the current device of that type. Needed before reading on the host a tensor a collective wrote on
-    an NPU: HCCL runs on its own stream, which host reads are not ordered with (the seed's garbage
-    split sizes).
+    an NPU: HCCL runs on its own stream, which host reads are not ordered with (without it, counts
+    read right after their exchange can be stale: garbage split sizes).
     """
     kind, index = _kind_and_index(device) if device is not None else (device_type(), None)
     if kind == "cpu":

@@ -1,4 +1,4 @@
-"""Helpers every benchmark shares: common options, side-by-side timing, FLOP/s, markdown tables.
+"""Helpers every benchmark shares: common options (and renamed ones), side-by-side timing, FLOP/s, markdown tables.
 
 Timing is side by side: :func:`measure` runs every candidate once per round, in an order rotated
 from round to round, so a load change on a shared machine hits all candidates alike; each result is
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import platform as host
 import statistics
 import time
@@ -17,10 +18,33 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from epmoe import platform
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RenamedOption(argparse.Action):
+    """An option under its current name and an old one kept as an alias that warns (on stderr) when
+    used; stores like ``store``, or like ``append`` with ``append=True``."""
+
+    def __init__(self, option_strings, dest, *, old: str, append: bool = False, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.old, self.append = old, append
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if option_string == self.old:
+            print(f"epmoe: warning: {self.old} is renamed {self.option_strings[0]} (the old spelling will go)",
+                  file=sys.stderr)
+        if self.append:
+            values = [*(getattr(namespace, self.dest, None) or []), values]
+        setattr(namespace, self.dest, values)
+
+
+def renamed_option(parser: argparse.ArgumentParser, new: str, old: str, **kwargs) -> None:
+    """Add option ``new`` with ``old`` as a warning alias (see :class:`RenamedOption`)."""
+    parser.add_argument(new, old, action=RenamedOption, old=old, **kwargs)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,12 +122,15 @@ def measure(
     warmup: int = 1,
     repeats: int = 5,
     device: torch.device | str | None = None,
+    ranks: bool = False,
 ) -> dict[str, Timing]:
     """Time every function in ``fns`` side by side; the median of ``repeats`` rounds each.
 
     Each round calls every function once, starting one further along the list than the round
     before, so order effects and load changes during the run are shared out evenly. ``warmup``
-    untimed rounds come first. The device is synchronised around every timed call.
+    untimed rounds come first. The device is synchronised around every timed call. With ``ranks``
+    (every rank of the default group calls it), a barrier precedes each call and each sample is the
+    slowest rank's.
     """
     if repeats < 1:
         raise ValueError(f"measure(repeats): expected >= 1, got {repeats}")
@@ -113,11 +140,17 @@ def measure(
         shift = round_ % len(names) if names else 0
         for name in names[shift:] + names[:shift]:
             platform.synchronize(device)
+            if ranks:
+                dist.barrier()
             start = time.perf_counter()
             fns[name]()
             platform.synchronize(device)
             if round_ >= warmup:
                 samples[name].append(time.perf_counter() - start)
+    if ranks:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, samples)
+        samples = {name: [max(rank[name][i] for rank in every) for i in range(repeats)] for name in names}
     return {name: Timing(statistics.median(s), tuple(s)) for name, s in samples.items()}
 
 

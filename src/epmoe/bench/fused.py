@@ -18,8 +18,8 @@ each call; a round's time is the slowest rank's)::
 ``exposed comm = time - compute only`` (what communication and its packing copies add) and
 ``overlap = 1 - exposed comm / comm only`` (the share of the communication time that is hidden;
 negative when the copies and per-round costs outweigh what is hidden). ``fwd+bwd`` adds the
-backward pass (two more exchanges). The NCCL run is the same command with ``--backend nccl`` on a
-machine with W GPUs; HCCL with ``--backend hccl``.
+backward pass (two more exchanges). The NCCL run is the same command with ``--dist-backend nccl`` on a
+machine with W GPUs; HCCL with ``--dist-backend hccl``.
 """
 
 from __future__ import annotations
@@ -27,16 +27,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from epmoe import platform
 from epmoe.bench import common
 from epmoe.comm import all_to_all_v, alltoallv_gmm, exchange_counts, gmm_alltoallv
+from epmoe.comm.layout import Plan
 from epmoe.comm.fused import IMPLS
 from epmoe.gmm import grouped_mm, select_backend
 from epmoe.launch import run_ranks
@@ -84,8 +83,8 @@ SHAPES = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks to spawn (default: 2)")
-    parser.add_argument("--backend", default=None,
-                        help="torch.distributed backend (default: the device's, gloo on CPU, nccl on CUDA)")
+    common.renamed_option(parser, "--dist-backend", "--backend", dest="dist_backend", default=None,
+                          help="torch.distributed backend (default: the device's, gloo on CPU, nccl on CUDA)")
     parser.add_argument("--shape", choices=list(SHAPES), action="append", default=None,
                         help="per-rank shape (repeatable; default: qwen3-30b-a3b-cpu and its comm-bound variant on "
                              "CPU, qwen3-30b-a3b elsewhere; tiny with --quick)")
@@ -102,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.world < 1:
         raise ValueError(f"--world: expected a positive count, got {args.world}")
     kind = settings.device.type
-    backend = args.backend or platform.comm_backend(kind)
+    backend = args.dist_backend or platform.comm_backend(kind)
     shapes = [SHAPES[name] for name in args.shape or _default_shapes(args.quick, kind)]
     for shape in shapes:
         if shape.experts % args.world:
@@ -156,7 +155,7 @@ def _rank_main(rank: int, world: int, config: dict):
             block = _Block(shape, rank, world, device, dtype, shared, config["seed"])
             for pass_ in PASSES:
                 fns = block.variants(pass_, config["chunks"], config["impl"])
-                timings = _measure_ranks(fns, config["warmup"], config["repeats"], device)
+                timings = common.measure(fns, warmup=config["warmup"], repeats=config["repeats"], device=device, ranks=True)
                 rows += _rows(shape.name, shared, pass_, timings)
         info[shape.name] = dict(rows_per_rank=block.rows_sent, received=block.rows_received, local_experts=block.e,
                                 group_sizes=(min(block.group_sizes), max(block.group_sizes)),
@@ -176,9 +175,9 @@ class _Block:
         histogram = torch.bincount(picks.flatten(), minlength=shape.experts)
         self.send, self.recv = exchange_counts(histogram.to(device))
         self.rows_sent, self.rows_received = sum(self.send), sum(self.recv)
-        self.group_sizes = [sum(self.recv[s * self.e + j] for s in range(world)) for j in range(self.e)]
-        self.send_splits = [sum(self.send[r * self.e:(r + 1) * self.e]) for r in range(world)]
-        self.recv_splits = [sum(self.recv[s * self.e:(s + 1) * self.e]) for s in range(world)]
+        layout = Plan.one_round(world, self.e, self.send, self.recv)
+        self.group_sizes = layout.group_sizes_E
+        self.send_splits, self.recv_splits = layout.rank_major_splits, layout.expert_major_splits_W
 
         def randn(*size, scale=1.0):
             return (torch.randn(*size, generator=g) * scale).to(device, dtype)
@@ -259,26 +258,6 @@ class _Block:
         return [z, shared_z], [dz, self.dshared]
 
 
-def _measure_ranks(fns: dict, warmup: int, repeats: int, device) -> dict[str, common.Timing]:
-    """:func:`common.measure`'s rotation, with a barrier before each call; a sample is the slowest rank's."""
-    names = list(fns)
-    local: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(warmup + repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            platform.synchronize(device)
-            dist.barrier()
-            start = time.perf_counter()
-            fns[name]()
-            platform.synchronize(device)
-            if round_ >= warmup:
-                local[name].append(time.perf_counter() - start)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, local)
-    slowest = {name: [max(rank_samples[name][i] for rank_samples in every) for i in range(repeats)] for name in names}
-    return {name: common.Timing(statistics.median(s), tuple(s)) for name, s in slowest.items()}
-
-
 def _rows(shape: str, shared: bool, pass_: str, timings: dict[str, common.Timing]) -> list[dict]:
     compute = timings["compute only"].median_s
     comm = timings["comm only"].median_s
@@ -344,7 +323,7 @@ def _ms(row: dict) -> str:
 
 
 def _document(sections, settings, args, backend, dtype, chunks, load) -> str:
-    extra = f" --world {args.world} --backend {backend} --dtype {dtype} --impl {args.impl}"
+    extra = f" --world {args.world} --dist-backend {backend} --dtype {dtype} --impl {args.impl}"
     extra += "".join(f" --shape {shape.name}" for shape, *_ in sections) + "".join(f" --chunks {c}" for c in chunks)
     command = f"epmoe bench fused {settings.options()}{extra}"
     machine = sections[0][3]["machine"]
@@ -381,9 +360,9 @@ with `num_chunks=N`. `exposed comm` = time - compute only; `overlap` = 1 - expos
 time; `spread` = (slowest - fastest round) / median.
 
 Other backends, same benchmark, one command on a machine with two GPUs (bf16, shape
-`qwen3-30b-a3b` unscaled; `--backend hccl --device npu` on Ascend):
+`qwen3-30b-a3b` unscaled; `--dist-backend hccl --device npu` on Ascend):
 
-    epmoe bench fused --device cuda --backend nccl --world 2 --out benchmarks/fused_nccl.md
+    epmoe bench fused --device cuda --dist-backend nccl --world 2 --out benchmarks/fused_nccl.md
 
 {chr(10).join(parts)}"""
 

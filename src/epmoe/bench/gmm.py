@@ -128,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--case", action="append", choices=names, help="run only this case (repeatable)")
     parser.add_argument("--dtype", action="append", choices=list(common.DTYPES),
                         help="run only this dtype (repeatable; default: fp32 and bf16)")
-    parser.add_argument("--backend", action="append", default=None,
+    common.renamed_option(parser, "--gmm-backend", "--backend", dest="gmm_backend", append=True, default=None,
                         help="time only this grouped-matmul backend besides auto (repeatable; default: every eligible one)")
 
 
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     for case in cases:
         for projection in case.projections:
             for dtype in dtypes:
-                results += run_case(case, projection, dtype, settings, backends=args.backend)
+                results += run_case(case, projection, dtype, settings, backends=args.gmm_backend)
     ceiling = run_ceiling(cases, settings)
     load = (load_start, common.load_average())
     table = common.markdown_table(HEADERS, [r.cells() for r in results], align="llllrrr")
@@ -186,7 +186,7 @@ def run_case(case: Case, projection: str, dtype_name: str, settings: common.Sett
     eligible = [s.name for s in gmm_backends(x_TK, weight_GNK, trans_weight=True) if s.eligible]
     unknown = sorted(set(backends or []) - set(eligible))
     if unknown:
-        raise ValueError(f"--backend: {unknown} not eligible here (eligible: {eligible})")
+        raise ValueError(f"--gmm-backend: {unknown} not eligible here (eligible: {eligible})")
     timed = [b for b in eligible if backends is None or b in backends]
     picked = select_backend(x_TK, weight_GNK, trans_weight=True).name
     candidates: dict[str, tuple[str | None, bool]] = {name: (name, False) for name in timed}
@@ -356,7 +356,7 @@ def summarize(results: list[Result]) -> list[str]:
 def _document(cases, settings: common.Settings, table: str, ceiling_table: str, summary: list[str], args,
               load: tuple) -> str:
     extra = "".join(f" --case {c}" for c in args.case or []) + "".join(f" --dtype {d}" for d in args.dtype or [])
-    extra += "".join(f" --backend {b}" for b in args.backend or [])
+    extra += "".join(f" --gmm-backend {b}" for b in args.gmm_backend or [])
     command = f"epmoe bench gmm {settings.options()}{extra}"
     case_rows = []
     for case in cases:

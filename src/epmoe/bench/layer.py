@@ -490,17 +490,8 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     losses[EPMOE_BALANCED] = steps[EPMOE_BALANCED]()
     losses[REPLICATED_DDP] = steps[REPLICATED_DDP]()
 
-    names = list(steps)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for round_ in range(warmup + repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            start = time.perf_counter()
-            steps[name]()
-            dist.barrier()
-            if round_ >= warmup:
-                times[name].append(time.perf_counter() - start)
+    timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
+    times = {name: list(timing.samples_s) for name, timing in timings.items()}
     trainer_losses = {}
     for label in TRAINER_VARIANTS:
         net = copy.deepcopy(reference)

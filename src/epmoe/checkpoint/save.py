@@ -425,7 +425,7 @@ class _SafetensorsWriter:
         self.next += 1
         if tensor.numel():
             data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-            self.file.write(memoryview(data.numpy()))
+            self.file.write(memoryview(data.numpy()))  # numpy comes with transformers
 
     def close(self) -> None:
         if self.next != len(self.expected):

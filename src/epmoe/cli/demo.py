@@ -17,6 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from epmoe import platform
+from epmoe.bench.common import renamed_option
 from epmoe.demo import TrainOptions, TrainResult, train_parity
 from epmoe.ep.load import max_over_mean
 from epmoe.launch import run_ranks
@@ -28,7 +29,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn (ignored under torchrun; default 2)")
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64 (default float32)")
-    parser.add_argument("--backend", default="auto", help="grouped-matmul backend (default auto)")
+    renamed_option(parser, "--gmm-backend", "--backend", dest="gmm_backend", default="auto",
+                   help="grouped-matmul backend (default auto)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu (default cpu)")
     parser.add_argument("--trainer", action="store_true",
                         help="train both models through transformers.Trainer instead of a DDP loop")
@@ -126,12 +128,12 @@ def _validate(args: argparse.Namespace) -> TrainOptions:
         raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     if args.device != "cpu" and not platform.is_available(args.device):
         raise ValueError(f"--device: {args.device!r} is not available on this machine")
-    options = TrainOptions(family=args.model, steps=args.steps, dtype=args.dtype, backend=args.backend,
+    options = TrainOptions(family=args.model, steps=args.steps, dtype=args.dtype, backend=args.gmm_backend,
                            device=args.device, trainer=args.trainer, balance=args.balance,
                            show_progress=not args.trainer)
     from epmoe.ep.config import ExpertParallelConfig
 
-    ExpertParallelConfig(gmm_backend=args.backend)  # a bad --backend fails here, not in every rank
+    ExpertParallelConfig(gmm_backend=args.gmm_backend)  # a bad --gmm-backend fails here, not in every rank
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
     if options.num_experts % world:
         what = "the torchrun world size" if _under_torchrun() else "--nproc"

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from epmoe.comm.steps import group_size
 from epmoe.errors import refuse_double_backward
 
 
@@ -48,7 +49,7 @@ def all_to_all_v(
     Differentiable; returns ``(sum(output_splits), *x.shape[1:])``. With a group of size 1 it returns
     ``x`` itself (splits must then equal ``[len(x)]``).
     """
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world = group_size(group, "all_to_all_v")
     output_splits, input_splits = list(output_splits), list(input_splits)
     if len(output_splits) != world or len(input_splits) != world:
         raise ValueError(

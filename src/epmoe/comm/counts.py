@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe import errors, platform
-from epmoe.comm.steps import COUNTS, MODEL_WIDE, Position, StepChannel
+from epmoe.comm.steps import COUNTS, MODEL_WIDE, Position, StepChannel, group_size
 
 
 def exchange_counts(
@@ -36,7 +36,7 @@ def exchange_counts(
     host synchronisations; ranks whose lengths differ, or a rank whose histogram is invalid, raise
     ``ValueError`` on every rank.
     """
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world = group_size(group, "exchange_counts")
     try:
         _validate(tokens_per_expert, world)
     except (TypeError, ValueError):

@@ -71,6 +71,16 @@ class Position:
         return f"{phase} of {name} (experts module {self.layer}), forward call #{self.call}"
 
 
+def group_size(group: dist.ProcessGroup | None = None, caller: str | None = None) -> int:
+    """Ranks in ``group`` (the default group for ``None``); 1 without ``torch.distributed``, where a
+    given ``group`` is an error naming ``caller(group)``."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    if group is not None and caller is not None:
+        raise ValueError(f"{caller}(group): a process group was given but torch.distributed is not initialised")
+    return 1
+
+
 def step_group(group: dist.ProcessGroup | None, timeout_s: float) -> dist.ProcessGroup:
     """A new process group over ``group``'s ranks, with ``group``'s backend and a ``timeout_s``
     timeout, created by those ranks alone (every EP group of a mesh creates its own)."""

@@ -1,15 +1,11 @@
 """Token dispatch and combine: how routed rows reach their expert's rank and come back.
 
-One layer on ``W`` ranks with ``e`` local experts each (global expert ``g = r*e + j``)::
+One layer on ``W`` ranks with ``e`` local experts each: rank-major rows (the sender's, sorted by
+global expert) travel by all-to-all-v to the source-major order and are permuted to the
+expert-major order the grouped matmul reads (the three orders and their letters:
+:mod:`epmoe.comm.layout`)::
 
-    rank-major (sender)            source-major (receiver)        expert-major (receiver)
-    rows sorted by g = (r, j)      rows by (s, j) as received     rows by (j, s): grouped_mm input
-    +--------+                     +-----------+                  +-----------+
-    | ->0,j0 |  --all-to-all-v-->  | s0 -> j0  |  --reorder-->    | j0 <- s0  |
-    | ->0,j1 |                     | s0 -> j1  |                  | j0 <- s1  |
-    | ->1,j0 |                     | s1 -> j0  |                  | j1 <- s0  |
-    | ->1,j1 |                     | s1 -> j1  |                  | j1 <- s1  |
-    +--------+                     +-----------+                  +-----------+
+    rank-major --all-to-all-v--> source-major --permute--> expert-major --experts--> (same, back)
 
 ``dispatch`` goes left to right, ``combine`` right to left. Every permutation is an index gather built
 from the counts alone, whose backward is the gather by the inverse permutation (no ``index_select``
@@ -31,7 +27,7 @@ import torch.distributed as dist
 from epmoe import platform
 from epmoe.comm import all_to_all_v
 from epmoe.comm.counts import counts_exchange
-from epmoe.comm.fused.layout import Plan
+from epmoe.comm.layout import Plan, rows_index
 from epmoe.comm.steps import Position, StepChannel
 
 
@@ -53,19 +49,18 @@ class RoutingPlan:
 
     @functools.cached_property
     def layout(self) -> Plan:
-        """The exchange's row offsets (shared with the fused ops), as one round over all local experts."""
-        e = self.num_local_experts
-        return Plan(self.ep_size, e, tuple(self.send_counts), tuple(self.recv_counts), ((0, e),))
+        """The exchange's row layout (the fused ops use the same), as one round over all local experts."""
+        return Plan.one_round(self.ep_size, self.num_local_experts, self.send_counts, self.recv_counts)
 
     @property
     def send_splits(self) -> list[int]:
         """Rows this rank sends to each rank."""
-        return [rows for _, rows in self.layout.rank_major_blocks(0, self.num_local_experts)]
+        return self.layout.rank_major_splits
 
     @property
     def recv_splits(self) -> list[int]:
         """Rows this rank receives from each rank."""
-        return self.layout.expert_major_splits(0, self.num_local_experts)
+        return self.layout.expert_major_splits_W
 
     @property
     def local_counts(self) -> list[int]:
@@ -93,20 +88,6 @@ def plan_routing(
     return RoutingPlan(sort_S, unsort_S, send_counts, recv_counts, ep_size, num_experts // ep_size, group, sum(slots))
 
 
-def _reorder_index(counts_AB: torch.Tensor, total: int) -> torch.Tensor:
-    """Index ``idx`` (a CPU tensor) such that ``rows_BA = rows_AB[idx]``.
-
-    ``rows_AB`` holds blocks ordered by (a, b) with ``counts_AB[a, b]`` rows each (``total`` rows);
-    ``rows_BA`` holds the same blocks ordered by (b, a).
-    """
-    counts_flat = counts_AB.reshape(-1)
-    start_AB = (torch.cumsum(counts_flat, 0) - counts_flat).view_as(counts_AB)
-    counts_BA = counts_AB.t().reshape(-1)
-    start_BA = torch.cumsum(counts_BA, 0) - counts_BA
-    shift = torch.repeat_interleave(start_AB.t().reshape(-1) - start_BA, counts_BA, output_size=total)
-    return shift + torch.arange(total)
-
-
 class _PermuteRows(torch.autograd.Function):
     """``x[index]`` for a permutation ``index`` whose inverse is known: the backward is a gather too,
     not an accumulating scatter into a zero tensor."""
@@ -132,12 +113,11 @@ class AllToAllDispatcher:
 
     def __init__(self, plan: RoutingPlan, device: torch.device):
         self.plan = plan
-        W, e = plan.ep_size, plan.num_local_experts
-        if W > 1:
-            recv_SE = torch.tensor(plan.recv_counts, dtype=torch.int64).view(W, e)
-            num_recv = sum(plan.recv_counts)
-            self.to_expert_major = platform.host_to_device(_reorder_index(recv_SE, num_recv), device)
-            self.to_source_major = platform.host_to_device(_reorder_index(recv_SE.t(), num_recv), device)
+        if plan.ep_size > 1:
+            layout, e = plan.layout, plan.num_local_experts
+            rows = layout.rows_expert_major
+            self.to_expert_major = platform.host_to_device(rows_index(layout.to_expert_major(0, e), rows), device)
+            self.to_source_major = platform.host_to_device(rows_index(layout.to_source_major(0, e), rows), device)
 
     def dispatch(self, x_rank_major: torch.Tensor) -> torch.Tensor:
         """``(sum(send_counts), H)`` rank-major -> ``(sum(recv_counts), H)`` expert-major."""

@@ -1,7 +1,7 @@
 """Grouped matmul behind one interface: :func:`grouped_mm` and its per-platform backends."""
 
 from epmoe.gmm.backend import BackendStatus, GmmBackend
-from epmoe.gmm.dispatch import (
+from epmoe.gmm.registry import (
     ENV_BACKEND,
     choose_backend,
     gmm_backends,

@@ -10,7 +10,7 @@ A backend computes, for groups ``g = 0..G-1`` of consecutive rows of ``x``::
     +--------+
 
 ``forward`` gives ``y_TN``; ``grad_weight`` gives ``dW`` with the weight's own layout. The autograd
-(and every validation) lives in :mod:`epmoe.gmm.dispatch`, so a backend only multiplies: it receives
+(and every validation) lives in :mod:`epmoe.gmm.registry`, so a backend only multiplies: it receives
 validated, contiguous ``x``, ``counts`` as a Python list and never sees ``T == 0``.
 """
 

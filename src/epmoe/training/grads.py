@@ -43,10 +43,9 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from epmoe.comm.steps import Position, StepChannel, checks_on
+from epmoe.comm.steps import Position, StepChannel, checks_on, group_size
 from epmoe.errors import refuse_double_backward
 
 logger = logging.getLogger(__name__)
@@ -97,7 +96,7 @@ class GradSync:
     def set_wrapper(self, wrapper: str) -> None:
         """Record a data-parallel wrapper (DDP, FSDP2, Trainer): ``"auto"`` means ``"mean"`` from now on."""
         if self.wrapper is None:
-            world = dist.get_world_size() if dist.is_initialized() else 1
+            world = group_size()
             if world != self.data_parallel_size:
                 raise ValueError(
                     f"epmoe: {wrapper} runs over {world} ranks but the experts are sharded over {self.ep_size} and "

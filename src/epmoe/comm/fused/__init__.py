@@ -23,7 +23,7 @@ Implementations (``impl=``)::
     npu_fused   the torch_npu ops where every constraint holds on every rank            npu.py
     auto        npu_fused where eligible, else pipelined
 
-Row orders as offsets: :mod:`~epmoe.comm.fused.layout`; validation and the public entry points:
+Row orders as offsets: :mod:`~epmoe.comm.layout`; validation and the public entry points:
 :mod:`~epmoe.comm.fused.ops`.
 """
 

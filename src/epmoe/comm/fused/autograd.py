@@ -8,7 +8,7 @@
                    backward  dispatch(dy, W transposed)                 -> dx (expert-major)
                              dW = x^T dG per expert (dG = dy permuted), in the communication gaps
 
-Both directions use the same :class:`~epmoe.comm.fused.layout.Plan`: the backward's send counts are
+Both directions use the same :class:`~epmoe.comm.layout.Plan`: the backward's send counts are
 the forward's receive counts and vice versa. Each run (forward, backward) picks its engine on its
 own: ``npu_fused`` where :func:`epmoe.comm.fused.npu.decide` says so on every rank, else
 ``pipelined``. The shared expert's forward and backward run as the pipelines' side jobs.
@@ -17,7 +17,6 @@ own: ``npu_fused`` where :func:`epmoe.comm.fused.npu.decide` says so on every ra
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -26,12 +25,11 @@ import torch
 
 from epmoe.comm.fused import npu, pipelined
 from epmoe.comm.fused.compute import gmm_grad_weight, shared_backward, shared_forward
-from epmoe.comm.fused.layout import Plan
+from epmoe.comm.layout import Plan
+from epmoe import errors
 from epmoe.errors import refuse_double_backward
 
 logger = logging.getLogger(__name__)
-_logged: set = set()
-_log_lock = threading.Lock()
 
 
 @dataclass(frozen=True, eq=False)
@@ -49,12 +47,8 @@ class Call:
 
 
 def _log_once(call: Call, engine: str, why: str | None) -> None:
-    key = (call.op, engine, why)
-    with _log_lock:
-        if key in _logged:
-            return
-        _logged.add(key)
-    logger.info("epmoe %s: %s path%s", call.op, engine, f" ({why})" if why else "")
+    errors.log_once(logger, logging.INFO, (call.op, engine, why), "epmoe %s: %s path%s", call.op, engine,
+                    f" ({why})" if why else "")
 
 
 def choose_engine(

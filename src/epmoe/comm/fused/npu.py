@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from epmoe import platform
 from epmoe.comm.fused.compute import SideJob, gmm_grad_weight
-from epmoe.comm.fused.layout import Plan
+from epmoe.comm.layout import Plan
 from epmoe.comm.fused.pipelined import Result
 
 A3_DEVICE_PREFIX = "Ascend910_93"
@@ -97,13 +97,12 @@ def volume_reason(plan: Plan, width: int, element_size: int) -> str | None:
     Both lists are checked, each per peer, with the input width (also for the combine op, whose
     kernel counts its input width, not its output width).
     """
-    e = plan.e
-    for name, counts in (("rank-major", plan.counts_rank_major_WE), ("expert-major", plan.counts_expert_major_WE)):
-        rows = sum(counts)
+    for name, rows_W in (("rank-major", plan.rank_major_splits), ("expert-major", plan.expert_major_splits_W)):
+        rows = sum(rows_W)
         if not 0 < rows < ROWS_LIMIT:
             return f"{rows} rows in the {name} counts are not in (0, {ROWS_LIMIT})"
-        for peer in range(plan.world):
-            volume = sum(counts[peer * e:(peer + 1) * e]) * width * element_size
+        for peer, peer_rows in enumerate(rows_W):
+            volume = peer_rows * width * element_size
             if not MIN_PEER_BYTES <= volume <= MAX_PEER_BYTES:
                 return (
                     f"{name} volume with rank {peer} is {volume} B, outside "

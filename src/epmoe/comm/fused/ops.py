@@ -15,7 +15,6 @@ straight from :func:`epmoe.exchange_counts` agree by construction: ``check=False
 
 from __future__ import annotations
 
-import operator
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -26,8 +25,9 @@ import torch.distributed as dist
 from epmoe import errors, platform
 from epmoe.comm.fused import reference
 from epmoe.comm.fused.autograd import Call, Combine, Dispatch
-from epmoe.comm.fused.layout import Plan, round_bounds
-from epmoe.gmm.dispatch import check_operands
+from epmoe.comm.layout import Plan, round_bounds
+from epmoe.comm.steps import group_size
+from epmoe.gmm.registry import check_operands
 
 IMPLS = ("auto", "npu_fused", "pipelined", "reference")
 # num_chunks="auto": measured on 2 gloo ranks of a 2-core CPU (benchmarks/fused_cpu.md), rounds do
@@ -144,7 +144,7 @@ def _prepare(
     return_permuted, num_chunks, impl, gmm_backend, check,
 ) -> tuple[Call, tuple[torch.Tensor, torch.Tensor, bool] | None]:
     """Validate every argument, agree with the peers unless ``check`` is off, build the :class:`Call`."""
-    world = _world_size(op, group)
+    world = group_size(group, op)
     try:
         if not isinstance(check, bool):
             raise TypeError(f"{op}(check): expected a bool, got {type(check).__name__}")
@@ -292,38 +292,9 @@ def _check_shared(op, x, shared_x, shared_weight, trans) -> tuple[torch.Tensor, 
     return shared_x, shared_weight, trans
 
 
-def _world_size(op: str, group: Any) -> int:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(group)
-    if group is not None:
-        raise ValueError(f"{op}(group): a process group was given but torch.distributed is not initialised")
-    return 1
-
-
 def _counts(op: str, name: str, counts: Any, world: int, e: int) -> list[int]:
     """``counts`` as a list of ``world * e`` non-negative ints; never reads a device tensor."""
-    if isinstance(counts, torch.Tensor):
-        if counts.device.type != "cpu":
-            raise TypeError(
-                f"{op}({name}): a tensor on {counts.device}; pass Python lists (epmoe.exchange_counts "
-                f"returns them), reading a device tensor would synchronise the host"
-            )
-        if counts.dim() != 1 or counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
-            raise TypeError(
-                f"{op}({name}): expected a 1-D integer tensor, got shape {tuple(counts.shape)} dtype {counts.dtype}"
-            )
-        values = counts.tolist()
-    elif isinstance(counts, Sequence) and not isinstance(counts, (str, bytes)):
-        values = []
-        for c in counts:
-            if isinstance(c, bool):
-                raise TypeError(f"{op}({name}): expected ints, got {c!r}")
-            try:
-                values.append(operator.index(c))
-            except TypeError:
-                raise TypeError(f"{op}({name}): expected ints, got {c!r} ({type(c).__name__})") from None
-    else:
-        raise TypeError(f"{op}({name}): expected a list of ints, got {type(counts).__name__}")
+    values = errors.int_list(f"{op}({name})", counts, host_only=True)
     if len(values) != world * e:
         raise ValueError(
             f"{op}({name}): expected W*e = {world}*{e} = {world * e} counts ({world} ranks in the group, "

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.comm.fused.compute import SideJob, gmm, gmm_grad_weight
-from epmoe.comm.fused.layout import Plan, gather_rows
+from epmoe.comm.layout import Plan, gather_rows
 
 
 class Result(NamedTuple):

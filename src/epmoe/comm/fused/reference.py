@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
+from epmoe import platform
 from epmoe.comm.all_to_all import all_to_all_v
-from epmoe.comm.fused.layout import Block, Plan
+from epmoe.comm.layout import Block, Plan, rows_index
 from epmoe.gmm import grouped_mm
 
 
 def _permute(x: torch.Tensor, blocks: list[Block]) -> torch.Tensor:
     """The rows of ``blocks`` of ``x``, in that order, by one indexing (built on the host, no sync)."""
-    index = torch.cat([torch.arange(start, start + length) for start, length in blocks])
-    return x[index.to(x.device, non_blocking=True)]
+    return x[platform.host_to_device(rows_index(blocks, x.shape[0]), x.device)]
 
 
 def _shared(shared: tuple[torch.Tensor, torch.Tensor, bool] | None) -> torch.Tensor | None:
@@ -42,8 +42,7 @@ def dispatch(
     gmm_backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``(y_expert_major, shared_y, permuted_expert_major)`` of ``alltoallv_gmm``."""
-    rank_major_splits = [n for _, n in plan.rank_major_blocks(0, plan.e)]
-    x_source_major = all_to_all_v(x_rank_major, plan.expert_major_splits(0, plan.e), rank_major_splits, group)
+    x_source_major = all_to_all_v(x_rank_major, plan.expert_major_splits_W, plan.rank_major_splits, group)
     x_expert_major = _permute(x_source_major, plan.to_expert_major(0, plan.e))
     y_expert_major = grouped_mm(
         x_expert_major, weight, plan.group_sizes_E, trans_weight=trans_weight, backend=gmm_backend
@@ -66,6 +65,5 @@ def combine(
         x_expert_major, weight, plan.group_sizes_E, trans_weight=trans_weight, backend=gmm_backend
     )
     y_source_major = _permute(y_expert_major, plan.to_source_major(0, plan.e))
-    rank_major_splits = [n for _, n in plan.rank_major_blocks(0, plan.e)]
-    y_rank_major = all_to_all_v(y_source_major, rank_major_splits, plan.expert_major_splits(0, plan.e), group)
+    y_rank_major = all_to_all_v(y_source_major, plan.rank_major_splits, plan.expert_major_splits_W, group)
     return y_rank_major, _shared(shared)

@@ -18,9 +18,7 @@ together with :func:`gmm_backends_for` and picks one backend for all with :func:
 from __future__ import annotations
 
 import logging
-import operator
 import os
-import threading
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -37,8 +35,6 @@ logger = logging.getLogger(__name__)
 ENV_BACKEND = "EPMOE_GMM_BACKEND"
 
 _registry: list[GmmBackend] = [NpuBackend(), TorchBackend(), LoopBackend()]
-_logged: set = set()
-_log_lock = threading.Lock()
 
 
 def register_gmm_backend(backend: GmmBackend, *, before: str | None = None) -> None:
@@ -157,24 +153,15 @@ def _judge(calls: list[tuple[str | None, object, object, object]], caller: str) 
 
 
 def _log_first_use(backend: GmmBackend) -> None:
-    if not backend.accelerated:
-        return
-    key = ("info", backend.name)
-    with _log_lock:
-        if key in _logged:
-            return
-        _logged.add(key)
-    logger.info("epmoe grouped_mm: using the %r backend", backend.name)
+    if backend.accelerated:
+        errors.log_once(logger, logging.INFO, ("gmm info", backend.name), "epmoe grouped_mm: using the %r backend",
+                        backend.name)
 
 
 def _warn_fallback(backend: GmmBackend, declined: list[tuple[str, str]]) -> None:
-    key = ("warning", backend.name)
-    with _log_lock:
-        if key in _logged:
-            return
-        _logged.add(key)
     reasons = "; ".join(f"{name}: {reason}" for name, reason in declined)
-    logger.warning("epmoe grouped_mm: falling back to the %r backend (%s)", backend.name, reasons)
+    errors.log_once(logger, logging.WARNING, ("gmm warning", backend.name),
+                    "epmoe grouped_mm: falling back to the %r backend (%s)", backend.name, reasons)
 
 
 def check_operands(x: object, weight: object, trans_weight: object, caller: str = "grouped_mm") -> None:
@@ -207,26 +194,7 @@ def check_operands(x: object, weight: object, trans_weight: object, caller: str 
 
 def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
     """``counts`` as a Python list, validated; at most one host read of a tensor."""
-    if isinstance(counts, torch.Tensor):
-        if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
-            raise ValueError(f"grouped_mm(counts): expected an integer tensor, got {counts.dtype}")
-        if counts.dim() != 1:
-            raise ValueError(f"grouped_mm(counts): expected a 1-D tensor, got shape {tuple(counts.shape)}")
-        if counts.device.type == "meta":
-            raise ValueError("grouped_mm(counts): the tensor is on the meta device and has no values; pass real "
-                             "counts (a list, or a tensor on a real device)")
-        values = counts.tolist()
-    elif isinstance(counts, Sequence) and not isinstance(counts, (str, bytes)):
-        values = []
-        for c in counts:
-            try:
-                if isinstance(c, bool):
-                    raise TypeError
-                values.append(operator.index(c))
-            except TypeError:
-                raise ValueError(f"grouped_mm(counts): expected ints, got {c!r} ({type(c).__name__})") from None
-    else:
-        raise TypeError(f"grouped_mm(counts): expected a sequence of ints or an integer tensor, got {type(counts).__name__}")
+    values = errors.int_list("grouped_mm(counts)", counts)
     if len(values) != num_groups:
         raise ValueError(f"grouped_mm(counts): {len(values)} counts for {num_groups} groups in weight")
     if any(c < 0 for c in values):

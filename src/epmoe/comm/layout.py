@@ -1,19 +1,38 @@
-"""Row orders of the fused ops as offsets: which rows go to which peer, and where they land.
+"""Row layouts: the only code that turns counts into splits, offsets and permutation indices.
+
+Glossary (one letter per quantity, used in names across the package: ``x_TH``, ``counts_WE``...)::
+
+    T   tokens on this rank                   K   routing choices per token (top-k)
+    S   slots, S = T * K: one (token, k) pair  H   hidden size
+    I   expert intermediate size              E   experts of the layer (global)
+    W   ranks of the EP group                 e   local experts per rank, E = W * e
+    r   a destination rank, s a source rank    j   a local expert, global expert g = r*e + j
+
+Three row orders, for one layer on one rank::
+
+    rank-major (sender)            source-major (receiver)        expert-major (receiver)
+    rows sorted by g = (r, j)      rows by (s, j) as received     rows by (j, s): grouped_mm input
+    +--------+                     +-----------+                  +-----------+
+    | ->0,j0 |  --all-to-all-v-->  | s0 -> j0  |  --permute--->   | j0 <- s0  |
+    | ->0,j1 |                     | s0 -> j1  |                  | j0 <- s1  |
+    | ->1,j0 |                     | s1 -> j0  |                  | j1 <- s0  |
+    | ->1,j1 |                     | s1 -> j1  |                  | j1 <- s1  |
+    +--------+                     +-----------+                  +-----------+
+    counts_rank_major_WE[r*e + j]  counts_expert_major_WE[s*e + j] (the same counts, read (j, s))
 
 A :class:`Plan` describes one exchange from one rank's point of view, in the dispatch direction's
-terms (the combine direction is the same plan read backwards)::
-
-    rank-major tensor (this rank's tokens)        expert-major tensor (this rank's experts)
-    rows sorted by (r, j):                        rows sorted by (j, s):
-      [->r0 j0][->r0 j1][->r1 j0][->r1 j1]          [j0 <-s0][j0 <-s1][j1 <-s0][j1 <-s1]
-    counts_rank_major_WE[r*e + j]                 counts_expert_major_WE[s*e + j]
-    (dispatch: send_counts; combine: recv_counts) (dispatch: recv_counts; combine: send_counts)
+terms (the combine direction is the same plan read backwards: dispatch sends ``counts_rank_major``
+and receives ``counts_expert_major``, combine the reverse).
 
 A pipelining round covers local experts ``[j0, j1)``. Its all-to-all moves, for every peer, the
 peer's contiguous rank-major block ``(peer, j0..j1)``; on the expert-major side the round's rows
 arrive source-major ``(s, j)`` and are permuted within the round to ``(j, s)``, which makes them one
 contiguous slice of the expert-major tensor. With one expert per round the permutation is the
-identity, so the communication itself does the permute, as in the vendor kernel.
+identity, so the communication itself does the permute, as in the vendor kernel. The all-to-all-v
+exchange is the one round ``[0, e)``.
+
+(The grouped matmul's own per-group offsets, an argument of its kernels, stay with the grouped
+matmul backends: :mod:`epmoe.gmm` sits below this package.)
 """
 
 from __future__ import annotations
@@ -36,12 +55,23 @@ def round_bounds(e: int, num_chunks: int) -> list[tuple[int, int]]:
     return [(c * e // rounds, (c + 1) * e // rounds) for c in range(rounds)]
 
 
-def _prefix(values: list[int]) -> list[int]:
+def prefix(values: list[int]) -> list[int]:
+    """``[0, v0, v0+v1, ..., sum(values)]``: the first row of each block, then the end."""
     offsets, total = [0], 0
     for value in values:
         total += value
         offsets.append(total)
     return offsets
+
+
+def rows_index(blocks: list[Block], total: int) -> torch.Tensor:
+    """The host index ``idx`` with ``x[idx]`` = the rows of ``blocks`` of ``x``, in that order
+    (``total`` rows in all); built in a few tensor operations, not one ``arange`` per block."""
+    if not blocks:
+        return torch.zeros(0, dtype=torch.int64)
+    starts, lengths = (torch.tensor(column, dtype=torch.int64) for column in zip(*blocks))
+    out_starts = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - out_starts, lengths, output_size=total) + torch.arange(total)
 
 
 def gather_rows(x: torch.Tensor, blocks: list[Block]) -> torch.Tensor:
@@ -68,7 +98,7 @@ class Plan:
     @functools.cached_property
     def offsets_rank_major(self) -> list[int]:
         """First row of block ``(r, j)`` of the rank-major tensor at index ``r*e + j`` (plus the end)."""
-        return _prefix(list(self.counts_rank_major_WE))
+        return prefix(list(self.counts_rank_major_WE))
 
     @functools.cached_property
     def group_sizes_E(self) -> list[int]:
@@ -78,7 +108,7 @@ class Plan:
     @functools.cached_property
     def offsets_expert(self) -> list[int]:
         """First row of local expert ``j`` in the expert-major tensor (plus the end)."""
-        return _prefix(self.group_sizes_E)
+        return prefix(self.group_sizes_E)
 
     @property
     def rows_rank_major(self) -> int:
@@ -87,6 +117,21 @@ class Plan:
     @property
     def rows_expert_major(self) -> int:
         return self.offsets_expert[-1]
+
+    @classmethod
+    def one_round(cls, world: int, e: int, counts_rank_major_WE, counts_expert_major_WE) -> Plan:
+        """The all-to-all-v exchange: one round over all ``e`` local experts."""
+        return cls(world, e, tuple(counts_rank_major_WE), tuple(counts_expert_major_WE), ((0, e),))
+
+    @property
+    def rank_major_splits(self) -> list[int]:
+        """Rows per peer of the rank-major tensor, all local experts."""
+        return [rows for _, rows in self.rank_major_blocks(0, self.e)]
+
+    @property
+    def expert_major_splits_W(self) -> list[int]:
+        """Rows per peer of the expert-major tensor, all local experts."""
+        return self.expert_major_splits(0, self.e)
 
     def rank_major_blocks(self, j0: int, j1: int) -> list[Block]:
         """Per peer ``r``, the rank-major rows of experts ``[j0, j1)`` of rank ``r`` (one block each)."""
