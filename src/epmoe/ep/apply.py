@@ -318,7 +318,7 @@ def _parameter_layout(module: nn.Module) -> list[tuple[str, tuple[int, ...], str
 def _resolve_dispatch(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
     """``(ExpertParallelState.dispatch, why a requested fused path was declined or None)`` for one module:
     the configured mode where the fused ops can run these experts (``"auto"`` is then decided per
-    call, see :meth:`~epmoe.ep.layer.ExpertParallelState.dispatch_on`), else ``"alltoallv"``."""
+    call, see :func:`~epmoe.ep.exchange.uses_fused`), else ``"alltoallv"``."""
     if config.dispatch == "alltoallv" or config.capacity_factor is not None:  # capacity: see the config
         return "alltoallv", None
     reason = fused_ineligible_reason(experts)

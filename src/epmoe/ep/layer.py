@@ -10,15 +10,13 @@
   ``(logits, weights, index)`` is used as is. Shared experts (``shared_expert`` with an optional
   sigmoid ``shared_expert_gate``, or ``shared_experts``) are added as in Qwen2-MoE / DeepSeek.
 
-Both run the same routed path (with ``dispatch="fused"``, :mod:`epmoe.ep.fused` runs the two middle
-steps as ``alltoallv_gmm`` / ``gmm_alltoallv`` instead):
+Both run the same routed path, :func:`routed_experts` (the exchange in the middle is all-to-all-v
+or the fused ops, chosen per call: :mod:`epmoe.ep.exchange`)::
 
     hidden_TH, top_k_index_TK, top_k_weights_TK      (from the model's own router)
       -> plan_routing          sort slots by expert; exchange counts and step headers (one host sync)
       -> permute_tokens        rank-major rows
-      -> dispatcher.dispatch   all-to-all-v; expert-major rows on the expert's rank
-      -> experts_forward       grouped matmuls on the local experts
-      -> dispatcher.combine    back to the sender, rank-major
+      -> exchange.run          to the experts' ranks, the experts' MLP, back to the sender (rank-major)
       -> unpermute_and_combine weight by the router, sum each token's K rows
     out_TH
 
@@ -28,20 +26,16 @@ Each forward is the layer's next *call*; its backward starts with a step-header 
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from epmoe import platform
 from epmoe.comm.steps import BACKWARD, FORWARD, GRAD_REDUCE, Position, StepChannel, checks_on, header_in_backward
-from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER, ExpertParallelConfig, ExpertShard
-from epmoe.ep.dispatcher import AllToAllDispatcher, permute_tokens, plan_routing, unpermute_and_combine
-from epmoe.ep.fused import fused_routed_experts
-from epmoe.experts import experts_forward
+from epmoe.ep.config import TELEMETRY_COUNTER, ExpertParallelConfig, ExpertShard
+from epmoe.ep.dispatcher import permute_tokens, plan_routing, unpermute_and_combine
+from epmoe.ep.exchange import SharedMLP, choose_exchange, uses_fused
 from epmoe.training.grads import GradSync, register_param_hooks, sync_expert_weights
 
 
@@ -96,13 +90,9 @@ class ExpertParallelState:
         return header_in_backward(y_rank_major, self.channel, self.position(BACKWARD))
 
     def dispatch_on(self, device: torch.device) -> str:
-        """``"fused"`` or ``"alltoallv"`` for hidden states on ``device``. ``"auto"`` is decided per call
-        (the model may move after :func:`apply_expert_parallel`): the fused path on accelerators, whose
-        collectives run beside the compute, all-to-all-v on CPU, where ``benchmarks/fused_cpu.md``
-        measured no gain from rounds."""
-        if self.dispatch == "auto":
-            return "alltoallv" if device.type == "cpu" else "fused"
-        return self.dispatch
+        """``"fused"`` or ``"alltoallv"``: the exchange a call on ``device`` takes (see
+        :func:`epmoe.ep.exchange.uses_fused`)."""
+        return "fused" if uses_fused(self, device) else "alltoallv"
 
     def sharded_params(self, owner: nn.Module) -> list[nn.Parameter]:
         """The parameters that differ per EP rank (``owner``: the module this state is on): the packed
@@ -122,9 +112,11 @@ class ExpertParallelState:
 
 
 def routed_experts(
-    state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """``(T, H)``: every token's routed experts' outputs, weighted and summed (dispatch -> experts -> combine)."""
+    state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+    shared: SharedMLP | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(routed_TH, shared_TH or None)``: every token's routed experts' outputs, weighted and summed,
+    and the shared expert's output where one is given (overlapped with the exchange where it can be)."""
     shard = state.shard
     if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_TH.shape[0] or top_k_weights.shape != top_k_index.shape:
         raise ValueError(
@@ -132,40 +124,13 @@ def routed_experts(
             f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
         )
     state.begin_forward(hidden_TH)
-    if state.dispatch_on(hidden_TH.device) == "fused":
-        return fused_routed_experts(state, hidden_TH, top_k_index, top_k_weights)[0]
     plan = plan_routing(top_k_index, shard.num_experts, state.channel, state.position(FORWARD))
     state.count_load(plan.local_counts)
-    dispatcher = AllToAllDispatcher(plan, hidden_TH.device)
+    exchange = choose_exchange(state, plan, hidden_TH.device)
     x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
-    x_expert_major = dispatcher.dispatch(x_rank_major)
-    y_expert_major = experts_with_capacity(state, plan, x_expert_major)
-    y_rank_major = state.backward_header(dispatcher.combine(y_expert_major))
-    return unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_TH.dtype)
-
-
-def experts_with_capacity(state: ExpertParallelState, plan, x_expert_major: torch.Tensor) -> torch.Tensor:
-    """The local experts on their expert-major rows; with ``config.capacity_factor``, only the first
-    ``C`` rows of each expert (the global order: source rank, then token, then k), the others' outputs
-    zero and counted as dropped (see :class:`~epmoe.ep.config.ExpertParallelConfig`)."""
-    counts = plan.local_counts
-    run = functools.partial(experts_forward, state.local_experts, backend=state.config.gmm_backend,
-                            sync_weights=state.sync_weights)
-    factor = state.config.capacity_factor
-    if factor is None:
-        return run(x_expert_major, counts)
-    capacity = math.ceil(factor * plan.global_slots / state.shard.num_experts)
-    kept = [min(capacity, n) for n in counts]
-    state.count_load([n - k for n, k in zip(counts, kept)], (DROPPED_COUNTER,))
-    if kept == counts:
-        return run(x_expert_major, counts)
-    start, rows = 0, []
-    for n, k in zip(counts, kept):
-        rows.append(torch.arange(start, start + k))
-        start += n
-    index = platform.host_to_device(torch.cat(rows), x_expert_major.device)
-    y_kept = run(x_expert_major[index], kept)
-    return y_kept.new_zeros(x_expert_major.shape[0], y_kept.shape[1]).index_copy(0, index, y_kept)
+    y_rank_major, shared_TH = exchange.run(x_rank_major, shared)
+    y_rank_major = state.backward_header(y_rank_major)
+    return unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_TH.dtype), shared_TH
 
 
 def expert_parallel_forward(
@@ -173,7 +138,7 @@ def expert_parallel_forward(
 ) -> torch.Tensor:
     """Drop-in for a packed experts module's ``forward(hidden [T,H], top_k_index [T,K], top_k_weights [T,K])``."""
     shape = hidden_states.shape
-    out_TH = routed_experts(module._epmoe, hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
+    out_TH, _ = routed_experts(module._epmoe, hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
     return out_TH.view(shape)
 
 
@@ -224,7 +189,7 @@ def expert_parallel_block_forward(block: nn.Module, hidden_states: torch.Tensor,
     shape = hidden_states.shape
     hidden_TH = hidden_states.reshape(-1, shape[-1])
     logits, weights, index = route(block, hidden_TH)
-    out_TH = routed_experts(state, hidden_TH, index, weights)
+    out_TH, _ = routed_experts(state, hidden_TH, index, weights)
     shared = shared_experts_output(block, hidden_TH)
     if shared is not None:
         out_TH = out_TH + shared
