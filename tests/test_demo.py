@@ -63,7 +63,7 @@ def test_demo_trainer_command(tmp_path, capsys):
         (["demo", "--nproc", "0"], "--nproc"),
         (["demo", "--model", "llama"], "--model"),
         (["demo", "--dtype", "int8"], "--dtype"),
-        (["demo", "--backend", "fastest"], "gmm_backend"),
+        (["demo", "--gmm-backend", "fastest"], "gmm_backend"),
         (["demo", "--device", "tpu"], "--device"),
         (["demo", "--steps", "0"], "--steps"),
         (["demo", "--nproc", "3"], "--nproc: 3 ranks cannot share the demo model's 32 experts"),

@@ -52,12 +52,12 @@ def int_list(where: str, counts: object, *, host_only: bool = False) -> list[int
             raise TypeError(f"{where}: expected an integer tensor, got {counts.dtype}")
         if counts.dim() != 1:
             raise ValueError(f"{where}: expected a 1-D tensor, got shape {tuple(counts.shape)}")
-        if counts.device.type == "meta":
-            raise ValueError(f"{where}: the tensor is on the meta device and has no values; pass real counts (a "
-                             f"list, or a tensor on a real device)")
         if host_only and counts.device.type != "cpu":
             raise TypeError(f"{where}: a tensor on {counts.device}; pass Python lists (epmoe.exchange_counts returns "
                             f"them), reading a device tensor would synchronise the host")
+        if counts.device.type == "meta":
+            raise ValueError(f"{where}: the tensor is on the meta device and has no values; pass real counts (a "
+                             f"list, or a tensor on a real device)")
         return counts.tolist()
     if not isinstance(counts, Sequence) or isinstance(counts, (str, bytes)):
         raise TypeError(f"{where}: expected a sequence of ints or an integer tensor, got {type(counts).__name__}")

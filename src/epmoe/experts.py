@@ -6,19 +6,11 @@
       -> down projection      grouped_mm(h, down_proj)        (+ bias; post-expert norm if any)
     y_em (same rows, same order)
 
-Two kinds of experts modules are understood:
-
-* Hugging Face transformers v5 packed experts (classes decorated with
-  ``@use_experts_implementation``): 3-D ``gate_up_proj`` (or ``up_proj`` when ``has_gate`` is false)
-  and ``down_proj``; ``is_transposed`` says whether they are ``(E, in, out)`` rather than the
-  ``nn.Linear`` layout ``(E, out, in)``; ``has_bias`` adds ``*_proj_bias`` ``(E, out)``; the module's
-  own ``_apply_gate`` / ``act_fn`` run as written (so interleaved gate/up such as GPT-OSS works).
-  On an NPU the default SiLU gate runs as ``torch_npu.npu_swiglu``.
-* ``nn.ModuleList`` of per-expert MLPs: with ``gate_proj`` / ``up_proj`` / ``down_proj`` (or Mixtral's
-  ``w1`` / ``w3`` / ``w2``) bias-free ``nn.Linear`` layers and one ``act_fn``, and a forward that
-  computes exactly ``down(act_fn(gate(x)) * up(x))`` (checked once per expert), the weights are
-  stacked and run grouped; any other expert module is called on its own rows (idle experts on zero
-  rows).
+Two kinds of experts modules run (recognised by :mod:`epmoe.integrations.experts`): transformers v5
+packed experts, whose own ``_apply_gate`` / ``act_fn`` run as written (so interleaved gate/up such
+as GPT-OSS works; on an NPU the default SiLU gate runs as ``torch_npu.npu_swiglu``), and
+``nn.ModuleList`` experts: Linear triples have their weights stacked and run grouped, any other
+expert module is called on its own rows (idle experts on zero rows).
 
 :func:`experts_backend` says which grouped-matmul backend that runs on, judged on every grouped
 matmul :func:`experts_forward` issues (:func:`gmm_probes`).
@@ -26,7 +18,6 @@ matmul :func:`experts_forward` issues (:func:`gmm_probes`).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -35,6 +26,7 @@ from torch import nn
 
 from epmoe import platform
 from epmoe.gmm import BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
+from epmoe.integrations.experts import is_default_silu_gate, is_packed_experts, linear_triples
 
 __all__ = [
     "experts_backend",
@@ -46,17 +38,6 @@ __all__ = [
     "num_experts_of",
     "packed_weight_names",
 ]
-
-_LINEAR_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-
-
-def is_packed_experts(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers v5 packed experts module (``@use_experts_implementation``)."""
-    if not all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed")):
-        return False
-    first = "gate_up_proj" if module.has_gate else "up_proj"
-    return all(isinstance(getattr(module, name, None), torch.Tensor) for name in (first, "down_proj"))
-
 
 def num_experts_of(module: nn.Module) -> int:
     """Number of experts a packed or ``nn.ModuleList`` experts module holds now."""
@@ -75,7 +56,7 @@ def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor,
     issues no grouped matmul: ``{}``.
     """
     if isinstance(module, nn.ModuleList):
-        triples = _linear_triples(module)
+        triples = linear_triples(module)
         if triples is None:
             return {}
         gate, up, down = triples[0]
@@ -147,21 +128,11 @@ def _row_bias(bias_EN: torch.Tensor, counts: list[int], num_rows: int) -> torch.
     return bias_EN[platform.host_to_device(expert_of_row, bias_EN.device)]
 
 
-def _is_default_silu_gate(module: nn.Module) -> bool:
-    gate = getattr(type(module), "_apply_gate", None)
-    act = getattr(module, "act_fn", None)
-    return (
-        getattr(gate, "__name__", "") == "_default_apply_gate"
-        and getattr(gate, "__module__", "") == "transformers.integrations.moe"
-        and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
-    )
-
-
 def gate_activation(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
     """The packed experts' gate (``_apply_gate``) or activation (``act_fn``) on ``h``; ``npu_swiglu`` on an NPU."""
     if not module.has_gate:
         return module.act_fn(h)
-    if platform.device_type(h) == "npu" and _is_default_silu_gate(module):
+    if platform.device_type(h) == "npu" and is_default_silu_gate(module):
         return platform.torch_npu().npu_swiglu(h, dim=-1)
     return module._apply_gate(h)
 
@@ -191,55 +162,10 @@ def _packed_forward(
     return y
 
 
-def _linear_triple(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
-    """``(gate, up, down)`` if ``expert`` is bias-free Linears computing ``down(act_fn(gate(x)) * up(x))``."""
-    for names in _LINEAR_TRIPLES:
-        layers = [getattr(expert, name, None) for name in names]
-        if all(isinstance(layer, nn.Linear) and layer.bias is None for layer in layers) and hasattr(expert, "act_fn"):
-            return tuple(layers) if _computes_triple(expert, *layers) else None
-    return None
-
-
-_TRIPLE_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _computes_triple(expert: nn.Module, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> bool:
-    """Whether the expert's own forward is ``down(act_fn(gate(x)) * up(x))``, and nothing else.
-
-    Having the layers is not enough: a custom expert may scale, add dropout or use other parameters
-    in its forward, which running the stacked weights would silently drop. Checked once per expert
-    module (cached), on two fixed rows, in the module's training mode and with the RNG state restored.
-    """
-    verdict = _TRIPLE_VERDICTS.get(expert)
-    if verdict is None:
-        weight = gate.weight
-        x = torch.linspace(-1.0, 1.0, 2 * gate.in_features, device=weight.device).view(2, -1).to(weight.dtype)
-        devices = [weight.device] if weight.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            own = expert(x)
-            expected = down(expert.act_fn(gate(x)) * up(x))
-        tolerance = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 2e-2
-        verdict = (isinstance(own, torch.Tensor) and own.shape == expected.shape
-                   and torch.allclose(own, expected, rtol=tolerance, atol=tolerance))
-        _TRIPLE_VERDICTS[expert] = verdict
-    return verdict
-
-
-def _linear_triples(experts: nn.ModuleList) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
-    """Every expert's ``(gate, up, down)`` layers if all experts are such triples with one activation
-    (then they run grouped, with ``experts[0].act_fn``), else ``None``."""
-    triples = [_linear_triple(expert) for expert in experts]
-    if not triples or any(t is None for t in triples):
-        return None
-    act = experts[0].act_fn
-    same = (lambda f: type(f) is type(act)) if isinstance(act, nn.Module) else (lambda f: f is act)
-    return triples if all(same(expert.act_fn) for expert in experts) else None
-
-
 def _module_list_forward(
     experts: nn.ModuleList, x_em: torch.Tensor, counts: list[int], backend: str, sync_weights: WeightsHook
 ) -> torch.Tensor:
-    triples = _linear_triples(experts)
+    triples = linear_triples(experts)
     if triples is not None:
         gate_w = torch.stack([t[0].weight for t in triples])  # (e, I, H), nn.Linear layout
         up_w = torch.stack([t[1].weight for t in triples])

@@ -11,7 +11,7 @@ The expert weights stay plain ``nn.Parameter``s under their own names, sliced to
 local experts keep their global index in their names). Routers, shared experts and everything else
 are untouched. A packed experts module's forward becomes :func:`~epmoe.ep.layer.expert_parallel_forward`;
 for ``nn.ModuleList`` experts the enclosing block's forward becomes
-:func:`~epmoe.ep.layer.expert_parallel_block_forward`.
+:func:`~epmoe.integrations.blocks.expert_parallel_block_forward`.
 
 With experts sharded (EP size > 1) the model also gets, as instance attributes: the names DDP must
 ignore (:mod:`epmoe.training.params`), a ``generate`` that keeps every rank stepping
@@ -36,15 +36,16 @@ from epmoe.checkpoint.guard import warn_on_bare_state_dict
 from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe.comm.steps import StepChannel, step_group
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
-from epmoe.ep.fused import fused_ineligible_reason, shared_block_forward, shared_mlp
-from epmoe.ep.layer import (
-    ExpertParallelState,
+from epmoe.ep.layer import ExpertParallelState, expert_parallel_forward
+from epmoe.experts import experts_backend, experts_gmm_backends, num_experts_of
+from epmoe.integrations.blocks import (
     block_router,
     block_top_k,
     expert_parallel_block_forward,
-    expert_parallel_forward,
+    is_shared_expert_block,
+    shared_block_forward,
 )
-from epmoe.experts import experts_backend, experts_gmm_backends, is_packed_experts, num_experts_of
+from epmoe.integrations.experts import fused_ineligible_reason, is_packed_experts
 from epmoe.training.generate import SyncedGenerate
 from epmoe.training.grads import GradSync
 from epmoe.training.params import ExpertParameterNames, expert_parameters
@@ -172,7 +173,7 @@ def apply_expert_parallel(
                 warn_on_bare_state_dict(module)
             module.forward = types.MethodType(expert_parallel_forward, module)
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
-            if dispatch != "alltoallv" and block is not None and _is_shared_expert_block(block, module):
+            if dispatch != "alltoallv" and block is not None and is_shared_expert_block(block, module):
                 block._epmoe_block_forward = block.forward  # what shared_block_forward falls back to
                 block.forward = types.MethodType(shared_block_forward, block)
     if sync.active:
@@ -325,21 +326,6 @@ def _resolve_dispatch(experts: nn.Module, config: ExpertParallelConfig) -> tuple
     if reason is None:
         return config.dispatch, None
     return "alltoallv", reason if config.dispatch == "fused" else None
-
-
-# Blocks whose forward shared_block_forward reproduces exactly (read from transformers 5.24).
-SHARED_EXPERT_BLOCKS = frozenset(
-    {"Qwen2MoeSparseMoeBlock", "Qwen3_5MoeSparseMoeBlock", "Qwen3NextSparseMoeBlock", "DeepseekV3MoE"}
-)
-
-
-def _is_shared_expert_block(block: nn.Module, experts: nn.Module) -> bool:
-    """A known block around ``experts`` whose shared expert can ride along the fused ops."""
-    return (
-        type(block).__name__ in SHARED_EXPERT_BLOCKS
-        and getattr(block, "experts", None) is experts
-        and shared_mlp(block) is not None
-    )
 
 
 def _shard_parameters(module: nn.Module, shard: ExpertShard) -> tuple[str, ...]:

@@ -106,7 +106,7 @@ def experts_with_capacity(state, plan: RoutingPlan, x_expert_major: torch.Tensor
 class FusedExchange:
     """``alltoallv_gmm`` (up projection), the experts' gate / activation, ``gmm_alltoallv`` (down
     projection); the shared expert rides in their gaps. Only for experts
-    :func:`~epmoe.ep.fused.fused_ineligible_reason` accepts (packed, no bias, no post-expert norm)."""
+    :func:`~epmoe.integrations.experts.fused_ineligible_reason` accepts (packed, no bias, no post-expert norm)."""
 
     def __init__(self, state, plan: RoutingPlan):
         self.state, self.plan = state, plan

@@ -1,16 +1,11 @@
-"""The expert-parallel forwards that replace a model's own.
+"""The expert-parallel forward that replaces a packed experts module's, and the routed path.
 
-* :func:`expert_parallel_forward` replaces a packed (transformers v5) experts module's forward; the
-  block around it (router, shared experts) runs unchanged.
-* :func:`expert_parallel_block_forward` replaces the forward of a block holding an ``nn.ModuleList``
-  of experts (transformers 4.x style, custom models), whose loop over experts cannot be intercepted
-  at the list. It calls the block's own router; a router that returns only logits gets the classic
-  routing ``softmax (fp32) -> top-k -> renormalise unless block.norm_topk_prob is False -> cast``
-  (router jitter noise in training is refused: it cannot be reproduced), one returning
-  ``(logits, weights, index)`` is used as is. Shared experts (``shared_expert`` with an optional
-  sigmoid ``shared_expert_gate``, or ``shared_experts``) are added as in Qwen2-MoE / DeepSeek.
+:func:`expert_parallel_forward` replaces a packed (transformers v5) experts module's forward; the
+block around it (router, shared experts) runs unchanged. Blocks holding an ``nn.ModuleList`` of
+experts, and blocks whose shared expert rides along the exchange, have their forward replaced by
+:mod:`epmoe.integrations.blocks`.
 
-Both run the same routed path, :func:`routed_experts` (the exchange in the middle is all-to-all-v
+Every one runs the same routed path, :func:`routed_experts` (the exchange in the middle is all-to-all-v
 or the fused ops, chosen per call: :mod:`epmoe.ep.exchange`)::
 
     hidden_TH, top_k_index_TK, top_k_weights_TK      (from the model's own router)
@@ -140,58 +135,3 @@ def expert_parallel_forward(
     shape = hidden_states.shape
     out_TH, _ = routed_experts(module._epmoe, hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
     return out_TH.view(shape)
-
-
-def block_router(block: nn.Module) -> nn.Module:
-    """The router of a block holding experts: its ``gate`` or ``router`` submodule."""
-    for name in ("gate", "router"):
-        router = getattr(block, name, None)
-        if isinstance(router, nn.Module):
-            return router
-    raise ValueError(f"{type(block).__name__}: a block with experts needs a `gate` or `router` module")
-
-
-def block_top_k(block: nn.Module) -> int:
-    for name in ("top_k", "num_experts_per_tok"):
-        value = getattr(block, name, None)
-        if isinstance(value, int):
-            return value
-    raise ValueError(f"{type(block).__name__}: a block with ModuleList experts needs `top_k` or `num_experts_per_tok`")
-
-
-def route(block: nn.Module, hidden_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(router_logits [T,E], top_k_weights [T,K], top_k_index [T,K])`` from the block's own router."""
-    if block.training and getattr(block, "jitter_noise", 0):
-        raise ValueError(f"{type(block).__name__}: router jitter noise in training is not supported under EP")
-    routed = block_router(block)(hidden_TH)
-    if isinstance(routed, tuple):
-        logits, weights, index = routed[:3]
-        return logits, weights, index
-    probs = torch.softmax(routed, dim=-1, dtype=torch.float32)
-    weights, index = torch.topk(probs, block_top_k(block), dim=-1)
-    if getattr(block, "norm_topk_prob", True):  # 4.x Mixtral has no flag and always renormalises
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return routed, weights.to(hidden_TH.dtype), index
-
-
-def shared_experts_output(block: nn.Module, hidden_TH: torch.Tensor) -> torch.Tensor | None:
-    shared = getattr(block, "shared_expert", None) or getattr(block, "shared_experts", None)
-    if shared is None:
-        return None
-    out = shared(hidden_TH)
-    gate = getattr(block, "shared_expert_gate", None)
-    return out if gate is None else torch.sigmoid(gate(hidden_TH)) * out
-
-
-def expert_parallel_block_forward(block: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
-    """Drop-in for the forward of a block with ``nn.ModuleList`` experts (see the module docstring)."""
-    state: ExpertParallelState = block._epmoe
-    shape = hidden_states.shape
-    hidden_TH = hidden_states.reshape(-1, shape[-1])
-    logits, weights, index = route(block, hidden_TH)
-    out_TH, _ = routed_experts(state, hidden_TH, index, weights)
-    shared = shared_experts_output(block, hidden_TH)
-    if shared is not None:
-        out_TH = out_TH + shared
-    out = out_TH.view(shape)
-    return (out, logits) if state.returns_router_logits else out

@@ -40,7 +40,7 @@ class LoadBalancer:
             raise TypeError(f"LoadBalancer(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.update_rate = float(update_rate)
         self.bias: dict[str, torch.Tensor] = {}
-        from epmoe.ep.layer import block_router  # epmoe.ep imports this package
+        from epmoe.integrations.blocks import block_router  # epmoe.ep imports this package
 
         self._states = experts_states(model, "LoadBalancer")
         routers = [(name, block_router(state.ancestors[-2])) for name, state in self._states]
@@ -84,7 +84,7 @@ class LoadBalancer:
         """Make ``other``, an unsharded copy of the model (no EP), select experts with these same biases
         from now on (e.g. a reference or evaluation copy): hooks sharing the bias tensors, or, where the
         router has its own bias buffer, that buffer following at every :meth:`step`."""
-        from epmoe.ep.layer import block_router  # epmoe.ep imports this package
+        from epmoe.integrations.blocks import block_router  # epmoe.ep imports this package
 
         modules = dict(other.named_modules())
         for name, bias in self.bias.items():

@@ -1,0 +1,97 @@
+"""Recognising experts modules: transformers v5 packed experts, ``nn.ModuleList`` experts of Linear
+triples, transformers' default gate, and what the fused ops can run.
+
+* Packed experts (classes decorated with transformers' ``@use_experts_implementation``): 3-D
+  ``gate_up_proj`` (or ``up_proj`` when ``has_gate`` is false) and ``down_proj``; ``is_transposed``
+  says whether they are ``(E, in, out)`` rather than the ``nn.Linear`` layout ``(E, out, in)``;
+  ``has_bias`` adds ``*_proj_bias`` ``(E, out)``.
+* ``nn.ModuleList`` experts whose every expert holds ``gate_proj`` / ``up_proj`` / ``down_proj`` (or
+  Mixtral's ``w1`` / ``w3`` / ``w2``) bias-free ``nn.Linear`` layers and one ``act_fn``, with a forward
+  that computes exactly ``down(act_fn(gate(x)) * up(x))`` (checked once per expert): those run
+  grouped (:mod:`epmoe.experts`), any other expert on its own rows.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+_LINEAR_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def is_packed_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers v5 packed experts module (``@use_experts_implementation``)."""
+    if not all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed")):
+        return False
+    first = "gate_up_proj" if module.has_gate else "up_proj"
+    return all(isinstance(getattr(module, name, None), torch.Tensor) for name in (first, "down_proj"))
+
+
+def is_default_silu_gate(module: nn.Module) -> bool:
+    """Whether a packed experts module gates with transformers' default SiLU gate (an NPU runs it as
+    ``npu_swiglu``)."""
+    gate = getattr(type(module), "_apply_gate", None)
+    act = getattr(module, "act_fn", None)
+    return (
+        getattr(gate, "__name__", "") == "_default_apply_gate"
+        and getattr(gate, "__module__", "") == "transformers.integrations.moe"
+        and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
+    )
+
+
+def _linear_triple(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
+    """``(gate, up, down)`` if ``expert`` is bias-free Linears computing ``down(act_fn(gate(x)) * up(x))``."""
+    for names in _LINEAR_TRIPLES:
+        layers = [getattr(expert, name, None) for name in names]
+        if all(isinstance(layer, nn.Linear) and layer.bias is None for layer in layers) and hasattr(expert, "act_fn"):
+            return tuple(layers) if _computes_triple(expert, *layers) else None
+    return None
+
+
+_TRIPLE_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _computes_triple(expert: nn.Module, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> bool:
+    """Whether the expert's own forward is ``down(act_fn(gate(x)) * up(x))``, and nothing else.
+
+    Having the layers is not enough: a custom expert may scale, add dropout or use other parameters
+    in its forward, which running the stacked weights would silently drop. Checked once per expert
+    module (cached), on two fixed rows, in the module's training mode and with the RNG state restored.
+    """
+    verdict = _TRIPLE_VERDICTS.get(expert)
+    if verdict is None:
+        weight = gate.weight
+        x = torch.linspace(-1.0, 1.0, 2 * gate.in_features, device=weight.device).view(2, -1).to(weight.dtype)
+        devices = [weight.device] if weight.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            own = expert(x)
+            expected = down(expert.act_fn(gate(x)) * up(x))
+        tolerance = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 2e-2
+        verdict = (isinstance(own, torch.Tensor) and own.shape == expected.shape
+                   and torch.allclose(own, expected, rtol=tolerance, atol=tolerance))
+        _TRIPLE_VERDICTS[expert] = verdict
+    return verdict
+
+
+def linear_triples(experts: nn.ModuleList) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
+    """Every expert's ``(gate, up, down)`` layers if all experts are such triples with one activation
+    (then they run grouped, with ``experts[0].act_fn``), else ``None``."""
+    triples = [_linear_triple(expert) for expert in experts]
+    if not triples or any(t is None for t in triples):
+        return None
+    act = experts[0].act_fn
+    same = (lambda f: type(f) is type(act)) if isinstance(act, nn.Module) else (lambda f: f is act)
+    return triples if all(same(expert.act_fn) for expert in experts) else None
+
+
+def fused_ineligible_reason(experts: nn.Module) -> str | None:
+    """Why ``experts`` cannot run through ``alltoallv_gmm`` / ``gmm_alltoallv``, or ``None``."""
+    if isinstance(experts, nn.ModuleList):
+        return "nn.ModuleList experts have no packed weight for the fused ops"
+    if experts.has_bias:
+        return "the down projection's bias would have to be added between the grouped matmul and the exchange"
+    if getattr(experts, "has_post_expert_norm", False):
+        return "a post-expert norm would have to run between the grouped matmul and the exchange"
+    return None
