@@ -10,26 +10,23 @@
 
 Both directions use the same :class:`~epmoe.comm.layout.Plan`: the backward's send counts are
 the forward's receive counts and vice versa. Each run (forward, backward) picks its engine on its
-own: ``npu_fused`` where :func:`epmoe.comm.fused.npu.decide` says so on every rank, else
-``pipelined``. The shared expert's forward and backward run as the pipelines' side jobs.
+own (:mod:`~epmoe.comm.fused.engines`: ``npu_fused`` where every rank can run the torch_npu op,
+else ``pipelined``). The shared expert's forward and backward run as the pipelines' side jobs.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from epmoe.comm.fused import npu, pipelined
+from epmoe.comm.fused import npu
 from epmoe.comm.fused.compute import gmm_grad_weight, shared_backward, shared_forward
+from epmoe.comm.fused.engines import FusedEngine, choose_engine
 from epmoe.comm.layout import Plan
-from epmoe import errors
 from epmoe.errors import refuse_double_backward
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,43 +43,12 @@ class Call:
     gmm_backend: str
 
 
-def _log_once(call: Call, engine: str, why: str | None) -> None:
-    errors.log_once(logger, logging.INFO, (call.op, engine, why), "epmoe %s: %s path%s", call.op, engine,
-                    f" ({why})" if why else "")
-
-
-def choose_engine(
-    call: Call,
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    trans_weight: bool,
-    *,
-    strict: bool,
-    unsupported: str | None = None,
-) -> ModuleType:
-    """:mod:`~epmoe.comm.fused.npu` or :mod:`~epmoe.comm.fused.pipelined` for one run, the same on all ranks.
-
-    With ``strict`` (the forward of ``impl="npu_fused"``) an ineligible call raises ``ValueError``
-    on every rank; a backward falls back to the pipeline instead.
-    """
-    if call.impl == "pipelined":
-        return pipelined
-    reason = npu.decide(call.plan, x, weight, trans_weight, call.group, unsupported=unsupported)
-    if reason is None:
-        _log_once(call, "npu_fused", None)
-        return npu
-    if strict and call.impl == "npu_fused":
-        raise ValueError(f"{call.op}(impl='npu_fused'): the torch_npu op cannot run this call: {reason}")
-    _log_once(call, "pipelined", f"npu_fused declined: {reason}")
-    return pipelined
-
-
-def _shared_side(call: Call, engine: ModuleType, shared_x, shared_weight) -> tuple[Any, dict]:
+def _shared_side(call: Call, engine: FusedEngine, shared_x, shared_weight) -> tuple[Any, dict]:
     """The shared expert as a side job, or (fused into the NPU kernel) as the op's ``fused_shared``."""
     if shared_x is None:
         return None, {}
     trans = call.trans_shared_weight
-    if engine is npu and npu.fuse_shared_reason(shared_x, shared_weight, trans, call.plan.rows_rank_major) is None:
+    if engine.name == "npu_fused" and npu.fuse_shared_reason(shared_x, shared_weight, trans, call.plan.rows_rank_major) is None:
         return None, {"fused_shared": (shared_x, shared_weight, trans)}
     return shared_forward(shared_x, shared_weight, trans), {}
 
