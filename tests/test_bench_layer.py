@@ -41,7 +41,11 @@ def test_bench_layer_quick_ep1(tmp_path, capsys, one_thread):
     assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)
     assert next(r for r in rows if r[1] == layer.EPMOE)[4] == "1.00"
     split = _table(printed, layer.SPLIT_HEADERS)
-    assert split[-1][1] == "outside the grouped matmuls" and len(split) == 5
+    assert [r[1] for r in split[:2]] == ["grouped matmuls (gate_up + down, fwd + bwd), in the step",
+                                         "outside the grouped matmuls, in the step"] and len(split) == 5
+    in_step = [float(r[3].rstrip("%")) for r in split[:2]]
+    assert all(0 <= share <= 100 for share in in_step) and 99 <= sum(in_step) <= 101  # shares of one step
+    assert all(r[3].endswith("x") and "timed alone" in r[1] for r in split[2:])  # isolated: a ratio, not a share
     assert "(goal <= 0.85)" in printed and "share of the epmoe step outside its grouped matmuls" in printed
 
     document = out.read_text()

@@ -12,7 +12,7 @@ import epmoe
 from epmoe import errors
 from epmoe.gmm import GmmBackend, registry, select_backend, unregister_gmm_backend
 
-CPU_BACKENDS = ["torch", "loop"]
+CPU_BACKENDS = ["batched", "torch", "loop"]
 
 
 def reference(x, weight, counts, trans_weight):
@@ -263,10 +263,10 @@ def test_gmm_backends_for_judges_every_call():
 
 def test_gmm_backends_lists_every_backend():
     statuses = epmoe.gmm_backends(torch.randn(4, 6), torch.randn(2, 6, 4))
-    assert [s.name for s in statuses] == ["npu", "torch", "loop"]
-    assert [s.eligible for s in statuses] == [False, False, True]
+    assert [s.name for s in statuses] == ["npu", "batched", "torch", "loop"]
+    assert [s.eligible for s in statuses] == [False, True, False, True]
     assert statuses[0].reason == "torch_npu is not installed"
-    assert statuses[2].reason is None
+    assert statuses[1].reason is None and statuses[3].reason is None
 
 
 def test_fallback_warns_once_and_info_once(monkeypatch, caplog):
@@ -292,12 +292,48 @@ def test_register_backend_order_and_validation():
 
     epmoe.register_gmm_backend(Fast())
     try:
-        assert [s.name for s in epmoe.gmm_backends()] == ["npu", "torch", "fast", "loop"]
+        assert [s.name for s in epmoe.gmm_backends()] == ["npu", "batched", "torch", "fast", "loop"]
         epmoe.register_gmm_backend(Fast(), before="npu")
-        assert [s.name for s in epmoe.gmm_backends()] == ["fast", "npu", "torch", "loop"]
+        assert [s.name for s in epmoe.gmm_backends()] == ["fast", "npu", "batched", "torch", "loop"]
     finally:
         unregister_gmm_backend("fast")
     with pytest.raises(TypeError, match=r"register_gmm_backend\(backend\)"):
         epmoe.register_gmm_backend(object())
     with pytest.raises(ValueError, match=r"register_gmm_backend\(before\): no backend named 'missing'"):
         epmoe.register_gmm_backend(Fast(), before="missing")
+
+
+def test_auto_takes_batched_only_for_small_even_groups_in_a_forward():
+    """``batched`` pays only for many small, even groups in an undifferentiated forward: auto takes it
+    there (from the call's counts), passes over it elsewhere, in a differentiated call and without
+    counts; named, it runs any counts."""
+    from epmoe.gmm.batched import WINS
+
+    min_groups, max_mean, max_spread = WINS["cpu"]
+    G, K, N = min_groups, 16, 8
+    x, w = torch.randn(G * max_mean // 2, K), torch.randn(G, K, N)
+    even = [max_mean // 2] * G
+    skewed = [0] * (G - 1) + [G * max_mean // 2]
+    assert select_backend(x, w, counts=even, backward=False).name == "batched"
+    assert select_backend(x, w, counts=even, backward=True).name == "torch"
+    assert select_backend(x, w, counts=skewed, backward=False).name == "torch"
+    assert select_backend(x, w).name == "torch"  # no counts: never by_counts
+    few = [max_mean // 2] * (min_groups - 1)
+    assert select_backend(x[:sum(few)], w[:len(few)], counts=few, backward=False).name == "torch"
+    batched = next(b for b in registry._registry if b.name == "batched")
+    assert "x the mean" in batched.counts_reason(skewed, x, backward=False)
+    assert "groups" in batched.counts_reason(few, x, backward=False)
+    assert "differentiated" in batched.counts_reason(even, x, backward=True)
+    assert "on meta" in batched.counts_reason(even, torch.empty(0, device="meta"), backward=False)
+    with torch.no_grad():  # grouped_mm itself: an undifferentiated call on even groups runs batched
+        chosen = []
+        original = batched.forward
+        batched.forward = lambda *a: chosen.append("batched") or original(*a)
+        try:
+            y = epmoe.grouped_mm(x, w, even)
+        finally:
+            del batched.forward
+    assert chosen == ["batched"]
+    torch.testing.assert_close(y.double(), reference(x, w, even, False), atol=1e-4, rtol=1e-5)
+    y = epmoe.grouped_mm(x, w, skewed, backend="batched")  # named: runs where auto would not
+    torch.testing.assert_close(y.double(), reference(x, w, skewed, False), atol=1e-4, rtol=1e-5)

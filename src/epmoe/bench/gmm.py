@@ -53,6 +53,8 @@ class Case:
     top_k: int
     ep: int
     projections: tuple[str, ...] = ("gate_up", "down")
+    imbalance: float = IMBALANCE  # sigma of the log-normal expert popularity
+    spread: float | None = None  # instead: counts evenly spread over mean * (1 -/+ spread), shuffled
 
     @property
     def rows(self) -> int:
@@ -68,9 +70,18 @@ class Case:
         raise ValueError(f"unknown projection {projection!r}")
 
     def counts(self, seed: int) -> list[int]:
-        """Rows per local expert summing to ``rows``: each row picks an expert by log-normal popularity."""
+        """Rows per local expert summing to ``rows``: each row picks an expert by log-normal popularity,
+        or (with ``spread``) group sizes spread evenly around the mean."""
         generator = torch.Generator().manual_seed(seed)
-        popularity = torch.exp(IMBALANCE * torch.randn(self.num_experts, generator=generator))
+        if self.spread is not None:
+            G, mean = self.num_experts, self.rows / self.num_experts
+            sizes = [round(mean * (1 - self.spread + 2 * self.spread * g / max(G - 1, 1))) for g in range(G)]
+            for g in range((self.rows - sum(sizes)) % G if sum(sizes) < self.rows else 0):
+                sizes[g] += 1
+            while sum(sizes) > self.rows:
+                sizes[sizes.index(max(sizes))] -= 1
+            return [sizes[i] for i in torch.randperm(G, generator=generator).tolist()]
+        popularity = torch.exp(self.imbalance * torch.randn(self.num_experts, generator=generator))
         picks = torch.multinomial(popularity, self.rows, replacement=True, generator=generator)
         return torch.bincount(picks, minlength=self.num_experts).tolist()
 
@@ -87,6 +98,12 @@ CASES = (
     Case("decode", "Qwen3-30B-A3B decoding without EP: 128 experts, top-8, 64 tokens; H, I as in the model. "
          "Bound by reading every expert's weight for a few rows",
          num_experts=128, hidden=2048, intermediate=768, tokens=64, top_k=8, ep=1, projections=("gate_up",)),
+    *(Case(f"small-{rows}", f"128 experts, {rows} rows each on average, max/mean 1.5 (evenly spread); "
+           f"H, I of Qwen3-30B-A3B", num_experts=128, hidden=2048, intermediate=768, tokens=rows * 16, top_k=8,
+           ep=1, projections=("gate_up",), spread=0.5) for rows in (8, 16, 32, 64)),
+    Case("small-16-skewed", "128 experts, 16 rows each on average, log-normal popularity sigma 1.0; H, I of "
+         "Qwen3-30B-A3B", num_experts=128, hidden=2048, intermediate=768, tokens=256, top_k=8, ep=1,
+         projections=("gate_up",), imbalance=1.0),
 )
 QUICK_CASES = (
     Case("tiny", "smoke test: 4 experts, H=64, I=32", num_experts=4, hidden=64, intermediate=32,
@@ -188,13 +205,12 @@ def run_case(case: Case, projection: str, dtype_name: str, settings: common.Sett
     if unknown:
         raise ValueError(f"--gmm-backend: {unknown} not eligible here (eligible: {eligible})")
     timed = [b for b in eligible if backends is None or b in backends]
-    picked = select_backend(x_TK, weight_GNK, trans_weight=True).name
-    candidates: dict[str, tuple[str | None, bool]] = {name: (name, False) for name in timed}
-    candidates[f"auto ({picked})"] = ("auto", True)
-    candidates["dense mm"] = (None, False)
-
     results = []
     for pass_ in PASSES:
+        picked = select_backend(x_TK, weight_GNK, trans_weight=True, counts=counts, backward=pass_ != "fwd").name
+        candidates: dict[str, tuple[str | None, bool]] = {name: (name, False) for name in timed}
+        candidates[f"auto ({picked})"] = ("auto", True)
+        candidates["dense mm"] = (None, False)
         fns = {label: _call(pass_, backend, x_TK, weight_GNK, dense_NK, dy_TN, counts)
                for label, (backend, _) in candidates.items()}
         timings = common.measure(fns, warmup=settings.warmup, repeats=settings.repeats, device=device)

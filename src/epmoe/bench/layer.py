@@ -12,9 +12,11 @@ output gradient::
 One step is the block's forward and backward (input, router and expert weights all get gradients,
 set to ``None`` first as ``zero_grad`` does). ``eager`` is 5-30x slower than the others, so it is
 timed in a short pass of its own, interleaved with epmoe, and compared with that pass's epmoe time.
-The epmoe step is then split: its two grouped matmuls alone (same counts, forward and backward), the
-router alone, the SwiGLU alone; the rest of the step (routing plan, permutation, combine, autograd
-glue) is what is left. "Outside GEMMs" is ``(epmoe step - its grouped matmuls) / epmoe step``.
+Where the epmoe step goes: its grouped matmuls measured inside the step (``torch.profiler`` over a
+few steps: the time of epmoe's grouped-matmul autograd function, forward and backward, over the
+profiled steps' wall time), the share outside them; then the grouped matmuls, the router and the
+SwiGLU each timed on its own (same counts, forward and backward), reported as their time against the
+step's, not as shares of it (alone, with their own caches, they need not add up to the step).
 
 Part ``ep2``, two gloo ranks on CPU, each with its own batch of a one-layer ``Qwen3MoeForCausalLM``
 whose MoE layer has the first shape's experts, saved with ``save_pretrained`` and loaded by every rank::
@@ -46,11 +48,14 @@ from dataclasses import dataclass
 
 import torch
 
+from epmoe import platform
 from epmoe.bench import common
 
 PARTS = ("ep1", "ep2")
 EP1_HEADERS = ("shape", "variant", "time ms", "expert GFLOP/s", "epmoe time / this")
-SPLIT_HEADERS = ("shape", "part of the epmoe step", "time ms", "share of the step")
+SPLIT_HEADERS = ("shape", "part of the epmoe step", "time ms", "share of the step (in it) / time vs the step (alone)")
+PROFILED_STEPS = 3  # epmoe steps profiled for the in-step share of its grouped matmuls
+GMM_FUNCTIONS = ("_GroupedMM", "_GroupedMMBackward")  # epmoe's grouped-matmul autograd function, in profiles
 EP2_HEADERS = ("variant", "step ms", "loss - unsharded loss (max over ranks)", "note")
 GOALS = {"grouped_mm": 0.85, "eager": 0.3, "dense": 0.7}  # epmoe/grouped_mm <=, epmoe/eager <=, dense/epmoe >=
 EAGER, GROUPED, EPMOE, DENSE = "transformers eager", "transformers grouped_mm", "epmoe", "dense floor"
@@ -165,6 +170,7 @@ class Ep1Result:
     timings: dict[str, common.Timing]
     counts: list[int]
     max_rel_diff: dict[str, float]  # variant -> max relative difference to eager (output and all grads)
+    gemm_share_in_step: float  # the grouped matmuls' share of the epmoe step, profiled inside it
 
     def rows(self) -> list[tuple]:
         rows = []
@@ -179,23 +185,15 @@ class Ep1Result:
         epmoe = self.timings["epmoe (eager pass)" if label == EAGER else EPMOE].median_s
         return epmoe / self.timings[label].median_s
 
-    def split(self) -> dict[str, float]:
-        """Seconds of each part of the epmoe step (``rest`` = the step minus the measured parts)."""
-        t = {k: v.median_s for k, v in self.timings.items()}
-        parts = {"grouped matmuls (gate_up + down, fwd + bwd)": t["gemm"], "router (gate fwd + bwd)": t["router"],
-                 "SwiGLU (fwd + bwd)": t["swiglu"]}
-        parts["rest: routing plan, permute, combine, autograd"] = t[EPMOE] - sum(parts.values())
-        return parts
-
-    @property
-    def outside_gemm_share(self) -> float:
-        return 1 - self.timings["gemm"].median_s / self.timings[EPMOE].median_s
-
     def split_rows(self) -> list[tuple]:
-        total = self.timings[EPMOE].median_s
-        parts = self.split()
-        parts["outside the grouped matmuls"] = total - self.timings["gemm"].median_s
-        return [(self.shape.name, name, f"{s * 1e3:.1f}", f"{s / total:.0%}") for name, s in parts.items()]
+        total, share = self.timings[EPMOE].median_s, self.gemm_share_in_step
+        rows = [(self.shape.name, "grouped matmuls (gate_up + down, fwd + bwd), in the step", share * total, f"{share:.0%}"),
+                (self.shape.name, "outside the grouped matmuls, in the step", (1 - share) * total, f"{1 - share:.0%}")]
+        for name, key in (("grouped matmuls, timed alone", "gemm"), ("router (gate fwd + bwd), timed alone", "router"),
+                          ("SwiGLU (fwd + bwd), timed alone", "swiglu")):
+            seconds = self.timings[key].median_s
+            rows.append((self.shape.name, name, seconds, f"{seconds / total:.2f}x"))
+        return [(shape, name, f"{seconds * 1e3:.1f}", share) for shape, name, seconds, share in rows]
 
     def goals(self) -> list[str]:
         t = {k: v.median_s for k, v in self.timings.items()}
@@ -210,7 +208,7 @@ class Ep1Result:
             verdict = "met" if met else "not met"
             lines.append(f"- {self.shape.name}: {what} = {value:.2f} (goal {op} {goal}): **{verdict}**")
         lines.append(f"- {self.shape.name}: share of the epmoe step outside its grouped matmuls = "
-                     f"{self.outside_gemm_share:.0%}")
+                     f"{1 - self.gemm_share_in_step:.0%} (profiled inside the step)")
         return lines
 
 
@@ -249,7 +247,23 @@ def run_ep1(shape: Shape, settings: common.Settings) -> Ep1Result:
                                 repeats=min(settings.repeats, EAGER_REPEATS), device=device)
     timings[EAGER] = eager_pass[EAGER]
     timings["epmoe (eager pass)"] = eager_pass[EPMOE]
-    return Ep1Result(shape, timings, counts, max_rel_diff)
+    return Ep1Result(shape, timings, counts, max_rel_diff, _gemm_share_in_step(fns[EPMOE], device))
+
+
+def _gemm_share_in_step(step: Callable[[], object], device: torch.device) -> float:
+    """The share of ``step``'s wall time spent in epmoe's grouped matmuls (forward and backward of its
+    autograd function), from ``torch.profiler`` over :data:`PROFILED_STEPS` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        platform.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(PROFILED_STEPS):
+            step()
+        platform.synchronize(device)
+        wall = time.perf_counter() - start
+    inside = sum(e.cpu_time_total for e in prof.key_averages() if e.key in GMM_FUNCTIONS) * 1e-6
+    return inside / wall
 
 
 def _block_step(block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -34,14 +34,22 @@ class GmmBackend:
     """Base class of grouped-matmul backends. Subclasses set ``name`` and override the three methods.
 
     ``accelerated`` marks backends faster than the loop: falling back from them is worth a warning.
+    ``by_counts`` marks backends that pay only for some group sizes: ``auto`` takes them only where
+    :meth:`counts_reason` accepts the call's counts (never without counts).
     """
 
     name: str = ""
     accelerated: bool = True
+    by_counts: bool = False
 
     def ineligible_reason(self, x: torch.Tensor, weight: torch.Tensor, *, trans_weight: bool = False) -> str | None:
         """``None`` when this backend can run ``grouped_mm(x, weight, ...)``, else a short reason."""
         raise NotImplementedError
+
+    def counts_reason(self, counts: list[int], x: torch.Tensor, *, backward: bool) -> str | None:
+        """For a ``by_counts`` backend: why ``auto`` should not run it on these group sizes (on ``x``'s
+        device; ``backward``: the call will be differentiated too), or ``None``."""
+        return None
 
     def forward(self, x_TK: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool) -> torch.Tensor:
         """``y_TN``: rows of group ``g`` times ``weight[g]`` (``weight[g].T`` when ``trans_weight``)."""

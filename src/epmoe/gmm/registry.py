@@ -8,8 +8,9 @@
                      <-backward--  backend.forward(dy, W, transposed) -> dx_TK
                                    backend.grad_weight(x, dy)         -> dW (zero for empty groups)
 
-Registry order is the order of preference: ``npu``, ``torch``, then ``loop``, which always accepts
-and stays last. The first time an accelerated backend runs, one INFO line says so; the first time the
+Registry order is the order of preference: ``npu``, ``batched`` (which ``auto`` takes only where its
+cost rule accepts the call's counts: small, even groups), ``torch``, then ``loop``, which always
+accepts and stays last. The first time an accelerated backend runs, one INFO line says so; the first time the
 dispatcher falls back past accelerated backends, one WARNING names each one that declined and why.
 A caller that issues several grouped matmuls (the experts' up and down projections) judges them
 together with :func:`gmm_backends_for` and picks one backend for all with :func:`choose_backend`.
@@ -26,6 +27,7 @@ import torch
 from epmoe import errors
 from epmoe.errors import refuse_double_backward
 from epmoe.gmm.backend import BackendStatus, GmmBackend
+from epmoe.gmm.batched import BatchedBackend
 from epmoe.gmm.loop import LoopBackend
 from epmoe.gmm.npu import NpuBackend
 from epmoe.gmm.torch_gmm import TorchBackend
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 ENV_BACKEND = "EPMOE_GMM_BACKEND"
 
-_registry: list[GmmBackend] = [NpuBackend(), TorchBackend(), LoopBackend()]
+_registry: list[GmmBackend] = [NpuBackend(), BatchedBackend(), TorchBackend(), LoopBackend()]
 
 
 def register_gmm_backend(backend: GmmBackend, *, before: str | None = None) -> None:
@@ -88,22 +90,28 @@ def gmm_backends_for(calls: Mapping[str, tuple[torch.Tensor, torch.Tensor, bool]
 
 
 def select_backend(
-    x: torch.Tensor, weight: torch.Tensor, *, trans_weight: bool = False, backend: str = "auto"
+    x: torch.Tensor, weight: torch.Tensor, *, trans_weight: bool = False, backend: str = "auto",
+    counts: list[int] | None = None, backward: bool = True,
 ) -> GmmBackend:
     """The backend ``grouped_mm`` runs for these operands (raises if a named one declines).
 
     Validates the operands as ``grouped_mm`` does; ``$EPMOE_GMM_BACKEND``, when set, forces its backend
-    over ``backend``.
+    over ``backend``. With ``counts`` (validated by ``grouped_mm``), ``auto`` may take a backend that
+    wins only on some group sizes (``backward``: whether the call will be differentiated).
     """
-    return choose_backend(_judge([(None, x, weight, trans_weight)], "select_backend"), backend=backend)
+    return choose_backend(_judge([(None, x, weight, trans_weight)], "select_backend"), backend=backend,
+                          counts=counts, x=x, backward=backward)
 
 
-def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto") -> GmmBackend:
+def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto", counts: list[int] | None = None,
+                   x: torch.Tensor | None = None, backward: bool = True) -> GmmBackend:
     """The registered backend to run, given each backend's status (from :func:`gmm_backends` or
     :func:`gmm_backends_for`).
 
     ``$EPMOE_GMM_BACKEND`` (when set), else ``backend`` names one, which must be eligible (else
-    ``ValueError`` with its reason); ``"auto"`` takes the first eligible one. Logs the first use of an
+    ``ValueError`` with its reason); ``"auto"`` takes the first eligible one, passing over a
+    ``by_counts`` backend unless the call's ``counts`` (on ``x``'s device, differentiated if
+    ``backward``) are in its winning region. Logs the first use of an
     accelerated backend (INFO) and the first fallback past accelerated backends (WARNING).
     """
     if not isinstance(backend, str):
@@ -125,6 +133,8 @@ def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto") 
     for status in statuses:
         if status.eligible:
             chosen = registered[status.name]
+            if chosen.by_counts and (counts is None or chosen.counts_reason(counts, x, backward=backward) is not None):
+                continue  # it would run, but not faster here
             if declined and not chosen.accelerated:
                 _warn_fallback(chosen, declined)
             _log_first_use(chosen)
@@ -259,5 +269,7 @@ def grouped_mm(
     check_operands(x, weight, trans_weight)
     counts_list = _counts_list(counts, weight.shape[0], x.shape[0])
     x = x.contiguous()
-    chosen = select_backend(x, weight, trans_weight=trans_weight, backend=backend)
+    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    chosen = select_backend(x, weight, trans_weight=trans_weight, backend=backend, counts=counts_list,
+                            backward=backward)
     return _GroupedMM.apply(x, weight, counts_list, trans_weight, chosen)

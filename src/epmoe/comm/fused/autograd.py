@@ -67,7 +67,7 @@ def _shared_grads(ctx, dshared_y, shared_x, shared_weight):
     return job, unpack
 
 
-class Dispatch(torch.autograd.Function):
+class AlltoallvGmm(torch.autograd.Function):
     """``alltoallv_gmm``: ``(x_rank_major, weight, shared_x, shared_weight, call) -> (y, shared_y, permuted)``."""
 
     @staticmethod
@@ -117,7 +117,7 @@ class Dispatch(torch.autograd.Function):
         return dx, dw, dshared_x, dshared_weight, None
 
 
-class Combine(torch.autograd.Function):
+class GmmAlltoallv(torch.autograd.Function):
     """``gmm_alltoallv``: ``(x_expert_major, weight, shared_x, shared_weight, call) -> (y, shared_y)``."""
 
     @staticmethod

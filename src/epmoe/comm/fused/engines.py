@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 class FusedEngine(Protocol):
-    """What :class:`~epmoe.comm.fused.autograd.Dispatch` / ``Combine`` run: ``dispatch`` and
+    """What :class:`~epmoe.comm.fused.autograd.AlltoallvGmm` / ``GmmAlltoallv`` run: ``dispatch`` and
     ``combine`` with the signatures of :mod:`~epmoe.comm.fused.pipelined`, returning its ``Result``."""
 
     name: str

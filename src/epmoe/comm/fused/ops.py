@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from epmoe import errors, platform
 from epmoe.comm.fused import reference
-from epmoe.comm.fused.autograd import Call, Combine, Dispatch
+from epmoe.comm.fused.autograd import AlltoallvGmm, Call, GmmAlltoallv
 from epmoe.comm.layout import Plan, round_bounds
 from epmoe.comm.steps import group_size
 from epmoe.gmm.registry import check_operands
@@ -92,7 +92,7 @@ def alltoallv_gmm(
             call.plan, x, weight, trans_weight, group, shared=shared, return_permuted=return_permuted,
             gmm_backend=gmm_backend,
         )
-    return Dispatch.apply(x, weight, shared_x, shared_weight, call)
+    return AlltoallvGmm.apply(x, weight, shared_x, shared_weight, call)
 
 
 def gmm_alltoallv(
@@ -136,7 +136,7 @@ def gmm_alltoallv(
     )
     if impl == "reference":
         return reference.combine(call.plan, x, weight, trans_weight, group, shared=shared, gmm_backend=gmm_backend)
-    return Combine.apply(x, weight, shared_x, shared_weight, call)
+    return GmmAlltoallv.apply(x, weight, shared_x, shared_weight, call)
 
 
 def _prepare(
