@@ -90,7 +90,8 @@ def experts_gmm_backends(module: nn.Module) -> list[BackendStatus]:
 
 def experts_backend(module: nn.Module, backend: str = "auto") -> GmmBackend:
     """The grouped-matmul backend :func:`experts_forward` runs ``module`` on (raises if a named one
-    declines any of its calls)."""
+    declines any of its calls). With ``"auto"``, an undifferentiated call (inference) on many small,
+    even groups may take ``batched`` instead, chosen per call from its counts (:mod:`epmoe.gmm.batched`)."""
     return choose_backend(experts_gmm_backends(module), backend=backend)
 
 

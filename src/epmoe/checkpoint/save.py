@@ -81,7 +81,7 @@ class GatherExperts:
                 f"epmoe: {type(self.model).__name__}.save_pretrained was called on the class, bypassing the EP "
                 f"model's save_pretrained: call model.save_pretrained(path) on every rank")
         save.take(model_to_save, state_dict, save_on_this_rank)
-        return {}  # transformers writes no weights: StreamedWeights writes them, module by module
+        return {}  # transformers writes no weights: StreamedWeights writes them, tensor by tensor
 
 
 class SavePretrained:
@@ -95,7 +95,7 @@ class SavePretrained:
         model = self.model
         options = inspect.signature(type(model).save_pretrained).bind(model, save_directory, *args, **kwargs)
         options.apply_defaults()
-        if options.arguments["push_to_hub"]:
+        if options.arguments.get("push_to_hub"):
             raise ValueError(
                 "save_pretrained(push_to_hub=True): an expert-parallel model's weights are written after "
                 "transformers' own save, so they would not be uploaded; save, then upload the folder "
@@ -146,7 +146,7 @@ class StreamedWeights:
         from transformers.modeling_utils import _add_variant, remove_tied_weights_from_state_dict
         from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-        model, variant = self.model, self.options["variant"]
+        model, variant = self.model, self.options.get("variant")
         state_dict = remove_tied_weights_from_state_dict(self.state_dict, model)
         self.state_dict = None
         gathers = _WriterGathers()
@@ -154,12 +154,16 @@ class StreamedWeights:
         if not units and not self.on_this_rank:  # no experts to send, nothing to write
             return
         planned = self._revert(full)
+        unwritable = sorted(key for key, tensor in planned.items() if tensor.dtype not in _SAFETENSORS_DTYPES)
+        if unwritable:  # found by every rank that plans, before any transfer
+            raise TypeError(f"epmoe: save_pretrained cannot write {unwritable[:4]} (dtype "
+                            f"{planned[unwritable[0]].dtype}) to safetensors")
         owner = _owners(planned, units, self._revert)
         del full
         weights_name = _add_variant(SAFE_WEIGHTS_NAME, variant)
         split = split_state_dict_into_shards_factory(
-            planned, get_storage_id=_storage_id, get_storage_size=_storage_size, max_shard_size=self.options[
-                "max_shard_size"], filename_pattern=weights_name.replace(".safetensors", "{suffix}.safetensors"))
+            planned, get_storage_id=_storage_id, get_storage_size=_storage_size, max_shard_size=self.options.get(
+                "max_shard_size", "50GB"), filename_pattern=weights_name.replace(".safetensors", "{suffix}.safetensors"))
         for filename, keys in split.filename_to_tensors.items():
             self._write_file(filename, keys, planned, owner, units)
         if self.on_this_rank and split.is_sharded:
@@ -172,7 +176,7 @@ class StreamedWeights:
     def _revert(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' own conversion back to the class's checkpoint layout (unless
         ``save_original_format=False``)."""
-        if not self.options["save_original_format"]:
+        if not self.options.get("save_original_format", True):
             return state_dict
         from transformers.core_model_loading import revert_weight_conversion
 
@@ -197,10 +201,9 @@ class StreamedWeights:
                         writer.write(key, planned[key])
                     continue
                 for piece in units[source].pieces(self._revert):
-                    for key, tensor in piece.items() if writer is not None and piece is not None else ():
-                        if key in in_file:
-                            writer.write(key, tensor)
-                    del piece  # before the next piece arrives
+                    if writer is not None and piece is not None:
+                        writer.write_from(piece, in_file)
+                    del piece  # before the next piece arrives: no name holds it (or a view of it)
         except BaseException:
             if writer is not None:
                 writer.abort()
@@ -212,8 +215,9 @@ class StreamedWeights:
 def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], gathers: _WriterGathers
                        ) -> tuple[dict[str, torch.Tensor], list[_PackedUnit | _ModuleListUnit]]:
     """``state_dict`` with every expert-parallel tensor replaced by its meta tensor of all ``E``
-    experts, and the units that gather them. What is gathered follows the model's structure, not the
-    state dict's keys (which transformers may build differently per rank)."""
+    experts, and the units that gather them, in the model's module order. A unit exists for each
+    experts tensor the state dict holds: transformers builds it the same way on every rank (a
+    ``state_dict=`` passed to ``save_pretrained`` must hold the same keys on every rank)."""
     from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
 
     full, units = dict(state_dict), []
@@ -404,8 +408,6 @@ class _SafetensorsWriter:
         self.expected: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         for key in keys:
             tensor = planned[key]
-            if tensor.dtype not in _SAFETENSORS_DTYPES:
-                raise TypeError(f"epmoe: save_pretrained cannot write {key!r} of dtype {tensor.dtype}")
             size = tensor.numel() * tensor.element_size()
             header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                            "data_offsets": [offset, offset + size]}
@@ -426,6 +428,12 @@ class _SafetensorsWriter:
         if tensor.numel():
             data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
             self.file.write(memoryview(data.numpy()))  # numpy comes with transformers
+
+    def write_from(self, tensors: dict[str, torch.Tensor], keys: set[str]) -> None:
+        """:meth:`write` each of ``tensors`` whose key is in ``keys``, in ``tensors``' order."""
+        for key, tensor in tensors.items():
+            if key in keys:
+                self.write(key, tensor)
 
     def close(self) -> None:
         if self.next != len(self.expected):

@@ -13,8 +13,7 @@
   where the block's forward is known and its MLP is three bias-free ``nn.Linear`` layers:
   Qwen2-MoE / Qwen3.5-MoE / Qwen3-Next blocks (``shared_expert`` and a sigmoid
   ``shared_expert_gate``) and DeepSeek blocks (``shared_experts``). :func:`shared_block_forward`
-  then replaces their forward (on every exchange: the all-to-all-v one runs the shared expert on
-  its own).
+  then replaces their forward (calls on the all-to-all-v exchange run the block's own).
 
 Both hand the routed experts to :func:`epmoe.ep.layer.routed_experts`.
 """
@@ -27,7 +26,7 @@ import importlib
 import torch
 from torch import nn
 
-from epmoe.ep.exchange import SharedMLP
+from epmoe.ep.exchange import SharedMLP, uses_fused
 from epmoe.ep.layer import ExpertParallelState, routed_experts
 
 
@@ -129,15 +128,17 @@ def shared_mlp(block: nn.Module) -> nn.Module | None:
 
 
 def shared_block_forward(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Drop-in forward of a Qwen2-MoE-style or DeepSeek-style block: its router, then the routed
-    experts with the shared expert handed to the exchange (which overlaps it where it can).
+    """Drop-in forward of a Qwen2-MoE-style or DeepSeek-style block: where the call takes the fused
+    exchange, its router, then the routed experts with the shared expert handed to the exchange to
+    overlap.
 
-    Runs the block's own forward instead (its experts still expert-parallel) when the experts or the
-    shared expert were wrapped after :func:`epmoe.apply_expert_parallel` (e.g. PEFT LoRA): calling
-    around a wrapper would drop what it adds.
+    Runs the block's own forward instead (its experts still expert-parallel, through their own
+    module call and its hooks) when this call takes the all-to-all-v exchange, or when the experts or
+    the shared expert were wrapped after :func:`epmoe.apply_expert_parallel` (e.g. PEFT LoRA):
+    calling around a wrapper would drop what it adds.
     """
     state, shared = getattr(block.experts, "_epmoe", None), shared_mlp(block)
-    if state is None or shared is None:
+    if state is None or shared is None or not uses_fused(state, hidden_states.device):
         return block._epmoe_block_forward(hidden_states)
     shape = hidden_states.shape
     hidden_TH = hidden_states.reshape(-1, shape[-1])

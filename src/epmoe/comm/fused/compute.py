@@ -1,6 +1,6 @@
 """The compute the fused ops interleave with communication: grouped matmuls and shared-expert matmuls.
 
-Grouped matmuls go through epmoe's backend dispatcher (:func:`epmoe.gmm.select_backend`), called on
+Grouped matmuls go through epmoe's backend registry (:func:`epmoe.gmm.select_backend`), called on
 the backend object directly because the fused ops carry their own autograd. Shared-expert work is a
 list of plain products ``a @ b`` whose outputs are allocated on the current stream before the
 products run (on a side stream where there is one), so the outputs belong to the current stream.
