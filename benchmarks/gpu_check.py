@@ -1,17 +1,24 @@
-"""Check and time epmoe's ``torch`` grouped-matmul backend on one CUDA GPU, in bf16.
+"""Check and time epmoe on one CUDA GPU, in bf16: one command, under 8 minutes on one H200.
 
-    python benchmarks/gpu_check.py [--out benchmarks/gmm_gpu.md]
+    python benchmarks/gpu_check.py --out benchmarks/gpu.md
 
-1. Correctness: ``grouped_mm(..., backend="torch")`` against ``backend="loop"`` and a float32
-   reference, for the forward output, ``dX`` and ``dW``, with and without ``trans_weight``, with
-   empty groups (first, middle, last), all rows in one group, and counts given as a CUDA tensor.
-   An empty group's ``dW`` must be exactly zero.
-2. Timing: ``torch`` vs ``loop`` vs ``auto`` vs one dense bf16 ``torch.mm`` of the same FLOPs, forward
-   and forward+backward, at per-rank shapes of Qwen3-30B-A3B and Qwen3.5-35B-A3B at EP=8 (plus a
-   decode-like 128-expert case), printed as a markdown table (the columns of ``epmoe bench gmm``).
+1. Correctness first: every grouped-matmul backend eligible there (``torch``, ``batched``, ``loop``)
+   against a float32 reference, for the forward output, ``dX`` and ``dW``, with and without
+   ``trans_weight``, with empty groups (first, middle, last), all rows in one group, and counts
+   given as a CUDA tensor. An empty group's ``dW`` must be exactly zero. Stops at the first failure.
+2. Grouped matmul per backend and ``auto`` vs one dense bf16 ``torch.mm`` of the same FLOPs, forward
+   and forward+backward, at per-rank shapes of Qwen3-30B-A3B and Qwen3.5-35B-A3B at EP=8, a
+   small-group case and a decode-like 128-expert case (the columns of ``epmoe bench gmm``). Goal:
+   >= 0.7 of dense throughput at >= 256 rows per group.
+3. The MoE block, forward + backward (``epmoe bench layer`` part ep1 in bf16): epmoe vs transformers'
+   ``grouped_mm`` and ``eager`` experts, the dense floor, the grouped matmuls' share profiled inside
+   the step. Goal: epmoe <= 0.8x transformers' ``grouped_mm`` time.
+4. ``torch.compile`` of the epmoe block vs eager: step time and the largest gradient difference.
+5. Peak device memory of one step of each block variant.
 
-Needs only torch and epmoe; takes about a minute on one recent GPU (well under 8). Exits with
-status 1 and a message when no CUDA device is present or the ``torch`` backend declines there.
+Needs torch, transformers and epmoe. Exits with status 1 and a message when no CUDA device is present
+or the ``torch`` backend declines there. ``--device cpu --quick`` runs every section on tiny shapes
+(a smoke test of the script itself; no GPU figure comes from it).
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import epmoe
 
 from epmoe import platform
-from epmoe.bench import common, gmm
+from epmoe.bench import common, gmm, layer
 
 TOLERANCE = 1.5e-2  # max |error| / max |reference|, for bf16 results with float32 accumulation
+GPU_BLOCK_GOAL = 0.8  # epmoe block time / transformers grouped_mm block time
 
 # (counts, K, N): empty groups first / in the middle / last, one full group, uneven sizes.
 CHECKS = (
@@ -46,63 +54,133 @@ CASES = (
              num_experts=16, hidden=2048, intermediate=768, tokens=16384, top_k=8, ep=8),
     gmm.Case("qwen3.5-35b-a3b", "Qwen3.5-35B-A3B at EP=8: 32 local experts, top-8, H=2048, I=512, 16384 tokens/rank",
              num_experts=32, hidden=2048, intermediate=512, tokens=16384, top_k=8, ep=8),
+    gmm.Case("small-16", "128 experts, 16 rows each on average, max/mean 1.5; H=2048, I=768",
+             num_experts=128, hidden=2048, intermediate=768, tokens=256, top_k=8, ep=1, projections=("gate_up",),
+             spread=0.5),
     gmm.Case("decode", "Qwen3-30B-A3B decoding without EP: 128 experts, top-8, 64 tokens",
              num_experts=128, hidden=2048, intermediate=768, tokens=64, top_k=8, ep=1, projections=("gate_up",)),
 )
+QUICK_CHECKS = (([5, 0, 3, 0], 64, 32), ([0, 0, 9, 0], 32, 16))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", metavar="PATH", help="also write the timing table as markdown to PATH")
+    parser.add_argument("--out", metavar="PATH", help="also write the report as markdown to PATH")
     parser.add_argument("--repeats", type=int, default=20, help="timed rounds per measurement (median reported)")
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu only with --quick, to test the script")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 rounds: a smoke test, not a measurement")
     args = parser.parse_args(argv)
+    if args.device != "cuda" and not args.quick:
+        sys.exit("gpu_check: --device other than cuda only with --quick (a smoke test)")
 
-    if not platform.is_available("cuda"):
-        sys.exit("gpu_check: no CUDA device is present (torch.cuda.is_available() is False); nothing was checked")
-    device = platform.current_device("cuda")
+    if not platform.is_available(args.device):
+        sys.exit("gpu_check: no CUDA device is present (torch.cuda.is_available() is False); nothing was checked"
+                 if args.device == "cuda" else f"gpu_check: no {args.device} device")
+    device = platform.current_device(args.device)
     probe_x = torch.zeros(256, 1024, dtype=torch.bfloat16, device=device)
     probe_w = torch.zeros(8, 1024, 1024, dtype=torch.bfloat16, device=device)
-    torch_status = next(s for s in epmoe.gmm_backends(probe_x, probe_w) if s.name == "torch")
-    if not torch_status.eligible:
-        sys.exit(f"gpu_check: the torch backend declines on this GPU: {torch_status.reason}")
+    statuses = {s.name: s for s in epmoe.gmm_backends(probe_x, probe_w)}
+    if not statuses["torch"].eligible:
+        sys.exit(f"gpu_check: the torch backend declines on this {args.device}: {statuses['torch'].reason}")
+    backends = [name for name, status in statuses.items() if status.eligible]
+    repeats = 2 if args.quick else args.repeats
 
+    sections = [f"- Machine: {common.machine_description(device)}.",
+                f"## Correctness: {', '.join(backends)} vs a float32 reference, bf16", ""]
     print(f"# gpu_check: {common.machine_description(device)}\n")
-    print("## Correctness: torch vs loop vs float32 reference, bf16\n")
-    for counts, K, N in CHECKS:
+    for counts, K, N in QUICK_CHECKS if args.quick else CHECKS:
         for trans_weight in (False, True):
-            check(counts, K, N, trans_weight, device)
+            sections.append(check(counts, K, N, trans_weight, device, backends))
+            print(sections[-1])
 
-    settings = common.Settings(device, torch.get_num_threads(), warmup=3, repeats=args.repeats, seed=0,
-                               quick=False, out=args.out)
+    settings = common.Settings(device, torch.get_num_threads(), warmup=1 if args.quick else 3, repeats=repeats,
+                               seed=0, quick=args.quick, out=args.out)
+    cases = gmm.QUICK_CASES if args.quick else CASES
     results = []
-    for case in CASES:
+    for case in cases:
         for projection in case.projections:
-            results += gmm.run_case(case, projection, "bf16", settings, backends=["torch", "loop"])
+            results += gmm.run_case(case, projection, "bf16", settings)
     table = common.markdown_table(gmm.HEADERS, [r.cells() for r in results], align="llllrrr")
-    summary = "\n".join(gmm.summarize(results))
-    report = (f"\n## Timing (median of {args.repeats} rounds, side by side)\n\n{_cases(CASES)}\n\n{table}\n\n"
-              f"{summary}\n")
-    print(report)
+    sections.append(f"\n## Grouped matmul (median of {repeats} rounds, side by side)\n\n{_cases(cases)}\n\n{table}\n\n"
+                    + "\n".join(gmm.summarize(results)))
+    print(sections[-1])
+    sections += block_sections(settings, layer.QUICK_SHAPES if args.quick else layer.SHAPES)
+    report = "\n".join(sections) + "\n"
     if args.out:
-        Path(args.out).write_text(f"# gpu_check: `python benchmarks/gpu_check.py`\n\n"
-                                  f"- Machine: {common.machine_description(device)}.\n{report}")
+        Path(args.out).write_text(f"# gpu_check: `python benchmarks/gpu_check.py`\n\n{report}")
         print(f"wrote {args.out}")
     return 0
 
 
-def check(counts: list[int], K: int, N: int, trans_weight: bool, device: torch.device) -> None:
-    """``torch`` and ``loop`` against a float32 loop on the same bf16 inputs; raise on a mismatch."""
+def block_sections(settings: common.Settings, shapes) -> list[str]:
+    """Sections 3-5: the MoE block in bf16 (bench layer ep1), compiled vs eager, peak memory."""
+    ep1 = layer.Ep1Report([layer.run_ep1(shape, settings, dtype=torch.bfloat16) for shape in shapes])
+    out = ["\n## The MoE block, forward + backward, bf16 (`epmoe bench layer` part ep1)\n",
+           ep1.markdown().replace("### ", "#### "),
+           f"GPU goal: epmoe <= {GPU_BLOCK_GOAL}x transformers' `grouped_mm` time.", ""]
+    rows, memory = [], []
+    for shape in shapes:
+        blocks = layer.build_blocks(shape, settings.seed, settings.device, torch.bfloat16)
+        generator = torch.Generator().manual_seed(settings.seed + 1)
+        x = torch.randn(1, shape.tokens, shape.hidden, generator=generator).to(settings.device, torch.bfloat16)
+        dy = torch.randn(1, shape.tokens, shape.hidden, generator=generator).to(settings.device, torch.bfloat16)
+        rows.append(_compiled_vs_eager(shape, blocks[layer.EPMOE], x, dy, settings))
+        for label, block in blocks.items():
+            memory.append((shape.name, label, _peak_step_mib(block, x, dy, settings.device)))
+    out += ["## torch.compile of the epmoe block vs eager, bf16\n",
+            common.markdown_table(("shape", "eager ms", "compiled ms", "compiled / eager", "max gradient difference",
+                                   "note"), rows, align="lrrrrl"), "",
+            "## Peak device memory of one forward + backward step\n",
+            common.markdown_table(("shape", "variant", "peak MiB"), memory, align="llr")]
+    print("\n".join(out))
+    return out
+
+
+def _compiled_vs_eager(shape, block, x, dy, settings) -> tuple:
+    """One row: eager and compiled step times and the largest relative gradient difference."""
+    def grads(module):
+        module.zero_grad(set_to_none=True)
+        x_leaf = x.detach().requires_grad_()
+        torch.autograd.backward(module(x_leaf), dy)
+        return [x_leaf.grad] + [p.grad for _, p in sorted(module.named_parameters())]
+
+    eager_grads = grads(block)
+    try:
+        compiled = torch.compile(block)
+        compiled_grads = grads(compiled)
+    except Exception as error:  # noqa: BLE001 - report it; the other sections still stand
+        return (shape.name, "-", "-", "-", "-", f"torch.compile failed: {type(error).__name__}: {error}"[:160])
+    diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(compiled_grads, eager_grads))
+    timings = common.measure({"eager": layer._block_step(block, x, dy), "compiled": layer._block_step(compiled, x, dy)},
+                             warmup=settings.warmup, repeats=settings.repeats, device=settings.device)
+    eager_ms, compiled_ms = timings["eager"].median_s * 1e3, timings["compiled"].median_s * 1e3
+    return (shape.name, f"{eager_ms:.2f}", f"{compiled_ms:.2f}", f"{compiled_ms / eager_ms:.2f}", f"{diff:.1e}", "")
+
+
+def _peak_step_mib(block, x, dy, device) -> str:
+    platform.synchronize(device)
+    platform.reset_peak_memory(device)
+    layer._block_step(block, x, dy)()
+    platform.synchronize(device)
+    peak = platform.peak_memory(device)
+    return "n/a (host memory)" if peak is None else f"{peak / 2**20:.0f}"
+
+
+def check(counts: list[int], K: int, N: int, trans_weight: bool, device: torch.device, backends: list[str]) -> str:
+    """Every backend in ``backends`` against a float32 loop on the same bf16 inputs (counts on the
+    device for the first); raise on a mismatch, else the report line."""
     T, G = sum(counts), len(counts)
     generator = torch.Generator().manual_seed(T * 7 + G)
     x = torch.randn(T, K, generator=generator).to(device, torch.bfloat16)
     shape = (G, N, K) if trans_weight else (G, K, N)
     weight = torch.randn(shape, generator=generator).div_(K ** 0.5).to(device, torch.bfloat16)
     dy = torch.randn(T, N, generator=generator).to(device, torch.bfloat16)
-    counts_cuda = torch.tensor(counts, device=device)
 
     outputs = {}
-    for backend, dtype, counts_arg in (("torch", torch.bfloat16, counts_cuda), ("loop", torch.bfloat16, counts),
-                                       ("reference", torch.float32, counts)):
+    runs = [(name, torch.bfloat16, torch.tensor(counts, device=device) if i == 0 else counts)
+            for i, name in enumerate(backends)] + [("reference", torch.float32, counts)]
+    for backend, dtype, counts_arg in runs:
         x_leaf = x.to(dtype, copy=True).requires_grad_()
         w_leaf = weight.to(dtype, copy=True).requires_grad_()
         y = epmoe.grouped_mm(x_leaf, w_leaf, counts_arg, trans_weight=trans_weight,
@@ -115,22 +193,19 @@ def check(counts: list[int], K: int, N: int, trans_weight: bool, device: torch.d
     for name, index in (("y", 0), ("dX", 1), ("dW", 2)):
         reference = outputs["reference"][index]
         scale = reference.abs().max().clamp_min(1e-6)
-        for backend in ("torch", "loop"):
+        for backend in backends:
             error = ((outputs[backend][index] - reference).abs().max() / scale).item()
             errors.append(f"{name} {backend} {error:.1e}")
             if not error <= TOLERANCE:
                 raise AssertionError(f"gpu_check: {backend} {name} off by {error:.3g} (relative to max) for "
                                      f"counts={counts}, K={K}, N={N}, trans_weight={trans_weight}")
-        versus = ((outputs["torch"][index] - outputs["loop"][index]).abs().max() / scale).item()
-        if not versus <= TOLERANCE:
-            raise AssertionError(f"gpu_check: torch and loop {name} differ by {versus:.3g} for counts={counts}")
-    dw_torch = outputs["torch"][2]
-    for g, n in enumerate(counts):
-        if n == 0 and torch.count_nonzero(dw_torch[g]).item():
-            raise AssertionError(f"gpu_check: torch dW of empty group {g} is not zero (counts={counts})")
+    for backend in backends:
+        for g, n in enumerate(counts):
+            if n == 0 and torch.count_nonzero(outputs[backend][2][g]).item():
+                raise AssertionError(f"gpu_check: {backend} dW of empty group {g} is not zero (counts={counts})")
     shown = counts if len(counts) <= 8 else f"{G} groups, {T} rows, {counts.count(0)} empty"
-    print(f"- ok: counts {shown}, K={K}, N={N}, trans_weight={trans_weight}: max error / max |ref|: "
-          + ", ".join(errors))
+    return (f"- ok: counts {shown}, K={K}, N={N}, trans_weight={trans_weight}: max error / max |ref|: "
+            + ", ".join(errors))
 
 
 def _cases(cases) -> str:

@@ -132,6 +132,24 @@ def test_gpu_check_exits_clearly_without_cuda():
     assert "no CUDA device" in done.stderr
 
 
+def test_gpu_check_runs_every_section_as_a_cpu_smoke_test(tmp_path):
+    """``--device cpu --quick``: the script's every section runs (tiny shapes); no GPU figure."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "gpu.md"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = out.read_text()
+    for section in ("## Correctness: batched, torch, loop", "## Grouped matmul", "## The MoE block",
+                    "## torch.compile of the epmoe block vs eager", "## Peak device memory"):
+        assert section in report, section
+    assert report.count("- ok: counts") == 4 and "epmoe <= 0.8x" in report
+    cuda_only = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu"],
+                               env=env, capture_output=True, text=True, timeout=120)
+    assert cuda_only.returncode == 1 and "only with --quick" in cuda_only.stderr
+
+
 def test_bench_checkpoint_quick(capsys):
     """``epmoe bench checkpoint --quick``: every variant measured on 2 ranks, a table printed."""
     pytest.importorskip("transformers")

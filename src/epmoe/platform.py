@@ -33,6 +33,8 @@ __all__ = [
     "host_to_device",
     "is_available",
     "new_stream",
+    "peak_memory",
+    "reset_peak_memory",
     "stream",
     "synchronize",
     "torch_npu",
@@ -186,3 +188,18 @@ def wait_stream(side_stream: Any | None) -> None:
     """Make the current stream wait for ``side_stream``; no-op for ``None``."""
     if side_stream is not None:
         device_module(side_stream.device.type).current_stream().wait_stream(side_stream)
+
+
+def reset_peak_memory(device: Any) -> None:
+    """Start counting ``device``'s peak allocated memory afresh (accelerators; no-op on CPU)."""
+    module = device_module(device_type(device))
+    if module is not None and hasattr(module, "reset_peak_memory_stats"):
+        module.reset_peak_memory_stats(device)
+
+
+def peak_memory(device: Any) -> int | None:
+    """Bytes of ``device`` memory allocated at most since :func:`reset_peak_memory` (``None`` on CPU)."""
+    module = device_module(device_type(device))
+    if module is None or not hasattr(module, "max_memory_allocated"):
+        return None
+    return int(module.max_memory_allocated(device))

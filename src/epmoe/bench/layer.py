@@ -216,16 +216,16 @@ class Ep1Result:
         return lines
 
 
-def run_ep1(shape: Shape, settings: common.Settings) -> Ep1Result:
+def run_ep1(shape: Shape, settings: common.Settings, dtype: torch.dtype = torch.float32) -> Ep1Result:
     """Time the block variants, the dense floor and the parts of the epmoe step, side by side."""
     from epmoe.gmm import grouped_mm
 
     device, seed = settings.device, settings.seed
-    blocks = build_blocks(shape, seed, device)
+    blocks = build_blocks(shape, seed, device, dtype)
     generator = torch.Generator().manual_seed(seed + 1)
 
     def randn(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=generator).to(device)
+        return torch.randn(*size, generator=generator).to(device, dtype)
 
     T, H, I, S, E = shape.tokens, shape.hidden, shape.intermediate, shape.rows, shape.num_experts
     x_1TH, dy_1TH = randn(1, T, H), randn(1, T, H)
