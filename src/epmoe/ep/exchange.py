@@ -33,6 +33,7 @@ from torch import nn
 
 from epmoe import platform
 from epmoe.comm.fused import alltoallv_gmm, gmm_alltoallv
+from epmoe.comm.layout import prefix, rows_index
 from epmoe.ep.config import DROPPED_COUNTER
 from epmoe.ep.dispatcher import AllToAllDispatcher, RoutingPlan
 from epmoe.experts import experts_forward, gate_activation, packed_weight_names
@@ -94,11 +95,9 @@ def experts_with_capacity(state, plan: RoutingPlan, x_expert_major: torch.Tensor
     state.count_load([n - k for n, k in zip(counts, kept)], (DROPPED_COUNTER,))
     if kept == counts:
         return run(x_expert_major, counts)
-    start, rows = 0, []
-    for n, k in zip(counts, kept):
-        rows.append(torch.arange(start, start + k))
-        start += n
-    index = platform.host_to_device(torch.cat(rows), x_expert_major.device)
+    starts = prefix(counts)  # each local expert's first expert-major row
+    index = platform.host_to_device(rows_index([(starts[j], k) for j, k in enumerate(kept)], sum(kept)),
+                                    x_expert_major.device)
     y_kept = run(x_expert_major[index], kept)
     return y_kept.new_zeros(x_expert_major.shape[0], y_kept.shape[1]).index_copy(0, index, y_kept)
 
