@@ -29,9 +29,10 @@ def test_bench_gmm_quick(tmp_path, capsys, one_thread):
     lines = [line for line in printed.splitlines() if line.startswith("|")]
     assert [c.strip() for c in lines[0].strip("|").split("|")] == list(gmm.HEADERS)
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
-    # 3 projections (tiny gate_up + down, tiny-decode gate_up) x 2 dtypes x 2 passes x (torch, loop, auto, dense)
-    assert len(rows) == 3 * 2 * 2 * 4
-    assert {r[3] for r in rows} == {"torch", "loop", "auto (torch)", "dense mm"}
+    # 3 projections (tiny gate_up + down, tiny-decode gate_up) x 2 dtypes x 2 passes x
+    # (batched, torch, loop, auto, dense); auto passes over batched for so few groups
+    assert len(rows) == 3 * 2 * 2 * 5
+    assert {r[3] for r in rows} == {"batched", "torch", "loop", "auto (torch)", "dense mm"}
     assert {r[2] for r in rows} == {"fwd", "fwd+bwd"} and {r[1] for r in rows} == {"fp32", "bf16"}
     for r in rows:
         assert float(r[4]) > 0 and float(r[5]) >= 0 and float(r[6]) > 0
