@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epmoe.comm.layout import Plan, prefix, round_bounds, rows_index
+from epmoe.comm.layout import Plan, inverse_permutation, prefix, round_bounds, rows_index
 
 
 @st.composite
@@ -38,6 +38,7 @@ def test_permutations_match_a_per_row_reference(plan):
     to_source = rows_index(plan.to_source_major(0, plan.e), plan.rows_expert_major)
     assert [rows[i] for i in to_expert.tolist()] == expert_major
     assert [expert_major[i] for i in to_source.tolist()] == rows  # the inverse
+    assert torch.equal(inverse_permutation(to_expert), to_source)
     assert to_expert.dtype == torch.int64 and to_expert.numel() == len(rows)
 
 

@@ -64,6 +64,13 @@ def prefix(values: list[int]) -> list[int]:
     return offsets
 
 
+def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
+    """``inverse`` with ``x[index][inverse] == x`` for a permutation ``index`` (one scatter, on its device)."""
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return inverse
+
+
 def rows_index(blocks: list[Block], total: int) -> torch.Tensor:
     """The host index ``idx`` with ``x[idx]`` = the rows of ``blocks`` of ``x``, in that order
     (``total`` rows in all); built in a few tensor operations, not one ``arange`` per block."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from epmoe import platform
 from epmoe.comm import all_to_all_v
 from epmoe.comm.counts import counts_exchange
-from epmoe.comm.layout import Plan, rows_index
+from epmoe.comm.layout import Plan, inverse_permutation, rows_index
 from epmoe.comm.steps import Position, StepChannel
 
 
@@ -77,8 +77,7 @@ def plan_routing(
     tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=expert_S.device)
     tokens_per_expert.scatter_add_(0, expert_S.long(), torch.ones_like(expert_S, dtype=torch.int64))
     sort_S = torch.sort(expert_S, stable=True).indices
-    unsort_S = torch.empty_like(sort_S)
-    unsort_S[sort_S] = torch.arange(sort_S.numel(), device=sort_S.device)
+    unsort_S = inverse_permutation(sort_S)
     if channel is None:
         send_counts = recv_counts = tokens_per_expert.tolist()
         ep_size, group, slots = 1, None, [expert_S.numel()]
@@ -115,9 +114,9 @@ class AllToAllDispatcher:
         self.plan = plan
         if plan.ep_size > 1:
             layout, e = plan.layout, plan.num_local_experts
-            rows = layout.rows_expert_major
-            self.to_expert_major = platform.host_to_device(rows_index(layout.to_expert_major(0, e), rows), device)
-            self.to_source_major = platform.host_to_device(rows_index(layout.to_source_major(0, e), rows), device)
+            to_expert_major = rows_index(layout.to_expert_major(0, e), layout.rows_expert_major)
+            self.to_expert_major = platform.host_to_device(to_expert_major, device)
+            self.to_source_major = platform.host_to_device(inverse_permutation(to_expert_major), device)
 
     def dispatch(self, x_rank_major: torch.Tensor) -> torch.Tensor:
         """``(sum(send_counts), H)`` rank-major -> ``(sum(recv_counts), H)`` expert-major."""
