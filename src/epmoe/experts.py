@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from epmoe import platform
+from epmoe import errors, platform
 from epmoe.gmm import BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.integrations.experts import is_default_silu_gate, is_packed_experts, linear_triples
 
@@ -37,6 +37,7 @@ __all__ = [
     "is_packed_experts",
     "num_experts_of",
     "packed_weight_names",
+    "runs_grouped",
 ]
 
 def num_experts_of(module: nn.Module) -> int:
@@ -96,23 +97,36 @@ def experts_backend(module: nn.Module, backend: str = "auto") -> GmmBackend:
 
 
 def experts_forward(
-    module: nn.Module, x_em: torch.Tensor, counts: Sequence[int], *, backend: str = "auto",
+    module: nn.Module, x_em: torch.Tensor, counts: Sequence[int] | torch.Tensor, *, backend: str = "auto",
     sync_weights: WeightsHook | None = None,
 ) -> torch.Tensor:
     """Run ``module``'s (local) experts on ``x_em``; ``counts[j]`` consecutive rows go to expert ``j``.
 
-    ``x_em``: ``(A, H)``, rows expert-major. Returns ``(A, H)`` in the same order. ``sync_weights``
-    (the EP engine's gradient policy, :mod:`epmoe.training.grads`) receives the weight tensors the
-    grouped matmuls are about to use and returns those to use instead (same values); experts run by
-    their own forward hand it their parameters with ``per_parameter=True`` (nothing to substitute).
+    ``x_em``: ``(A, H)``, rows expert-major. ``counts``: ints, or a 1-D integer tensor, which the
+    grouped matmuls read where they run (so a caller whose counts are on the device keeps them there:
+    ``torch.compile`` traces it; see :func:`runs_grouped`). Returns ``(A, H)`` in the same order.
+    ``sync_weights`` (the EP engine's gradient policy, :mod:`epmoe.training.grads`) receives the
+    weight tensors the grouped matmuls are about to use and returns those to use instead (same
+    values); experts run by their own forward hand it their parameters with ``per_parameter=True``
+    (nothing to substitute).
     """
-    counts = list(counts)
+    if isinstance(counts, torch.Tensor):
+        errors.check_counts_tensor("experts_forward(counts)", counts)
+    else:
+        counts = errors.int_list("experts_forward(counts)", counts)
     if len(counts) != num_experts_of(module):
         raise ValueError(f"experts_forward(counts): {len(counts)} counts for {num_experts_of(module)} experts")
     sync_weights = sync_weights or _as_is
     if isinstance(module, nn.ModuleList):
         return _module_list_forward(module, x_em, counts, backend, sync_weights)
     return _packed_forward(module, x_em, counts, backend, sync_weights)
+
+
+def runs_grouped(module: nn.Module) -> bool:
+    """Whether :func:`experts_forward` runs ``module`` through grouped matmuls only (packed experts,
+    or a ``ModuleList`` of bias-free Linear triples), which read the counts inside the op; a
+    ``ModuleList`` run expert by expert slices its rows by counts read to the host."""
+    return not isinstance(module, nn.ModuleList) or linear_triples(module) is not None
 
 
 class WeightsHook(Protocol):
@@ -123,9 +137,12 @@ def _as_is(weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[
     return weights
 
 
-def _row_bias(bias_EN: torch.Tensor, counts: list[int], num_rows: int) -> torch.Tensor:
-    """``(A, N)``: each row's expert bias (an index gather; its backward is index_put)."""
-    expert_of_row = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts), output_size=num_rows)
+def _row_bias(bias_EN: torch.Tensor, counts: list[int] | torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``(A, N)``: each row's expert bias (an index gather; its backward is index_put). Built where
+    the counts are (host counts: on the host, then copied)."""
+    counts_E = torch.as_tensor(counts)
+    experts = torch.arange(len(counts), device=counts_E.device)
+    expert_of_row = torch.repeat_interleave(experts, counts_E, output_size=num_rows)
     return bias_EN[platform.host_to_device(expert_of_row, bias_EN.device)]
 
 
@@ -146,7 +163,7 @@ def packed_weight_names(module: nn.Module) -> list[str]:
 
 
 def _packed_forward(
-    module: nn.Module, x_em: torch.Tensor, counts: list[int], backend: str, sync_weights: WeightsHook
+    module: nn.Module, x_em: torch.Tensor, counts: list[int] | torch.Tensor, backend: str, sync_weights: WeightsHook
 ) -> torch.Tensor:
     trans_weight = not module.is_transposed  # nn.Linear layout (E, out, in) is our "transposed"
     num_rows = x_em.shape[0]
@@ -164,7 +181,7 @@ def _packed_forward(
 
 
 def _module_list_forward(
-    experts: nn.ModuleList, x_em: torch.Tensor, counts: list[int], backend: str, sync_weights: WeightsHook
+    experts: nn.ModuleList, x_em: torch.Tensor, counts: list[int] | torch.Tensor, backend: str, sync_weights: WeightsHook
 ) -> torch.Tensor:
     triples = linear_triples(experts)
     if triples is not None:
@@ -176,6 +193,8 @@ def _module_list_forward(
         h = experts[0].act_fn(gate) * up
         return grouped_mm(h, down_w, counts, trans_weight=True, backend=backend)
     sync_weights(list(experts.parameters()), per_parameter=True)
+    if isinstance(counts, torch.Tensor):
+        counts = errors.int_list("experts_forward(counts)", counts)
     outputs, start = [], 0
     for expert, n in zip(experts, counts):
         # Idle experts run too, on zero rows: autograd then gives their parameters exact-zero

@@ -141,6 +141,8 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """
     if torch.device(device).type == "cpu":
         return tensor
+    if tensor.device.type != "cpu":  # already on a device (built from device counts)
+        return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 
 

@@ -55,7 +55,7 @@ PARTS = ("ep1", "ep2")
 EP1_HEADERS = ("shape", "variant", "time ms", "expert GFLOP/s", "epmoe time / this")
 SPLIT_HEADERS = ("shape", "part of the epmoe step", "time ms", "share of the step (in it) / time vs the step (alone)")
 PROFILED_STEPS = 3  # epmoe steps profiled for the in-step share of its grouped matmuls
-GMM_FUNCTIONS = ("_GroupedMM", "_GroupedMMBackward")  # epmoe's grouped-matmul autograd function, in profiles
+GMM_FUNCTIONS = ("epmoe::grouped_mm", "epmoe::grouped_mm_backward")  # epmoe's grouped-matmul ops, in profiles
 EP2_HEADERS = ("variant", "step ms", "loss - unsharded loss (max over ranks)", "note")
 GOALS = {"grouped_mm": 0.85, "eager": 0.3, "dense": 0.7}  # epmoe/grouped_mm <=, epmoe/eager <=, dense/epmoe >=
 EAGER, GROUPED, EPMOE, DENSE = "transformers eager", "transformers grouped_mm", "epmoe", "dense floor"

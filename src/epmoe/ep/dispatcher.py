@@ -32,14 +32,20 @@ from epmoe.comm.steps import Position, StepChannel
 
 
 @dataclass
-class RoutingPlan:
-    """Everything a layer's dispatch, combine and their backward need, computed once per forward.
-
-    ``slot`` = one (token, k) routing choice; ``S = T * K`` slots.
-    """
+class SlotOrder:
+    """This rank's slots sorted by global expert, on the device (no host read: ``torch.compile``
+    traces :func:`sort_slots`). ``slot`` = one (token, k) routing choice; ``S = T * K`` slots."""
 
     sort_S: torch.Tensor  # slot ids in rank-major order (sorted by global expert, stable)
     unsort_S: torch.Tensor  # inverse of sort_S
+    tokens_per_expert: torch.Tensor  # (E,) int64: slots per global expert
+
+
+@dataclass
+class RoutingPlan:
+    """Everything a layer's dispatch, combine and their backward need, on the host, computed once
+    per forward from its :class:`SlotOrder` and the counts exchange."""
+
     send_counts: list[int]  # (W*e,) rows this rank sends to expert (r, j)
     recv_counts: list[int]  # (W*e,) rows this rank receives from rank s for local expert j, (s, j)
     ep_size: int
@@ -68,23 +74,26 @@ class RoutingPlan:
         return self.layout.group_sizes_E
 
 
-def plan_routing(
-    top_k_index_TK: torch.Tensor, num_experts: int, channel: StepChannel | None, position: Position
-) -> RoutingPlan:
-    """Sort this rank's slots by global expert and exchange the counts with the EP group at
-    ``position`` (``channel``: the model's EP step channel, ``None`` on a single rank)."""
+def sort_slots(top_k_index_TK: torch.Tensor, num_experts: int) -> SlotOrder:
+    """This rank's slots sorted by global expert (stable), and how many each expert receives."""
     expert_S = top_k_index_TK.reshape(-1)
     tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=expert_S.device)
     tokens_per_expert.scatter_add_(0, expert_S.long(), torch.ones_like(expert_S, dtype=torch.int64))
     sort_S = torch.sort(expert_S, stable=True).indices
-    unsort_S = inverse_permutation(sort_S)
+    return SlotOrder(sort_S, inverse_permutation(sort_S), tokens_per_expert)
+
+
+def plan_routing(slots: SlotOrder, channel: StepChannel | None, position: Position) -> RoutingPlan:
+    """The host plan of ``slots``: the counts exchanged with the EP group at ``position``
+    (``channel``: the model's EP step channel, ``None`` on a single rank; one host read either way)."""
+    num_experts, num_slots = slots.tokens_per_expert.numel(), slots.sort_S.numel()
     if channel is None:
-        send_counts = recv_counts = tokens_per_expert.tolist()
-        ep_size, group, slots = 1, None, [expert_S.numel()]
+        send_counts = recv_counts = slots.tokens_per_expert.tolist()
+        ep_size, group, slots_by_rank = 1, None, [num_slots]
     else:
-        send_counts, recv_counts, slots = counts_exchange(channel, position, tokens_per_expert)
+        send_counts, recv_counts, slots_by_rank = counts_exchange(channel, position, slots.tokens_per_expert)
         ep_size, group = channel.size, channel.group
-    return RoutingPlan(sort_S, unsort_S, send_counts, recv_counts, ep_size, num_experts // ep_size, group, sum(slots))
+    return RoutingPlan(send_counts, recv_counts, ep_size, num_experts // ep_size, group, sum(slots_by_rank))
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -135,18 +144,18 @@ class AllToAllDispatcher:
         return all_to_all_v(y_source_major, plan.send_splits, plan.recv_splits, plan.group)
 
 
-def permute_tokens(hidden_TH: torch.Tensor, plan: RoutingPlan, top_k: int) -> torch.Tensor:
+def permute_tokens(hidden_TH: torch.Tensor, slots: SlotOrder, top_k: int) -> torch.Tensor:
     """``(S, H)`` rank-major rows: each token repeated once per routing choice, sorted by expert."""
-    return hidden_TH[plan.sort_S // top_k]
+    return hidden_TH[slots.sort_S // top_k]
 
 
 def unpermute_and_combine(
-    y_rank_major: torch.Tensor, top_k_weights_TK: torch.Tensor, plan: RoutingPlan, out_dtype: torch.dtype
+    y_rank_major: torch.Tensor, top_k_weights_TK: torch.Tensor, slots: SlotOrder, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """Weight each returned row by its routing weight (on the sender, so the router gets its gradient),
     restore slot order and sum each token's ``K`` rows (a fixed-order reduction: deterministic)."""
     T, K = top_k_weights_TK.shape
-    weights_S = permute_rows(top_k_weights_TK.reshape(-1, 1), plan.sort_S, plan.unsort_S).squeeze(1)
+    weights_S = permute_rows(top_k_weights_TK.reshape(-1, 1), slots.sort_S, slots.unsort_S).squeeze(1)
     weighted_S = y_rank_major * weights_S.unsqueeze(-1)  # in the wider dtype, as transformers does
-    weighted_slots = permute_rows(weighted_S, plan.unsort_S, plan.sort_S)
+    weighted_slots = permute_rows(weighted_S, slots.unsort_S, slots.sort_S)
     return weighted_slots.view(T, K, y_rank_major.shape[-1]).sum(dim=1).to(out_dtype)

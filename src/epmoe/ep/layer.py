@@ -29,8 +29,9 @@ from torch import nn
 
 from epmoe.comm.steps import BACKWARD, FORWARD, GRAD_REDUCE, Position, StepChannel, checks_on, header_in_backward
 from epmoe.ep.config import TELEMETRY_COUNTER, ExpertParallelConfig, ExpertShard
-from epmoe.ep.dispatcher import permute_tokens, plan_routing, unpermute_and_combine
+from epmoe.ep.dispatcher import SlotOrder, permute_tokens, plan_routing, sort_slots, unpermute_and_combine
 from epmoe.ep.exchange import SharedMLP, choose_exchange, uses_fused
+from epmoe.experts import experts_forward, runs_grouped
 from epmoe.training.grads import GradSync, register_param_hooks, sync_expert_weights
 
 
@@ -49,33 +50,34 @@ class ExpertParallelState:
     sharded_names: tuple[str, ...] = ()  # packed experts: the per-expert parameters EP sliced
     channel: StepChannel | None = None  # the model's EP step channel (None on a single rank)
     layer: int = 0  # this experts module's index among the model's (step headers name it)
-    calls: int = 0  # forwards run so far
-    loads: dict[str, list[int]] = field(default_factory=dict)  # counter -> slots per local expert (epmoe.ep.load)
+    calls: int = 0  # forwards that read their counts so far (step headers name them; see routed_experts)
+    loads: dict[str, torch.Tensor] = field(default_factory=dict)  # counter -> (e,) slots per local expert (epmoe.ep.load)
     load_counters: tuple[str, ...] = (TELEMETRY_COUNTER,)  # the routed-load counters forwards add to
 
-    def count_load(self, local_counts: list[int], counters: tuple[str, ...] | None = None) -> None:
-        """Add this forward's slots per local expert (from the counts exchange) to ``counters``
-        (default: every routed-load counter); a forward recomputed inside the backward (gradient
-        checkpointing) adds nothing."""
-        if torch._C._current_graph_task_id() != -1:
+    def count_load(self, local_counts: list[int] | torch.Tensor, counters: tuple[str, ...] | None = None) -> None:
+        """Add this forward's slots per local expert to ``counters`` (default: every routed-load
+        counter): a host list from the counts exchange, or the device histogram of a call that keeps
+        its counts there (the totals then stay on that device). A forward recomputed inside the
+        backward (gradient checkpointing) adds nothing (a compiled one replays no Python side effect:
+        this runs once per traced forward)."""
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             return
+        counts = torch.as_tensor(local_counts, dtype=torch.int64)
         for counter in counters or self.load_counters:
-            total = self.loads.setdefault(counter, [0] * len(local_counts))
-            for j, n in enumerate(local_counts):
-                total[j] += n
+            total = self.loads.get(counter)
+            self.loads[counter] = counts if total is None else total.to(counts.device) + counts
 
     def position(self, phase: int) -> Position:
         """Where this layer is for ``phase``: its latest forward call."""
         return Position(self.layer, phase, self.calls)
 
-    def begin_forward(self, hidden_TH: torch.Tensor) -> None:
-        """Count this forward (its step headers carry the count); refuse meta tensors."""
+    def refuse_meta(self, hidden_TH: torch.Tensor) -> None:
+        """Raise on hidden states on the meta device."""
         if hidden_TH.device.type == "meta":
             raise ValueError(
                 f"{self.shard.module_name}: the hidden states are on the meta device: an EP model cannot run before "
                 f"its weights exist (load them with epmoe.from_pretrained, or to_empty() then load a state dict)"
             )
-        self.calls += 1
 
     def backward_header(self, y_rank_major: torch.Tensor) -> torch.Tensor:
         """``y_rank_major`` (the output of the layer's last exchange), its backward checked to start
@@ -118,14 +120,39 @@ def routed_experts(
             f"{shard.module_name}: expected top_k_index and top_k_weights of shape (T, K) with T={hidden_TH.shape[0]}, "
             f"got {tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}"
         )
-    state.begin_forward(hidden_TH)
-    plan = plan_routing(top_k_index, shard.num_experts, state.channel, state.position(FORWARD))
+    state.refuse_meta(hidden_TH)
+    slots = sort_slots(top_k_index, shard.num_experts)
+    x_rank_major = permute_tokens(hidden_TH, slots, top_k_index.shape[1])
+    if counts_stay_on_device(state, hidden_TH.device):
+        state.count_load(slots.tokens_per_expert)
+        y_rank_major = experts_forward(state.local_experts, x_rank_major, slots.tokens_per_expert,
+                                       backend=state.config.gmm_backend)
+        shared_TH = None if shared is None else shared.mlp(shared.x_TH)
+    else:
+        y_rank_major, shared_TH = _exchanged(state, slots, x_rank_major, shared)
+    return unpermute_and_combine(y_rank_major, top_k_weights, slots, hidden_TH.dtype), shared_TH
+
+
+def counts_stay_on_device(state: ExpertParallelState, device: torch.device) -> bool:
+    """Whether a call on ``device`` runs its experts without reading the counts to the host: on a
+    group of one, dropless, through grouped matmuls with the all-to-all-v exchange (which is then
+    none). ``torch.compile`` traces that path whole; every other call reads the counts once, in
+    :func:`_exchanged`."""
+    return (state.channel is None and state.config.capacity_factor is None and not uses_fused(state, device)
+            and runs_grouped(state.local_experts))
+
+
+@torch.compiler.disable(reason="the counts exchange reads the counts to the host: one graph break per layer")
+def _exchanged(state: ExpertParallelState, slots: SlotOrder, x_rank_major: torch.Tensor, shared: SharedMLP | None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rank-major rows to their experts and back, with the host plan (counts exchange and step
+    headers, one host read), run eagerly under ``torch.compile``."""
+    state.calls += 1
+    plan = plan_routing(slots, state.channel, state.position(FORWARD))
     state.count_load(plan.local_counts)
-    exchange = choose_exchange(state, plan, hidden_TH.device)
-    x_rank_major = permute_tokens(hidden_TH, plan, top_k_index.shape[1])
+    exchange = choose_exchange(state, plan, x_rank_major.device)
     y_rank_major, shared_TH = exchange.run(x_rank_major, shared)
-    y_rank_major = state.backward_header(y_rank_major)
-    return unpermute_and_combine(y_rank_major, top_k_weights, plan, hidden_TH.dtype), shared_TH
+    return state.backward_header(y_rank_major), shared_TH
 
 
 def expert_parallel_forward(

@@ -214,34 +214,65 @@ def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
     return values
 
 
-class _GroupedMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x_TK, weight, counts, trans_weight, backend):
-        ctx.counts, ctx.trans_weight, ctx.backend = counts, trans_weight, backend
-        ctx.save_for_backward(x_TK, weight)
-        n_dim = 1 if trans_weight else 2
-        if x_TK.shape[0] == 0:
-            return x_TK.new_zeros(0, weight.shape[n_dim])
-        return backend.forward(x_TK, weight, counts, trans_weight)
+@torch.library.custom_op("epmoe::grouped_mm", mutates_args=())
+def _grouped_mm_op(x_TK: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, trans_weight: bool,
+                   backend: str, differentiable: bool) -> torch.Tensor:
+    """The op behind :func:`grouped_mm`: ``counts_G`` read to the host here (once), the backend chosen
+    here, so that ``torch.compile`` traces neither (only :func:`_grouped_mm_fake`)."""
+    counts = _counts_list(counts_G, weight.shape[0], x_TK.shape[0])
+    chosen = select_backend(x_TK, weight, trans_weight=trans_weight, backend=backend, counts=counts,
+                            backward=differentiable)
+    if x_TK.shape[0] == 0:
+        return x_TK.new_zeros(0, weight.shape[1 if trans_weight else 2])
+    return chosen.forward(x_TK, weight, counts, trans_weight)
 
-    @staticmethod
-    def backward(ctx, dy_TN):
-        refuse_double_backward("grouped_mm")
-        x_TK, weight = ctx.saved_tensors
-        counts, trans_weight, backend = ctx.counts, ctx.trans_weight, ctx.backend
-        dx = dw = None
-        if x_TK.shape[0] == 0:
-            if ctx.needs_input_grad[0]:
-                dx = torch.zeros_like(x_TK)
-            if ctx.needs_input_grad[1]:
-                dw = torch.zeros_like(weight)
-            return dx, dw, None, None, None
-        dy_TN = dy_TN.contiguous()
-        if ctx.needs_input_grad[0]:
-            dx = backend.forward(dy_TN, weight, counts, not trans_weight)
-        if ctx.needs_input_grad[1]:
-            dw = backend.grad_weight(x_TK, dy_TN, counts, trans_weight)
-        return dx, dw, None, None, None
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(x_TK, weight, counts_G, trans_weight, backend, differentiable):
+    return x_TK.new_empty(x_TK.shape[0], weight.shape[1 if trans_weight else 2])
+
+
+@torch.library.custom_op("epmoe::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward_op(dy_TN: torch.Tensor, x_TK: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor,
+                            trans_weight: bool, backend: str, need_dx: bool, need_dw: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx_TK, dW)`` on the backend the forward ran (chosen again from the same operands: the
+    choice depends on nothing else); a gradient not needed is an empty tensor."""
+    counts = _counts_list(counts_G, weight.shape[0], x_TK.shape[0])
+    chosen = select_backend(x_TK, weight, trans_weight=trans_weight, backend=backend, counts=counts, backward=True)
+    dx = dw = x_TK.new_empty(0)
+    if x_TK.shape[0] == 0:
+        return (torch.zeros_like(x_TK) if need_dx else dx), (torch.zeros_like(weight) if need_dw else dw)
+    dy_TN = dy_TN.contiguous()
+    if need_dx:
+        dx = chosen.forward(dy_TN, weight, counts, not trans_weight)
+    if need_dw:
+        dw = chosen.grad_weight(x_TK, dy_TN, counts, trans_weight)
+    return dx, dw
+
+
+@_grouped_mm_backward_op.register_fake
+def _grouped_mm_backward_fake(dy_TN, x_TK, weight, counts_G, trans_weight, backend, need_dx, need_dw):
+    empty = x_TK.new_empty(0)
+    return (torch.empty_like(x_TK) if need_dx else empty), (torch.empty_like(weight) if need_dw else empty)
+
+
+def _setup_context(ctx, inputs, output):
+    x_TK, weight, counts_G, trans_weight, backend, _ = inputs
+    ctx.save_for_backward(x_TK, weight, counts_G)
+    ctx.trans_weight, ctx.backend = trans_weight, backend
+
+
+def _backward(ctx, dy_TN):
+    refuse_double_backward("grouped_mm")
+    x_TK, weight, counts_G = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[:2]
+    dx, dw = torch.ops.epmoe.grouped_mm_backward(dy_TN, x_TK, weight, counts_G, ctx.trans_weight, ctx.backend,
+                                                 need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def grouped_mm(
@@ -267,9 +298,12 @@ def grouped_mm(
         ``(T, N)`` in ``x``'s dtype; differentiable in ``x`` and ``weight``.
     """
     check_operands(x, weight, trans_weight)
-    counts_list = _counts_list(counts, weight.shape[0], x.shape[0])
-    x = x.contiguous()
-    backward = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    chosen = select_backend(x, weight, trans_weight=trans_weight, backend=backend, counts=counts_list,
-                            backward=backward)
-    return _GroupedMM.apply(x, weight, counts_list, trans_weight, chosen)
+    if not isinstance(backend, str):
+        raise TypeError(f"grouped_mm(backend): expected a str, got {type(backend).__name__}")
+    if isinstance(counts, torch.Tensor):
+        errors.check_counts_tensor("grouped_mm(counts)", counts)  # the op reads the values
+        counts_G = counts
+    else:
+        counts_G = torch.tensor(errors.int_list("grouped_mm(counts)", counts), dtype=torch.int64)
+    differentiable = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return torch.ops.epmoe.grouped_mm(x.contiguous(), weight, counts_G, trans_weight, backend, differentiable)
