@@ -48,10 +48,7 @@ def int_list(where: str, counts: object, *, host_only: bool = False) -> list[int
     ``host_only``, a tensor off the CPU is refused too (reading it would synchronise the host);
     otherwise it is read once."""
     if isinstance(counts, torch.Tensor):
-        check_counts_tensor(where, counts)
-        if host_only and counts.device.type != "cpu":
-            raise TypeError(f"{where}: a tensor on {counts.device}; pass Python lists (epmoe.exchange_counts returns "
-                            f"them), reading a device tensor would synchronise the host")
+        check_counts_tensor(where, counts, host_only=host_only)
         return counts.tolist()
     if not isinstance(counts, Sequence) or isinstance(counts, (str, bytes)):
         raise TypeError(f"{where}: expected a sequence of ints or an integer tensor, got {type(counts).__name__}")
@@ -66,13 +63,17 @@ def int_list(where: str, counts: object, *, host_only: bool = False) -> list[int
     return values
 
 
-def check_counts_tensor(where: str, counts: torch.Tensor) -> None:
+def check_counts_tensor(where: str, counts: torch.Tensor, *, host_only: bool = False) -> None:
     """What :func:`int_list` requires of a counts tensor, checked without reading it (``torch.compile``
-    traces this): an integer dtype (``TypeError``), 1-D, not on the meta device (``ValueError``)."""
+    traces this): an integer dtype (``TypeError``), 1-D (``ValueError``), on the CPU where
+    ``host_only`` (``TypeError``), not on the meta device (``ValueError``)."""
     if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
         raise TypeError(f"{where}: expected an integer tensor, got {counts.dtype}")
     if counts.dim() != 1:
         raise ValueError(f"{where}: expected a 1-D tensor, got shape {tuple(counts.shape)}")
+    if host_only and counts.device.type != "cpu":
+        raise TypeError(f"{where}: a tensor on {counts.device}; pass Python lists (epmoe.exchange_counts returns "
+                        f"them), reading a device tensor would synchronise the host")
     if counts.device.type == "meta":
         raise ValueError(f"{where}: the tensor is on the meta device and has no values; pass real counts (a "
                          f"list, or a tensor on a real device)")

@@ -9,14 +9,21 @@ Every one runs the same routed path, :func:`routed_experts` (the exchange in the
 or the fused ops, chosen per call: :mod:`epmoe.ep.exchange`)::
 
     hidden_TH, top_k_index_TK, top_k_weights_TK      (from the model's own router)
-      -> plan_routing          sort slots by expert; exchange counts and step headers (one host sync)
+      -> sort_slots            sort slots by expert, count them per expert (on the device)
       -> permute_tokens        rank-major rows
-      -> exchange.run          to the experts' ranks, the experts' MLP, back to the sender (rank-major)
+      -> _exchanged            plan_routing: exchange counts and step headers (one host read), then
+                               exchange.run: to the experts' ranks, the experts' MLP, back (rank-major)
       -> unpermute_and_combine weight by the router, sum each token's K rows
     out_TH
 
-Each forward is the layer's next *call*; its backward starts with a step-header exchange (where
-``check_steps`` says so), before the layer's backward exchanges (:mod:`epmoe.comm.steps`).
+Under ``torch.compile`` everything but ``_exchanged`` is traced; ``_exchanged`` runs eagerly behind
+one graph break per layer (its all-to-all-v splits are host ints). A call with nothing to exchange
+(:func:`traced_whole`: a group of one) runs its experts in place of ``_exchanged``, on counts copied
+to the host inside the graph: no graph break. The grouped matmuls are a custom op
+(``epmoe::grouped_mm``, :mod:`epmoe.gmm.registry`), opaque to the tracer.
+
+Each forward that exchanges is the layer's next *call*; its backward starts with a step-header
+exchange (where ``check_steps`` says so), before the layer's backward exchanges (:mod:`epmoe.comm.steps`).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.comm.steps import BACKWARD, FORWARD, GRAD_REDUCE, Position, StepChannel, checks_on, header_in_backward
-from epmoe.ep.config import TELEMETRY_COUNTER, ExpertParallelConfig, ExpertShard
+from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER, ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatcher import SlotOrder, permute_tokens, plan_routing, sort_slots, unpermute_and_combine
 from epmoe.ep.exchange import SharedMLP, choose_exchange, uses_fused
 from epmoe.experts import experts_forward, runs_grouped
@@ -51,21 +58,28 @@ class ExpertParallelState:
     channel: StepChannel | None = None  # the model's EP step channel (None on a single rank)
     layer: int = 0  # this experts module's index among the model's (step headers name it)
     calls: int = 0  # forwards that read their counts so far (step headers name them; see routed_experts)
-    loads: dict[str, torch.Tensor] = field(default_factory=dict)  # counter -> (e,) slots per local expert (epmoe.ep.load)
+    loads: dict[str, torch.Tensor] = field(default_factory=dict)  # counter -> (e,) int64 slots per local expert, host
     load_counters: tuple[str, ...] = (TELEMETRY_COUNTER,)  # the routed-load counters forwards add to
 
+    def __post_init__(self):
+        for counter in (*self.load_counters, DROPPED_COUNTER):
+            self.add_counter(counter)
+
+    def add_counter(self, counter: str) -> None:
+        """Keep a load counter (zero), if not kept yet (epmoe.ep.load). Counters are reset in place,
+        never removed: a compiled forward adds to them without recompiling."""
+        self.loads.setdefault(counter, torch.zeros(self.shard.num_local_experts, dtype=torch.int64))
+
     def count_load(self, local_counts: list[int] | torch.Tensor, counters: tuple[str, ...] | None = None) -> None:
-        """Add this forward's slots per local expert to ``counters`` (default: every routed-load
-        counter): a host list from the counts exchange, or the device histogram of a call that keeps
-        its counts there (the totals then stay on that device). A forward recomputed inside the
-        backward (gradient checkpointing) adds nothing (a compiled one replays no Python side effect:
-        this runs once per traced forward)."""
+        """Add this forward's slots per local expert (a host list or host tensor) to ``counters``
+        (default: every routed-load counter). A forward recomputed inside the backward (gradient
+        checkpointing) adds nothing (a compiled one replays no Python side effect: this runs once per
+        traced forward)."""
         if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             return
         counts = torch.as_tensor(local_counts, dtype=torch.int64)
         for counter in counters or self.load_counters:
-            total = self.loads.get(counter)
-            self.loads[counter] = counts if total is None else total.to(counts.device) + counts
+            self.loads[counter].add_(counts)
 
     def position(self, phase: int) -> Position:
         """Where this layer is for ``phase``: its latest forward call."""
@@ -123,21 +137,21 @@ def routed_experts(
     state.refuse_meta(hidden_TH)
     slots = sort_slots(top_k_index, shard.num_experts)
     x_rank_major = permute_tokens(hidden_TH, slots, top_k_index.shape[1])
-    if counts_stay_on_device(state, hidden_TH.device):
-        state.count_load(slots.tokens_per_expert)
-        y_rank_major = experts_forward(state.local_experts, x_rank_major, slots.tokens_per_expert,
-                                       backend=state.config.gmm_backend)
+    if traced_whole(state, hidden_TH.device):
+        counts_E = slots.tokens_per_expert.cpu()  # the one host read: a copy, which torch.compile traces
+        state.count_load(counts_E)
+        y_rank_major = experts_forward(state.local_experts, x_rank_major, counts_E, backend=state.config.gmm_backend)
         shared_TH = None if shared is None else shared.mlp(shared.x_TH)
     else:
         y_rank_major, shared_TH = _exchanged(state, slots, x_rank_major, shared)
     return unpermute_and_combine(y_rank_major, top_k_weights, slots, hidden_TH.dtype), shared_TH
 
 
-def counts_stay_on_device(state: ExpertParallelState, device: torch.device) -> bool:
-    """Whether a call on ``device`` runs its experts without reading the counts to the host: on a
-    group of one, dropless, through grouped matmuls with the all-to-all-v exchange (which is then
-    none). ``torch.compile`` traces that path whole; every other call reads the counts once, in
-    :func:`_exchanged`."""
+def traced_whole(state: ExpertParallelState, device: torch.device) -> bool:
+    """Whether ``torch.compile`` traces a call on ``device`` whole: one with nothing to exchange (a
+    group of one, dropless, all-to-all-v, which is then none) whose experts run through grouped
+    matmuls only (they take the counts as a tensor). Every other call runs its exchange in
+    :func:`_exchanged`, behind one graph break."""
     return (state.channel is None and state.config.capacity_factor is None and not uses_fused(state, device)
             and runs_grouped(state.local_experts))
 

@@ -1,9 +1,8 @@
 """Expert-load telemetry: how many routed slots each global expert received, summed over the EP group.
 
 Each forward already tells every rank, in its counts exchange, how many rows its own ``e`` local
-experts receive from every source; the layer adds them to its counters (no collective; a small host
-tensor, or on a group of one, whose counts stay on the device, a device tensor: no host read, so
-``torch.compile`` traces it). A recomputed forward (gradient checkpointing, inside the backward) adds
+experts receive from every source; the layer adds them to its counters (small host tensors, added to
+in place: no collective, and a compiled forward traces the addition). A recomputed forward (gradient checkpointing, inside the backward) adds
 nothing. :func:`expert_load` then assembles the global histogram in one step-header exchange per
 experts module, each rank's row carrying its local counters::
 
@@ -38,8 +37,7 @@ def experts_states(model: nn.Module, caller: str) -> list[tuple[str, object]]:
 def global_load(state, counter: str) -> torch.Tensor:
     """``(E,)`` int64: the slots each global expert received in ``counter`` of one layer, summed over
     the EP group (one header exchange; none on a single rank)."""
-    total = state.loads.get(counter)
-    local = [0] * state.shard.num_local_experts if total is None else total.tolist()
+    local = state.loads[counter].tolist()
     channel = state.channel
     if channel is None:
         return torch.tensor(local, dtype=torch.int64)
@@ -74,8 +72,8 @@ def expert_load(model: nn.Module, *, dropped: bool = False) -> dict[str, torch.T
 def reset_expert_load(model: nn.Module) -> None:
     """Start counting afresh (local: no collective)."""
     for _, state in experts_states(model, "reset_expert_load"):
-        state.loads.pop(TELEMETRY_COUNTER, None)
-        state.loads.pop(DROPPED_COUNTER, None)
+        state.loads[TELEMETRY_COUNTER].zero_()
+        state.loads[DROPPED_COUNTER].zero_()
 
 
 def max_over_mean(counts) -> float:

@@ -1,12 +1,17 @@
 """``grouped_mm``: validation, backend registry and choice, and the autograd shared by all backends.
 
-    grouped_mm(x_TK, weight, counts)
-        |  validate (shapes, dtypes, counts; one host read of counts)
-        |  choose: $EPMOE_GMM_BACKEND, else backend=, else ("auto") the first eligible backend
-        v
-    _GroupedMM.apply --forward-->  backend.forward(x, W)             -> y_TN
-                     <-backward--  backend.forward(dy, W, transposed) -> dx_TK
-                                   backend.grad_weight(x, dy)         -> dW (zero for empty groups)
+    grouped_mm(x_TK, weight, counts)            validate shapes and dtypes (traceable)
+      -> epmoe::grouped_mm (custom op)          read counts to the host once, validate them, choose:
+         |                                      $EPMOE_GMM_BACKEND, else backend=, else ("auto") the
+         |                                      first eligible backend
+         |--forward-->  backend.forward(x, W)             -> y_TN
+         <-backward--   epmoe::grouped_mm_backward: the same choice,
+                        backend.forward(dy, W, transposed) -> dx_TK
+                        backend.grad_weight(x, dy)         -> dW (zero for empty groups)
+
+Both ops are ``torch.library`` custom ops with fake kernels (output shapes from the operands alone)
+and registered autograd, so ``torch.compile`` traces a grouped matmul as one opaque call, in any
+dtype, and never the backend choice, its logging or the host read of the counts.
 
 Registry order is the order of preference: ``npu``, ``batched`` (which ``auto`` takes only where its
 cost rule accepts the call's counts: small, even groups), ``torch``, then ``loop``, which always

@@ -51,8 +51,10 @@ class TorchBackend(GmmBackend):
     ``loop`` backend in C++, without Python's per-group overhead and without zero-filling ``dW``.
     Measured (``epmoe bench gmm``, benchmarks/gmm_cpu.md, and a sweep of 1 to 256 rows per group)
     it is never slower than ``loop`` beyond timing noise, so on CPU it declines only what the kernel
-    rejects: a dtype outside bf16/fp16/fp32 (under ``torch.compile``, anything but bf16), and strides of ``x``, ``weight`` or the ``(T, N)`` output
-    (which the backward reads) that are not multiples of 16 bytes.
+    rejects: a dtype outside bf16/fp16/fp32, and strides of ``x``, ``weight`` or the ``(T, N)`` output
+    (which the backward reads) that are not multiples of 16 bytes. It runs inside epmoe's
+    ``grouped_mm`` custom op, so ``torch.compile`` never traces the kernel (whose fake kernel on CPU
+    accepts only bf16).
     """
 
     name = "torch"
@@ -62,8 +64,6 @@ class TorchBackend(GmmBackend):
             return f"torch {torch.__version__} has no grouped_mm kernel"
         if x.dtype not in _DTYPES:
             return f"dtype {x.dtype} is not one of bf16/fp16/fp32"
-        if x.dtype != torch.bfloat16 and torch.compiler.is_compiling():
-            return f"under torch.compile, torch's fake kernel for _grouped_mm accepts only bf16 (got {x.dtype})"
         version = _torch_version()
         kind = platform.device_type(x)
         if kind == "cpu":

@@ -58,7 +58,8 @@ class LoadBalancer:
             router._epmoe_balanced = True
             if _COUNTER not in state.load_counters:
                 state.load_counters = (*state.load_counters, _COUNTER)
-            state.loads.pop(_COUNTER, None)
+            state.add_counter(_COUNTER)
+            state.loads[_COUNTER].zero_()
         self._followers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bias, a mirror's buffer)
         self._hook = optimizer.register_step_post_hook(lambda *_: self.step()) if optimizer is not None else None
 
@@ -67,7 +68,7 @@ class LoadBalancer:
         """Update every bias from the global load since the last step (a collective over the EP group)."""
         for name, state in self._states:
             load = replicas_load(state, global_load(state, _COUNTER)).to(torch.float64)
-            state.loads.pop(_COUNTER, None)
+            state.loads[_COUNTER].zero_()
             if load.sum() == 0:
                 continue
             delta = self.update_rate * torch.sign(load.mean() - load)
