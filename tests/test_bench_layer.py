@@ -88,3 +88,20 @@ def test_unknown_part_is_rejected(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--part", "ep3"])
     assert "--part" in capsys.readouterr().err
+
+
+def test_compile_quick_rows(one_thread):
+    """Part compile: every row compiled and checked against eager; EP=1 traces whole, EP=2 breaks at
+    the exchange only."""
+    from epmoe.bench.compiled import run_compile
+
+    settings = common.Settings(device=torch.device("cpu"), threads=2, warmup=1, repeats=1, seed=0, quick=True, out=None)
+    report = run_compile(layer.QUICK_SHAPES, settings)
+    assert [row.label for _, row in report.blocks] == [layer.EPMOE, layer.GROUPED]
+    assert [row.label for row in report.steps] == ["epmoe, EP=1, one process", "epmoe, EP=2, 2 gloo ranks"]
+    for row in [row for _, row in report.blocks] + report.steps:
+        assert row.eager_ms > 0 and row.compiled_ms > 0 and row.grad_diff < 1e-5, row
+    ep1, ep2 = report.steps
+    assert ep1.sites == [] and ep1.graphs == 1
+    assert ep2.sites == ["Skip calling `torch.compiler.disable()`d function (routed_experts)"]
+    assert "compiled / eager" in report.markdown()

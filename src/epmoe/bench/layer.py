@@ -31,6 +31,9 @@ same EP and replicated models each train through ``transformers.Trainer`` (the E
 step also clips the gradients and runs AdamW. Loss parity: each interleaved variant's first loss on
 each rank against the unsharded model's on that rank's batch; the EP Trainer's logged losses
 against the replicated Trainer's.
+
+Part ``compile``: ``torch.compile`` against eager, the block and the model step
+(:mod:`epmoe.bench.compiled`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import torch
 from epmoe import platform
 from epmoe.bench import common
 
-PARTS = ("ep1", "ep2")
+PARTS = ("ep1", "ep2", "compile")
 EP1_HEADERS = ("shape", "variant", "time ms", "expert GFLOP/s", "epmoe time / this")
 SPLIT_HEADERS = ("shape", "part of the epmoe step", "time ms", "share of the step (in it) / time vs the step (alone)")
 PROFILED_STEPS = 3  # epmoe steps profiled for the in-step share of its grouped matmuls
@@ -104,8 +107,8 @@ TRAINER_VARIANTS = (EPMOE_TRAINER, REPLICATED_TRAINER)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--part", action="append", choices=PARTS,
-                        help="run only this part (repeatable; default: both). ep1: one process, EP size 1; "
-                             "ep2: 2 gloo ranks on CPU")
+                        help="run only this part (repeatable; default: all). ep1: one process, EP size 1; "
+                             "ep2: 2 gloo ranks on CPU; compile: torch.compile vs eager (block, EP=1 and EP=2 steps)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,6 +128,12 @@ def run(args: argparse.Namespace) -> int:
         ep2 = run_ep2(shapes[0], settings)
         print(ep2.markdown() + "\n")
         sections.append(ep2)
+    if "compile" in parts:
+        from epmoe.bench.compiled import run_compile
+
+        report = run_compile(shapes, settings)
+        print(report.markdown() + "\n")
+        sections.append(report)
     if settings.out:
         with open(settings.out, "w") as out:
             out.write(_document(shapes, settings, parts, sections))
