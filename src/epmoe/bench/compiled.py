@@ -23,9 +23,9 @@ import torch
 
 from epmoe.bench import common
 
-BLOCK_HEADERS = ("shape", "block", "eager ms", "compiled ms", "compiled / eager", "graphs", "break sites",
+BLOCK_HEADERS = ("shape", "block", "eager ms", "compiled ms", "compiled / eager", "spread", "graphs", "break sites",
                  "max grad diff")
-STEP_HEADERS = ("model step", "eager ms", "compiled ms", "compiled / eager", "graphs", "break sites",
+STEP_HEADERS = ("model step", "eager ms", "compiled ms", "compiled / eager", "spread", "graphs", "break sites",
                 "max grad diff")
 EP2_RANKS = 2
 
@@ -38,11 +38,13 @@ class Row:
     graphs: int
     sites: list[str]  # distinct graph-break sites, "reason (function)"
     grad_diff: float
+    spread: float  # the larger (max - min) / median of the two timings
 
     def cells(self) -> tuple:
         sites = "; ".join(self.sites) if self.sites else "none"
         return (self.label, f"{self.eager_ms:.1f}", f"{self.compiled_ms:.1f}",
-                f"{self.compiled_ms / self.eager_ms:.2f}", self.graphs, sites, f"{self.grad_diff:.1e}")
+                f"{self.compiled_ms / self.eager_ms:.2f}", f"{self.spread:.0%}", self.graphs, sites,
+                f"{self.grad_diff:.1e}")
 
 
 @dataclass
@@ -54,11 +56,11 @@ class CompileReport:
     def markdown(self) -> str:
         block_rows = [(shape, *row.cells()) for shape, row in self.blocks]
         lines = ["### torch.compile vs eager, fp32", "",
-                 common.markdown_table(BLOCK_HEADERS, block_rows, align="llrrrrlr"), "",
-                 common.markdown_table(STEP_HEADERS, [row.cells() for row in self.steps], align="lrrrrlr"), ""]
+                 common.markdown_table(BLOCK_HEADERS, block_rows, align="llrrrrrlr"), "",
+                 common.markdown_table(STEP_HEADERS, [row.cells() for row in self.steps], align="lrrrrrlr"), ""]
         for row in self.steps:
             lines.append(f"- {row.label}: compiled step / eager step = {row.compiled_ms / row.eager_ms:.2f}")
-        lines.append(f"- EP=2: {self.threads_per_rank} thread(s) per rank; the slowest rank's median")
+        lines.append(f"- EP=2: {self.threads_per_rank} thread(s) per rank; the slowest rank's median (spread: rank 0's)")
         return "\n".join(lines)
 
 
@@ -103,7 +105,8 @@ def _compare(label: str, block: torch.nn.Module, x: torch.Tensor, dy: torch.Tens
     diff = _max_rel_diff(compiled_grads, [p.grad for p in block.parameters()])
     timings = common.measure({"eager": eager_step, "compiled": compiled_step}, warmup=settings.warmup,
                              repeats=settings.repeats, device=settings.device)
-    return Row(label, 1e3 * timings["eager"].median_s, 1e3 * timings["compiled"].median_s, graphs, sites, diff)
+    return Row(label, 1e3 * timings["eager"].median_s, 1e3 * timings["compiled"].median_s, graphs, sites, diff,
+               max(t.spread for t in timings.values()))
 
 
 def _model_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeats: int, seed: int) -> dict:
@@ -142,8 +145,9 @@ def _model_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]
 
 def _row(label: str, result: dict, slowest: dict[str, float] | None = None, grad_diff: float | None = None) -> Row:
     seconds = slowest or {name: statistics.median(samples) for name, samples in result["samples"].items()}
+    spread = max((max(samples) - min(samples)) / statistics.median(samples) for samples in result["samples"].values())
     return Row(label, 1e3 * seconds["eager"], 1e3 * seconds["compiled"], result["graphs"], result["sites"],
-               result["grad_diff"] if grad_diff is None else grad_diff)
+               result["grad_diff"] if grad_diff is None else grad_diff, spread)
 
 
 def _explain(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, list[str]]:
