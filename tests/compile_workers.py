@@ -6,6 +6,7 @@ import contextlib
 import torch
 import torch._dynamo
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 import torch._inductor.config
 
@@ -24,7 +25,7 @@ def train_step(model, ids):
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    grads = {name.removeprefix("_orig_mod."): p.grad for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name.removeprefix("_orig_mod.").removeprefix("module."): p.grad for name, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
 
 
@@ -45,19 +46,22 @@ def compile_checks(rank, world):
     dist.barrier()
     for dtype in ("float32", "bfloat16"):
         results["ep2", "qwen3_moe", dtype] = compiled_vs_eager(rank, "qwen3_moe", dtype, dist.group.WORLD)
+    results["ep2 ddp", "qwen3_moe", "float32"] = compiled_vs_eager(rank, "qwen3_moe", "float32", dist.group.WORLD,
+                                                                   wrap=DDP)
     return results
 
 
-def compiled_vs_eager(rank, family, dtype_name, group, steps=2):
+def compiled_vs_eager(rank, family, dtype_name, group, steps=2, wrap=None):
     """The largest loss difference, each parameter's largest gradient difference over the eager
     gradient's largest magnitude (over ``steps`` steps on fresh batches, every step after the first
     under ``fail_on_recompile``), whether the expert loads (telemetry) agreed after every step, and
     the graph-break sites. Inductor rounds bf16 intermediates as eager does
     (``emulate_precision_casts``): else a routing choice on a near tie may flip, and whole tokens move
-    between experts."""
+    between experts. ``wrap``: a wrapper (DDP) around both models, inside ``torch.compile``."""
     dtype = getattr(torch, dtype_name)
     torch._dynamo.reset()
-    eager, compiled = ep_model(family, dtype, group), torch.compile(ep_model(family, dtype, group))
+    wrap = wrap or (lambda model: model)
+    eager, compiled = wrap(ep_model(family, dtype, group)), torch.compile(wrap(ep_model(family, dtype, group)))
     loss_diff, grad_diff, names, same_loads = 0.0, {}, None, True
     for step in range(steps):
         ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))
@@ -73,4 +77,4 @@ def compiled_vs_eager(rank, family, dtype_name, group, steps=2):
             rel = ((grads_c[name].double() - g.double()).abs().max() / g.double().abs().max().clamp_min(1e-30))
             grad_diff[name] = max(grad_diff.get(name, 0.0), rel.item())
     return dict(loss_diff=loss_diff, grad_diff=grad_diff, names=names, same_loads=same_loads,
-                sites=break_sites(ep_model(family, dtype, group), ids))
+                sites=break_sites(wrap(ep_model(family, dtype, group)), ids))

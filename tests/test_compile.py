@@ -26,10 +26,10 @@ def check_matches_eager(result, dtype):
 
 def test_compiled_gives_the_eager_gradients():
     """EP=1 (qwen3_moe fp32 and bf16; gpt_oss, whose experts have biases, fp32): no graph break.
-    EP=2 (qwen3_moe fp32 and bf16): one graph-break site, the exchange (its splits are host ints),
-    whatever the number of layers."""
+    EP=2 (qwen3_moe fp32 and bf16, and fp32 under DDP): one graph-break site, the exchange (its
+    splits are host ints), whatever the number of layers."""
     results = run_ranks(compile_checks, 2, timeout=600)
-    assert {case[0] for case in results[0]} == {"ep1", "ep2"}
+    assert {case[0] for case in results[0]} == {"ep1", "ep2", "ep2 ddp"}
     for rank_results in results:
         for (ep, family, dtype), result in rank_results.items():
             check_matches_eager(result, dtype)
