@@ -13,7 +13,8 @@
 3. The MoE block, forward + backward (``epmoe bench layer`` part ep1 in bf16): epmoe vs transformers'
    ``grouped_mm`` and ``eager`` experts, the dense floor, the grouped matmuls' share profiled inside
    the step. Goal: epmoe <= 0.8x transformers' ``grouped_mm`` time.
-4. ``torch.compile`` of the epmoe block vs eager: step time and the largest gradient difference.
+4. ``torch.compile`` of the MoE block (epmoe, transformers' ``grouped_mm``) vs eager: step times, graph
+   breaks and the largest gradient difference.
 5. Peak device memory of one step of each block variant.
 
 Needs torch, transformers and epmoe. Exits with status 1 and a message when no CUDA device is present
@@ -36,7 +37,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import epmoe
 
 from epmoe import platform
-from epmoe.bench import common, gmm, layer
+from epmoe.bench import common, compiled, gmm, layer
 
 TOLERANCE = 1.5e-2  # max |error| / max |reference|, for bf16 results with float32 accumulation
 GPU_BLOCK_GOAL = 0.8  # epmoe block time / transformers grouped_mm block time
@@ -124,38 +125,24 @@ def block_sections(settings: common.Settings, shapes) -> list[str]:
         generator = torch.Generator().manual_seed(settings.seed + 1)
         x = torch.randn(1, shape.tokens, shape.hidden, generator=generator).to(settings.device, torch.bfloat16)
         dy = torch.randn(1, shape.tokens, shape.hidden, generator=generator).to(settings.device, torch.bfloat16)
-        rows.append(_compiled_vs_eager(shape, blocks[layer.EPMOE], x, dy, settings))
+        rows += [_compiled_vs_eager(shape, label, blocks[label], x, dy, settings) for label in (layer.EPMOE, layer.GROUPED)]
         for label, block in blocks.items():
             memory.append((shape.name, label, _peak_step_mib(block, x, dy, settings.device)))
-    out += ["## torch.compile of the epmoe block vs eager, bf16\n",
-            common.markdown_table(("shape", "eager ms", "compiled ms", "compiled / eager", "max gradient difference",
-                                   "note"), rows, align="lrrrrl"), "",
+    out += ["## torch.compile of the MoE block vs eager, bf16\n",
+            common.markdown_table(compiled.BLOCK_HEADERS, rows, align="llrrrrrlr"), "",
             "## Peak device memory of one forward + backward step\n",
             common.markdown_table(("shape", "variant", "peak MiB"), memory, align="llr")]
     print("\n".join(out))
     return out
 
 
-def _compiled_vs_eager(shape, block, x, dy, settings) -> tuple:
-    """One row: eager and compiled step times and the largest relative gradient difference."""
-    def grads(module):
-        module.zero_grad(set_to_none=True)
-        x_leaf = x.detach().requires_grad_()
-        torch.autograd.backward(module(x_leaf), dy)
-        return [x_leaf.grad] + [p.grad for _, p in sorted(module.named_parameters())]
-
-    eager_grads = grads(block)
+def _compiled_vs_eager(shape, label, block, x, dy, settings) -> tuple:
+    """One row of ``bench layer --part compile``'s block table, or the reason compiling failed."""
     try:
-        compiled = torch.compile(block)
-        compiled_grads = grads(compiled)
+        return (shape.name, *compiled.compare_block(label, block, x, dy, settings).cells())
     except Exception as error:  # noqa: BLE001 - report it; the other sections still stand
-        return (shape.name, "-", "-", "-", "-", f"torch.compile failed: {type(error).__name__}: {error}"[:160])
-    diff = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-               for a, b in zip(compiled_grads, eager_grads))
-    timings = common.measure({"eager": layer._block_step(block, x, dy), "compiled": layer._block_step(compiled, x, dy)},
-                             warmup=settings.warmup, repeats=settings.repeats, device=settings.device)
-    eager_ms, compiled_ms = timings["eager"].median_s * 1e3, timings["compiled"].median_s * 1e3
-    return (shape.name, f"{eager_ms:.2f}", f"{compiled_ms:.2f}", f"{compiled_ms / eager_ms:.2f}", f"{diff:.1e}", "")
+        failed = f"torch.compile failed: {type(error).__name__}: {error}"[:160]
+        return (shape.name, label, "-", "-", "-", "-", "-", failed, "-")
 
 
 def _peak_step_mib(block, x, dy, device) -> str:

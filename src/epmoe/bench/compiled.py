@@ -76,7 +76,7 @@ def run_compile(shapes, settings: common.Settings) -> CompileReport:
         generator = torch.Generator().manual_seed(settings.seed + 1)
         x, dy = (torch.randn(1, shape.tokens, shape.hidden, generator=generator).to(settings.device) for _ in "xy")
         for label in (layer.EPMOE, layer.GROUPED):
-            blocks.append((shape.name, _compare(label, built[label], x, dy, settings)))
+            blocks.append((shape.name, compare_block(label, built[label], x, dy, settings)))
 
     threads = max(1, settings.threads // EP2_RANKS)
     shape = shapes[0]
@@ -92,8 +92,8 @@ def run_compile(shapes, settings: common.Settings) -> CompileReport:
     return CompileReport(blocks, steps, threads)
 
 
-def _compare(label: str, block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, settings: common.Settings) -> Row:
-    """One block eager and compiled: gradients compared, then timed side by side."""
+def compare_block(label: str, block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, settings: common.Settings) -> Row:
+    """One block eager and compiled (a copy): graph breaks, gradients compared, then timed side by side."""
     from epmoe.bench import layer
 
     graphs, sites = _explain(copy.deepcopy(block), x)
