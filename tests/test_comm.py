@@ -34,6 +34,15 @@ def _exchange_worker(rank, world, e):
     offsets = [sum(in_splits[:r]) for r in range(world)]
     for r in range(world):
         assert torch.all(x.grad[offsets[r]:offsets[r] + in_splits[r]] == r + 1)
+
+    if world != 2:  # compiling once is enough
+        return True
+    # a custom op: torch.compile traces it in one graph (fullgraph), forward and backward alike
+    eager_grad, x.grad = x.grad, None
+    compiled = torch.compile(lambda t: all_to_all_v(t, out_splits, in_splits) * (rank + 1), fullgraph=True)
+    y_compiled = compiled(x)
+    y_compiled.sum().backward()
+    assert torch.equal(y_compiled.detach(), y.detach() * (rank + 1)) and torch.equal(x.grad, eager_grad)
     return True
 
 

@@ -5,7 +5,9 @@
                 input_splits                      output_splits
 
 Every rank calls the collective in forward and in backward, also with zero rows to move, so a
-rank that routes or receives nothing never leaves the others waiting.
+rank that routes or receives nothing never leaves the others waiting. The exchange is a
+``torch.library`` custom op (``epmoe::all_to_all_v``, with a fake kernel and registered autograd),
+which ``torch.compile`` traces as one call.
 """
 
 from __future__ import annotations
@@ -19,23 +21,46 @@ from epmoe.comm.steps import group_size
 from epmoe.errors import refuse_double_backward
 
 
+_GROUPS: dict[str, dist.ProcessGroup] = {}  # group_name -> group: the op takes the name
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    group = group if group is not None else dist.group.WORLD
+    _GROUPS.setdefault(group.group_name, group)
+    return group.group_name
+
+
 def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out
 
 
-class _AllToAllV(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, output_splits, input_splits, group):
-        ctx.splits, ctx.group = (output_splits, input_splits), group
-        return _exchange(x, output_splits, input_splits, group)
+@torch.library.custom_op("epmoe::all_to_all_v", mutates_args=())
+def _all_to_all_v_op(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str
+                     ) -> torch.Tensor:
+    """The op behind :func:`all_to_all_v` (a ``torch.library`` custom op: ``torch.compile`` traces
+    it as one call, its output rows ``sum(output_splits)``)."""
+    return _exchange(x, output_splits, input_splits, _GROUPS[group_name])
 
-    @staticmethod
-    def backward(ctx, dy):
-        refuse_double_backward("all_to_all_v")
-        output_splits, input_splits = ctx.splits
-        return _exchange(dy, input_splits, output_splits, ctx.group), None, None, None
+
+@_all_to_all_v_op.register_fake
+def _all_to_all_v_fake(x, output_splits, input_splits, group_name):
+    return x.new_empty((sum(output_splits), *x.shape[1:]))
+
+
+def _setup_context(ctx, inputs, output):
+    _, output_splits, input_splits, group_name = inputs
+    ctx.splits, ctx.group_name = (output_splits, input_splits), group_name
+
+
+def _backward(ctx, dy):
+    refuse_double_backward("all_to_all_v")
+    output_splits, input_splits = ctx.splits
+    return torch.ops.epmoe.all_to_all_v(dy, input_splits, output_splits, ctx.group_name), None, None, None
+
+
+_all_to_all_v_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def all_to_all_v(
@@ -62,4 +87,4 @@ def all_to_all_v(
         if output_splits != input_splits:
             raise ValueError(f"all_to_all_v(output_splits): {output_splits} differs from input_splits on a group of 1")
         return x
-    return _AllToAllV.apply(x, output_splits, input_splits, group)
+    return torch.ops.epmoe.all_to_all_v(x, output_splits, input_splits, _group_name(group))

@@ -19,8 +19,9 @@ or the fused ops, chosen per call: :mod:`epmoe.ep.exchange`)::
 Under ``torch.compile`` everything but ``_exchanged`` is traced; ``_exchanged`` runs eagerly behind
 one graph break per layer (its all-to-all-v splits are host ints). A call with nothing to exchange
 (:func:`traced_whole`: a group of one) runs its experts in place of ``_exchanged``, on counts copied
-to the host inside the graph: no graph break. The grouped matmuls are a custom op
-(``epmoe::grouped_mm``, :mod:`epmoe.gmm.registry`), opaque to the tracer.
+to the host inside the graph: no graph break. The grouped matmuls and the all-to-all-v are custom
+ops (``epmoe::grouped_mm``, :mod:`epmoe.gmm.registry`; ``epmoe::all_to_all_v``,
+:mod:`epmoe.comm.all_to_all`), opaque to the tracer.
 
 Each forward that exchanges is the layer's next *call*; its backward starts with a step-header
 exchange (where ``check_steps`` says so), before the layer's backward exchanges (:mod:`epmoe.comm.steps`).
