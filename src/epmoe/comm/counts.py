@@ -3,7 +3,7 @@
 One ``all_to_all_single`` of the per-global-expert histograms with equal splits of ``e`` rows, each
 row behind a step header (:mod:`epmoe.comm.steps`) whose flag says whether the sender's histogram
 has a negative count, so that bad input raises on every rank rather than on some while the others
-wait in their next collective; then one host read of what was received. With ``W = 2`` ranks and
+wait in their next collective; then one host read of what was received and sent. With ``W = 2`` ranks and
 ``e = 2`` local experts::
 
     rank 0 tokens_per_expert = [a00 a01 | a10 a11]      (global expert g = r*e + j)
@@ -78,8 +78,8 @@ def counts_exchange(channel: StepChannel, position: Position, tokens_per_expert:
     send_We = tokens_per_expert.to(torch.int64).view(W, -1)
     negative = (send_We < 0).any().to(torch.int64)  # on the device: no host read yet
     total = send_We.sum().expand(W, 1)
-    received, flags = channel.exchange(position, torch.cat([send_We, total], dim=1), negative)
-    send_counts = send_We.reshape(-1).tolist()
+    received, flags, sent = channel.exchange(position, torch.cat([send_We, total], dim=1), negative, echo=True)
+    send_counts = [c for row in sent for c in row[:-1]]
     recv_counts = [c for row in received for c in row[:-1]]
     _check_non_negative(send_counts, flags)
     return send_counts, recv_counts, [row[-1] for row in received]

@@ -106,11 +106,13 @@ class StepChannel:
         self.calls[phase] = self.calls.get(phase, 0) + 1
         return Position(MODEL_WIDE, phase, self.calls[phase])
 
-    def exchange(self, position: Position, payload_Wn: torch.Tensor, flag: torch.Tensor | None = None
-                 ) -> tuple[list[list[int]], list[int]]:
+    def exchange(self, position: Position, payload_Wn: torch.Tensor, flag: torch.Tensor | None = None, *,
+                 echo: bool = False) -> tuple[list[list[int]], ...]:
         """Send ``payload_Wn[r]`` (``(W, n)`` int64, ``n <= width``, on the group's device) to rank
         ``r`` with this rank's header; return ``(payloads received per source, flags per source)``
-        once every header matched. ``flag``: a 0-d integer tensor on the same device (no host read)."""
+        once every header matched. ``flag``: a 0-d integer tensor on the same device (no host read).
+        With ``echo``, ``payload_Wn`` comes back on the host too, as a third item, read with the
+        received rows (one host read in all)."""
         W, n = payload_Wn.shape
         device = payload_Wn.device
         head = torch.tensor([MAGIC, position.layer, position.phase, position.call, 0], dtype=torch.int64)
@@ -127,7 +129,8 @@ class StepChannel:
             platform.synchronize(device)  # the collective may run on its own stream (HCCL)
         except RuntimeError as exc:
             raise self.failed(position, exc) from exc
-        got = received.tolist()
+        got = torch.cat([received, rows]).tolist() if echo else received.tolist()
+        got, sent = got[:W], got[W:]
         for source, row in enumerate(got):
             if row[0] != MAGIC:
                 raise OutOfStepError(
@@ -143,7 +146,8 @@ class StepChannel:
                     f"{theirs.describe(self.layer_names)}. Every rank of the group must run the same forwards and "
                     f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)"
                 )
-        return [row[HEADER:HEADER + n] for row in got], [row[HEADER - 1] for row in got]
+        payloads, flags = [row[HEADER:HEADER + n] for row in got], [row[HEADER - 1] for row in got]
+        return (payloads, flags, [row[HEADER:HEADER + n] for row in sent]) if echo else (payloads, flags)
 
     def check(self, position: Position, device: torch.device, payload: list[int] = ()) -> None:
         """A header exchange carrying the same ``payload`` to every peer, which must send the same."""

@@ -295,7 +295,8 @@ def grouped_mm(
         weight: ``(G, K, N)``, or ``(G, N, K)`` (``nn.Linear`` layout) with ``trans_weight=True``,
             read without a transposed copy.
         counts: ``G`` non-negative ints summing to ``T`` (list, tuple, or integer tensor on any
-            device; a tensor is read to the host once).
+            device; the op reads a tensor to the host once, so under ``torch.compile`` a device tensor
+            costs no graph break).
         trans_weight: whether ``weight`` is ``(G, N, K)``.
         backend: ``"auto"`` or a registered backend name (``$EPMOE_GMM_BACKEND`` overrides it).
 
