@@ -13,7 +13,7 @@ One step is the block's forward and backward (input, router and expert weights a
 set to ``None`` first as ``zero_grad`` does). ``eager`` is 5-30x slower than the others, so it is
 timed in a short pass of its own, interleaved with epmoe, and compared with that pass's epmoe time.
 Where the epmoe step goes: its grouped matmuls measured inside the step (``torch.profiler`` over a
-few steps: the time of epmoe's grouped-matmul autograd function, forward and backward, over the
+few steps: the time of epmoe's grouped-matmul ops, forward and backward, over the
 profiled steps' wall time), the share outside them; then the grouped matmuls, the router and the
 SwiGLU each timed on its own (same counts, forward and backward), reported as their time against the
 step's, not as shares of it (alone, with their own caches, they need not add up to the step).
@@ -264,8 +264,8 @@ def run_ep1(shape: Shape, settings: common.Settings, dtype: torch.dtype = torch.
 
 
 def _gemm_share_in_step(step: Callable[[], object], device: torch.device) -> float | None:
-    """The share of ``step``'s wall time spent in epmoe's grouped matmuls (forward and backward of its
-    autograd function: CPU time on the CPU, the kernels they launch on CUDA), from ``torch.profiler``
+    """The share of ``step``'s wall time spent in epmoe's grouped matmuls (its custom ops, forward and
+    backward: CPU time on the CPU, the kernels they launch on CUDA), from ``torch.profiler``
     over :data:`PROFILED_STEPS` steps."""
     from torch.profiler import ProfilerActivity, profile
 
