@@ -37,15 +37,15 @@ def break_sites(model, ids):
                    for r in explained.break_reasons})
 
 
-def compile_checks(rank, world):
-    """``{case: compiled_vs_eager(...)}``: this rank's EP=1 cases (each rank its own, on a group of
-    one, in parallel), then the EP=2 cases (both ranks)."""
-    own_group = [dist.new_group([r]) for r in range(world)][rank]
-    ep1 = [("qwen3_moe", "float32"), ("gpt_oss", "float32")] if rank == 0 else [("qwen3_moe", "bfloat16")]
-    results = {("ep1", family, dtype): compiled_vs_eager(rank, family, dtype, own_group) for family, dtype in ep1}
-    dist.barrier()
-    for dtype in ("float32", "bfloat16"):
-        results["ep2", "qwen3_moe", dtype] = compiled_vs_eager(rank, "qwen3_moe", dtype, dist.group.WORLD)
+def compile_checks(rank, world, ep_size):
+    """``{case: compiled_vs_eager(...)}``. ``ep_size`` 1: this rank's own cases, on a group of one
+    (the ranks compile in parallel); 2: the cases of both ranks together."""
+    if ep_size == 1:
+        own_group = [dist.new_group([r]) for r in range(world)][rank]
+        cases = [("qwen3_moe", "float32"), ("gpt_oss", "float32")] if rank == 0 else [("qwen3_moe", "bfloat16")]
+        return {("ep1", family, dtype): compiled_vs_eager(rank, family, dtype, own_group) for family, dtype in cases}
+    results = {("ep2", "qwen3_moe", dtype): compiled_vs_eager(rank, "qwen3_moe", dtype, dist.group.WORLD)
+               for dtype in ("float32", "bfloat16")}
     results["ep2 ddp", "qwen3_moe", "float32"] = compiled_vs_eager(rank, "qwen3_moe", "float32", dist.group.WORLD,
                                                                    wrap=DDP)
     return results

@@ -90,6 +90,7 @@ def test_unknown_part_is_rejected(capsys):
     assert "--part" in capsys.readouterr().err
 
 
+@pytest.mark.timeout(900)  # compiling from a cold inductor cache takes minutes on 2 cores
 def test_compile_quick_rows(one_thread):
     """Part compile: every row compiled and checked against eager; EP=1 traces whole, EP=2 breaks at
     the exchange only."""

@@ -24,12 +24,15 @@ def check_matches_eager(result, dtype):
     assert result["loss_diff"] <= LOSS_TOL[dtype]
 
 
-def test_compiled_gives_the_eager_gradients():
+@pytest.mark.timeout(900)  # compiling from a cold inductor cache takes minutes on 2 cores
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_compiled_gives_the_eager_gradients(ep_size):
     """EP=1 (qwen3_moe fp32 and bf16; gpt_oss, whose experts have biases, fp32): no graph break.
     EP=2 (qwen3_moe fp32 and bf16, and fp32 under DDP): one graph-break site, the exchange (its
     splits are host ints), whatever the number of layers."""
-    results = run_ranks(compile_checks, 2, timeout=600)
-    assert {case[0] for case in results[0]} == {"ep1", "ep2", "ep2 ddp"}
+    results = run_ranks(compile_checks, 2, ep_size, timeout=800)
+    expected = {"ep1"} if ep_size == 1 else {"ep2", "ep2 ddp"}
+    assert {case[0] for case in results[0]} == expected
     for rank_results in results:
         for (ep, family, dtype), result in rank_results.items():
             check_matches_eager(result, dtype)
