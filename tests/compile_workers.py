@@ -5,10 +5,9 @@ import contextlib
 
 import torch
 import torch._dynamo
+import torch._inductor.config
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-import torch._inductor.config
 
 import epmoe
 from epmoe.models import build_model
@@ -21,11 +20,13 @@ def ep_model(family, dtype, group=None):
 
 
 def train_step(model, ids):
-    """Loss and every parameter's gradient (names without torch.compile's ``_orig_mod.`` prefix)."""
+    """Loss and every parameter's gradient (names without torch.compile's ``_orig_mod.`` and DDP's
+    ``module.`` prefixes)."""
     model.zero_grad(set_to_none=True)
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    grads = {name.removeprefix("_orig_mod.").removeprefix("module."): p.grad for name, p in model.named_parameters() if p.grad is not None}
+    grads = {name.removeprefix("_orig_mod.").removeprefix("module."): p.grad
+             for name, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads
 
 

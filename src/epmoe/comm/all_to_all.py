@@ -21,12 +21,12 @@ from epmoe.comm.steps import group_size
 from epmoe.errors import refuse_double_backward
 
 
-_GROUPS: dict[str, dist.ProcessGroup] = {}  # group_name -> group: the op takes the name
+_GROUPS: dict[str, dist.ProcessGroup] = {}  # group_name -> the latest group of that name: the op takes names
 
 
 def _group_name(group: dist.ProcessGroup | None) -> str:
     group = group if group is not None else dist.group.WORLD
-    _GROUPS.setdefault(group.group_name, group)
+    _GROUPS[group.group_name] = group  # a re-initialised default group reuses its name
     return group.group_name
 
 
