@@ -2,9 +2,10 @@
 
 Each forward already tells every rank, in its counts exchange, how many rows its own ``e`` local
 experts receive from every source; the layer adds them to its counters (small host tensors, added to
-in place: no collective, and a compiled forward traces the addition). A recomputed forward (gradient checkpointing, inside the backward) adds
-nothing. :func:`expert_load` then assembles the global histogram in one step-header exchange per
-experts module, each rank's row carrying its local counters::
+in place: no collective, and a compiled forward traces the addition). A recomputed forward (gradient
+checkpointing, inside the backward) adds nothing. :func:`expert_load` then assembles the global
+histogram in one step-header exchange per experts module, each rank's row carrying its local
+counters::
 
     EP = 2, E = 4          rank 0 counts experts 0 1      rank 1 counts experts 2 3
     expert_load            [n0 n1 | n2 n3] on both ranks  (= the unsharded model's histogram of the
