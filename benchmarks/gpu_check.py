@@ -148,7 +148,7 @@ def _compiled_vs_eager(shape, label, block, x, dy, settings) -> tuple:
 def _peak_step_mib(block, x, dy, device) -> str:
     platform.synchronize(device)
     platform.reset_peak_memory(device)
-    layer._block_step(block, x, dy)()
+    layer.block_step(block, x, dy)()
     platform.synchronize(device)
     peak = platform.peak_memory(device)
     return "n/a (host memory)" if peak is None else f"{peak / 2**20:.0f}"

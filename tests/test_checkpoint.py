@@ -81,7 +81,7 @@ def test_from_pretrained_bad_checkpoints_fail_on_every_rank(tmp_path):
 
     for rank, errors in enumerate(run_ranks(bad_checkpoints, 2, str(tmp_path), timeout=240)):
         assert all(message is not None for message in errors.values()), (rank, errors)
-        assert "E=7" in errors["experts_not_divisible"] and "P=2" in errors["experts_not_divisible"]
+        assert "E=7" in errors["experts_not_divisible"] and "W=2" in errors["experts_not_divisible"]
         assert "does not hold every expert" in errors["missing_expert"], errors["missing_expert"]
         assert "experts" in errors["wrong_shape"], errors["wrong_shape"]
         assert errors["truncated"], errors["truncated"]

@@ -56,20 +56,20 @@ def test_fused_dispatch_choice_and_fallback(caplog):
     import epmoe
     from epmoe.models import build_model
 
-    with caplog.at_level(logging.WARNING, logger="epmoe.ep.apply"):
+    with caplog.at_level(logging.WARNING, logger="epmoe.compose.apply"):
         gpt = build_model("gpt_oss")
         epmoe.apply_expert_parallel(gpt, config={"dispatch": "fused"})
-    warnings = [r.getMessage() for r in caplog.records if r.name == "epmoe.ep.apply"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "epmoe.compose.apply"]
     assert len(warnings) == 1 and "2 experts modules" in warnings[0] and "bias" in warnings[0]
-    assert all(m._epmoe.dispatch == "alltoallv" for m in gpt.modules() if hasattr(m, "_epmoe"))
+    assert all(m._epmoe.transport == "alltoallv" for m in gpt.modules() if hasattr(m, "_epmoe"))
 
     reference = build_model("qwen3_5_moe")
     auto = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(auto)  # "auto": decided per call from the hidden states' device
     states = [m._epmoe for m in auto.modules() if hasattr(m, "_epmoe")]
-    assert states and all(s.dispatch == "auto" for s in states)
-    assert all(s.dispatch_on(torch.device("cpu")) == "alltoallv" for s in states)
-    assert all(s.dispatch_on(torch.device("cuda", 0)) == "fused" for s in states)
+    assert states and all(s.transport == "auto" for s in states)
+    assert all(s.transport_on(torch.device("cpu")) == "alltoallv" for s in states)
+    assert all(s.transport_on(torch.device("cuda", 0)) == "fused" for s in states)
     ids = torch.randint(0, 64, (2, 9))  # on CPU the shared-expert blocks run their own forward
     torch.testing.assert_close(auto(ids).logits, reference(ids).logits)
 
@@ -116,7 +116,7 @@ def test_a_rank_that_fails_validation_fails_them_all():
     from ep_workers import one_rank_fails_validation
 
     messages = run_ranks(one_rank_fails_validation, 2, timeout=120)
-    assert "EP rank 1 failed to validate the model" in messages[0] and "blocks.1.experts" in messages[0]
+    assert "EP rank(s) [1] rejected their input" in messages[0]
     assert messages[1].startswith("apply_expert_parallel: blocks.1.experts")
 
 

@@ -5,8 +5,9 @@ import torch
 from custom_moe import BiasedExpert, ExpertMLP
 from torch import nn
 
-from epmoe import experts as experts_mod
-from epmoe.experts import experts_backend, experts_forward, experts_gmm_backends, gate_activation
+from epmoe.ep import experts as experts_mod
+from epmoe.ep import recognize
+from epmoe.ep.experts import LocalExperts, experts_backend, experts_forward, experts_gmm_backends
 from epmoe.models import build_model
 from npu_emulation import install
 
@@ -15,7 +16,7 @@ MIXED = [5, 0, 3, 9, 0, 1, 2, 4]
 
 def packed_experts(family, dtype=torch.float64, **overrides):
     model = build_model(family, dtype=dtype, **overrides)
-    return next(m for m in model.modules() if experts_mod.is_packed_experts(m))
+    return next(m for m in model.modules() if recognize.is_packed_experts(m))
 
 
 def hidden_size(module):
@@ -125,7 +126,7 @@ def test_experts_backend_judges_every_projection(make, inter, expected):
         assert statuses["torch"].reason.startswith("down_proj: x stride 6")
         with pytest.raises(ValueError, match=r"backend='torch'.*down_proj: x stride 6"):
             experts_backend(module, "torch")
-    counts = MIXED[:experts_mod.num_experts_of(module)]
+    counts = MIXED[:recognize.num_experts_of(module)]
     x = torch.randn(sum(counts), 16, requires_grad=True)
     y = experts_forward(module, x, counts, backend=backend)
     y.square().sum().backward()
@@ -230,7 +231,7 @@ def test_npu_uses_swiglu_only_for_the_default_silu_gate(monkeypatch):
     qwen, gpt = packed_experts("qwen3_moe"), packed_experts("gpt_oss")
     qwen, gpt = qwen.float(), gpt.float()
     h = torch.randn(4, 2 * 32)
-    torch.testing.assert_close(gate_activation(qwen, h), qwen._apply_gate(h))
+    torch.testing.assert_close(LocalExperts(qwen).gate_activation(h), qwen._apply_gate(h))
     assert len(fake.swiglu_calls) == 1
-    torch.testing.assert_close(gate_activation(gpt, h), gpt._apply_gate(h))
+    torch.testing.assert_close(LocalExperts(gpt).gate_activation(h), gpt._apply_gate(h))
     assert len(fake.swiglu_calls) == 1

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import epmoe
 from epmoe import platform
 from epmoe.comm.fused import npu as fused_npu
-from epmoe.comm.layout import Plan, round_bounds
+from epmoe.comm.layout import RowLayout, round_bounds
 from epmoe.launch import run_ranks
 from npu_fused_emulation import EmulatedTorchNpu, FusedOpError
 
@@ -177,12 +177,24 @@ def _round_trip(rank, world):
                 assert torch.equal(back, x), (e, scenario, impl, chunks)
 
 
-def _no_collective(*args, **kwargs):
-    raise AssertionError("a collective was issued before validation finished")
+def _no_collective(*tensors, **kwargs):
+    """Booby trap for the collectives that move rows; the agreement step (int64 step headers, in which
+    a rank that rejected its input tells its peers) passes."""
+    if not all(t.dtype == torch.int64 for t in tensors if isinstance(t, torch.Tensor)):
+        raise AssertionError("rows were exchanged before validation finished")
+    return _saved_collectives[0](*tensors, **kwargs)
+
+
+_saved_collectives = []
+
+
+def _no_reduction(*args, **kwargs):
+    raise AssertionError("a reduction was issued before validation finished")
 
 
 def _bad_input(rank, world):
-    """Every rank raises before any collective (collectives are booby-trapped meanwhile)."""
+    """Every rank raises before any rows move (their collectives are booby-trapped meanwhile): only
+    the agreement step runs."""
     e = 2
     send, recv = counts_of(routing(world, e, "zeros", seed=3), rank, e)
     w = torch.randn(e, 4, 3, dtype=F64)
@@ -208,7 +220,8 @@ def _bad_input(rank, world):
     dispatch_args = dict(x=torch.randn(sum(send), 4, dtype=F64), weight=w, send_counts=send, recv_counts=recv)
     combine_args = dict(x=torch.randn(sum(recv), 4, dtype=F64), weight=w, send_counts=recv, recv_counts=send)
     saved = dist.all_to_all_single, dist.all_reduce
-    dist.all_to_all_single = dist.all_reduce = _no_collective
+    _saved_collectives[:] = [dist.all_to_all_single]
+    dist.all_to_all_single, dist.all_reduce = _no_collective, _no_reduction
     try:
         for op, base in ((epmoe.alltoallv_gmm, dispatch_args), (epmoe.gmm_alltoallv, combine_args)):
             for error, name, change in bad:
@@ -291,13 +304,13 @@ def _with_emulated_npu(fn):
     """Run ``fn(emu)`` with the npu_fused path routed to :class:`EmulatedTorchNpu` (float64 allowed)."""
     emu = EmulatedTorchNpu(world_sizes=(2,), dtypes=(torch.float16, torch.bfloat16, F64),
                            min_peer_bytes=128, max_peer_bytes=4096)
-    names = ("device_reason", "hcom_name", "SUPPORTED_WORLD_SIZES", "DTYPES", "MIN_PEER_BYTES", "MAX_PEER_BYTES")
+    names = ("device_reason", "hcom_name", "SUPPORTED_EP_SIZES", "DTYPES", "MIN_PEER_BYTES", "MAX_PEER_BYTES")
     saved = {n: getattr(fused_npu, n) for n in names}
     saved_torch_npu = platform.torch_npu
     platform.torch_npu = lambda: emu
     fused_npu.device_reason = lambda x: None
     fused_npu.hcom_name = emu.register
-    fused_npu.SUPPORTED_WORLD_SIZES, fused_npu.DTYPES = emu.world_sizes, emu.dtypes
+    fused_npu.SUPPORTED_EP_SIZES, fused_npu.DTYPES = emu.world_sizes, emu.dtypes
     fused_npu.MIN_PEER_BYTES, fused_npu.MAX_PEER_BYTES = emu.min_peer_bytes, emu.max_peer_bytes
     try:
         fn(emu)
@@ -450,8 +463,8 @@ def test_round_bounds_depend_only_on_e_and_chunks():
     assert round_bounds(5, 1) == [(0, 5)]
     assert round_bounds(5, 2) == [(0, 2), (2, 5)]
     assert round_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]
-    plan = Plan(2, 2, (1, 2, 1, 0), (1, 2, 0, 1), ((0, 2),))
-    assert plan.group_sizes_E == [1, 3]
+    plan = RowLayout(2, 2, (1, 2, 1, 0), (1, 2, 0, 1), ((0, 2),))
+    assert plan.rows_per_expert_e == [1, 3]
     assert plan.rank_major_blocks(1, 2) == [(1, 2), (4, 0)]
     assert plan.to_expert_major(0, 2) == [(0, 1), (3, 0), (1, 2), (3, 1)]
     assert plan.to_source_major(0, 2) == [(0, 1), (1, 2), (1, 0), (3, 1)]
@@ -460,7 +473,7 @@ def test_round_bounds_depend_only_on_e_and_chunks():
 def _npu_plan(world, e, per_expert_rows, expert_major_rows=None):
     rank_major = (per_expert_rows,) * (world * e)
     expert_major = (expert_major_rows or per_expert_rows,) * (world * e)
-    return Plan(world, e, rank_major, expert_major, ((0, e),))
+    return RowLayout(world, e, rank_major, expert_major, ((0, e),))
 
 
 def test_npu_fused_static_eligibility(monkeypatch):
@@ -470,7 +483,7 @@ def test_npu_fused_static_eligibility(monkeypatch):
     reason = fused_npu.static_reason
     assert reason(x, w, False, 8, 2) is None
     for world in (2, 4, 128):
-        assert "world size" in reason(x, w, False, world, 2)
+        assert "EP size" in reason(x, w, False, world, 2)
     assert "local experts" in reason(x, torch.empty(33, 1024, 1, dtype=bf16), False, 8, 33)
     assert "global experts" in reason(x, torch.empty(32, 1024, 1, dtype=bf16), False, 16, 32)
     assert reason(x, torch.empty(16, 1024, 1, dtype=bf16), False, 16, 16) is None
@@ -492,7 +505,7 @@ def test_npu_fused_volume_eligibility():
     assert "rank-major volume" in volume(_npu_plan(8, 2, two_mib_rows // 2), 512, 2)  # the width counts
     one_peer_short = list(_npu_plan(8, 2, two_mib_rows // 2).counts_rank_major_WE)
     one_peer_short[5] -= 1  # rank 2's second expert
-    plan = Plan(8, 2, tuple(one_peer_short), (two_mib_rows // 2,) * 16, ((0, 2),))
+    plan = RowLayout(8, 2, tuple(one_peer_short), (two_mib_rows // 2,) * 16, ((0, 2),))
     assert "rank 2" in volume(plan, 1024, 2)
     assert "rows" in volume(_npu_plan(8, 2, 0), 1024, 2)
 

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from epmoe.comm.layout import Plan, inverse_permutation, prefix, round_bounds, rows_index
+from epmoe.comm.layout import RowLayout, inverse_permutation, prefix, round_bounds, rows_index
 
 
 @st.composite
@@ -20,12 +20,12 @@ def plans(draw):
     else:
         recv = draw(st.lists(st.integers(0, 5), min_size=world * e, max_size=world * e))
     send = draw(st.lists(st.integers(0, 5), min_size=world * e, max_size=world * e))
-    return Plan.one_round(world, e, send, recv)
+    return RowLayout.one_round(world, e, send, recv)
 
 
 def _source_major_rows(plan):
     """``(s, j, i)`` of every received row in arrival order: source-major."""
-    return [(s, j, i) for s in range(plan.world) for j in range(plan.e)
+    return [(s, j, i) for s in range(plan.ep_size) for j in range(plan.e)
             for i in range(plan.counts_expert_major_WE[s * plan.e + j])]
 
 
@@ -45,12 +45,12 @@ def test_permutations_match_a_per_row_reference(plan):
 @settings(max_examples=200, deadline=None)
 @given(plans())
 def test_splits_offsets_and_group_sizes(plan):
-    W, e = plan.world, plan.e
+    W, e = plan.ep_size, plan.e
     send, recv = plan.counts_rank_major_WE, plan.counts_expert_major_WE
     assert plan.rank_major_splits == [sum(send[r * e:(r + 1) * e]) for r in range(W)]
     assert plan.expert_major_splits_W == [sum(recv[s * e:(s + 1) * e]) for s in range(W)]
-    assert plan.group_sizes_E == [sum(recv[s * e + j] for s in range(W)) for j in range(e)]
-    assert plan.offsets_expert == prefix(plan.group_sizes_E) and plan.offsets_expert[0] == 0
+    assert plan.rows_per_expert_e == [sum(recv[s * e + j] for s in range(W)) for j in range(e)]
+    assert plan.offsets_expert == prefix(plan.rows_per_expert_e) and plan.offsets_expert[0] == 0
     assert plan.rows_rank_major == sum(send) and plan.rows_expert_major == sum(recv)
 
 

@@ -16,13 +16,15 @@ Device-specific calls all live in :mod:`epmoe.platform`; what training around th
 """
 
 from epmoe import platform
-from epmoe.checkpoint import adapter_state_dict, from_pretrained, get_state_dict, set_state_dict
+from epmoe.checkpoint import adapter_state_dict, get_state_dict, set_state_dict
 from epmoe.comm import alltoallv_gmm, exchange_counts, gmm_alltoallv
 from epmoe.comm.steps import OutOfStepError
-from epmoe.ep import ExpertParallelConfig, ExpertShard, apply_expert_parallel
+from epmoe.compose import apply_expert_parallel, from_pretrained
+from epmoe.ep import ExpertParallelConfig, ExpertShard
 from epmoe.ep.load import expert_load, load_summary, reset_expert_load
+from epmoe.ep.params import expert_parameters, is_expert_parameter
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
-from epmoe.training import LoadBalancer, clip_grad_norm_, expert_parameters, is_expert_parameter, prepare_trainer
+from epmoe.training import LoadBalancer, clip_grad_norm_, prepare_trainer
 
 __version__ = "0.1.0"
 

@@ -27,7 +27,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import epmoe
 from epmoe import platform
 from epmoe.ep.load import max_over_mean
-from epmoe.experts import experts_backend
+from epmoe.ep.experts import experts_backend
+from epmoe.models import FAMILIES, build_model
 
 VOCAB = 256
 MAX_GRAD_NORM = 1.0
@@ -52,8 +53,6 @@ class TrainOptions:
     show_progress: bool = False
 
     def __post_init__(self) -> None:
-        from epmoe.models import FAMILIES
-
         if self.family not in FAMILIES:
             raise ValueError(f"--model: {self.family!r} is not one of {list(FAMILIES)}")
         if self.dtype not in ("float32", "bfloat16", "float64"):
@@ -116,8 +115,6 @@ def _global_loss(loss: torch.Tensor, world: int) -> float:
 
 def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
     """Train the same model with and without EP on this rank; return both loss curves (rank 0's view)."""
-    from epmoe.models import build_model
-
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cpu") if options.device == "cpu" else torch.device(options.device, local_rank)
     if device.type != "cpu":

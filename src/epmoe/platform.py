@@ -23,6 +23,7 @@ from types import ModuleType
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 __all__ = [
     "comm_backend",
@@ -114,6 +115,11 @@ def current_device(device_type_: str | None = None) -> torch.device:
     if kind == "cpu" or module is None or not hasattr(module, "current_device"):
         return torch.device(kind)
     return torch.device(kind, module.current_device())
+
+
+def group_device(group: Any = None) -> torch.device:
+    """The device ``group``'s collectives take tensors on: the CPU for gloo, else :func:`current_device`."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else current_device()
 
 
 def synchronize(device: Any = None) -> None:

@@ -39,7 +39,11 @@ from collections.abc import Iterator
 
 import torch
 
+import epmoe
 from epmoe.bench import common
+from epmoe.ep.state import sharded_experts
+from epmoe.launch import run_ranks
+from epmoe.models import build_model
 
 VARIANTS = ("build then EP", "from_pretrained + EP", "epmoe.from_pretrained", "... packed layout", "save_pretrained")
 EP_SIZES = (2, 4)
@@ -80,9 +84,6 @@ def run(args: argparse.Namespace) -> int:
 
 def measure(kwargs: dict, ep_sizes) -> list[tuple]:
     """One row per (EP size, variant): the max over ranks of each rank's numbers."""
-    from epmoe.launch import run_ranks
-    from epmoe.models import build_model
-
     rows = []
     with tempfile.TemporaryDirectory(prefix="epmoe-bench-checkpoint-") as root:
         path = os.path.join(root, "model")
@@ -146,10 +147,6 @@ def _rank(rank: int, world: int, path: str, kwargs: dict, variant: str, save_dir
     import gc
 
     from transformers import Qwen3MoeForCausalLM
-
-    import epmoe
-    from epmoe.ep.config import sharded_experts
-    from epmoe.models import build_model
 
     gc.collect()
     baseline = _status("RssAnon")

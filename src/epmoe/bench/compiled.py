@@ -21,13 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
-from epmoe.bench import common
+import epmoe
+from epmoe.bench import blocks, common
+from epmoe.launch import run_ranks
+from epmoe.models import build_model
 
 BLOCK_HEADERS = ("shape", "block", "eager ms", "compiled ms", "compiled / eager", "spread", "graphs", "break sites",
                  "max grad diff")
 STEP_HEADERS = ("model step", "eager ms", "compiled ms", "compiled / eager", "spread", "graphs", "break sites",
                 "max grad diff")
-EP2_RANKS = 2
 
 
 @dataclass(frozen=True)
@@ -66,39 +68,33 @@ class CompileReport:
 
 def run_compile(shapes, settings: common.Settings) -> CompileReport:
     """Every row of the report (see the module docstring)."""
-    from epmoe.bench import layer
-    from epmoe.launch import run_ranks
-    from epmoe.models import build_model
-
-    blocks = []
+    rows = []
     for shape in shapes:
-        built = layer.build_blocks(shape, settings.seed, settings.device)
+        built = blocks.build_blocks(shape, settings.seed, settings.device)
         generator = torch.Generator().manual_seed(settings.seed + 1)
         x, dy = (torch.randn(1, shape.tokens, shape.hidden, generator=generator).to(settings.device) for _ in "xy")
-        for label in (layer.EPMOE, layer.GROUPED):
-            blocks.append((shape.name, compare_block(label, built[label], x, dy, settings)))
+        for label in (blocks.EPMOE, blocks.GROUPED):
+            rows.append((shape.name, compare_block(label, built[label], x, dy, settings)))
 
-    threads = max(1, settings.threads // EP2_RANKS)
+    threads = max(1, settings.threads // blocks.EP2_RANKS)
     shape = shapes[0]
     with tempfile.TemporaryDirectory(prefix="epmoe-bench-compile-") as path:
-        build_model("qwen3_moe", seed=settings.seed, **layer.ep2_model_kwargs(shape)).save_pretrained(path)
+        build_model("qwen3_moe", seed=settings.seed, **blocks.ep2_model_kwargs(shape)).save_pretrained(path)
         ep1 = _model_rank(0, 1, path, shape.tokens, settings.warmup, settings.repeats, settings.seed)
-        ep2 = run_ranks(_model_rank, EP2_RANKS, path, shape.tokens, settings.warmup, settings.repeats, settings.seed,
+        ep2 = run_ranks(_model_rank, blocks.EP2_RANKS, path, shape.tokens, settings.warmup, settings.repeats, settings.seed,
                         threads_per_rank=threads, timeout=900)
     steps = [_row("epmoe, EP=1, one process", ep1),
-             _row(f"epmoe, EP=2, {EP2_RANKS} gloo ranks", ep2[0],
+             _row(f"epmoe, EP=2, {blocks.EP2_RANKS} gloo ranks", ep2[0],
                   slowest={name: max(statistics.median(r["samples"][name]) for r in ep2) for name in ep2[0]["samples"]},
                   grad_diff=max(r["grad_diff"] for r in ep2))]
-    return CompileReport(blocks, steps, threads)
+    return CompileReport(rows, steps, threads)
 
 
 def compare_block(label: str, block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, settings: common.Settings) -> Row:
     """One block eager and compiled (a copy): graph breaks, gradients compared, then timed side by side."""
-    from epmoe.bench import layer
-
     graphs, sites = _explain(copy.deepcopy(block), x)
     compiled = torch.compile(copy.deepcopy(block))
-    eager_step, compiled_step = layer._block_step(block, x, dy), layer._block_step(compiled, x, dy)
+    eager_step, compiled_step = blocks.block_step(block, x, dy), blocks.block_step(compiled, x, dy)
     compiled_step()
     compiled_grads = [p.grad for p in compiled.parameters()]
     eager_step()
@@ -113,8 +109,6 @@ def _model_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repe
     """One rank (or the only process) of the model-step rows: an EP model eager and compiled."""
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
-
-    import epmoe
 
     group = dist.group.WORLD if world > 1 else None
     models = {}

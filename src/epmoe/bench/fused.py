@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from epmoe import platform
 from epmoe.bench import common
 from epmoe.comm import all_to_all_v, alltoallv_gmm, exchange_counts, gmm_alltoallv
-from epmoe.comm.layout import Plan
+from epmoe.comm.layout import RowLayout
 from epmoe.comm.fused import IMPLS
 from epmoe.gmm import grouped_mm, select_backend
 from epmoe.launch import run_ranks
@@ -175,8 +175,8 @@ class _Block:
         histogram = torch.bincount(picks.flatten(), minlength=shape.experts)
         self.send, self.recv = exchange_counts(histogram.to(device))
         self.rows_sent, self.rows_received = sum(self.send), sum(self.recv)
-        layout = Plan.one_round(world, self.e, self.send, self.recv)
-        self.group_sizes = layout.group_sizes_E
+        layout = RowLayout.one_round(world, self.e, self.send, self.recv)
+        self.group_sizes = layout.rows_per_expert_e
         self.send_splits, self.recv_splits = layout.rank_major_splits, layout.expert_major_splits_W
 
         def randn(*size, scale=1.0):

@@ -4,17 +4,17 @@ One case is one MoE projection on one rank, after dispatch: ``T`` rows sorted by
 ``counts`` rows per expert (seeded, mildly imbalanced), weights in the ``nn.Linear`` layout of
 Hugging Face checkpoints, passed as ``grouped_mm(x, weight, counts, trans_weight=True)``::
 
-    gate_up   x (T, H)  @  weight (G, 2I, H)^T  ->  (T, 2I)        K = H,  N = 2I
-    down      x (T, I)  @  weight (G, H, I)^T   ->  (T, H)         K = I,  N = H
+    gate_up   x (T, H)  @  weight (G, 2I, H)^T  ->  (T, 2I)        D = H,  N = 2I
+    down      x (T, I)  @  weight (G, H, I)^T   ->  (T, H)         D = I,  N = H
 
-The baseline is one ``torch.mm`` of the same FLOPs: ``(T, K) @ (K, N)``, the ``(K, N)`` operand
-being an ``(N, K)`` weight transposed, as the grouped call reads it. ``fwd+bwd`` adds ``dX`` and
+The baseline is one ``torch.mm`` of the same FLOPs: ``(T, D) @ (D, N)``, the ``(D, N)`` operand
+being an ``(N, D)`` weight transposed, as the grouped call reads it. ``fwd+bwd`` adds ``dX`` and
 ``dW`` (three times the forward FLOPs) on both sides. Within one case, dtype and pass, every
 eligible backend, ``auto`` and the dense matmul are timed side by side (:func:`common.measure`).
 
 The per-call BLAS ceiling (:func:`run_ceiling`) bounds what any grouped matmul built from one BLAS
-call per group can reach: for each ``(K, N)`` and ``T`` of the cases, one ``torch.mm`` of ``M`` rows
-per group, each group with its own ``(N, K)`` weight as in a grouped call, against one ``mm`` of all
+call per group can reach: for each ``(D, N)`` and ``T`` of the cases, one ``torch.mm`` of ``M`` rows
+per group, each group with its own ``(N, D)`` weight as in a grouped call, against one ``mm`` of all
 ``T`` rows, forward fp32, for ``M`` from 64 to 1024 rows.
 """
 
@@ -62,7 +62,7 @@ class Case:
         return self.tokens * self.top_k // self.ep
 
     def dims(self, projection: str) -> tuple[int, int]:
-        """``(K, N)`` of a projection."""
+        """``(D, N)`` of a projection."""
         if projection == "gate_up":
             return self.hidden, 2 * self.intermediate
         if projection == "down":
@@ -192,29 +192,29 @@ def run_case(case: Case, projection: str, dtype_name: str, settings: common.Sett
     """
     dtype, device = common.DTYPES[dtype_name], settings.device
     counts = case.counts(settings.seed)
-    K, N = case.dims(projection)
+    D, N = case.dims(projection)
     T, G = case.rows, case.num_experts
     generator = torch.Generator().manual_seed(settings.seed + 1)
-    x_TK = torch.randn(T, K, generator=generator).to(device, dtype)
-    weight_GNK = torch.randn(G, N, K, generator=generator).div_(K ** 0.5).to(device, dtype)
-    dense_NK = torch.randn(N, K, generator=generator).div_(K ** 0.5).to(device, dtype)
+    x_TD = torch.randn(T, D, generator=generator).to(device, dtype)
+    weight_GND = torch.randn(G, N, D, generator=generator).div_(D ** 0.5).to(device, dtype)
+    dense_ND = torch.randn(N, D, generator=generator).div_(D ** 0.5).to(device, dtype)
     dy_TN = torch.randn(T, N, generator=generator).to(device, dtype)
 
-    eligible = [s.name for s in gmm_backends(x_TK, weight_GNK, trans_weight=True) if s.eligible]
+    eligible = [s.name for s in gmm_backends(x_TD, weight_GND, trans_weight=True) if s.eligible]
     unknown = sorted(set(backends or []) - set(eligible))
     if unknown:
         raise ValueError(f"--gmm-backend: {unknown} not eligible here (eligible: {eligible})")
     timed = [b for b in eligible if backends is None or b in backends]
     results = []
     for pass_ in PASSES:
-        picked = select_backend(x_TK, weight_GNK, trans_weight=True, counts=counts, backward=pass_ != "fwd").name
+        picked = select_backend(x_TD, weight_GND, trans_weight=True, counts=counts, backward=pass_ != "fwd").name
         candidates: dict[str, tuple[str | None, bool]] = {name: (name, False) for name in timed}
         candidates[f"auto ({picked})"] = ("auto", True)
         candidates["dense mm"] = (None, False)
-        fns = {label: _call(pass_, backend, x_TK, weight_GNK, dense_NK, dy_TN, counts)
+        fns = {label: _call(pass_, backend, x_TD, weight_GND, dense_ND, dy_TN, counts)
                for label, (backend, _) in candidates.items()}
         timings = common.measure(fns, warmup=settings.warmup, repeats=settings.repeats, device=device)
-        flops = 2.0 * T * K * N * (3 if pass_ == "fwd+bwd" else 1)
+        flops = 2.0 * T * D * N * (3 if pass_ == "fwd+bwd" else 1)
         dense_s = timings["dense mm"].median_s
         for label, (backend, is_auto) in candidates.items():
             ran = picked if is_auto else backend
@@ -223,27 +223,27 @@ def run_case(case: Case, projection: str, dtype_name: str, settings: common.Sett
     return results
 
 
-def _call(pass_: str, backend: str | None, x_TK, weight_GNK, dense_NK, dy_TN, counts) -> Callable[[], object]:
+def _call(pass_: str, backend: str | None, x_TD, weight_GND, dense_ND, dy_TN, counts) -> Callable[[], object]:
     """The timed closure: grouped_mm on ``backend`` (or the dense mm for ``None``), forward or both passes."""
     if backend is None:
-        weight = dense_NK
+        weight = dense_ND
 
         def forward(x, w):
             return torch.mm(x, w.t())
     else:
-        weight = weight_GNK
+        weight = weight_GND
 
         def forward(x, w):
             return grouped_mm(x, w, counts, trans_weight=True, backend=backend)
 
     if pass_ == "fwd":
-        return lambda: forward(x_TK, weight)
-    x_leaf, w_leaf = x_TK.detach().requires_grad_(), weight.detach().requires_grad_()
+        return lambda: forward(x_TD, weight)
+    x_leaf, w_leaf = x_TD.detach().requires_grad_(), weight.detach().requires_grad_()
     return lambda: torch.autograd.grad(forward(x_leaf, w_leaf), (x_leaf, w_leaf), dy_TN)
 
 
 def run_ceiling(cases, settings: common.Settings) -> dict[tuple[int, int, int], dict[int, float]]:
-    """``{(K, N, T): {M: ratio}}``: one fp32 ``torch.mm`` per group of ``M`` rows, each group with its own
+    """``{(D, N, T): {M: ratio}}``: one fp32 ``torch.mm`` per group of ``M`` rows, each group with its own
     weight, over one ``mm`` of all ``T`` rows (throughput ratio, timed side by side).
 
     Only cases whose groups average at least 64 rows; ``M`` up to ``T / 2``.
@@ -252,27 +252,27 @@ def run_ceiling(cases, settings: common.Settings) -> dict[tuple[int, int, int], 
                      if case.rows / case.num_experts >= CEILING_ROWS[0]})
     generator = torch.Generator().manual_seed(settings.seed + 2)
     ceiling = {}
-    for K, N, T in shapes:
+    for D, N, T in shapes:
         row_counts = [m for m in CEILING_ROWS if 2 * m <= T]
-        x_TK = torch.randn(T, K, generator=generator).to(settings.device)
-        weights_GNK = torch.randn(T // min(row_counts), N, K, generator=generator).to(settings.device)
+        x_TD = torch.randn(T, D, generator=generator).to(settings.device)
+        weights_GND = torch.randn(T // min(row_counts), N, D, generator=generator).to(settings.device)
 
         def per_call(m: int) -> Callable[[], object]:
-            return lambda: [torch.mm(x_TK[i * m:(i + 1) * m], weights_GNK[i].t()) for i in range(T // m)]
+            return lambda: [torch.mm(x_TD[i * m:(i + 1) * m], weights_GND[i].t()) for i in range(T // m)]
 
         fns = {m: per_call(m) for m in row_counts}
-        fns["all"] = lambda: torch.mm(x_TK, weights_GNK[0].t())
+        fns["all"] = lambda: torch.mm(x_TD, weights_GND[0].t())
         timings = common.measure(fns, warmup=settings.warmup, repeats=settings.repeats, device=settings.device)
-        ceiling[(K, N, T)] = {m: timings["all"].median_s / timings[m].median_s for m in row_counts}
+        ceiling[(D, N, T)] = {m: timings["all"].median_s / timings[m].median_s for m in row_counts}
     return ceiling
 
 
 def _ceiling_table(ceiling: dict[tuple[int, int, int], dict[int, float]]) -> str:
     if not ceiling:
         return f"(no case here has {CEILING_ROWS[0]}+ rows per group)"
-    headers = ("K x N", "rows T", *(f"M = {m}" for m in CEILING_ROWS))
-    rows = [(f"{K}x{N}", T, *(f"{ratios[m]:.2f}" if m in ratios else "" for m in CEILING_ROWS))
-            for (K, N, T), ratios in ceiling.items()]
+    headers = ("D x N", "rows T", *(f"M = {m}" for m in CEILING_ROWS))
+    rows = [(f"{D}x{N}", T, *(f"{ratios[m]:.2f}" if m in ratios else "" for m in CEILING_ROWS))
+            for (D, N, T), ratios in ceiling.items()]
     return common.markdown_table(headers, rows, align="lr" + "r" * len(CEILING_ROWS))
 
 
@@ -281,7 +281,7 @@ def summarize_ceiling(ceiling: dict[tuple[int, int, int], dict[int, float]]) -> 
     at_large = [(ratios[LARGE_ROWS], key) for key, ratios in ceiling.items() if LARGE_ROWS in ratios]
     if not at_large:
         return []
-    below = [f"{K}x{N} ({q:.2f})" for q, (K, N, _) in sorted(at_large) if q < GOAL_RATIO]
+    below = [f"{D}x{N} ({q:.2f})" for q, (D, N, _) in sorted(at_large) if q < GOAL_RATIO]
     return [
         f"- Per-call BLAS ceiling (fp32 forward, one `torch.mm` per {LARGE_ROWS}-row group with its own weight, "
         f"over one `mm` of all rows): {min(at_large)[0]:.2f} to {max(at_large)[0]:.2f}; "
@@ -381,7 +381,7 @@ def _document(cases, settings: common.Settings, table: str, ceiling_table: str, 
         case_rows.append((case.name, case.model, case.num_experts, case.rows,
                           f"{min(counts)} / {case.rows / case.num_experts:.0f} / {max(counts)}", dims))
     cases_table = common.markdown_table(
-        ("case", "shape", "G", "rows T", "rows per group min / mean / max", "K x N"), case_rows, align="llrrll")
+        ("case", "shape", "G", "rows T", "rows per group min / mean / max", "D x N"), case_rows, align="llrrll")
     return f"""# Grouped matmul benchmark: `epmoe bench gmm`
 
 Reproduce (from the repository root, after `pip install -e .`):
@@ -396,10 +396,10 @@ Reproduce (from the repository root, after `pip install -e .`):
 
 Each case is one rank's MoE experts after dispatch: `T` rows sorted by local expert, with counts
 drawn from a seeded log-normal expert popularity (sigma {IMBALANCE}), through
-`grouped_mm(x (T, K), weight (G, N, K), counts, trans_weight=True)`: the `nn.Linear` layout of
-Hugging Face checkpoints, read without a copy. `gate_up` is `K=H, N=2I`, `down` is `K=I, N=H`.
-`dense mm` is one `torch.mm` of the same FLOPs, `(T, K) @ (K, N)` with the `(K, N)` operand an
-`(N, K)` weight transposed, as the grouped call reads it. `fwd+bwd` is the forward plus `dX` and
+`grouped_mm(x (T, D), weight (G, N, D), counts, trans_weight=True)`: the `nn.Linear` layout of
+Hugging Face checkpoints, read without a copy. `gate_up` is `D=H, N=2I`, `down` is `D=I, N=H`.
+`dense mm` is one `torch.mm` of the same FLOPs, `(T, D) @ (D, N)` with the `(D, N)` operand an
+`(N, D)` weight transposed, as the grouped call reads it. `fwd+bwd` is the forward plus `dX` and
 `dW` (3x the forward FLOPs) on both sides. `ratio to dense` = grouped FLOP/s / dense FLOP/s of the
 same case, dtype and pass. `auto (x)` is `backend="auto"`, which ran backend `x`. `loop` is one
 `torch.mm` per group, so its ratio is what per-group BLAS calls reach here; the gap from there to
@@ -416,7 +416,7 @@ dense is the BLAS's lower efficiency on G smaller products (fewer rows per call 
 
 ## Per-call BLAS ceiling
 
-Forward fp32, throughput of one `torch.mm` per group of `M` rows, each group with its own `(N, K)`
+Forward fp32, throughput of one `torch.mm` per group of `M` rows, each group with its own `(N, D)`
 weight read transposed (as a grouped call reads them), over one `mm` of all `T` rows with one weight:
 what any grouped matmul made of one BLAS call per group (ATen's CPU `grouped_mm`, the `loop` backend)
 can reach at `M` rows per group. A group's weight is packed and streamed for only `M` rows of work.

@@ -51,8 +51,29 @@ from dataclasses import dataclass
 
 import torch
 
+import epmoe
 from epmoe import platform
 from epmoe.bench import common
+from epmoe.bench.blocks import (
+    DENSE,
+    EAGER,
+    EP2_LAYERS,
+    EP2_RANKS,
+    EPMOE,
+    GROUPED,
+    QUICK_SHAPES,
+    SHAPES,
+    Shape,
+    block_step,
+    build_blocks,
+    ep2_model_kwargs,
+)
+from epmoe.bench.compiled import run_compile
+from epmoe.demo import step_times
+from epmoe.ep.state import ep_states
+from epmoe.gmm import grouped_mm
+from epmoe.launch import run_ranks
+from epmoe.models import build_model
 
 PARTS = ("ep1", "ep2", "compile")
 EP1_HEADERS = ("shape", "variant", "time ms", "expert GFLOP/s", "epmoe time / this")
@@ -61,43 +82,9 @@ PROFILED_STEPS = 3  # epmoe steps profiled for the in-step share of its grouped 
 GMM_FUNCTIONS = ("epmoe::grouped_mm", "epmoe::grouped_mm_backward")  # epmoe's grouped-matmul ops, in profiles
 EP2_HEADERS = ("variant", "step ms", "loss - unsharded loss (max over ranks)", "note")
 GOALS = {"grouped_mm": 0.85, "eager": 0.3, "dense": 0.7}  # epmoe/grouped_mm <=, epmoe/eager <=, dense/epmoe >=
-EAGER, GROUPED, EPMOE, DENSE = "transformers eager", "transformers grouped_mm", "epmoe", "dense floor"
-EP2_RANKS = 2
 EAGER_REPEATS = 2  # rounds of the eager pass (eager takes seconds to tens of seconds per step on a CPU)
 
 
-@dataclass(frozen=True)
-class Shape:
-    """One MoE block: ``tokens`` tokens routed top-``top_k`` over ``num_experts`` SwiGLU experts."""
-
-    name: str
-    num_experts: int  # E
-    top_k: int  # K
-    hidden: int  # H
-    intermediate: int  # I, per expert (gate_up has 2I outputs)
-    tokens: int  # T
-
-    @property
-    def rows(self) -> int:
-        """``S = T * K``: the rows the experts run on."""
-        return self.tokens * self.top_k
-
-    @property
-    def flops(self) -> float:
-        """Forward + backward FLOPs of the expert GEMMs: gate_up ``(S,H)x(H,2I)``, down ``(S,I)x(I,H)``, 3x."""
-        return 3 * 2.0 * self.rows * (self.hidden * 2 * self.intermediate + self.intermediate * self.hidden)
-
-    def describe(self) -> str:
-        return (f"E={self.num_experts}, top-{self.top_k}, H={self.hidden}, I={self.intermediate}, "
-                f"T={self.tokens} tokens ({self.rows // self.num_experts} rows per expert on average)")
-
-
-SHAPES = (
-    Shape("32 experts", num_experts=32, top_k=4, hidden=1024, intermediate=512, tokens=1024),
-    Shape("128 experts", num_experts=128, top_k=8, hidden=1024, intermediate=256, tokens=1024),
-)
-QUICK_SHAPES = (Shape("tiny", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=64),)
-EP2_LAYERS = 1  # decoder layers of the EP=2 model (a MoE layer)
 EPMOE_DDP, REPLICATED_DDP = "epmoe + DDP", "replicated (no EP) + DDP"
 EPMOE_UNCHECKED = "epmoe + DDP, check_steps=False"
 EPMOE_BALANCED = "epmoe + DDP + expert_load + LoadBalancer"
@@ -129,8 +116,6 @@ def run(args: argparse.Namespace) -> int:
         print(ep2.markdown() + "\n")
         sections.append(ep2)
     if "compile" in parts:
-        from epmoe.bench.compiled import run_compile
-
         report = run_compile(shapes, settings)
         print(report.markdown() + "\n")
         sections.append(report)
@@ -143,34 +128,6 @@ def run(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Part ep1: one block, EP size 1
-
-
-def build_blocks(shape: Shape, seed: int, device: torch.device, dtype: torch.dtype = torch.float32):
-    """``{variant: Qwen3MoeSparseMoeBlock}``: eager, grouped_mm and epmoe copies with identical weights."""
-    import transformers
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-
-    import epmoe
-
-    def block(implementation: str) -> torch.nn.Module:
-        config = transformers.Qwen3MoeConfig(
-            hidden_size=shape.hidden, moe_intermediate_size=shape.intermediate, num_experts=shape.num_experts,
-            num_experts_per_tok=shape.top_k, norm_topk_prob=True)
-        config._experts_implementation = implementation  # each copy its own config: experts keep a reference
-        return Qwen3MoeSparseMoeBlock(config)
-
-    generator = torch.Generator().manual_seed(seed)
-    reference = block("eager")
-    with torch.no_grad():  # a bare block is not initialised by from_pretrained: weights are torch.empty
-        for param in reference.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    reference = reference.to(device, dtype)
-    blocks = {EAGER: reference}
-    for label, implementation in ((GROUPED, "grouped_mm"), (EPMOE, "eager")):
-        blocks[label] = block(implementation).to(device, dtype)
-        blocks[label].load_state_dict(reference.state_dict())
-    epmoe.apply_expert_parallel(blocks[EPMOE])
-    return blocks
 
 
 @dataclass
@@ -227,8 +184,6 @@ class Ep1Result:
 
 def run_ep1(shape: Shape, settings: common.Settings, dtype: torch.dtype = torch.float32) -> Ep1Result:
     """Time the block variants, the dense floor and the parts of the epmoe step, side by side."""
-    from epmoe.gmm import grouped_mm
-
     device, seed = settings.device, settings.seed
     blocks = build_blocks(shape, seed, device, dtype)
     generator = torch.Generator().manual_seed(seed + 1)
@@ -243,7 +198,7 @@ def run_ep1(shape: Shape, settings: common.Settings, dtype: torch.dtype = torch.
     counts = torch.bincount(top_k_index_TK.reshape(-1).cpu(), minlength=E).tolist()
     max_rel_diff = _parity(blocks, x_1TH, dy_1TH)
 
-    fns: dict[str, Callable[[], object]] = {label: _block_step(block, x_1TH, dy_1TH) for label, block in blocks.items()}
+    fns: dict[str, Callable[[], object]] = {label: block_step(block, x_1TH, dy_1TH) for label, block in blocks.items()}
     experts = blocks[EPMOE].experts
     # Dense floor: the same FLOPs, nn.Linear-layout weights read transposed as the grouped calls read them.
     x_SH, h_SI, dgu_S2I, dd_SH = randn(S, H), randn(S, I), randn(S, 2 * I), randn(S, H)
@@ -282,20 +237,6 @@ def _gemm_share_in_step(step: Callable[[], object], device: torch.device) -> flo
     inside = sum(e.device_time_total if cuda else e.cpu_time_total
                  for e in prof.key_averages() if e.key in GMM_FUNCTIONS) * 1e-6
     return inside / wall
-
-
-def _block_step(block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], torch.Tensor]:
-    params = list(block.parameters())
-
-    def step() -> torch.Tensor:
-        for param in params:
-            param.grad = None
-        x_leaf = x.detach().requires_grad_()
-        out = block(x_leaf)
-        torch.autograd.backward(out, dy)
-        return out
-
-    return step
 
 
 def _gemm_step(mm, xs, weights, dys) -> Callable[[], None]:
@@ -438,17 +379,8 @@ class Ep2Report:
         return "\n".join(lines)
 
 
-def ep2_model_kwargs(shape: Shape) -> dict:
-    """``epmoe.models.build_model`` arguments of the EP=2 model: the shape's experts, small attention."""
-    return dict(num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden,
-                moe_intermediate_size=shape.intermediate, num_hidden_layers=EP2_LAYERS)
-
-
 def run_ep2(shape: Shape, settings: common.Settings) -> Ep2Report:
     """Save a small Qwen3-MoE model, then time and check every EP=2 variant on 2 gloo ranks."""
-    from epmoe.launch import run_ranks
-    from epmoe.models import build_model
-
     threads = max(1, settings.threads // EP2_RANKS)
     with tempfile.TemporaryDirectory(prefix="epmoe-bench-layer-") as path:
         build_model("qwen3_moe", seed=settings.seed, **ep2_model_kwargs(shape)).save_pretrained(path)
@@ -476,8 +408,6 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForCausalLM
 
-    import epmoe
-
     def load(**kwargs) -> torch.nn.Module:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="grouped_mm",
                                                     **kwargs)
@@ -493,7 +423,7 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     errors: dict[str, str] = {}
     model = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(model)
-    dispatch = sorted({m._epmoe.dispatch_on(ids.device) for m in model.modules() if hasattr(m, "_epmoe")})
+    dispatch = sorted({state.transport_on(ids.device) for _, _, state in ep_states(model)})
     steps[EPMOE_DDP] = _step(DDP(model), ids)
     unchecked = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(unchecked, config={"check_steps": False})
@@ -531,7 +461,7 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
             epmoe.apply_expert_parallel(net)
         seconds, trainer_losses[label] = _trainer_steps(net, label == EPMOE_TRAINER, tokens, warmup + repeats, seed)
         times[label] = seconds[warmup:]
-    state = next(m._epmoe for m in model.modules() if hasattr(m, "_epmoe"))
+    state = next(state for _, _, state in ep_states(model))
     counts = [tokens // state.shard.num_experts] * state.shard.num_local_experts
     start = time.perf_counter()
     for _ in range(10_000):
@@ -547,7 +477,6 @@ def _step(model: torch.nn.Module, ids: torch.Tensor, balancer=None, extra_second
     """Forward and backward (DDP synchronises the gradients inside the backward); with a
     ``balancer``, then the step's expert load read and reset and the balancer's update, whose own
     seconds are appended to ``extra_seconds`` (timed inside the step)."""
-    import epmoe
 
     def step() -> float:
         model.zero_grad(set_to_none=True)
@@ -568,9 +497,6 @@ def _trainer_steps(model: torch.nn.Module, prepare: bool, tokens: int, steps: in
     """``(seconds per step, logged losses)`` of ``steps`` steps of ``transformers.Trainer`` on ``model``
     (2 rows of ``tokens // 2`` per rank and step, AdamW, max_grad_norm=1.0)."""
     from transformers import PrinterCallback, Trainer, TrainingArguments
-
-    import epmoe
-    from epmoe.demo import step_times
 
     generator = torch.Generator().manual_seed(seed + 2000)
     rows = torch.randint(0, model.config.vocab_size, (4 * steps, tokens // 2), generator=generator)

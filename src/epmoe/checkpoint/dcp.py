@@ -36,6 +36,8 @@ from torch import nn
 
 from epmoe import platform
 from epmoe.checkpoint.guard import own_state_dict
+from epmoe.ep.state import ExpertParallelState, sharded_experts
+from epmoe.integrations.peft import expert_lora_wrappers, factor_layout, factor_weights
 
 
 def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
@@ -88,7 +90,7 @@ class _Sharded:
     """How one local tensor (and each optimizer moment shaped like it) goes to DCP: viewed as
     ``view`` (``None``: as it is), then ``Shard(dim)`` of the tensor of all ``E`` experts."""
 
-    state: Any
+    state: ExpertParallelState
     dim: int = 0
     view: tuple[int, ...] | None = None
 
@@ -96,24 +98,18 @@ class _Sharded:
 def _sharded_experts(model: nn.Module) -> dict[str, _Sharded]:
     """FQN (as torch's state-dict helpers name it: no ``module.`` of DDP) -> how it is sharded, for
     every packed experts tensor sharded over an EP group of size > 1 and every LoRA factor on one."""
-    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
-    from epmoe.training.params import _peft_base
-
     inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     sharded = {}
     for name, _, state in sharded_experts(inner, packed_only=True):
         prefix = f"{name}." if name else ""
         for param_name in state.sharded_names:
             sharded[prefix + param_name] = _Sharded(state)
-    for name, module in inner.named_modules():
-        state = getattr(_peft_base(module), "_epmoe", None)
-        if state is None or state.shard.ep_size == 1:
+    for name, module, state in expert_lora_wrappers(inner):
+        if state.shard.ep_size == 1:
             continue
-        for adapter in module.lora_A:  # (r*e, in), expert-major
-            sharded[f"{name}.lora_A.{adapter}.weight"] = _Sharded(state)
-        for adapter, linear in module.lora_B.items():  # (out, r*e), expert-minor
-            out_features = linear.weight.shape[0]
-            sharded[f"{name}.lora_B.{adapter}.weight"] = _Sharded(state, 2, (out_features, -1, module.num_experts))
+        for factor, adapter, linear in factor_weights(module):
+            layout = factor_layout(factor, linear, module.num_experts)
+            sharded[f"{name}.{factor}.{adapter}.weight"] = _Sharded(state, layout.dim, layout.view)
     return sharded
 
 
@@ -130,7 +126,7 @@ def _to_global(tensors: dict[str, Any], sharded: dict[str, _Sharded]) -> dict[st
     return out
 
 
-def expert_dtensor(local: torch.Tensor, state: Any, meshes: dict, dim: int = 0) -> Any:
+def expert_dtensor(local: torch.Tensor, state: ExpertParallelState, meshes: dict, dim: int = 0) -> Any:
     """``local`` (this rank's ``E/W`` experts along ``dim`` of a packed tensor, on any device, meta
     included) as the ``DTensor`` ``Shard(dim)`` of all ``E`` over the EP group of ``state``;
     ``meshes`` caches one ``DeviceMesh`` per group."""

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
+from epmoe.ep.state import state_of
+
 _OWN = contextvars.ContextVar("epmoe_own_state_dict", default=False)
 
 
@@ -43,7 +45,7 @@ def warn_on_bare_state_dict(module: nn.Module) -> None:
 def _warn(module, state_dict, prefix, local_metadata) -> None:
     if _OWN.get():
         return
-    shard = module._epmoe.shard
+    shard = state_of(module).shard
     warnings.warn(
         f"epmoe: this state_dict holds only this rank's experts of {prefix.rstrip('.') or 'the model'} "
         f"({shard.num_local_experts} of {shard.num_experts}) under the unsharded names: torch.save or dcp.save "

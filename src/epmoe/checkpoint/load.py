@@ -1,22 +1,19 @@
-"""``epmoe.from_pretrained``: an EP model from a transformers checkpoint, each rank reading only its experts.
+"""Reading an EP model's experts from a transformers checkpoint, each rank only its own.
 
 transformers' ``from_pretrained`` builds the model on the meta device, then loads the checkpoint
 through its weight conversions (the Hub's per-expert keys merged into packed tensors, renamings...)
 and, for a parameter that is a ``DTensor``, reads only that rank's shard from the memory-mapped
 safetensors files (per-expert keys of other ranks' experts are skipped, a packed tensor is sliced).
-epmoe loads through exactly that path, with one step added where transformers distributes a model
-before loading (``_load_pretrained_model``, on a subclass of the user's class made for the call)::
+:func:`epmoe.from_pretrained` (:mod:`epmoe.compose.pretrained`) loads through exactly that path,
+with these steps around transformers' loader::
 
     meta model --apply_expert_parallel--> local experts, meta, (E/W, ...)
-               --as DTensors------------> meta DTensor (E, ...), Shard(0) over the EP group
+               --as_meta_dtensors-------> meta DTensor (E, ...), Shard(0) over the EP group
                --transformers' loader---> reads rows [r*E/W, (r+1)*E/W) only, converted as usual
-               --to local Parameters----> plain nn.Parameter (E/W, ...), as apply_expert_parallel leaves them
+               --as_local_parameters----> plain nn.Parameter (E/W, ...), as apply_expert_parallel leaves them
 
-Everything else (buffers such as rotary ``inv_freq``, tied weights, missing-key initialisation,
-dtype handling, ``config=`` and every other keyword) is transformers' own. The result equals
-``from_pretrained`` followed by :func:`epmoe.apply_expert_parallel`. A checkpoint without some
-expert tensor, or with one of the wrong shape, raises ``ValueError`` on every rank of the EP group
-(a rank finds only its own experts broken: the ranks compare notes in one ``all_gather_object``).
+A checkpoint without some expert tensor, or with one of the wrong shape, raises ``ValueError`` on
+every rank of the EP group (a rank finds only its own experts broken: :func:`raise_on_every_rank`).
 """
 
 from __future__ import annotations
@@ -26,45 +23,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from epmoe import platform
 from epmoe.checkpoint.dcp import expert_dtensor
-from epmoe.checkpoint.guard import own_state_dict
+from epmoe.comm.steps import AGREE, StepChannel
+from epmoe.ep.state import ep_group_of, sharded_experts
 
 
-def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=None, **kwargs: Any):
-    """``(model, shards)``: ``model_class.from_pretrained(path, **kwargs)`` made expert-parallel over
-    ``ep_group`` (see :func:`epmoe.apply_expert_parallel`) without materialising other ranks' experts."""
-    if not isinstance(model_class, type) or not hasattr(model_class, "_load_pretrained_model"):
-        raise TypeError(f"from_pretrained(model_class): expected a transformers model class, got {model_class!r}")
-    found: dict[str, Any] = {}
-
-    class ShardedLoad(model_class):
-        @staticmethod
-        def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
-            from epmoe.ep.apply import apply_expert_parallel
-
-            found["shards"] = apply_expert_parallel(model, ep_group, config=ep_config)
-            expert_keys = _as_meta_dtensors(model)
-            info = model_class._load_pretrained_model(model, state_dict, checkpoint_files, load_config,
-                                                      expected_keys)
-            _raise_on_every_rank(_load_error(info[0], expert_keys), found["shards"], model)
-            _as_local_parameters(model)
-            return info
-
-    ShardedLoad.__name__ = ShardedLoad.__qualname__ = model_class.__name__
-    with own_state_dict():  # transformers' loader reads the (sharded) model's state dict keys
-        model = ShardedLoad.from_pretrained(path, **kwargs)
-    model.__class__ = model_class  # the user's class again (saving writes its name as the architecture)
-    from epmoe.training.params import expert_parameters
-
-    expert_parameters(model)  # mark the loaded parameters
-    return model, found["shards"]
-
-
-def _as_meta_dtensors(model: nn.Module) -> set[str]:
+def as_meta_dtensors(model: nn.Module) -> set[str]:
     """Each local expert tensor as a meta ``DTensor`` of all ``E`` experts, ``Shard(0)`` over its EP
     group (transformers' loader then reads this rank's rows only); returns their names."""
-    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
-
     keys, meshes = set(), {}
     for name, module, state in sharded_experts(model, packed_only=True):
         for param_name in state.sharded_names:
@@ -75,7 +42,7 @@ def _as_meta_dtensors(model: nn.Module) -> set[str]:
     return keys
 
 
-def _load_error(info: Any, expert_keys: set[str]) -> str | None:
+def load_error(info: Any, expert_keys: set[str]) -> str | None:
     """What is wrong with this rank's experts in the checkpoint, or ``None``."""
     missing = sorted(expert_keys & set(getattr(info, "missing_keys", ())))
     mismatched = sorted(key for key, *_ in getattr(info, "mismatched_keys", ()) if key in expert_keys)
@@ -84,26 +51,25 @@ def _load_error(info: Any, expert_keys: set[str]) -> str | None:
     return None
 
 
-def _raise_on_every_rank(error: str | None, shards: list, model: nn.Module) -> None:
+def raise_on_every_rank(error: str | None, shards: list, model: nn.Module) -> None:
     """Each rank reads only its own experts, so only some may find a broken one: tell the EP group
-    (one ``all_gather_object``) and raise ``ValueError`` on all of it."""
-    group = next((m._epmoe.group for m in model.modules() if hasattr(m, "_epmoe")), None)
-    errors = [error]
+    (one agreement step, :meth:`~epmoe.comm.steps.StepChannel.agree`) and raise ``ValueError`` on all
+    of it, the ranks that found a broken expert saying which."""
     if shards and shards[0].ep_size > 1:
-        errors = [None] * shards[0].ep_size
-        torch.distributed.all_gather_object(errors, error, group=group)
-    bad = [(rank, message) for rank, message in enumerate(errors) if message is not None]
-    if bad:
-        raise ValueError(
-            "epmoe.from_pretrained: the checkpoint does not hold every expert: "
-            + "; ".join(f"EP rank {rank}: {message}" for rank, message in bad)
-        )
+        group = ep_group_of(model)
+        channel = StepChannel(group, 1, what="EP")
+        try:
+            channel.agree(channel.next_call(AGREE), platform.group_device(group), [], failed=error is not None,
+                          caller="epmoe.from_pretrained")
+        except ValueError as exc:
+            raise ValueError(f"epmoe.from_pretrained: the checkpoint does not hold every expert: {exc}") from None
+    if error is not None:
+        raise ValueError(f"epmoe.from_pretrained: the checkpoint does not hold every expert: EP rank "
+                         f"{shards[0].ep_rank if shards else 0}: {error}")
 
 
-def _as_local_parameters(model: nn.Module) -> None:
+def as_local_parameters(model: nn.Module) -> None:
     """The loaded ``DTensor`` expert parameters as plain local ``nn.Parameter``s."""
-    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
-
     from torch.distributed.tensor import DTensor
 
     for _, module, state in sharded_experts(model, packed_only=True):

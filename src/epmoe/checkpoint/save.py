@@ -57,6 +57,8 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.checkpoint.guard import own_state_dict
+from epmoe.ep.state import ExpertParallelState, sharded_experts
+from epmoe.integrations.peft import cat_factor, expert_lora_wrappers, factor_weights
 from epmoe.comm.steps import SAVE, OutOfStepError, Position, StepChannel
 
 WRITER = 0  # the global rank transformers writes from
@@ -138,7 +140,7 @@ class StreamedWeights:
         self.on_this_rank = save_on_this_rank and (dist.get_rank() if dist.is_initialized() else 0) == WRITER
 
     def write(self) -> None:
-        """Plan the files on every rank (the same plan everywhere: it decides the gathers' order),
+        """RowLayout the files on every rank (the same plan everywhere: it decides the gathers' order),
         then gather and write them."""
         if self.state_dict is None:  # transformers returned before taking the state dict
             return
@@ -218,8 +220,6 @@ def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], ga
     experts, and the units that gather them, in the model's module order. A unit exists for each
     experts tensor the state dict holds: transformers builds it the same way on every rank (a
     ``state_dict=`` passed to ``save_pretrained`` must hold the same keys on every rank)."""
-    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
-
     full, units = dict(state_dict), []
     for module_name, module, state in sharded_experts(model):
         if not gathers.joins(state.channel):  # a "dp" replica of the writer's EP group: same experts
@@ -246,7 +246,7 @@ class _PackedUnit:
     the writer receives and reverts one rank's part at a time and renumbers its keys; otherwise (a
     checkpoint layout that keeps the experts packed) it gathers all ``E`` experts at once."""
 
-    def __init__(self, key: str, local: torch.Tensor, dtype: torch.dtype, state, gathers: _WriterGathers):
+    def __init__(self, key: str, local: torch.Tensor, dtype: torch.dtype, state: ExpertParallelState, gathers: _WriterGathers):
         self.key, self.local, self.dtype, self.gathers = key, local.contiguous(), dtype, gathers
         self.channel, self.parts = state.channel, state.shard.ep_size
         self.full = {key: torch.empty((state.shard.num_experts, *local.shape[1:]), dtype=dtype, device="meta")}
@@ -312,7 +312,7 @@ class _ModuleListUnit:
     ``gather_object``; all ``E`` planned in global expert order in place of the local ones (experts
     of one list have the same structure)."""
 
-    def __init__(self, state, prefix: str, gathers: _WriterGathers):
+    def __init__(self, state: ExpertParallelState, prefix: str, gathers: _WriterGathers):
         shard = state.shard
         self.channel, self.gathers = state.channel, gathers
         self.local = {f"{prefix}{shard.local_start + j}.{k}": v.detach()
@@ -453,30 +453,17 @@ def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     ``save_pretrained(state_dict=...)`` (see the module docstring); other ranks get their own
     factors. LoRA on ``nn.ModuleList`` experts' Linears and LoRA biases are not gathered (they stay
     each rank's). Collective: every rank calls it."""
-    from epmoe.training.params import _peft_base
-
     with own_state_dict():
         out = peft_model.state_dict()
     gathers = _WriterGathers()
-    for name, module in peft_model.named_modules():
-        state = getattr(_peft_base(module), "_epmoe", None)
-        if state is None or not gathers.joins(state.channel):
+    for name, module, state in expert_lora_wrappers(peft_model):
+        if not gathers.joins(state.channel):
             continue
-        for factor in ("lora_A", "lora_B"):
-            for adapter, linear in getattr(module, factor).items():
-                parts = gathers.gather(state.channel, linear.weight.detach().contiguous())
-                if parts is not None:
-                    out[f"{name}.{factor}.{adapter}.weight"] = _cat_lora(factor, parts, module.num_experts)
+        for factor, adapter, linear in factor_weights(module):
+            parts = gathers.gather(state.channel, linear.weight.detach().contiguous())
+            if parts is not None:
+                out[f"{name}.{factor}.{adapter}.weight"] = cat_factor(factor, parts, module.num_experts)
     return out
-
-
-def _cat_lora(factor: str, parts: list[torch.Tensor], local_experts: int) -> torch.Tensor:
-    """Every rank's ``local_experts`` experts of one LoRA factor, in global expert order."""
-    if factor == "lora_A":  # (r*e, in), expert-major: row blocks
-        return torch.cat(parts)
-    out_features = parts[0].shape[0]  # (out, r*e), expert-minor: viewed (out, r, e)
-    blocks = [p.view(out_features, -1, local_experts) for p in parts]
-    return torch.cat(blocks, dim=2).reshape(out_features, -1)
 
 
 class _WriterGathers:
@@ -560,8 +547,6 @@ def _start_save(channel: StepChannel, device: torch.device) -> Position:
 
 def _non_local_expert_numel(model: nn.Module) -> dict[str, int]:
     """Parameters the other EP ranks hold (``all``, and ``trainable`` ones), as the unsharded model counts them."""
-    from epmoe.ep.config import sharded_experts  # epmoe.ep imports this package
-
     extra = {"all": 0, "trainable": 0}
     for _, module, state in sharded_experts(model):
         others = state.shard.ep_size - 1

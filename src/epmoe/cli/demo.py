@@ -19,6 +19,7 @@ import torch.distributed as dist
 from epmoe import platform
 from epmoe.bench.common import renamed_option
 from epmoe.demo import TrainOptions, TrainResult, train_parity
+from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.load import max_over_mean
 from epmoe.launch import run_ranks
 
@@ -131,8 +132,6 @@ def _validate(args: argparse.Namespace) -> TrainOptions:
     options = TrainOptions(family=args.model, steps=args.steps, dtype=args.dtype, backend=args.gmm_backend,
                            device=args.device, trainer=args.trainer, balance=args.balance,
                            show_progress=not args.trainer)
-    from epmoe.ep.config import ExpertParallelConfig
-
     ExpertParallelConfig(gmm_backend=args.gmm_backend)  # a bad --gmm-backend fails here, not in every rank
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
     if options.num_experts % world:

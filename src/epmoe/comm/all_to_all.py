@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from epmoe.comm.steps import group_size
+from epmoe.comm.steps import world_size
 from epmoe.errors import refuse_double_backward
 
 
@@ -74,16 +74,16 @@ def all_to_all_v(
     Differentiable; returns ``(sum(output_splits), *x.shape[1:])``. With a group of size 1 it returns
     ``x`` itself (splits must then equal ``[len(x)]``).
     """
-    world = group_size(group, "all_to_all_v")
+    ep_size = world_size(group, "all_to_all_v")
     output_splits, input_splits = list(output_splits), list(input_splits)
-    if len(output_splits) != world or len(input_splits) != world:
+    if len(output_splits) != ep_size or len(input_splits) != ep_size:
         raise ValueError(
-            f"all_to_all_v(output_splits, input_splits): need {world} splits each, got "
+            f"all_to_all_v(output_splits, input_splits): need {ep_size} splits each, got "
             f"{len(output_splits)} and {len(input_splits)}"
         )
     if sum(input_splits) != x.shape[0]:
         raise ValueError(f"all_to_all_v(input_splits): splits sum to {sum(input_splits)}, x has {x.shape[0]} rows")
-    if world == 1:
+    if ep_size == 1:
         if output_splits != input_splits:
             raise ValueError(f"all_to_all_v(output_splits): {output_splits} differs from input_splits on a group of 1")
         return x

@@ -12,7 +12,7 @@ wait in their next collective; then one host read of what was received and sent.
     rank 0: send_counts = [a00 a01 a10 a11]   recv_counts = [a00 a01 | b00 b01]   (source-rank-major)
     rank 1: send_counts = [b00 b01 b10 b11]   recv_counts = [a10 a11 | b10 b11]
 
-An EP layer's forward runs :func:`counts_exchange` on its model's step channel (the header names the
+An EP layer's forward runs :func:`exchange_counts_on` on its model's step channel (the header names the
 layer and its forward call). The public :func:`exchange_counts` first agrees on the histogram's
 length in a small header exchange, so ranks with different lengths raise instead of aborting.
 """
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe import errors, platform
-from epmoe.comm.steps import COUNTS, MODEL_WIDE, Position, StepChannel, group_size
+from epmoe.comm.steps import COUNTS, MODEL_WIDE, Position, StepChannel, dtype_code, dtype_name, world_size
 
 
 def exchange_counts(
@@ -36,22 +36,22 @@ def exchange_counts(
     host synchronisations; ranks whose lengths differ, or a rank whose histogram is invalid, raise
     ``ValueError`` on every rank.
     """
-    world = group_size(group, "exchange_counts")
+    ep_size = world_size(group, "exchange_counts")
     try:
-        _validate(tokens_per_expert, world)
+        _validate(tokens_per_expert, ep_size)
     except (TypeError, ValueError):
-        if world > 1:  # the peers are entering the lengths exchange: join it, flagged, then raise
-            lengths = torch.zeros(world, 1, dtype=torch.int64, device=platform.current_device())
+        if ep_size > 1:  # the peers are entering the lengths exchange: join it, flagged, then raise
+            lengths = torch.zeros(ep_size, 1, dtype=torch.int64, device=platform.current_device())
             StepChannel(group, 1, what="exchange_counts").exchange(
                 Position(MODEL_WIDE, COUNTS, 0), lengths, torch.ones((), dtype=torch.int64, device=lengths.device))
         raise
-    if world == 1:
+    if ep_size == 1:
         both = tokens_per_expert.to(torch.int64).tolist()
         _check_non_negative(both, [int(min(both) < 0)])
         return both, list(both)
     device, length = tokens_per_expert.device, tokens_per_expert.numel()
     lengths, invalid = StepChannel(group, 1, what="exchange_counts").exchange(
-        Position(MODEL_WIDE, COUNTS, 0), torch.full((world, 1), length, dtype=torch.int64, device=device)
+        Position(MODEL_WIDE, COUNTS, 0), torch.full((ep_size, 1), length, dtype=torch.int64, device=device)
     )
     if any(invalid):
         bad = [rank for rank, flag in enumerate(invalid) if flag]
@@ -63,29 +63,38 @@ def exchange_counts(
             f"exchange_counts(tokens_per_expert): the ranks' histograms differ in length: {errors.summarize(theirs)} "
             f"by rank (each must be W*e = the global number of experts)"
         )
-    channel = StepChannel(group, length // world + 1, what="exchange_counts")
-    send_counts, recv_counts, _ = counts_exchange(channel, Position(MODEL_WIDE, COUNTS, 1), tokens_per_expert)
+    channel = StepChannel(group, length // ep_size + 2, what="exchange_counts")
+    send_counts, recv_counts, _ = exchange_counts_on(channel, Position(MODEL_WIDE, COUNTS, 1), tokens_per_expert)
     return send_counts, recv_counts
 
 
-def counts_exchange(channel: StepChannel, position: Position, tokens_per_expert: torch.Tensor
-                    ) -> tuple[list[int], list[int], list[int]]:
+def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expert: torch.Tensor,
+                       rows_dtype: torch.dtype | None = None) -> tuple[list[int], list[int], list[int]]:
     """:func:`exchange_counts` as one header exchange on ``channel`` at ``position`` (lengths known
-    to agree; ``channel.width`` at least ``e + 1``), plus every source's total slots (each row also
-    carries its sender's histogram total). Raises on every rank if the headers differ or any rank's
-    histogram is negative."""
+    to agree; ``channel.width`` at least ``e + 2``), plus every source's total slots (each row also
+    carries its sender's histogram total and ``rows_dtype``, the dtype of the rows about to travel).
+    Raises on every rank if the headers differ, any rank's histogram is negative, or the ranks'
+    rows differ in dtype (their exchanges would not fit together: gloo aborts the process)."""
     W = channel.size
     send_We = tokens_per_expert.to(torch.int64).view(W, -1)
     negative = (send_We < 0).any().to(torch.int64)  # on the device: no host read yet
     total = send_We.sum().expand(W, 1)
-    received, flags, sent = channel.exchange(position, torch.cat([send_We, total], dim=1), negative, echo=True)
-    send_counts = [c for row in sent for c in row[:-1]]
-    recv_counts = [c for row in received for c in row[:-1]]
+    dtype = send_We.new_full((W, 1), dtype_code(rows_dtype) if rows_dtype is not None else 0)
+    received, flags, sent = channel.exchange(position, torch.cat([send_We, total, dtype], dim=1), negative, echo=True)
+    send_counts = [c for row in sent for c in row[:-2]]
+    recv_counts = [c for row in received for c in row[:-2]]
     _check_non_negative(send_counts, flags)
-    return send_counts, recv_counts, [row[-1] for row in received]
+    dtypes = [row[-1] for row in received]
+    if len(set(dtypes)) > 1:
+        raise ValueError(
+            f"epmoe: the EP ranks run {position.describe(channel.layer_names)} in different dtypes: "
+            f"{[dtype_name(d) for d in dtypes]} by rank (this is EP rank {channel.rank}); every rank must hold "
+            f"the model in the same dtype (call model.to(dtype) on every rank)"
+        )
+    return send_counts, recv_counts, [row[-2] for row in received]
 
 
-def _validate(tokens_per_expert, world: int) -> None:
+def _validate(tokens_per_expert, ep_size: int) -> None:
     if not isinstance(tokens_per_expert, torch.Tensor):
         raise TypeError(f"exchange_counts(tokens_per_expert): expected a Tensor, got {type(tokens_per_expert).__name__}")
     if tokens_per_expert.dim() != 1 or tokens_per_expert.dtype.is_floating_point or tokens_per_expert.dtype == torch.bool:
@@ -98,10 +107,10 @@ def _validate(tokens_per_expert, world: int) -> None:
             "exchange_counts(tokens_per_expert): the tensor is on the meta device and has no values to exchange; "
             "materialise the model first (epmoe.from_pretrained, or to_empty() then load the weights)"
         )
-    if tokens_per_expert.numel() == 0 or tokens_per_expert.numel() % world:
+    if tokens_per_expert.numel() == 0 or tokens_per_expert.numel() % ep_size:
         raise ValueError(
             f"exchange_counts(tokens_per_expert): length {tokens_per_expert.numel()} is not a positive multiple "
-            f"of the group size {world}"
+            f"of the group size {ep_size}"
         )
 
 

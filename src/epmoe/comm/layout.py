@@ -5,8 +5,27 @@ Glossary (one letter per quantity, used in names across the package: ``x_TH``, `
     T   tokens on this rank                   K   routing choices per token (top-k)
     S   slots, S = T * K: one (token, k) pair  H   hidden size
     I   expert intermediate size              E   experts of the layer (global)
-    W   ranks of the EP group                 e   local experts per rank, E = W * e
+    W   ranks of the EP group (``ep_size``)   e   local experts per rank, E = W * e
     r   a destination rank, s a source rank    j   a local expert, global expert g = r*e + j
+
+(The grouped matmul, below this package, names its own operands: ``x (T, D)`` rows by group,
+``weight (G, D, N)``, ``G`` groups, ``D`` the contracted width.)
+
+Words, one meaning each::
+
+    route        the model's router picks K experts per token (epmoe never changes it)
+    exchange     an all-to-all: of counts (the counts exchange, ``exchange_counts``), of step
+                 headers (:mod:`epmoe.comm.steps`), or of rows
+    dispatch     rank-major rows to their experts' ranks, in expert-major order; combine: back
+    transport    how dispatch and combine move rows: all-to-all-v or the fused ops (the config's
+                 ``dispatch`` field names it; :mod:`epmoe.ep.dispatcher`, one class each)
+    layout       where each row sits in the three orders below (:class:`RowLayout`)
+    shard        what one EP rank holds of an experts module (``ExpertShard``); checkpoints have files
+    group        a ``torch.distributed`` process group (the grouped matmul's row groups are ``G``)
+    backend      an implementation chosen by eligibility, with a reason when it declines: grouped-matmul
+                 backends, and the fused ops' backends (their public ``impl=`` argument)
+    agreement    one step in which every rank shows its peers what must match, before anything changes
+                 (:meth:`epmoe.comm.steps.StepChannel.agree`)
 
 Three row orders, for one layer on one rank::
 
@@ -20,7 +39,7 @@ Three row orders, for one layer on one rank::
     +--------+                     +-----------+                  +-----------+
     counts_rank_major_WE[r*e + j]  counts_expert_major_WE[s*e + j] (the same counts, read (j, s))
 
-A :class:`Plan` describes one exchange from one rank's point of view, in the dispatch direction's
+A :class:`RowLayout` describes one exchange of rows from one rank's point of view, in the dispatch direction's
 terms (the combine direction is the same plan read backwards: dispatch sends ``counts_rank_major``
 and receives ``counts_expert_major``, combine the reverse).
 
@@ -42,6 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
+from epmoe.gmm.backend import prefix
+
 Block = tuple[int, int]  # (first row, number of rows)
 
 
@@ -53,15 +74,6 @@ def round_bounds(e: int, num_chunks: int) -> list[tuple[int, int]]:
     """
     rounds = min(num_chunks, e)
     return [(c * e // rounds, (c + 1) * e // rounds) for c in range(rounds)]
-
-
-def prefix(values: list[int]) -> list[int]:
-    """``[0, v0, v0+v1, ..., sum(values)]``: the first row of each block, then the end."""
-    offsets, total = [0], 0
-    for value in values:
-        total += value
-        offsets.append(total)
-    return offsets
 
 
 def inverse_permutation(index: torch.Tensor) -> torch.Tensor:
@@ -89,14 +101,14 @@ def gather_rows(x: torch.Tensor, blocks: list[Block]) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Plan:
+class RowLayout:
     """One rank's view of an exchange between its rank-major and its expert-major tensor.
 
-    ``world`` ranks, ``e`` local experts per rank; both count lists have ``world * e`` entries,
+    ``ep_size`` ranks, ``e`` local experts per rank; both count lists have ``ep_size * e`` entries,
     indexed ``peer * e + j``; ``rounds`` are the pipelining rounds (see :func:`round_bounds`).
     """
 
-    world: int
+    ep_size: int
     e: int
     counts_rank_major_WE: tuple[int, ...]
     counts_expert_major_WE: tuple[int, ...]
@@ -108,14 +120,14 @@ class Plan:
         return prefix(list(self.counts_rank_major_WE))
 
     @functools.cached_property
-    def group_sizes_E(self) -> list[int]:
+    def rows_per_expert_e(self) -> list[int]:
         """Rows of local expert ``j`` in the expert-major tensor: ``sum_s counts_expert_major_WE[s*e + j]``."""
-        return [sum(self.counts_expert_major_WE[s * self.e + j] for s in range(self.world)) for j in range(self.e)]
+        return [sum(self.counts_expert_major_WE[s * self.e + j] for s in range(self.ep_size)) for j in range(self.e)]
 
     @functools.cached_property
     def offsets_expert(self) -> list[int]:
         """First row of local expert ``j`` in the expert-major tensor (plus the end)."""
-        return prefix(self.group_sizes_E)
+        return prefix(self.rows_per_expert_e)
 
     @property
     def rows_rank_major(self) -> int:
@@ -126,9 +138,9 @@ class Plan:
         return self.offsets_expert[-1]
 
     @classmethod
-    def one_round(cls, world: int, e: int, counts_rank_major_WE, counts_expert_major_WE) -> Plan:
+    def one_round(cls, ep_size: int, e: int, counts_rank_major_WE, counts_expert_major_WE) -> RowLayout:
         """The all-to-all-v exchange: one round over all ``e`` local experts."""
-        return cls(world, e, tuple(counts_rank_major_WE), tuple(counts_expert_major_WE), ((0, e),))
+        return cls(ep_size, e, tuple(counts_rank_major_WE), tuple(counts_expert_major_WE), ((0, e),))
 
     @property
     def rank_major_splits(self) -> list[int]:
@@ -143,12 +155,12 @@ class Plan:
     def rank_major_blocks(self, j0: int, j1: int) -> list[Block]:
         """Per peer ``r``, the rank-major rows of experts ``[j0, j1)`` of rank ``r`` (one block each)."""
         e, offsets = self.e, self.offsets_rank_major
-        return [(offsets[r * e + j0], offsets[r * e + j1] - offsets[r * e + j0]) for r in range(self.world)]
+        return [(offsets[r * e + j0], offsets[r * e + j1] - offsets[r * e + j0]) for r in range(self.ep_size)]
 
     def expert_major_splits(self, j0: int, j1: int) -> list[int]:
         """Per peer ``s``, the expert-major rows of experts ``[j0, j1)`` from (or to) ``s``."""
         e, counts = self.e, self.counts_expert_major_WE
-        return [sum(counts[s * e + j0:s * e + j1]) for s in range(self.world)]
+        return [sum(counts[s * e + j0:s * e + j1]) for s in range(self.ep_size)]
 
     def expert_rows(self, j0: int, j1: int) -> tuple[int, int]:
         """``(start, end)``: the expert-major slice of experts ``[j0, j1)``."""
@@ -158,22 +170,22 @@ class Plan:
         """Blocks of a round buffer in ``(s, j)`` order, listed in ``(j, s)`` order (gathering permutes)."""
         source_major = self._source_major_starts(j0, j1)
         counts = self.counts_expert_major_WE
-        return [(source_major[s][j - j0], counts[s * self.e + j]) for j in range(j0, j1) for s in range(self.world)]
+        return [(source_major[s][j - j0], counts[s * self.e + j]) for j in range(j0, j1) for s in range(self.ep_size)]
 
     def to_source_major(self, j0: int, j1: int) -> list[Block]:
         """Blocks of a round slice in ``(j, s)`` order, listed in ``(s, j)`` order (the inverse permute)."""
         e, counts = self.e, self.counts_expert_major_WE
         starts, row = {}, 0
         for j in range(j0, j1):
-            for s in range(self.world):
+            for s in range(self.ep_size):
                 starts[s, j] = row
                 row += counts[s * e + j]
-        return [(starts[s, j], counts[s * e + j]) for s in range(self.world) for j in range(j0, j1)]
+        return [(starts[s, j], counts[s * e + j]) for s in range(self.ep_size) for j in range(j0, j1)]
 
     def _source_major_starts(self, j0: int, j1: int) -> list[list[int]]:
         e, counts = self.e, self.counts_expert_major_WE
         starts, row = [], 0
-        for s in range(self.world):
+        for s in range(self.ep_size):
             per_expert = []
             for j in range(j0, j1):
                 per_expert.append(row)
@@ -183,4 +195,4 @@ class Plan:
 
     def needs_permute(self, j0: int, j1: int) -> bool:
         """Whether a round's ``(s, j)`` and ``(j, s)`` orders differ (not with one peer or one expert)."""
-        return self.world > 1 and j1 - j0 > 1
+        return self.ep_size > 1 and j1 - j0 > 1

@@ -18,6 +18,8 @@ row size for every header on that group::
     "dp" expert-gradient reduction      a header (payload: the element count) before each one
     clip_grad_norm_, save_pretrained    a header before their reductions / gathers
     expert_load (telemetry)             the header exchange carries each rank's expert counts
+    agreement (apply_expert_parallel,   each rank shows its peers what must match (named fields)
+      the fused ops, loading)           and whether its own input failed: :meth:`StepChannel.agree`
 
 Each rank receives every peer's header, so a mismatch raises :class:`OutOfStepError` on every rank,
 naming both positions. ``call`` counts the layer's forwards (a backward carries the count of the
@@ -33,6 +35,8 @@ Waiting is bounded by the group epmoe creates for EP at :func:`epmoe.apply_exper
 from __future__ import annotations
 
 import datetime
+import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,10 +48,30 @@ MAGIC = 0x65706D6F65  # "epmoe": a row that lacks it is not a header (the ranks'
 HEADER = 5  # MAGIC, layer, phase, call, flag
 DEFAULT_TIMEOUT_S = 300.0
 
-FORWARD, BACKWARD, GRAD_REDUCE, CLIP, SAVE, COUNTS, TELEMETRY = 1, 2, 3, 4, 5, 6, 7
+FORWARD, BACKWARD, GRAD_REDUCE, CLIP, SAVE, COUNTS, TELEMETRY, AGREE = 1, 2, 3, 4, 5, 6, 7, 8
 PHASES = {FORWARD: "forward", BACKWARD: "backward", GRAD_REDUCE: "expert-gradient reduction",
-          CLIP: "clip_grad_norm_", SAVE: "save_pretrained", COUNTS: "exchange_counts", TELEMETRY: "expert_load"}
+          CLIP: "clip_grad_norm_", SAVE: "save_pretrained", COUNTS: "exchange_counts", TELEMETRY: "expert_load",
+          AGREE: "agreement"}
 MODEL_WIDE = -1  # the layer of a position that concerns the whole model (clip, save)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype`` as an int a header can carry (:func:`dtype_name` reads it back)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+def dtype_name(code: int) -> str:
+    """The name of the dtype :func:`dtype_code` gave ``code``."""
+    return _DTYPE_NAMES.get(code, f"dtype #{code}")
+
+
+def value_code(value: object) -> int:
+    """Any value's ``repr`` as an int a header can carry (equal values, equal codes)."""
+    return zlib.crc32(repr(value).encode())
+
+
+_DTYPE_NAMES = {dtype_code(d): str(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+                                                 torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 class OutOfStepError(RuntimeError):
@@ -71,7 +95,7 @@ class Position:
         return f"{phase} of {name} (experts module {self.layer}), forward call #{self.call}"
 
 
-def group_size(group: dist.ProcessGroup | None = None, caller: str | None = None) -> int:
+def world_size(group: dist.ProcessGroup | None = None, caller: str | None = None) -> int:
     """Ranks in ``group`` (the default group for ``None``); 1 without ``torch.distributed``, where a
     given ``group`` is an error naming ``caller(group)``."""
     if dist.is_available() and dist.is_initialized():
@@ -81,10 +105,40 @@ def group_size(group: dist.ProcessGroup | None = None, caller: str | None = None
     return 1
 
 
+def group_timeout_s(group: dist.ProcessGroup | None) -> float | None:
+    """The timeout ``group``'s collectives wait (``None`` where the backend does not say)."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        backend = group._get_backend(platform.group_device(group))
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):  # a backend without options (e.g. a custom one)
+        return None
+
+
+def step_timeout_s(configured: float | None, group: dist.ProcessGroup | None) -> float:
+    """How long an EP collective waits: ``configured`` (``ExpertParallelConfig.timeout``), else
+    :data:`DEFAULT_TIMEOUT_S` or ``group``'s own timeout, whichever is shorter (a user who shortened
+    the process group's timeout gets no longer waits from epmoe)."""
+    if configured is not None:
+        return float(configured)
+    own = group_timeout_s(group)
+    return min(DEFAULT_TIMEOUT_S, own) if own else DEFAULT_TIMEOUT_S
+
+
 def step_group(group: dist.ProcessGroup | None, timeout_s: float) -> dist.ProcessGroup:
     """A new process group over ``group``'s ranks, with ``group``'s backend and a ``timeout_s``
-    timeout, created by those ranks alone (every EP group of a mesh creates its own)."""
+    timeout, created by those ranks alone (every EP group of a mesh creates its own).
+
+    torch names a group its ranks create alone from the ranks and from how many groups the process
+    knows; ranks with different histories (a pair that made its own EP model before) would compute
+    different names and wait for each other until the timeout. So the ranks first agree on the
+    largest such number (one agreement step on ``group``) and the others catch up with groups of
+    one rank (local, nothing exchanged): the name then depends on the ranks alone."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    known = len(dist.distributed_c10d._world.pg_names)  # what torch hashes into a local group's name
+    rows = StepChannel(group, 1).agree(Position(MODEL_WIDE, AGREE, 0), platform.group_device(group), [], [known])
+    for _ in range(max(row[0] for row in rows) - known):
+        dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
     return dist.new_group(
         ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=dist.get_backend(group),
         use_local_synchronization=True,
@@ -100,6 +154,11 @@ class StepChannel:
         self.group, self.width, self.layer_names, self.timeout_s, self.what = group, width, layer_names, timeout_s, what
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.calls: dict[int, int] = {}  # model-wide phase -> how many have run
+
+    def __deepcopy__(self, memo: dict) -> StepChannel:
+        """A deep copy of a model shares its channels: a process group is one per set of ranks, and
+        the copy's collectives are the same ranks' (every rank copies alike)."""
+        return self
 
     def next_call(self, phase: int) -> Position:
         """The position of this rank's next model-wide ``phase`` (clip, save)."""
@@ -162,6 +221,40 @@ class StepChannel:
                     f"where this rank ({self.what} rank {self.rank}) has {payload}: the ranks differ in what they "
                     f"reduce (e.g. parameters frozen on some ranks only)"
                 )
+
+    def agree(self, position: Position, device: torch.device, fields: Sequence[tuple[str, int]],
+              extra: Sequence[int] = (), *, failed: bool = False, caller: str = "epmoe",
+              show: Callable[[str, int], object] | None = None) -> list[list[int]]:
+        """The agreement step: validate, then agree, then change anything.
+
+        One header exchange in which every rank shows every peer the same row: its ``fields``
+        (``(name, value)``; the names and their number the same on every rank), then ``extra``
+        values (the same number on every rank, not compared), its flag set where ``failed`` (this
+        rank rejected its own input: it should raise its own error once this returns). Raises
+        ``ValueError`` on every other rank naming the ranks that failed, else on every rank naming
+        the first field whose values differ (``show(name, value)`` renders a value, ``None`` for a
+        value that means nothing to a reader, such as a hash: the message then names the field
+        only). Returns every rank's ``fields`` values and ``extra``, by rank.
+        """
+        row = [value for _, value in fields] + list(extra)
+        payload = platform.host_to_device(torch.tensor([row] * self.size, dtype=torch.int64).view(self.size, -1),
+                                          device)
+        flag = platform.host_to_device(torch.tensor(int(failed), dtype=torch.int64), device)
+        received, flags = self.exchange(position, payload, flag)
+        if failed:
+            return received
+        bad = [rank for rank, theirs in enumerate(flags) if theirs]
+        if bad:
+            raise ValueError(f"{caller}: {self.what} rank(s) {bad} rejected their input (see their error); no rank "
+                             f"goes on (this is {self.what} rank {self.rank})")
+        for index, (name, _) in enumerate(fields):
+            values = [theirs[index] for theirs in received]
+            if len(set(values)) > 1:
+                shown = [show(name, v) for v in values] if show is not None else values
+                by_rank = f": {shown} by rank" if None not in shown else ""
+                raise ValueError(f"{caller}: the {self.what} ranks disagree on the {name}{by_rank} (this is "
+                                 f"{self.what} rank {self.rank})")
+        return received
 
     def all_reduce(self, tensor: torch.Tensor, position: Position, *, op=dist.ReduceOp.SUM, header: bool = True,
                    async_op: bool = False):

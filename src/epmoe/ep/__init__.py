@@ -1,6 +1,19 @@
-"""Expert parallelism on a model: find experts, shard them, route tokens to them and back."""
+"""The expert-parallel engine: what runs inside an EP layer, in data-path order.
 
-from epmoe.ep.apply import apply_expert_parallel, find_experts_modules, resolve_groups
+* :mod:`~epmoe.ep.config`: ``ExpertParallelConfig``, ``ExpertShard``.
+* :mod:`~epmoe.ep.recognize`: which modules are experts (packed, Linear triples), PEFT wrappers.
+* :mod:`~epmoe.ep.state`: what a model made expert-parallel keeps, and the queries over it.
+* :mod:`~epmoe.ep.routing`: the sort of a layer's slots by expert, and its counts exchange.
+* :mod:`~epmoe.ep.dispatcher`: dispatch and combine, one class per transport.
+* :mod:`~epmoe.ep.experts`: the local experts' compute on grouped matmuls.
+* :mod:`~epmoe.ep.layer`: ``routed_experts``, the whole routed path of one layer.
+* :mod:`~epmoe.ep.grads`, :mod:`~epmoe.ep.params`: the expert-gradient contract (``"dp"``
+  reduction, sum / mean) and which parameters are expert-parallel.
+* :mod:`~epmoe.ep.load`: expert-load telemetry.
+
+Nothing here imports model knowledge, training, checkpoints or composition (the floors above).
+"""
+
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 
-__all__ = ["ExpertParallelConfig", "ExpertShard", "apply_expert_parallel", "find_experts_modules", "resolve_groups"]
+__all__ = ["ExpertParallelConfig", "ExpertShard"]

@@ -1,16 +1,12 @@
-"""``ExpertParallelConfig`` (how the experts run), ``ExpertShard`` (what a rank holds) and
-``sharded_experts`` (where a model's sharded experts are)."""
+"""``ExpertParallelConfig`` (how the experts run) and ``ExpertShard`` (what a rank holds)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from torch import nn
-
-from epmoe.comm.steps import DEFAULT_TIMEOUT_S
+from epmoe.gmm import gmm_backends
 
 DISPATCH_MODES = ("auto", "alltoallv", "fused")
 EXPERT_GRAD_MODES = ("auto", "sum", "mean")
@@ -30,10 +26,11 @@ class ExpertParallelConfig:
         expert_grad: what expert gradients are once backward ends: ``"sum"`` over every rank's
             tokens (the unsharded model on the concatenated batch), ``"mean"`` (divided by the
             data-parallel size, as DDP / FSDP2 do to the other gradients), or ``"auto"`` (``"mean"``
-            under DDP, FSDP2 or a prepared Trainer, ``"sum"`` otherwise); see :mod:`epmoe.training.grads`.
+            under DDP, FSDP2 or a prepared Trainer, ``"sum"`` otherwise); see :mod:`epmoe.ep.grads`.
         timeout: seconds an EP collective may wait for its peers before every waiting rank raises
-            (``None``: 300 s). epmoe's collectives run on a group created for EP with this timeout,
-            so a rank that died, hung or raised ends the others' wait; see :mod:`epmoe.comm.steps`.
+            (``None``: 300 s, or the process group's own timeout where that is shorter). epmoe's
+            collectives run on a group created for EP with this timeout, so a rank that died, hung
+            or raised ends the others' wait; see :mod:`epmoe.comm.steps`.
         check_steps: whether each layer's backward and each expert-gradient reduction start with a
             step-header exchange (one small collective and one host read each) that turns ranks out
             of step into an error on every rank: ``True``, ``False``, or ``"auto"`` (on for tensors on
@@ -57,8 +54,6 @@ class ExpertParallelConfig:
     capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
-        from epmoe.gmm import gmm_backends
-
         names = ["auto"] + [status.name for status in gmm_backends()]
         if not isinstance(self.gmm_backend, str) or self.gmm_backend not in names:
             raise ValueError(f"ExpertParallelConfig(gmm_backend): {self.gmm_backend!r} is not one of {names}")
@@ -89,11 +84,6 @@ class ExpertParallelConfig:
             raise ValueError("ExpertParallelConfig(capacity_factor): drops slots between the exchange and the grouped "
                              "matmul, which the fused ops do not expose; use dispatch='alltoallv' or 'auto'")
 
-    @property
-    def timeout_s(self) -> float:
-        """:attr:`timeout` in seconds, the default filled in."""
-        return float(self.timeout) if self.timeout is not None else DEFAULT_TIMEOUT_S
-
     @classmethod
     def from_any(cls, config: ExpertParallelConfig | dict[str, Any] | None) -> ExpertParallelConfig:
         """Accept a config, a dict of its fields (unknown keys raise), or ``None`` for defaults."""
@@ -122,17 +112,3 @@ class ExpertShard:
     ep_rank: int
     ep_size: int
 
-
-def sharded_experts(model: nn.Module, *, packed_only: bool = False
-                    ) -> Iterator[tuple[str, nn.Module, Any]]:
-    """``(name, module, state)`` (``state``: the module's ``ExpertParallelState``, ``module._epmoe``)
-    of every module holding EP state whose experts are sharded over more
-    than one rank, in ``named_modules()`` order: packed experts modules, and (unless ``packed_only``)
-    blocks around ``nn.ModuleList`` experts."""
-    for name, module in model.named_modules():
-        state = getattr(module, "_epmoe", None)
-        if state is None or state.shard.ep_size == 1:
-            continue
-        if packed_only and isinstance(state.local_experts, nn.ModuleList):
-            continue
-        yield name, module, state

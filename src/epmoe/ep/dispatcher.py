@@ -1,161 +1,175 @@
-"""Token dispatch and combine: how routed rows reach their expert's rank and come back.
+"""Dispatch and combine: how a layer's rank-major rows reach their local experts and come back.
 
-One layer on ``W`` ranks with ``e`` local experts each: rank-major rows (the sender's, sorted by
-global expert) travel by all-to-all-v to the source-major order and are permuted to the
-expert-major order the grouped matmul reads (the three orders and their letters:
-:mod:`epmoe.comm.layout`)::
+One interface, one class per transport (``ExpertParallelConfig.dispatch`` names the transport)::
 
-    rank-major --all-to-all-v--> source-major --permute--> expert-major --experts--> (same, back)
+    x_rank_major --dispatch--> x_expert_major --experts--> y_expert_major --combine--> y_rank_major
 
-``dispatch`` goes left to right, ``combine`` right to left. Every permutation is an index gather built
-from the counts alone, whose backward is the gather by the inverse permutation (no ``index_select``
-backward, which fails on some NPU stacks, and no accumulating scatter); repeating each token ``K``
-times is ``x[idx]``, whose backward is index_put. A single sort per layer (slots by expert, on the
-sender). The counts are exchanged once per
-layer (one host synchronisation, the layer's step header riding along: :mod:`epmoe.comm.steps`)
-and reused by combine and by both backward exchanges.
+(row orders and letters: :mod:`epmoe.comm.layout`). Both take the layer's :class:`LayerCounts` (its
+counts already exchanged); the step headers, the permutation of tokens and the weighted sum stay
+with :func:`epmoe.ep.layer.routed_experts`.
+
+* :class:`AllToAllDispatcher`: all-to-all-v, then a permutation from source-major to expert-major;
+  the experts' whole MLP (with ``capacity_factor``, on each expert's first rows only); the reverse::
+
+      rank-major --all-to-all-v--> source-major --permute--> expert-major --MLP--> (same, back)
+
+  Every permutation is an index gather built from the counts alone, whose backward is the gather by
+  the inverse permutation (no ``index_select`` backward, which fails on some NPU stacks, and no
+  accumulating scatter). With a group of one there is nothing to move.
+
+* :class:`FusedDispatcher`: the MLP split across the fused ops, a shared expert's matmuls (where the
+  block has one they can carry, :class:`SharedMLP`) in their communication gaps::
+
+      rank-major --alltoallv_gmm(up)--> h expert-major --gate / activation--> h
+                 --gmm_alltoallv(down)--> rank-major           shared: x @ [gate; up], then h_s @ down
+
+:func:`make_dispatcher` picks the class for a call from the state's transport and the call's device.
 """
 
 from __future__ import annotations
 
-import functools
+import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
+from torch import nn
 
 from epmoe import platform
 from epmoe.comm import all_to_all_v
-from epmoe.comm.counts import counts_exchange
-from epmoe.comm.layout import Plan, inverse_permutation, rows_index
-from epmoe.comm.steps import Position, StepChannel
+from epmoe.comm.fused import alltoallv_gmm, gmm_alltoallv
+from epmoe.comm.layout import inverse_permutation, prefix, rows_index
+from epmoe.ep.config import DROPPED_COUNTER
+from epmoe.ep.experts import packed_weight_names
+from epmoe.ep.routing import LayerCounts, permute_rows
+from epmoe.ep.state import ExpertParallelState
 
 
-@dataclass
-class SlotOrder:
-    """This rank's slots sorted by global expert, on the device (no host read: ``torch.compile``
-    traces :func:`sort_slots`). ``slot`` = one (token, k) routing choice; ``S = T * K`` slots."""
+@dataclass(frozen=True)
+class SharedMLP:
+    """A block's shared expert ``down(act_fn(gate(x)) * up(x))`` of bias-free Linears, on ``x_TH``."""
 
-    sort_S: torch.Tensor  # slot ids in rank-major order (sorted by global expert, stable)
-    unsort_S: torch.Tensor  # inverse of sort_S
-    tokens_per_expert: torch.Tensor  # (E,) int64: slots per global expert
+    mlp: nn.Module
+    x_TH: torch.Tensor
 
 
-@dataclass
-class RoutingPlan:
-    """Everything a layer's dispatch, combine and their backward need, on the host, computed once
-    per forward from its :class:`SlotOrder` and the counts exchange."""
+class Dispatcher(ABC):
+    """One layer call's transport (see the module docstring). ``shared``: a shared expert the
+    transport computes alongside (``None``: the block computes its own)."""
 
-    send_counts: list[int]  # (W*e,) rows this rank sends to expert (r, j)
-    recv_counts: list[int]  # (W*e,) rows this rank receives from rank s for local expert j, (s, j)
-    ep_size: int
-    num_local_experts: int
-    group: dist.ProcessGroup | None
-    global_slots: int  # slots of every rank of the EP group in this forward (T_global * K)
+    def __init__(self, state: ExpertParallelState, counts: LayerCounts, device: torch.device,
+                 shared: SharedMLP | None = None):
+        self.state, self.counts, self.device, self.shared = state, counts, device, shared
 
-    @functools.cached_property
-    def layout(self) -> Plan:
-        """The exchange's row layout (the fused ops use the same), as one round over all local experts."""
-        return Plan.one_round(self.ep_size, self.num_local_experts, self.send_counts, self.recv_counts)
+    @abstractmethod
+    def dispatch(self, x_rank_major: torch.Tensor) -> torch.Tensor:
+        """``(sum(send_counts), H)`` rank-major -> the expert-major rows :meth:`experts` reads."""
 
-    @property
-    def send_splits(self) -> list[int]:
-        """Rows this rank sends to each rank."""
-        return self.layout.rank_major_splits
+    @abstractmethod
+    def experts(self, x_expert_major: torch.Tensor) -> torch.Tensor:
+        """What the local experts compute between :meth:`dispatch` and :meth:`combine`."""
 
-    @property
-    def recv_splits(self) -> list[int]:
-        """Rows this rank receives from each rank."""
-        return self.layout.expert_major_splits_W
-
-    @property
-    def local_counts(self) -> list[int]:
-        """Rows per local expert ``j`` (summed over source ranks): the grouped matmul's counts."""
-        return self.layout.group_sizes_E
+    @abstractmethod
+    def combine(self, y_expert_major: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(y_rank_major (sum(send_counts), H), shared_TH or None)``."""
 
 
-def sort_slots(top_k_index_TK: torch.Tensor, num_experts: int) -> SlotOrder:
-    """This rank's slots sorted by global expert (stable), and how many each expert receives."""
-    expert_S = top_k_index_TK.reshape(-1)
-    tokens_per_expert = torch.zeros(num_experts, dtype=torch.int64, device=expert_S.device)
-    tokens_per_expert.scatter_add_(0, expert_S.long(), torch.ones_like(expert_S, dtype=torch.int64))
-    sort_S = torch.sort(expert_S, stable=True).indices
-    return SlotOrder(sort_S, inverse_permutation(sort_S), tokens_per_expert)
+class AllToAllDispatcher(Dispatcher):
+    """All-to-all-v around the experts' whole MLP (a shared expert, if given, runs on its own)."""
 
-
-def plan_routing(slots: SlotOrder, channel: StepChannel | None, position: Position) -> RoutingPlan:
-    """The host plan of ``slots``: the counts exchanged with the EP group at ``position``
-    (``channel``: the model's EP step channel, ``None`` on a single rank; one host read either way)."""
-    num_experts, num_slots = slots.tokens_per_expert.numel(), slots.sort_S.numel()
-    if channel is None:
-        send_counts = recv_counts = slots.tokens_per_expert.tolist()
-        ep_size, group, slots_by_rank = 1, None, [num_slots]
-    else:
-        send_counts, recv_counts, slots_by_rank = counts_exchange(channel, position, slots.tokens_per_expert)
-        ep_size, group = channel.size, channel.group
-    return RoutingPlan(send_counts, recv_counts, ep_size, num_experts // ep_size, group, sum(slots_by_rank))
-
-
-class _PermuteRows(torch.autograd.Function):
-    """``x[index]`` for a permutation ``index`` whose inverse is known: the backward is a gather too,
-    not an accumulating scatter into a zero tensor."""
-
-    @staticmethod
-    def forward(ctx, x, index, inverse):
-        ctx.save_for_backward(inverse)
-        return x[index]
-
-    @staticmethod
-    def backward(ctx, dy):
-        (inverse,) = ctx.saved_tensors
-        return dy[inverse], None, None
-
-
-def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` in the order ``index`` (a permutation with inverse ``inverse``), differentiable."""
-    return _PermuteRows.apply(x, index, inverse)
-
-
-class AllToAllDispatcher:
-    """Dispatch / combine over all-to-all-v (also serves a group of one, with no communication)."""
-
-    def __init__(self, plan: RoutingPlan, device: torch.device):
-        self.plan = plan
-        if plan.ep_size > 1:
-            layout, e = plan.layout, plan.num_local_experts
+    def __init__(self, state, counts, device, shared=None):
+        super().__init__(state, counts, device, shared)
+        if counts.ep_size > 1:
+            layout, e = counts.layout, len(counts.local_counts_e)
             to_expert_major = rows_index(layout.to_expert_major(0, e), layout.rows_expert_major)
             self.to_expert_major = platform.host_to_device(to_expert_major, device)
             self.to_source_major = platform.host_to_device(inverse_permutation(to_expert_major), device)
 
-    def dispatch(self, x_rank_major: torch.Tensor) -> torch.Tensor:
-        """``(sum(send_counts), H)`` rank-major -> ``(sum(recv_counts), H)`` expert-major."""
-        plan = self.plan
-        if plan.ep_size == 1:
+    def dispatch(self, x_rank_major):
+        counts = self.counts
+        if counts.ep_size == 1:
             return x_rank_major
-        x_source_major = all_to_all_v(x_rank_major, plan.recv_splits, plan.send_splits, plan.group)
+        layout = counts.layout
+        x_source_major = all_to_all_v(x_rank_major, layout.expert_major_splits_W, layout.rank_major_splits,
+                                      counts.group)
         return permute_rows(x_source_major, self.to_expert_major, self.to_source_major)
 
-    def combine(self, y_expert_major: torch.Tensor) -> torch.Tensor:
-        """``(sum(recv_counts), H)`` expert-major -> ``(sum(send_counts), H)`` rank-major."""
-        plan = self.plan
-        if plan.ep_size == 1:
-            return y_expert_major
+    def experts(self, x_expert_major):
+        """The local experts on their expert-major rows; with ``config.capacity_factor``, only the
+        first ``C`` rows of each expert (the global order: source rank, then token, then k), the
+        others' outputs zero and counted as dropped (see :class:`~epmoe.ep.config.ExpertParallelConfig`)."""
+        state, counts = self.state, self.counts.local_counts_e
+        factor = state.config.capacity_factor
+        if factor is None:
+            return state.experts.forward(x_expert_major, counts, sync_weights=state.sync_weights)
+        capacity = math.ceil(factor * self.counts.global_slots / state.shard.num_experts)
+        kept = [min(capacity, n) for n in counts]
+        state.count_load([n - k for n, k in zip(counts, kept)], (DROPPED_COUNTER,))
+        if kept == counts:
+            return state.experts.forward(x_expert_major, counts, sync_weights=state.sync_weights)
+        starts = prefix(counts)  # each local expert's first expert-major row
+        index = platform.host_to_device(rows_index([(starts[j], k) for j, k in enumerate(kept)], sum(kept)),
+                                        x_expert_major.device)
+        y_kept = state.experts.forward(x_expert_major[index], kept, sync_weights=state.sync_weights)
+        return y_kept.new_zeros(x_expert_major.shape[0], y_kept.shape[1]).index_copy(0, index, y_kept)
+
+    def combine(self, y_expert_major):
+        shared_TH = None if self.shared is None else self.shared.mlp(self.shared.x_TH)
+        counts = self.counts
+        if counts.ep_size == 1:
+            return y_expert_major, shared_TH
+        layout = counts.layout
         y_source_major = permute_rows(y_expert_major, self.to_source_major, self.to_expert_major)
-        return all_to_all_v(y_source_major, plan.send_splits, plan.recv_splits, plan.group)
+        return all_to_all_v(y_source_major, layout.rank_major_splits, layout.expert_major_splits_W,
+                            counts.group), shared_TH
 
 
-def permute_tokens(hidden_TH: torch.Tensor, slots: SlotOrder, top_k: int) -> torch.Tensor:
-    """``(S, H)`` rank-major rows: each token repeated once per routing choice, sorted by expert."""
-    return hidden_TH[slots.sort_S // top_k]
+class FusedDispatcher(Dispatcher):
+    """``alltoallv_gmm`` (up projection), the experts' gate / activation, ``gmm_alltoallv`` (down
+    projection); the shared expert rides in their gaps. Only for experts
+    :func:`~epmoe.ep.recognize.fused_ineligible_reason` accepts (packed, no bias, no post-expert norm)."""
+
+    def __init__(self, state, counts, device, shared=None):
+        super().__init__(state, counts, device, shared)
+        experts = state.local_experts
+        self.trans_weight = not experts.is_transposed
+        self.up_proj, self.down_proj = state.sync_weights([getattr(experts, n) for n in packed_weight_names(experts)])
+        self.options = dict(num_chunks=state.config.num_chunks, gmm_backend=state.config.gmm_backend,
+                            check=False)  # the counts were exchanged (and agreed) by exchange_layer_counts
+        self.shared_gate_up: torch.Tensor | None = None
+
+    def dispatch(self, x_rank_major):
+        shared, counts = self.shared, self.counts
+        shared_up = {}
+        if shared is not None:
+            gate_up_weight = torch.cat([shared.mlp.gate_proj.weight, shared.mlp.up_proj.weight])  # (2Is, H)
+            shared_up = dict(shared_x=shared.x_TH, shared_weight=gate_up_weight, trans_shared_weight=True)
+        h_expert_major, self.shared_gate_up, _ = alltoallv_gmm(
+            x_rank_major, self.up_proj, counts.send_counts_WE, counts.recv_counts_WE, counts.group,
+            trans_weight=self.trans_weight, **shared_up, **self.options,
+        )
+        return h_expert_major
+
+    def experts(self, h_expert_major):
+        return self.state.experts.gate_activation(h_expert_major)
+
+    def combine(self, h_expert_major):
+        shared, counts = self.shared, self.counts
+        shared_down = {}
+        if shared is not None:
+            gate, up = self.shared_gate_up.chunk(2, dim=-1)
+            shared_down = dict(shared_x=shared.mlp.act_fn(gate) * up, shared_weight=shared.mlp.down_proj.weight,
+                               trans_shared_weight=True)
+        return gmm_alltoallv(
+            h_expert_major, self.down_proj, counts.recv_counts_WE, counts.send_counts_WE, counts.group,
+            trans_weight=self.trans_weight, **shared_down, **self.options,
+        )
 
 
-def unpermute_and_combine(
-    y_rank_major: torch.Tensor, top_k_weights_TK: torch.Tensor, slots: SlotOrder, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """Weight each returned row by its routing weight (on the sender, so the router gets its gradient),
-    restore slot order and sum each token's ``K`` rows (a fixed-order reduction: deterministic)."""
-    T, K = top_k_weights_TK.shape
-    weights_S = permute_rows(top_k_weights_TK.reshape(-1, 1), slots.sort_S, slots.unsort_S).squeeze(1)
-    weighted_S = y_rank_major * weights_S.unsqueeze(-1)  # in the wider dtype, as transformers does
-    weighted_slots = permute_rows(weighted_S, slots.unsort_S, slots.sort_S)
-    return weighted_slots.view(T, K, y_rank_major.shape[-1]).sum(dim=1).to(out_dtype)
+DISPATCHERS: dict[str, type[Dispatcher]] = {"alltoallv": AllToAllDispatcher, "fused": FusedDispatcher}
+
+
+def make_dispatcher(state: ExpertParallelState, counts: LayerCounts, device: torch.device,
+                    shared: SharedMLP | None = None) -> Dispatcher:
+    """The dispatcher of one layer call: the transport :meth:`ExpertParallelState.transport_on` names."""
+    return DISPATCHERS[state.transport_on(device)](state, counts, device, shared)

@@ -23,19 +23,11 @@ from torch import nn
 
 from epmoe.comm.steps import TELEMETRY
 from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER
+from epmoe.ep.state import ExpertParallelState, require_ep_states
 
 
-def experts_states(model: nn.Module, caller: str) -> list[tuple[str, object]]:
-    """``(experts module name, ExpertParallelState)`` of every experts module of an EP model (any EP size)."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{caller}(model): expected an nn.Module, got {type(model).__name__}")
-    found = [(m._epmoe.shard.module_name, m._epmoe) for m in model.modules() if hasattr(m, "_epmoe")]
-    if not found:
-        raise ValueError(f"{caller}(model): {type(model).__name__} is not expert-parallel (call apply_expert_parallel)")
-    return found
 
-
-def global_load(state, counter: str) -> torch.Tensor:
+def global_load(state: ExpertParallelState, counter: str) -> torch.Tensor:
     """``(E,)`` int64: the slots each global expert received in ``counter`` of one layer, summed over
     the EP group (one header exchange; none on a single rank)."""
     local = state.loads[counter].tolist()
@@ -48,7 +40,7 @@ def global_load(state, counter: str) -> torch.Tensor:
     return torch.tensor([c for row in received for c in row], dtype=torch.int64)
 
 
-def replicas_load(state, load_E: torch.Tensor) -> torch.Tensor:
+def replicas_load(state: ExpertParallelState, load_E: torch.Tensor) -> torch.Tensor:
     """``load_E`` (one EP group's) summed over the ``"dp"`` replicas of an EP x DP mesh too (a header
     exchange then an all-reduce over ``"dp"``; nothing without replicas): every rank's batches."""
     sync = state.sync
@@ -67,12 +59,12 @@ def expert_load(model: nn.Module, *, dropped: bool = False) -> dict[str, torch.T
     if not isinstance(dropped, bool):
         raise TypeError(f"expert_load(dropped): expected a bool, got {type(dropped).__name__}")
     counter = DROPPED_COUNTER if dropped else TELEMETRY_COUNTER
-    return {name: global_load(state, counter) for name, state in experts_states(model, "expert_load")}
+    return {name: global_load(state, counter) for name, state in require_ep_states(model, "expert_load")}
 
 
 def reset_expert_load(model: nn.Module) -> None:
     """Start counting afresh (local: no collective)."""
-    for _, state in experts_states(model, "reset_expert_load"):
+    for _, state in require_ep_states(model, "reset_expert_load"):
         state.loads[TELEMETRY_COUNTER].zero_()
         state.loads[DROPPED_COUNTER].zero_()
 

@@ -2,7 +2,7 @@
 
 A backend computes, for groups ``g = 0..G-1`` of consecutive rows of ``x``::
 
-    x_TK (rows grouped by g)      weight_GKN (or weight_GNK with trans_weight)
+    x_TD (rows grouped by g)      weight_GDN (or weight_GND with trans_weight)
     +--------+                    +-----+-----+-----+
     | g = 0  |  @ W[0]  ->        | W0  | W1  | W2  |
     | g = 1  |  @ W[1]  ->        +-----+-----+-----+
@@ -19,6 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+def prefix(values: list[int]) -> list[int]:
+    """``[0, v0, v0+v1, ..., sum(values)]``: the first row of each group (or block), then the end.
+    The package's one prefix sum of counts (:mod:`epmoe.comm.layout` uses it too)."""
+    offsets, total = [0], 0
+    for value in values:
+        total += value
+        offsets.append(total)
+    return offsets
 
 
 @dataclass(frozen=True)
@@ -51,14 +61,14 @@ class GmmBackend:
         device; ``backward``: the call will be differentiated too), or ``None``."""
         return None
 
-    def forward(self, x_TK: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool) -> torch.Tensor:
         """``y_TN``: rows of group ``g`` times ``weight[g]`` (``weight[g].T`` when ``trans_weight``)."""
         raise NotImplementedError
 
     def grad_weight(
-        self, x_TK: torch.Tensor, dy_TN: torch.Tensor, counts: list[int], trans_weight: bool
+        self, x_TD: torch.Tensor, dy_TN: torch.Tensor, counts: list[int], trans_weight: bool
     ) -> torch.Tensor:
-        """``dW[g] = x_g^T dy_g`` as ``(G, K, N)``, or ``dy_g^T x_g`` as ``(G, N, K)`` when ``trans_weight``.
+        """``dW[g] = x_g^T dy_g`` as ``(G, D, N)``, or ``dy_g^T x_g`` as ``(G, N, D)`` when ``trans_weight``.
 
         A group with no rows gets an exactly zero gradient.
         """

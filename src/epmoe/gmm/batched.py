@@ -3,9 +3,9 @@
 Many experts with a few rows each (decoding, small batches) are bound by one kernel call per group;
 padding the groups to a common size ``M = max(counts)`` turns them into one batched matmul::
 
-    x_TK (rows grouped by g)      x_pad (G, M, K), zero rows after each group's own
+    x_TD (rows grouped by g)      x_pad (G, M, D), zero rows after each group's own
     | g0: 3 rows |                | g0 g0 g0 0 |
-    | g1: 4 rows |   scatter  ->  | g1 g1 g1 g1|   bmm with W (G, K, N)   ->   y_pad (G, M, N)  --gather-->  y_TN
+    | g1: 4 rows |   scatter  ->  | g1 g1 g1 g1|   bmm with W (G, D, N)   ->   y_pad (G, M, N)  --gather-->  y_TN
     | g2: 1 row  |                | g2 0  0  0 |
 
 It multiplies ``G * M`` rows for ``T``: it pays only where the groups are small and even. So it is
@@ -44,30 +44,30 @@ class BatchedBackend(GmmBackend):
         if backward:
             return "the call is differentiated: padding was measured to win in the forward only"
         min_groups, max_mean_rows, max_spread = WINS[kind]
-        mean = sum(counts) / len(counts)
         if len(counts) < min_groups:
             return f"{len(counts)} groups (padding wins from {min_groups})"
+        mean = sum(counts) / len(counts)
         if mean > max_mean_rows:
             return f"{mean:.0f} rows per group on average (padding wins up to {max_mean_rows})"
         if max(counts) > max_spread * mean:
             return f"largest group {max(counts)} rows, {max(counts) / mean:.2f}x the mean (padding wins up to {max_spread}x)"
         return None
 
-    def forward(self, x_TK, weight, counts, trans_weight):
-        w_GKN = weight.transpose(1, 2) if trans_weight else weight
-        slots, M = _padded_slots(counts, x_TK.device)
-        x_pad = x_TK.new_zeros(len(counts) * M, x_TK.shape[1]).index_copy_(0, slots, x_TK)
-        y_pad = torch.bmm(x_pad.view(len(counts), M, -1), w_GKN)
+    def forward(self, x_TD, weight, counts, trans_weight):
+        w_GDN = weight.transpose(1, 2) if trans_weight else weight
+        slots, M = _padded_slots(counts, x_TD.device)
+        x_pad = x_TD.new_zeros(len(counts) * M, x_TD.shape[1]).index_copy_(0, slots, x_TD)
+        y_pad = torch.bmm(x_pad.view(len(counts), M, -1), w_GDN)
         return y_pad.view(len(counts) * M, -1).index_select(0, slots)
 
-    def grad_weight(self, x_TK, dy_TN, counts, trans_weight):
+    def grad_weight(self, x_TD, dy_TN, counts, trans_weight):
         G = len(counts)
-        slots, M = _padded_slots(counts, x_TK.device)
-        x_pad = x_TK.new_zeros(G * M, x_TK.shape[1]).index_copy_(0, slots, x_TK).view(G, M, -1)
+        slots, M = _padded_slots(counts, x_TD.device)
+        x_pad = x_TD.new_zeros(G * M, x_TD.shape[1]).index_copy_(0, slots, x_TD).view(G, M, -1)
         dy_pad = dy_TN.new_zeros(G * M, dy_TN.shape[1]).index_copy_(0, slots, dy_TN).view(G, M, -1)
         if trans_weight:
-            return torch.bmm(dy_pad.transpose(1, 2), x_pad)  # (G, N, K); zero rows add nothing, empty groups 0
-        return torch.bmm(x_pad.transpose(1, 2), dy_pad)  # (G, K, N)
+            return torch.bmm(dy_pad.transpose(1, 2), x_pad)  # (G, N, D); zero rows add nothing, empty groups 0
+        return torch.bmm(x_pad.transpose(1, 2), dy_pad)  # (G, D, N)
 
 
 def _padded_slots(counts: list[int], device: torch.device) -> tuple[torch.Tensor, int]:

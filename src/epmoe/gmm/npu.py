@@ -49,22 +49,22 @@ class NpuBackend(GmmBackend):
     def _group_list(counts: list[int], device: torch.device) -> torch.Tensor:
         return platform.host_to_device(torch.tensor(counts, dtype=torch.int64), device)
 
-    def forward(self, x_TK, weight, counts, trans_weight):
+    def forward(self, x_TD, weight, counts, trans_weight):
         if len(counts) == 1:
-            return LoopBackend().forward(x_TK, weight, counts, trans_weight)
-        w_GKN = weight.transpose(1, 2) if trans_weight else weight
+            return LoopBackend().forward(x_TD, weight, counts, trans_weight)
+        w_GDN = weight.transpose(1, 2) if trans_weight else weight
         (y_TN,) = platform.torch_npu().npu_grouped_matmul(
-            [x_TK], [w_GKN], group_list=self._group_list(counts, x_TK.device),
+            [x_TD], [w_GDN], group_list=self._group_list(counts, x_TD.device),
             split_item=3, group_type=0, group_list_type=1,
         )
         return y_TN
 
-    def grad_weight(self, x_TK, dy_TN, counts, trans_weight):
+    def grad_weight(self, x_TD, dy_TN, counts, trans_weight):
         if 0 in counts or len(counts) == 1:
-            return LoopBackend().grad_weight(x_TK, dy_TN, counts, trans_weight)
-        a, b = (dy_TN, x_TK) if trans_weight else (x_TK, dy_TN)
+            return LoopBackend().grad_weight(x_TD, dy_TN, counts, trans_weight)
+        a, b = (dy_TN, x_TD) if trans_weight else (x_TD, dy_TN)
         (dw,) = platform.torch_npu().npu_grouped_matmul(
-            [a.t()], [b], group_list=self._group_list(counts, x_TK.device),
+            [a.t()], [b], group_list=self._group_list(counts, x_TD.device),
             split_item=3, group_type=2, group_list_type=1,
         )
         return dw

@@ -1,12 +1,14 @@
 """``grouped_mm``: validation, backend registry and choice, and the autograd shared by all backends.
 
-    grouped_mm(x_TK, weight, counts)            validate shapes and dtypes (traceable)
+    grouped_mm(x_TD, weight, counts)            validate shapes and dtypes (traceable)
       -> epmoe::grouped_mm (custom op)          read counts to the host once, validate them, choose:
          |                                      $EPMOE_GMM_BACKEND, else backend=, else ("auto") the
          |                                      first eligible backend
          |--forward-->  backend.forward(x, W)             -> y_TN
-         <-backward--   epmoe::grouped_mm_backward: the same choice,
-                        backend.forward(dy, W, transposed) -> dx_TK
+         <-backward--   epmoe::grouped_mm_backward: the same choice (a named backend is judged
+                        alone: callers that issue several grouped matmuls, such as the experts'
+                        forward, choose once and name it to each call and its backward),
+                        backend.forward(dy, W, transposed) -> dx_TD
                         backend.grad_weight(x, dy)         -> dW (zero for empty groups)
 
 Both ops are ``torch.library`` custom ops with fake kernels (output shapes from the operands alone)
@@ -104,7 +106,9 @@ def select_backend(
     over ``backend``. With ``counts`` (validated by ``grouped_mm``), ``auto`` may take a backend that
     wins only on some group sizes (``backward``: whether the call will be differentiated).
     """
-    return choose_backend(_judge([(None, x, weight, trans_weight)], "select_backend"), backend=backend,
+    named = os.environ.get(ENV_BACKEND, "").strip() or backend
+    only = named if isinstance(named, str) and named != "auto" else None  # a named backend: judge it alone
+    return choose_backend(_judge([(None, x, weight, trans_weight)], "select_backend", only=only), backend=backend,
                           counts=counts, x=x, backward=backward)
 
 
@@ -148,15 +152,19 @@ def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto", 
     raise RuntimeError(f"grouped_mm: every backend declined: {declined}")  # loop never declines
 
 
-def _judge(calls: list[tuple[str | None, object, object, object]], caller: str) -> list[BackendStatus]:
-    """Each registered backend's status on every call ``(label, x, weight, trans_weight)``, validated
-    first; ``x`` is judged contiguous, as :func:`grouped_mm` passes it to the backend."""
+def _judge(calls: list[tuple[str | None, object, object, object]], caller: str, only: str | None = None
+           ) -> list[BackendStatus]:
+    """Each registered backend's status (``only``: that backend's alone) on every call ``(label, x,
+    weight, trans_weight)``, validated first; ``x`` is judged contiguous, as :func:`grouped_mm` passes
+    it to the backend."""
     judged = []
     for label, x, weight, trans_weight in calls:
         check_operands(x, weight, trans_weight, caller if label is None else f"{caller}[{label!r}]")
         judged.append((label, x.contiguous(), weight, trans_weight))
     statuses = []
     for candidate in _registry:
+        if only is not None and candidate.name != only:
+            continue
         reason = None
         for label, x, weight, trans_weight in judged:
             reason = candidate.ineligible_reason(x, weight, trans_weight=trans_weight)
@@ -180,8 +188,8 @@ def _warn_fallback(backend: GmmBackend, declined: list[tuple[str, str]]) -> None
 
 
 def check_operands(x: object, weight: object, trans_weight: object, caller: str = "grouped_mm") -> None:
-    """``ValueError`` / ``TypeError`` naming ``caller(argument)`` unless ``x`` (T, K) and ``weight``
-    (G, K, N), or (G, N, K) with ``trans_weight``, are floating tensors that fit together."""
+    """``ValueError`` / ``TypeError`` naming ``caller(argument)`` unless ``x`` (T, D) and ``weight``
+    (G, D, N), or (G, N, D) with ``trans_weight``, are floating tensors that fit together."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{caller}(x): expected a Tensor, got {type(x).__name__}")
     if not isinstance(weight, torch.Tensor):
@@ -189,9 +197,9 @@ def check_operands(x: object, weight: object, trans_weight: object, caller: str 
     if not isinstance(trans_weight, bool):
         raise TypeError(f"{caller}(trans_weight): expected a bool, got {type(trans_weight).__name__}")
     if x.dim() != 2:
-        raise ValueError(f"{caller}(x): expected a 2-D (T, K) tensor, got shape {tuple(x.shape)}")
+        raise ValueError(f"{caller}(x): expected a 2-D (T, D) tensor, got shape {tuple(x.shape)}")
     if weight.dim() != 3:
-        raise ValueError(f"{caller}(weight): expected a 3-D (G, K, N) tensor, got shape {tuple(weight.shape)}")
+        raise ValueError(f"{caller}(weight): expected a 3-D (G, D, N) tensor, got shape {tuple(weight.shape)}")
     if not x.dtype.is_floating_point:
         raise ValueError(f"{caller}(x): expected a floating dtype, got {x.dtype}")
     if weight.dtype != x.dtype:
@@ -200,10 +208,10 @@ def check_operands(x: object, weight: object, trans_weight: object, caller: str 
         raise ValueError(f"{caller}(weight): on {weight.device}, x is on {x.device}")
     k_dim = 2 if trans_weight else 1
     if weight.shape[k_dim] != x.shape[1]:
-        layout = "(G, N, K)" if trans_weight else "(G, K, N)"
+        layout = "(G, N, D)" if trans_weight else "(G, D, N)"
         raise ValueError(
-            f"{caller}(weight): shape {tuple(weight.shape)} read as {layout} has K={weight.shape[k_dim]}, "
-            f"but x has K={x.shape[1]}"
+            f"{caller}(weight): shape {tuple(weight.shape)} read as {layout} has D={weight.shape[k_dim]}, "
+            f"but x has D={x.shape[1]}"
         )
 
 
@@ -220,59 +228,59 @@ def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
 
 
 @torch.library.custom_op("epmoe::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_TK: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, trans_weight: bool,
+def _grouped_mm_op(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, trans_weight: bool,
                    backend: str, differentiable: bool) -> torch.Tensor:
     """The op behind :func:`grouped_mm`: ``counts_G`` read to the host here (once), the backend chosen
     here, so that ``torch.compile`` traces neither (only :func:`_grouped_mm_fake`)."""
-    counts = _counts_list(counts_G, weight.shape[0], x_TK.shape[0])
-    chosen = select_backend(x_TK, weight, trans_weight=trans_weight, backend=backend, counts=counts,
+    counts = _counts_list(counts_G, weight.shape[0], x_TD.shape[0])
+    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=counts,
                             backward=differentiable)
-    if x_TK.shape[0] == 0:
-        return x_TK.new_zeros(0, weight.shape[1 if trans_weight else 2])
-    return chosen.forward(x_TK, weight, counts, trans_weight)
+    if x_TD.shape[0] == 0:
+        return x_TD.new_zeros(0, weight.shape[1 if trans_weight else 2])
+    return chosen.forward(x_TD, weight, counts, trans_weight)
 
 
 @_grouped_mm_op.register_fake
-def _grouped_mm_fake(x_TK, weight, counts_G, trans_weight, backend, differentiable):
-    return x_TK.new_empty(x_TK.shape[0], weight.shape[1 if trans_weight else 2])
+def _grouped_mm_fake(x_TD, weight, counts_G, trans_weight, backend, differentiable):
+    return x_TD.new_empty(x_TD.shape[0], weight.shape[1 if trans_weight else 2])
 
 
 @torch.library.custom_op("epmoe::grouped_mm_backward", mutates_args=())
-def _grouped_mm_backward_op(dy_TN: torch.Tensor, x_TK: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor,
+def _grouped_mm_backward_op(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor,
                             trans_weight: bool, backend: str, need_dx: bool, need_dw: bool
                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx_TK, dW)`` on the backend the forward ran (chosen again from the same operands: the
+    """``(dx_TD, dW)`` on the backend the forward ran (chosen again from the same operands: the
     choice depends on nothing else); a gradient not needed is an empty tensor."""
-    counts = _counts_list(counts_G, weight.shape[0], x_TK.shape[0])
-    chosen = select_backend(x_TK, weight, trans_weight=trans_weight, backend=backend, counts=counts, backward=True)
-    dx = dw = x_TK.new_empty(0)
-    if x_TK.shape[0] == 0:
-        return (torch.zeros_like(x_TK) if need_dx else dx), (torch.zeros_like(weight) if need_dw else dw)
+    counts = _counts_list(counts_G, weight.shape[0], x_TD.shape[0])
+    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=counts, backward=True)
+    dx = dw = x_TD.new_empty(0)
+    if x_TD.shape[0] == 0:
+        return (torch.zeros_like(x_TD) if need_dx else dx), (torch.zeros_like(weight) if need_dw else dw)
     dy_TN = dy_TN.contiguous()
     if need_dx:
         dx = chosen.forward(dy_TN, weight, counts, not trans_weight)
     if need_dw:
-        dw = chosen.grad_weight(x_TK, dy_TN, counts, trans_weight)
+        dw = chosen.grad_weight(x_TD, dy_TN, counts, trans_weight)
     return dx, dw
 
 
 @_grouped_mm_backward_op.register_fake
-def _grouped_mm_backward_fake(dy_TN, x_TK, weight, counts_G, trans_weight, backend, need_dx, need_dw):
-    empty = x_TK.new_empty(0)
-    return (torch.empty_like(x_TK) if need_dx else empty), (torch.empty_like(weight) if need_dw else empty)
+def _grouped_mm_backward_fake(dy_TN, x_TD, weight, counts_G, trans_weight, backend, need_dx, need_dw):
+    empty = x_TD.new_empty(0)
+    return (torch.empty_like(x_TD) if need_dx else empty), (torch.empty_like(weight) if need_dw else empty)
 
 
 def _setup_context(ctx, inputs, output):
-    x_TK, weight, counts_G, trans_weight, backend, _ = inputs
-    ctx.save_for_backward(x_TK, weight, counts_G)
+    x_TD, weight, counts_G, trans_weight, backend, _ = inputs
+    ctx.save_for_backward(x_TD, weight, counts_G)
     ctx.trans_weight, ctx.backend = trans_weight, backend
 
 
 def _backward(ctx, dy_TN):
     refuse_double_backward("grouped_mm")
-    x_TK, weight, counts_G = ctx.saved_tensors
+    x_TD, weight, counts_G = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = torch.ops.epmoe.grouped_mm_backward(dy_TN, x_TK, weight, counts_G, ctx.trans_weight, ctx.backend,
+    dx, dw = torch.ops.epmoe.grouped_mm_backward(dy_TN, x_TD, weight, counts_G, ctx.trans_weight, ctx.backend,
                                                  need_dx, need_dw)
     return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
 
@@ -291,13 +299,13 @@ def grouped_mm(
     """Grouped matmul: rows ``[sum(counts[:g]), sum(counts[:g+1]))`` of ``x`` times ``weight[g]``.
 
     Args:
-        x: ``(T, K)`` rows sorted by group.
-        weight: ``(G, K, N)``, or ``(G, N, K)`` (``nn.Linear`` layout) with ``trans_weight=True``,
+        x: ``(T, D)`` rows sorted by group.
+        weight: ``(G, D, N)``, or ``(G, N, D)`` (``nn.Linear`` layout) with ``trans_weight=True``,
             read without a transposed copy.
         counts: ``G`` non-negative ints summing to ``T`` (list, tuple, or integer tensor on any
             device; the op reads a tensor to the host once, so under ``torch.compile`` a device tensor
             costs no graph break).
-        trans_weight: whether ``weight`` is ``(G, N, K)``.
+        trans_weight: whether ``weight`` is ``(G, N, D)``.
         backend: ``"auto"`` or a registered backend name (``$EPMOE_GMM_BACKEND`` overrides it).
 
     Returns:

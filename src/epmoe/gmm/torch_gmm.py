@@ -79,13 +79,13 @@ class TorchBackend(GmmBackend):
                 return f"on CUDA only bf16 has a fast grouped_mm path ({x.dtype} syncs the host and loops)"
         else:
             return f"no grouped_mm kernel on device type {kind!r}"
-        w_GKN = weight.transpose(1, 2) if trans_weight else weight
-        n_bytes = w_GKN.shape[2] * x.element_size()
+        w_GDN = weight.transpose(1, 2) if trans_weight else weight
+        n_bytes = w_GDN.shape[2] * x.element_size()
         if n_bytes % 16:  # dy (T, N) feeds the backward kernels
-            return f"output width N={w_GKN.shape[2]} x {x.element_size()} B is not a multiple of 16 bytes (backward needs it)"
+            return f"output width N={w_GDN.shape[2]} x {x.element_size()} B is not a multiple of 16 bytes (backward needs it)"
         check_pointer = kind == "cuda"
         return (_misaligned("x", x, check_pointer=check_pointer)
-                or _misaligned("weight", w_GKN, check_pointer=check_pointer))
+                or _misaligned("weight", w_GDN, check_pointer=check_pointer))
 
     @staticmethod
     def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
@@ -95,16 +95,16 @@ class TorchBackend(GmmBackend):
             ends.append(total)
         return platform.host_to_device(torch.tensor(ends, dtype=torch.int32), device)
 
-    def forward(self, x_TK, weight, counts, trans_weight):
-        w_GKN = weight.transpose(1, 2) if trans_weight else weight
-        return _kernel()(x_TK, w_GKN, offs=self._offsets(counts, x_TK.device))
+    def forward(self, x_TD, weight, counts, trans_weight):
+        w_GDN = weight.transpose(1, 2) if trans_weight else weight
+        return _kernel()(x_TD, w_GDN, offs=self._offsets(counts, x_TD.device))
 
-    def grad_weight(self, x_TK, dy_TN, counts, trans_weight):
-        offs = self._offsets(counts, x_TK.device)
+    def grad_weight(self, x_TD, dy_TN, counts, trans_weight):
+        offs = self._offsets(counts, x_TD.device)
         if trans_weight:
-            dw = _kernel()(dy_TN.t(), x_TK, offs=offs)  # (G, N, K)
+            dw = _kernel()(dy_TN.t(), x_TD, offs=offs)  # (G, N, D)
         else:
-            dw = _kernel()(x_TK.t(), dy_TN, offs=offs)  # (G, K, N)
+            dw = _kernel()(x_TD.t(), dy_TN, offs=offs)  # (G, D, N)
         empty = [g for g, n in enumerate(counts) if n == 0]
         if empty:  # the kernel leaves them zero on most builds, not all (pytorch#172439)
             dw[empty] = 0

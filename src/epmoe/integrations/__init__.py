@@ -1,6 +1,8 @@
-"""What epmoe knows about the models it runs: transformers' experts modules and the blocks around
-them. :mod:`~epmoe.integrations.experts` recognises experts modules (packed v5 experts, Linear-triple
-``nn.ModuleList`` experts, transformers' default gate, what the fused ops can run);
-:mod:`~epmoe.integrations.blocks` the blocks (routers, shared experts) and the forwards epmoe puts
-in place of theirs (these call back into the engine's routed path, :mod:`epmoe.ep.layer`). The
-engine's model-specific knowledge lives here."""
+"""What epmoe knows about the models it runs, on top of the engine (:mod:`epmoe.ep`):
+
+* :mod:`~epmoe.integrations.blocks`: the blocks around experts (routers, shared experts) and the
+  forwards epmoe puts in place of theirs, which call the engine's routed path.
+* :mod:`~epmoe.integrations.peft`: PEFT LoRA factors on expert-parallel experts and their layouts.
+
+The model zoo the demo, benchmarks and tests build from configs is :mod:`epmoe.models`.
+"""

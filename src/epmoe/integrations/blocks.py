@@ -7,13 +7,13 @@
   (router jitter noise in training is refused: it cannot be reproduced), one returning
   ``(logits, weights, index)`` is used as is. Shared experts (``shared_expert`` with an optional
   sigmoid ``shared_expert_gate``, or ``shared_experts``) are added as in Qwen2-MoE / DeepSeek.
-* A block whose shared expert can ride along the fused exchange: with ``dispatch="fused"`` the
+* A block whose shared expert can ride along the fused transport: with ``dispatch="fused"`` the
   experts' MLP is split across ``alltoallv_gmm`` / ``gmm_alltoallv``
-  (:class:`epmoe.ep.exchange.FusedExchange`), and a shared expert can fill their communication gaps
+  (:class:`epmoe.ep.dispatcher.FusedDispatcher`), and a shared expert can fill their communication gaps
   where the block's forward is known and its MLP is three bias-free ``nn.Linear`` layers:
   Qwen2-MoE / Qwen3.5-MoE / Qwen3-Next blocks (``shared_expert`` and a sigmoid
   ``shared_expert_gate``) and DeepSeek blocks (``shared_experts``). :func:`shared_block_forward`
-  then replaces their forward (calls on the all-to-all-v exchange run the block's own).
+  then replaces their forward (calls on the all-to-all-v transport run the block's own).
 
 Both hand the routed experts to :func:`epmoe.ep.layer.routed_experts`.
 """
@@ -26,8 +26,9 @@ import importlib
 import torch
 from torch import nn
 
-from epmoe.ep.exchange import SharedMLP, uses_fused
-from epmoe.ep.layer import ExpertParallelState, routed_experts
+from epmoe.ep.dispatcher import SharedMLP
+from epmoe.ep.layer import routed_experts
+from epmoe.ep.state import ExpertParallelState, state_of
 
 
 def block_router(block: nn.Module) -> nn.Module:
@@ -73,7 +74,7 @@ def shared_experts_output(block: nn.Module, hidden_TH: torch.Tensor) -> torch.Te
 
 def expert_parallel_block_forward(block: nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
     """Drop-in for the forward of a block with ``nn.ModuleList`` experts (see the module docstring)."""
-    state: ExpertParallelState = block._epmoe
+    state: ExpertParallelState = state_of(block)
     shape = hidden_states.shape
     hidden_TH = hidden_states.reshape(-1, shape[-1])
     logits, weights, index = route(block, hidden_TH)
@@ -129,16 +130,16 @@ def shared_mlp(block: nn.Module) -> nn.Module | None:
 
 def shared_block_forward(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     """Drop-in forward of a Qwen2-MoE-style or DeepSeek-style block: where the call takes the fused
-    exchange, its router, then the routed experts with the shared expert handed to the exchange to
+    transport, its router, then the routed experts with the shared expert handed to the transport to
     overlap.
 
     Runs the block's own forward instead (its experts still expert-parallel, through their own
-    module call and its hooks) when this call takes the all-to-all-v exchange, or when the experts or
+    module call and its hooks) when this call takes the all-to-all-v transport, or when the experts or
     the shared expert were wrapped after :func:`epmoe.apply_expert_parallel` (e.g. PEFT LoRA):
     calling around a wrapper would drop what it adds.
     """
-    state, shared = getattr(block.experts, "_epmoe", None), shared_mlp(block)
-    if state is None or shared is None or not uses_fused(state, hidden_states.device):
+    state, shared = state_of(block.experts), shared_mlp(block)
+    if state is None or shared is None or not state.fused_on(hidden_states.device):
         return block._epmoe_block_forward(hidden_states)
     shape = hidden_states.shape
     hidden_TH = hidden_states.reshape(-1, shape[-1])

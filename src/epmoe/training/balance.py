@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from epmoe.ep.load import experts_states, global_load, replicas_load
+from epmoe.ep.load import global_load, replicas_load
+from epmoe.ep.state import require_ep_states
+from epmoe.integrations.blocks import block_router
 
 _COUNTER = "balancer"
 
@@ -40,9 +42,7 @@ class LoadBalancer:
             raise TypeError(f"LoadBalancer(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
         self.update_rate = float(update_rate)
         self.bias: dict[str, torch.Tensor] = {}
-        from epmoe.integrations.blocks import block_router  # epmoe.ep imports this package
-
-        self._states = experts_states(model, "LoadBalancer")
+        self._states = require_ep_states(model, "LoadBalancer")
         routers = [(name, block_router(state.ancestors[-2])) for name, state in self._states]
         for (name, router), (_, state) in zip(routers, self._states):
             if getattr(router, "_epmoe_balanced", False):
@@ -85,8 +85,6 @@ class LoadBalancer:
         """Make ``other``, an unsharded copy of the model (no EP), select experts with these same biases
         from now on (e.g. a reference or evaluation copy): hooks sharing the bias tensors, or, where the
         router has its own bias buffer, that buffer following at every :meth:`step`."""
-        from epmoe.integrations.blocks import block_router  # epmoe.ep imports this package
-
         modules = dict(other.named_modules())
         for name, bias in self.bias.items():
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None

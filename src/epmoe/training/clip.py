@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.comm.steps import CLIP, StepChannel
-from epmoe.training.params import expert_parameters, is_expert_parameter
+from epmoe.ep.params import expert_parameters, grad_sync_of, is_expert_parameter
 
 
 def clip_grad_norm_(
@@ -116,7 +116,7 @@ def _parts(params: list[torch.Tensor]) -> dict[tuple, _Part]:
 def _reduction_groups(p: torch.Tensor) -> tuple:
     """The process groups (or EP step channel) over which ``p``'s gradient is split into different pieces."""
     if is_expert_parameter(p):
-        return (p._epmoe_expert.ep_channel,)
+        return (grad_sync_of(p).ep_channel,)
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(p, dtensor):
         groups = []

@@ -2,8 +2,8 @@
 
 What Trainer does on its own is already right once :func:`epmoe.apply_expert_parallel` has run:
 accelerate wraps the model in ``DistributedDataParallel``, which leaves the expert parameters alone
-(:mod:`epmoe.training.params`) and makes ``expert_grad="auto"`` mean over ranks
-(:mod:`epmoe.training.grads`); gradient accumulation, gradient checkpointing and ``evaluate`` need
+(:mod:`epmoe.ep.params`) and makes ``expert_grad="auto"`` mean over ranks
+(:mod:`epmoe.ep.grads`); gradient accumulation, gradient checkpointing and ``evaluate`` need
 nothing. One thing is not: Trainer clips with ``accelerator.clip_grad_norm_``, i.e.
 ``torch.nn.utils.clip_grad_norm_``, whose norm on each rank sees only that rank's experts, so every
 rank would clip by a different factor and the replicated weights drift apart. ``prepare_trainer``
@@ -31,8 +31,9 @@ from torch import nn
 
 from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
 from epmoe.checkpoint.save import SavePretrained, adapter_state_dict
+from epmoe.ep.state import ep_states
+from epmoe.integrations.peft import has_expert_lora
 from epmoe.training.clip import clip_grad_norm_
-from epmoe.training.params import _peft_base
 
 DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
 
@@ -46,7 +47,7 @@ def prepare_trainer(trainer: Any) -> Any:
     model = getattr(trainer, "model", None)
     if accelerator is None or not isinstance(model, nn.Module):
         raise TypeError(f"prepare_trainer(trainer): expected a transformers.Trainer, got {type(trainer).__name__}")
-    states = [m._epmoe for m in model.modules() if hasattr(m, "_epmoe")]
+    states = [state for _, _, state in ep_states(model)]
     if not states:
         raise ValueError("prepare_trainer(trainer): trainer.model is not expert-parallel; call "
                          "epmoe.apply_expert_parallel(model) before building the Trainer")
@@ -78,7 +79,7 @@ def prepare_trainer(trainer: Any) -> Any:
 
     def save(output_dir=None, state_dict=None):
         model = _unwrapped(trainer)
-        if state_dict is None and _has_expert_lora(model):  # a PeftModel: its expert LoRA factors gathered
+        if state_dict is None and has_expert_lora(model):  # a PeftModel: its expert LoRA factors gathered
             state_dict = adapter_state_dict(model)
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict) if trainer.args.should_save else None
         if trainer.args.should_save:
@@ -113,11 +114,6 @@ def prepare_trainer(trainer: Any) -> Any:
     trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
     accelerator._epmoe_prepared = True
     return trainer
-
-
-def _has_expert_lora(model: nn.Module) -> bool:
-    """Whether ``model`` holds PEFT LoRA factors on expert-parallel experts."""
-    return any(getattr(_peft_base(m), "_epmoe", None) is not None for m in model.modules())
 
 
 def _unwrapped(trainer: Any) -> nn.Module:

@@ -21,25 +21,25 @@ from epmoe.gmm import select_backend
 SideJob = Callable[[Any], list[torch.Tensor]]
 
 
-def gmm(x_TK: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool, backend: str) -> torch.Tensor:
-    """``y_TN``: rows of group ``g`` of ``x_TK`` times ``weight[g]`` (transposed with ``trans_weight``)."""
+def gmm(x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool, backend: str) -> torch.Tensor:
+    """``y_TN``: rows of group ``g`` of ``x_TD`` times ``weight[g]`` (transposed with ``trans_weight``)."""
     n = weight.shape[1] if trans_weight else weight.shape[2]
-    if x_TK.shape[0] == 0:
-        return x_TK.new_zeros(0, n)
-    x_TK = x_TK.contiguous()
-    chosen = select_backend(x_TK, weight, trans_weight=trans_weight, backend=backend)
-    return chosen.forward(x_TK, weight, counts, trans_weight)
+    if x_TD.shape[0] == 0:
+        return x_TD.new_zeros(0, n)
+    x_TD = x_TD.contiguous()
+    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend)
+    return chosen.forward(x_TD, weight, counts, trans_weight)
 
 
 def gmm_grad_weight(
-    x_TK: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool, backend: str
+    x_TD: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool, backend: str
 ) -> torch.Tensor:
     """``dW`` shaped like ``weight``: ``x_g^T dy_g`` per group (``dy_g^T x_g`` with ``trans_weight``); zero if empty."""
-    if x_TK.shape[0] == 0:
+    if x_TD.shape[0] == 0:
         return torch.zeros_like(weight, memory_format=torch.contiguous_format)
-    x_TK = x_TK.contiguous()
-    chosen = select_backend(x_TK, weight, trans_weight=trans_weight, backend=backend)
-    return chosen.grad_weight(x_TK, dy_TN.contiguous(), counts, trans_weight)
+    x_TD = x_TD.contiguous()
+    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend)
+    return chosen.grad_weight(x_TD, dy_TN.contiguous(), counts, trans_weight)
 
 
 def dense_products(products: list[tuple[torch.Tensor, torch.Tensor]]) -> SideJob:

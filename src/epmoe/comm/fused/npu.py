@@ -4,7 +4,7 @@ Used only where every constraint of the vendor's documentation and of the kernel
 these ops holds::
 
     device        Atlas A3 (device name Ascend910_93xx), torch_npu installed, tensors on the NPU
-    world size    W in {8, 16, 32, 64}
+    EP size       W in {8, 16, 32, 64}
     experts       e <= 32 local experts, e * W <= 256
     dtypes        float16 / bfloat16 (weights and shared expert in the same dtype)
     dims          input and output widths in (0, 65536)
@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 
 from epmoe import platform
-from epmoe.comm.fused.compute import SideJob, gmm_grad_weight
-from epmoe.comm.layout import Plan
-from epmoe.comm.fused.pipelined import Result
+from epmoe.comm.fused.compute import gmm_grad_weight
+from epmoe.comm.layout import RowLayout
+from epmoe.comm.fused.pipelined import Result, Run
 
 A3_DEVICE_PREFIX = "Ascend910_93"
-SUPPORTED_WORLD_SIZES = (8, 16, 32, 64)
+SUPPORTED_EP_SIZES = (8, 16, 32, 64)
 MAX_LOCAL_EXPERTS = 32
 MAX_GLOBAL_EXPERTS = 256
 DTYPES = (torch.float16, torch.bfloat16)
@@ -71,17 +71,17 @@ def device_reason(x: torch.Tensor) -> str | None:
     return None
 
 
-def static_reason(x: torch.Tensor, weight: torch.Tensor, trans_weight: bool, world: int, e: int) -> str | None:
+def static_reason(x: torch.Tensor, weight: torch.Tensor, trans_weight: bool, ep_size: int, e: int) -> str | None:
     """Why conditions that are the same on every rank rule the ops out, or ``None``."""
     reason = device_reason(x)
     if reason is not None:
         return reason
-    if world not in SUPPORTED_WORLD_SIZES:
-        return f"EP world size {world} is not one of {SUPPORTED_WORLD_SIZES}"
+    if ep_size not in SUPPORTED_EP_SIZES:
+        return f"EP size {ep_size} is not one of {SUPPORTED_EP_SIZES}"
     if e > MAX_LOCAL_EXPERTS:
         return f"{e} local experts exceed {MAX_LOCAL_EXPERTS}"
-    if e * world > MAX_GLOBAL_EXPERTS:
-        return f"e * W = {e * world} global experts exceed {MAX_GLOBAL_EXPERTS}"
+    if e * ep_size > MAX_GLOBAL_EXPERTS:
+        return f"e * W = {e * ep_size} global experts exceed {MAX_GLOBAL_EXPERTS}"
     if x.dtype not in DTYPES:
         return f"dtype {x.dtype} is not float16 / bfloat16"
     out_width = weight.shape[1] if trans_weight else weight.shape[2]
@@ -91,7 +91,7 @@ def static_reason(x: torch.Tensor, weight: torch.Tensor, trans_weight: bool, wor
     return None
 
 
-def volume_reason(plan: Plan, width: int, element_size: int) -> str | None:
+def volume_reason(plan: RowLayout, width: int, element_size: int) -> str | None:
     """Why this rank's counts rule the ops out (per-peer volume, row totals), or ``None``.
 
     Both lists are checked, each per peer, with the input width (also for the combine op, whose
@@ -112,14 +112,14 @@ def volume_reason(plan: Plan, width: int, element_size: int) -> str | None:
 
 
 def decide(
-    plan: Plan, x: torch.Tensor, weight: torch.Tensor, trans_weight: bool, group: Any, *, unsupported: str | None = None
+    plan: RowLayout, x: torch.Tensor, weight: torch.Tensor, trans_weight: bool, group: Any, *, unsupported: str | None = None
 ) -> str | None:
     """``None`` when every rank runs the fused op for this call, else why not; the same on all ranks.
 
     No collective when a static condition fails (it fails on every rank); otherwise one all-reduce of
     one integer and one host read. ``unsupported`` is a local reason the caller already has.
     """
-    reason = static_reason(x, weight, trans_weight, plan.world, plan.e)
+    reason = static_reason(x, weight, trans_weight, plan.ep_size, plan.e)
     if reason is not None:
         return reason
     local = unsupported or volume_reason(plan, x.shape[1], x.element_size())
@@ -171,84 +171,65 @@ def _side_stream(device: torch.device) -> Any:
     return _side_streams[key]
 
 
-def dispatch(
-    plan: Plan,
-    x_rank_major: torch.Tensor,
-    weight: torch.Tensor,
-    trans_weight: bool,
-    group: Any,
-    *,
-    gmm_backend: str = "auto",
-    side: SideJob | None = None,
-    want_permuted: bool = False,
-    compute_y: bool = True,
-    dw_x: torch.Tensor | None = None,
-    dw_trans: bool = False,
-    fused_shared: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
-) -> Result:
-    """:func:`epmoe.comm.fused.pipelined.dispatch`, run by ``npu_alltoallv_gmm``."""
-    stream = _side_stream(x_rank_major.device) if side is not None else None
-    side_out = side(stream) if side is not None else None
-    mm_x, mm_weight, trans_mm = fused_shared if fused_shared is not None else (None, None, False)
-    y, mm_y, permute_out = platform.torch_npu().npu_alltoallv_gmm(
-        x_rank_major.contiguous(),
-        weight.contiguous(),
-        hcom_name(group),
-        plan.world,
-        list(plan.counts_rank_major_WE),
-        list(plan.counts_expert_major_WE),
-        mm_x=mm_x,
-        mm_weight=mm_weight,
-        trans_gmm_weight=trans_weight,
-        trans_mm_weight=trans_mm,
-        permute_out_flag=want_permuted or dw_x is not None,
-    )
+def _start(run: Run, x: torch.Tensor) -> tuple[Any, list[torch.Tensor] | None, dict[str, Any]]:
+    """Launch ``run.side`` on the side stream; returns the stream, the side job's outputs and the
+    keywords both kernels take (the fused shared expert, the weights' flags)."""
+    stream = _side_stream(x.device) if run.side is not None else None
+    side_out = run.side(stream) if run.side is not None else None
+    mm_x, mm_weight, trans_mm = run.fused_shared if run.fused_shared is not None else (None, None, False)
+    options = dict(mm_x=mm_x, mm_weight=mm_weight, trans_gmm_weight=run.trans_weight, trans_mm_weight=trans_mm)
+    return stream, side_out, options
+
+
+def _finish(
+    run: Run, stream: Any, side_out: list[torch.Tensor] | None, mm_y: torch.Tensor | None, x_expert_major: torch.Tensor
+) -> tuple[list[torch.Tensor] | None, torch.Tensor | None]:
+    """Wait for the side stream; returns the shared expert's outputs (the kernel's ``mm_y`` where it
+    was fused) and, with ``run.dw_x``, ``dW(dw_x, x_expert_major)`` (the run's expert-major rows)."""
     platform.wait_stream(stream)
     dw = None
-    if dw_x is not None:  # the rows of permute_out are grouped by the *received* per-expert counts
-        dw = gmm_grad_weight(dw_x, permute_out, weight, plan.group_sizes_E, dw_trans, gmm_backend)
+    if run.dw_x is not None:
+        dw = gmm_grad_weight(
+            run.dw_x, x_expert_major, run.weight, run.plan.rows_per_expert_e, run.dw_trans, run.gmm_backend
+        )
+    return ([mm_y] if run.fused_shared is not None else side_out), dw
+
+
+def dispatch(run: Run, x_rank_major: torch.Tensor, *, want_permuted: bool = False, compute_y: bool = True) -> Result:
+    """:func:`epmoe.comm.fused.pipelined.dispatch`, run by ``npu_alltoallv_gmm``."""
+    plan = run.plan
+    stream, side_out, options = _start(run, x_rank_major)
+    y, mm_y, permute_out = platform.torch_npu().npu_alltoallv_gmm(
+        x_rank_major.contiguous(),
+        run.weight.contiguous(),
+        hcom_name(run.group),
+        plan.ep_size,
+        list(plan.counts_rank_major_WE),
+        list(plan.counts_expert_major_WE),
+        permute_out_flag=want_permuted or run.dw_x is not None,
+        **options,
+    )
+    # the rows of permute_out are grouped by the *received* per-expert counts
+    side, dw = _finish(run, stream, side_out, mm_y, permute_out)
     return Result(
-        y=y if compute_y else None,
-        permuted=permute_out if want_permuted else None,
-        side=[mm_y] if fused_shared is not None else side_out,
-        grad_weight=dw,
+        y=y if compute_y else None, permuted=permute_out if want_permuted else None, side=side, grad_weight=dw
     )
 
 
-def combine(
-    plan: Plan,
-    x_expert_major: torch.Tensor,
-    weight: torch.Tensor,
-    trans_weight: bool,
-    group: Any,
-    *,
-    gmm_backend: str = "auto",
-    side: SideJob | None = None,
-    addend: torch.Tensor | None = None,
-    dw_x: torch.Tensor | None = None,
-    dw_trans: bool = False,
-    fused_shared: tuple[torch.Tensor, torch.Tensor, bool] | None = None,
-) -> Result:
+def combine(run: Run, x_expert_major: torch.Tensor, *, addend: torch.Tensor | None = None) -> Result:
     """:func:`epmoe.comm.fused.pipelined.combine`, run by ``npu_gmm_alltoallv`` (no ``addend``)."""
     if addend is not None:
         raise ValueError("npu_gmm_alltoallv cannot add to its grouped matmul's output; use the pipelined path")
-    stream = _side_stream(x_expert_major.device) if side is not None else None
-    side_out = side(stream) if side is not None else None
-    mm_x, mm_weight, trans_mm = fused_shared if fused_shared is not None else (None, None, False)
+    plan = run.plan
+    stream, side_out, options = _start(run, x_expert_major)
     y, mm_y = platform.torch_npu().npu_gmm_alltoallv(
         x_expert_major.contiguous(),
-        weight.contiguous(),
-        hcom_name(group),
-        plan.world,
+        run.weight.contiguous(),
+        hcom_name(run.group),
+        plan.ep_size,
         list(plan.counts_expert_major_WE),
         list(plan.counts_rank_major_WE),
-        mm_x=mm_x,
-        mm_weight=mm_weight,
-        trans_gmm_weight=trans_weight,
-        trans_mm_weight=trans_mm,
+        **options,
     )
-    platform.wait_stream(stream)
-    dw = None
-    if dw_x is not None:
-        dw = gmm_grad_weight(dw_x, x_expert_major, weight, plan.group_sizes_E, dw_trans, gmm_backend)
-    return Result(y=y, permuted=None, side=[mm_y] if fused_shared is not None else side_out, grad_weight=dw)
+    side, dw = _finish(run, stream, side_out, mm_y, x_expert_major)
+    return Result(y=y, permuted=None, side=side, grad_weight=dw)

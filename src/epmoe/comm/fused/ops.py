@@ -2,9 +2,10 @@
 
 Everything a rank can check on its own is checked first and raises ``TypeError`` / ``ValueError``
 naming the argument: shapes, dtypes, devices, count lengths (``W * e``), signs and sums. Then (unless
-``check=False``) the ranks agree, in one small ``all_gather`` of a fixed-size header per rank::
+``check=False``) the ranks agree, in one agreement step on a step channel
+(:meth:`~epmoe.comm.steps.StepChannel.agree`), each rank's row::
 
-    [MAGIC | error flag | dtype | exchanged width | rounds | e | len(send) | len(recv) | impl
+    [header | dtype | exchanged width | rounds | e | len(send) | len(recv) | impl        must match
      | per peer r: rows sent to r, hash of those counts | per source s: rows expected, hash ]
 
 so that what only the group can know (the exchanged rows' dtype and width, the rounds, whether
@@ -15,7 +16,6 @@ straight from :func:`epmoe.exchange_counts` agree by construction: ``check=False
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,8 +25,8 @@ import torch.distributed as dist
 from epmoe import errors, platform
 from epmoe.comm.fused import reference
 from epmoe.comm.fused.autograd import AlltoallvGmm, Call, GmmAlltoallv
-from epmoe.comm.layout import Plan, round_bounds
-from epmoe.comm.steps import group_size
+from epmoe.comm.layout import RowLayout, round_bounds
+from epmoe.comm.steps import AGREE, MODEL_WIDE, Position, StepChannel, dtype_code, dtype_name, world_size
 from epmoe.gmm.registry import check_operands
 
 IMPLS = ("auto", "npu_fused", "pipelined", "reference")
@@ -144,27 +144,27 @@ def _prepare(
     return_permuted, num_chunks, impl, gmm_backend, check,
 ) -> tuple[Call, tuple[torch.Tensor, torch.Tensor, bool] | None]:
     """Validate every argument, agree with the peers unless ``check`` is off, build the :class:`Call`."""
-    world = group_size(group, op)
+    ep_size = world_size(group, op)
     try:
         if not isinstance(check, bool):
             raise TypeError(f"{op}(check): expected a bool, got {type(check).__name__}")
-        call, shared = _validate(op, x, weight, send_counts, recv_counts, group, world, trans_weight, shared_x,
+        call, shared = _validate(op, x, weight, send_counts, recv_counts, group, ep_size, trans_weight, shared_x,
                                  shared_weight, trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend)
     except (TypeError, ValueError):
-        if check is not False and world > 1:  # the peers must not wait for this rank: tell them
+        if check is not False and ep_size > 1:  # the peers must not wait for this rank: tell them
             try:
-                _agree(op, group, world, None, None)
+                _agree(op, group, ep_size, None, None)
             except ValueError:
                 pass  # the peers raise; this rank raises its own error
         raise
-    if check and world > 1:
+    if check and ep_size > 1:
         width = x.shape[1] if op == "alltoallv_gmm" else weight.shape[1 if trans_weight else 2]
-        _agree(op, group, world, call, x, width)
+        _agree(op, group, ep_size, call, x, width)
     return call, shared
 
 
 def _validate(
-    op, x, weight, send_counts, recv_counts, group, world, trans_weight, shared_x, shared_weight,
+    op, x, weight, send_counts, recv_counts, group, ep_size, trans_weight, shared_x, shared_weight,
     trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend,
 ) -> tuple[Call, tuple[torch.Tensor, torch.Tensor, bool] | None]:
     """Every check a rank can make on its own (no collective)."""
@@ -179,21 +179,19 @@ def _validate(
     _check_routed(op, x, weight, trans_weight)
     shared = _check_shared(op, x, shared_x, shared_weight, trans_shared_weight)
     e = weight.shape[0]
-    send = _counts(op, "send_counts", send_counts, world, e)
-    recv = _counts(op, "recv_counts", recv_counts, world, e)
+    send = _counts(op, "send_counts", send_counts, ep_size, e)
+    recv = _counts(op, "recv_counts", recv_counts, ep_size, e)
     if sum(send) != x.shape[0]:
         raise ValueError(f"{op}(send_counts): counts sum to {sum(send)}, but x has {x.shape[0]} rows")
-    if world == 1 and send != recv:
+    if ep_size == 1 and send != recv:
         raise ValueError(f"{op}(recv_counts): {recv} differs from send_counts {send} on a group of one rank")
     chunks = _num_chunks(op, num_chunks, x, e)
     rank_major, expert_major = (send, recv) if op == "alltoallv_gmm" else (recv, send)
-    plan = Plan(world, e, tuple(rank_major), tuple(expert_major), tuple(round_bounds(e, chunks)))
+    plan = RowLayout(ep_size, e, tuple(rank_major), tuple(expert_major), tuple(round_bounds(e, chunks)))
     call = Call(op, plan, group, trans_weight, trans_shared_weight, return_permuted, impl, gmm_backend)
     return call, shared
 
 
-MAGIC = 0x65706D6F66  # an agreement header
-_FIXED = 9  # header fields before the per-peer ones
 _HASH_MOD = (1 << 61) - 1
 
 
@@ -204,48 +202,39 @@ def _counts_hash(counts: Sequence[int]) -> int:
     return h
 
 
-def _agree(op: str, group, world: int, call: Call | None, x: torch.Tensor | None, exchanged_width: int = 0) -> None:
+def _agree(op: str, group, ep_size: int, call: Call | None, x: torch.Tensor | None, exchanged_width: int = 0) -> None:
     """The agreement step (see the module docstring): ``ValueError`` on every rank unless every rank's
     arguments were valid (``call`` is ``None`` on a rank whose were not) and fit together;
     ``exchanged_width``: the columns of the rows that travel."""
-    row = [MAGIC, 1] + [0] * (_FIXED - 2 + 4 * world)
+    fields = [("dtype", 0), ("exchanged row width", 0), ("number of rounds (num_chunks clamped to e)", 0),
+              ("local experts e", 0), ("len(send_counts)", 0), ("len(recv_counts)", 0), ("impl", 0)]
+    blocks = [0] * (4 * ep_size)  # per peer r: rows sent to r, their hash; then per source s: rows expected, hash
     if call is not None:
         plan, e = call.plan, call.plan.e
         send, recv = (plan.counts_rank_major_WE, plan.counts_expert_major_WE) if op == "alltoallv_gmm" else (
             plan.counts_expert_major_WE, plan.counts_rank_major_WE)
-        row[1:_FIXED] = [0, zlib.crc32(str(x.dtype).encode()), exchanged_width, len(plan.rounds), e, len(send), len(recv),
-                         IMPLS.index(call.impl)]
-        for r in range(world):
+        values = [dtype_code(x.dtype), exchanged_width, len(plan.rounds), e, len(send), len(recv),
+                  IMPLS.index(call.impl)]
+        fields = [(name, value) for (name, _), value in zip(fields, values)]
+        for r in range(ep_size):
             block_sent, block_expected = send[r * e:(r + 1) * e], recv[r * e:(r + 1) * e]
-            row[_FIXED + 2 * r:_FIXED + 2 * r + 2] = [sum(block_sent), _counts_hash(block_sent)]
-            row[_FIXED + 2 * world + 2 * r:_FIXED + 2 * world + 2 * r + 2] = [sum(block_expected),
-                                                                              _counts_hash(block_expected)]
-    device = x.device if x is not None else platform.current_device()  # a rank whose arguments failed: the group's
-    mine = platform.host_to_device(torch.tensor(row, dtype=torch.int64), device)
-    rows = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(rows, mine, group=group)
-    platform.synchronize(device)
-    headers = torch.stack(rows).tolist()
-    me = dist.get_rank(group)
-    strangers = [r for r, h in enumerate(headers) if h[0] != MAGIC]
-    if strangers:
-        raise ValueError(f"{op}: rank(s) {strangers} of the group are in another collective of the same size: the "
-                         f"ranks call different collectives (this is rank {me})")
-    failed = [r for r, h in enumerate(headers) if h[1]]
-    if failed:
-        raise ValueError(f"{op}: rank(s) {failed} of the group rejected their own arguments (see their error); "
-                         f"no rank exchanges anything")
-    names = ("dtype", "exchanged row width", "number of rounds (num_chunks clamped to e)", "local experts e",
-             "len(send_counts)", "len(recv_counts)", "impl")
-    for field, name in enumerate(names, start=2):
-        values = [h[field] for h in headers]
-        if len(set(values)) > 1:
-            shown = [_DTYPE_NAMES.get(v, v) if field == 2 else IMPLS[v] if field == 8 else v for v in values]
-            raise ValueError(f"{op}: the ranks disagree on the {name}: {shown} by rank (this is rank {me})")
+            blocks[2 * r:2 * r + 2] = [sum(block_sent), _counts_hash(block_sent)]
+            blocks[2 * ep_size + 2 * r:2 * ep_size + 2 * r + 2] = [sum(block_expected), _counts_hash(block_expected)]
+
+    def show(name: str, value: int) -> object:
+        return dtype_name(value) if name == "dtype" else IMPLS[value] if name == "impl" else value
+
+    channel = StepChannel(group, len(fields) + len(blocks))
+    device = x.device if x is not None else platform.group_device(group)  # a rank whose arguments failed
+    rows = channel.agree(Position(MODEL_WIDE, AGREE, 0), device, fields, blocks, failed=call is None, caller=op,
+                         show=show)
+    if call is None:
+        return
+    me, headers = channel.rank, [row[len(fields):] for row in rows]
     for r, receiver in enumerate(headers):
         for s, sender in enumerate(headers):
-            sent = sender[_FIXED + 2 * r:_FIXED + 2 * r + 2]
-            expected = receiver[_FIXED + 2 * world + 2 * s:_FIXED + 2 * world + 2 * s + 2]
+            sent = sender[2 * r:2 * r + 2]
+            expected = receiver[2 * ep_size + 2 * s:2 * ep_size + 2 * s + 2]
             if sent != expected:
                 how = (f"expects {expected[0]} rows from rank {s}, which sends {sent[0]}" if sent[0] != expected[0]
                        else f"expects from rank {s} the {sent[0]} rows it sends, split differently over its experts")
@@ -255,9 +244,6 @@ def _agree(op: str, group, world: int, call: Call | None, x: torch.Tensor | None
                     f"this is rank {me})"
                 )
 
-
-_DTYPE_NAMES = {zlib.crc32(str(dtype).encode()): str(dtype) for dtype in (
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
 def _check_routed(op: str, x: Any, weight: Any, trans_weight: bool) -> None:
@@ -292,12 +278,12 @@ def _check_shared(op, x, shared_x, shared_weight, trans) -> tuple[torch.Tensor, 
     return shared_x, shared_weight, trans
 
 
-def _counts(op: str, name: str, counts: Any, world: int, e: int) -> list[int]:
-    """``counts`` as a list of ``world * e`` non-negative ints; never reads a device tensor."""
+def _counts(op: str, name: str, counts: Any, ep_size: int, e: int) -> list[int]:
+    """``counts`` as a list of ``ep_size * e`` non-negative ints; never reads a device tensor."""
     values = errors.int_list(f"{op}({name})", counts, host_only=True)
-    if len(values) != world * e:
+    if len(values) != ep_size * e:
         raise ValueError(
-            f"{op}({name}): expected W*e = {world}*{e} = {world * e} counts ({world} ranks in the group, "
+            f"{op}({name}): expected W*e = {ep_size}*{e} = {ep_size * e} counts ({ep_size} ranks in the group, "
             f"e = weight.shape[0] = {e} local experts), got {len(values)}"
         )
     if any(c < 0 for c in values):

@@ -14,7 +14,7 @@ import torch
 
 from epmoe import platform
 from epmoe.comm.all_to_all import all_to_all_v
-from epmoe.comm.layout import Block, Plan, rows_index
+from epmoe.comm.layout import Block, RowLayout, rows_index
 from epmoe.gmm import grouped_mm
 
 
@@ -31,7 +31,7 @@ def _shared(shared: tuple[torch.Tensor, torch.Tensor, bool] | None) -> torch.Ten
 
 
 def dispatch(
-    plan: Plan,
+    plan: RowLayout,
     x_rank_major: torch.Tensor,
     weight: torch.Tensor,
     trans_weight: bool,
@@ -45,13 +45,13 @@ def dispatch(
     x_source_major = all_to_all_v(x_rank_major, plan.expert_major_splits_W, plan.rank_major_splits, group)
     x_expert_major = _permute(x_source_major, plan.to_expert_major(0, plan.e))
     y_expert_major = grouped_mm(
-        x_expert_major, weight, plan.group_sizes_E, trans_weight=trans_weight, backend=gmm_backend
+        x_expert_major, weight, plan.rows_per_expert_e, trans_weight=trans_weight, backend=gmm_backend
     )
     return y_expert_major, _shared(shared), x_expert_major if return_permuted else None
 
 
 def combine(
-    plan: Plan,
+    plan: RowLayout,
     x_expert_major: torch.Tensor,
     weight: torch.Tensor,
     trans_weight: bool,
@@ -62,7 +62,7 @@ def combine(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(y_rank_major, shared_y)`` of ``gmm_alltoallv``."""
     y_expert_major = grouped_mm(
-        x_expert_major, weight, plan.group_sizes_E, trans_weight=trans_weight, backend=gmm_backend
+        x_expert_major, weight, plan.rows_per_expert_e, trans_weight=trans_weight, backend=gmm_backend
     )
     y_source_major = _permute(y_expert_major, plan.to_source_major(0, plan.e))
     y_rank_major = all_to_all_v(y_source_major, plan.rank_major_splits, plan.expert_major_splits_W, group)

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from epmoe.comm.steps import Position, StepChannel, checks_on, group_size
+from epmoe.comm.steps import Position, StepChannel, checks_on, world_size
 from epmoe.errors import refuse_double_backward
 
 logger = logging.getLogger(__name__)
@@ -72,6 +72,13 @@ class GradSync:
         self._pending: list[tuple] = []  # "dp" all-reduces in flight in this backward
         self._queued = False  # whether this backward's _land is queued
 
+    def __deepcopy__(self, memo: dict) -> GradSync:
+        """The policy of a deep copy of the model: the same mode, channels and wrapper decision, no
+        reduction in flight."""
+        copied = GradSync(self.mode, self.ep_channel, self.ep_size, self.dp_channel, self.dp_size, self.check_steps)
+        copied.wrapper, copied._logged = self.wrapper, self._logged
+        return copied
+
     @property
     def data_parallel_size(self) -> int:
         """``D``: the ranks whose tokens an expert's gradient sums over once reduced over ``"dp"``."""
@@ -96,7 +103,7 @@ class GradSync:
     def set_wrapper(self, wrapper: str) -> None:
         """Record a data-parallel wrapper (DDP, FSDP2, Trainer): ``"auto"`` means ``"mean"`` from now on."""
         if self.wrapper is None:
-            world = group_size()
+            world = world_size()
             if world != self.data_parallel_size:
                 raise ValueError(
                     f"epmoe: {wrapper} runs over {world} ranks but the experts are sharded over {self.ep_size} and "

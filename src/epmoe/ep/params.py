@@ -22,7 +22,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from epmoe.ep.config import sharded_experts
+from epmoe.ep.grads import GradSync
+from epmoe.ep.recognize import peft_base
+from epmoe.ep.state import sharded_parameters, state_of
 
 # PeftModel -> LoraModel -> model: how a PeftModel names its base model's parameters
 _PEFT_PREFIX = "base_model.model."
@@ -32,8 +34,13 @@ def is_expert_parameter(param: torch.Tensor) -> bool:
     """Whether ``param`` is expert-parallel (held by one EP rank, different on every EP rank)."""
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"is_expert_parameter(param): expected a Tensor, got {type(param).__name__}")
-    sync = getattr(param, "_epmoe_expert", None)
+    sync = grad_sync_of(param)
     return sync is not None and sync.active
+
+
+def grad_sync_of(param: torch.Tensor) -> GradSync | None:
+    """The :class:`~epmoe.ep.grads.GradSync` of the model whose expert ``param`` is, or ``None``."""
+    return getattr(param, "_epmoe_expert", None)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -57,28 +64,18 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def _walk(model: nn.Module) -> Iterator[tuple[nn.Parameter, object]]:
     """``(parameter, its GradSync)`` for every expert parameter reachable by structure."""
-    for _, module, state in sharded_experts(model):
-        for p in state.sharded_params(module):
-            yield p, state.sync
+    for p, state in sharded_parameters(model):
+        yield p, state.sync
     for module in model.modules():
-        base = _peft_base(module)
+        base = peft_base(module)
         if base is not None:  # a PEFT wrapper around an experts module: its own factors are per expert
-            base_state = getattr(base, "_epmoe", None)
+            base_state = state_of(base)
             if base_state is not None and base_state.sync.active:
                 base_ids = {id(p) for p in base.parameters()}
                 for p in module.parameters():
                     if id(p) not in base_ids:
                         yield p, base_state.sync
 
-
-def _peft_base(module: nn.Module) -> nn.Module | None:
-    """The innermost ``base_layer`` of a PEFT wrapper (peft nests one wrapper per adapted parameter)."""
-    base = getattr(module, "base_layer", None)
-    if not isinstance(base, nn.Module) or not hasattr(module, "lora_A"):
-        return None
-    while isinstance(getattr(base, "base_layer", None), nn.Module):
-        base = base.base_layer
-    return base
 
 
 class ExpertParameterNames:

@@ -1,12 +1,13 @@
 """``apply_expert_parallel``: find a model's experts modules, keep this rank's block, swap the forward.
 
-Rank ``r`` of ``P`` keeps global experts ``[r*E/P, (r+1)*E/P)`` of every experts module::
+Rank ``r`` of the ``W`` ranks of the EP group keeps global experts ``[r*e, (r+1)*e)``, ``e = E/W``,
+of every experts module::
 
-    E = 8, P = 2          experts 0 1 2 3 | 4 5 6 7
+    E = 8, W = 2          experts 0 1 2 3 | 4 5 6 7
     rank 0 holds           0 1 2 3
     rank 1 holds                            4 5 6 7
 
-The expert weights stay plain ``nn.Parameter``s under their own names, sliced to ``E/P`` experts
+The expert weights stay plain ``nn.Parameter``s under their own names, sliced to ``e = E/W`` experts
 (an ``nn.ModuleList`` keeps its length; entries of other ranks become empty placeholders, so the
 local experts keep their global index in their names). Routers, shared experts and everything else
 are untouched. A packed experts module's forward becomes :func:`~epmoe.ep.layer.expert_parallel_forward`;
@@ -14,7 +15,7 @@ for ``nn.ModuleList`` experts the enclosing block's forward becomes
 :func:`~epmoe.integrations.blocks.expert_parallel_block_forward`.
 
 With experts sharded (EP size > 1) the model also gets, as instance attributes: the names DDP must
-ignore (:mod:`epmoe.training.params`), a ``generate`` that keeps every rank stepping
+ignore (:mod:`epmoe.ep.params`), a ``generate`` that keeps every rank stepping
 (:mod:`epmoe.training.generate`), on transformers models a ``save_pretrained`` that writes
 every expert (:mod:`epmoe.checkpoint.save`), and a warning on a bare ``state_dict()`` of sharded
 experts (:mod:`epmoe.checkpoint.guard`). Its experts then communicate on groups created for EP
@@ -34,10 +35,15 @@ from torch import nn
 
 from epmoe.checkpoint.guard import warn_on_bare_state_dict
 from epmoe.checkpoint.save import GatherExperts, SavePretrained
-from epmoe.comm.steps import StepChannel, step_group
+from epmoe import platform
+from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
-from epmoe.ep.layer import ExpertParallelState, expert_parallel_forward
-from epmoe.experts import experts_backend, experts_gmm_backends, num_experts_of
+from epmoe.ep.experts import LocalExperts, experts_backend, experts_gmm_backends
+from epmoe.ep.grads import GradSync
+from epmoe.ep.layer import expert_parallel_forward
+from epmoe.ep.params import ExpertParameterNames, expert_parameters
+from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of
+from epmoe.ep.state import ExpertParallelState, attach_state, state_of
 from epmoe.integrations.blocks import (
     block_router,
     block_top_k,
@@ -45,10 +51,7 @@ from epmoe.integrations.blocks import (
     is_shared_expert_block,
     shared_block_forward,
 )
-from epmoe.integrations.experts import fused_ineligible_reason, is_packed_experts
 from epmoe.training.generate import SyncedGenerate
-from epmoe.training.grads import GradSync
-from epmoe.training.params import ExpertParameterNames, expert_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -88,24 +91,6 @@ class NonLocalExpert(nn.Module):
         return f"held by EP rank {self.ep_rank}"
 
 
-def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
-    """``(name, experts module, module whose forward epmoe replaces)``, in ``named_modules()`` order.
-
-    Packed (transformers v5) experts replace their own forward; an ``nn.ModuleList`` named ``experts``
-    whose parent block has a ``gate`` or ``router`` module replaces the parent's.
-    """
-    modules = dict(model.named_modules())
-    found = []
-    for name, module in modules.items():
-        if is_packed_experts(module):
-            found.append((name, module, module))
-        elif isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(module):
-            parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
-            if any(isinstance(getattr(parent, attr, None), nn.Module) for attr in ("gate", "router")):
-                found.append((name, module, parent))
-    return found
-
-
 def apply_expert_parallel(
     model: nn.Module, ep_group: Any = None, *, config: ExpertParallelConfig | dict | None = None
 ) -> list[ExpertShard]:
@@ -134,7 +119,7 @@ def apply_expert_parallel(
     found = find_experts_modules(model)
     if not found:
         raise ValueError(f"apply_expert_parallel(model): no experts module found in {type(model).__name__}")
-    done = [getattr(owner, "_epmoe", None) for _, _, owner in found]
+    done = [state_of(owner) for _, _, owner in found]
     if all(state is not None for state in done):
         sizes = {state.shard.ep_size for state in done}
         if sizes != {ep_size}:
@@ -150,30 +135,30 @@ def apply_expert_parallel(
         checked, error = _validate(model, found, config, ep_rank, ep_size), None
     except (ValueError, TypeError) as exc:
         checked, error = None, exc
-    _check_ranks_agree(group, ep_size, config, found, checked, error)
+    _check_ranks_agree(group, ep_size, config, found, error)
     shards, backend, declined = checked.shards, checked.backend, checked.declined_backends
 
     modules = dict(model.named_modules())
     ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, shards)
     sync = GradSync(config.expert_grad, ep_channel, ep_size, dp_channel, dp_size, config.check_steps)
-    for layer, ((name, module, owner), shard, dispatch, returns_logits) in enumerate(zip(
-        found, shards, checked.dispatch, checked.returns_logits
+    for layer, ((name, module, owner), shard, transport, returns_logits) in enumerate(zip(
+        found, shards, checked.transport, checked.returns_logits
     )):
         common = dict(sync=sync, ancestors=_ancestors(modules, name), channel=ep_channel, layer=layer)
         if isinstance(module, nn.ModuleList):
-            local = _shard_module_list(module, shard)
-            owner._epmoe = ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits,
-                                               **common)
+            local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend)
+            attach_state(owner, ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits,
+                                                    **common))
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
             sharded = _shard_parameters(module, shard)
-            module._epmoe = ExpertParallelState(shard, config, group, module, dispatch=dispatch,
-                                                sharded_names=sharded, **common)
+            attach_state(module, ExpertParallelState(shard, config, group, LocalExperts(module, config.gmm_backend),
+                                                     transport=transport, sharded_names=sharded, **common))
             if sharded:
                 warn_on_bare_state_dict(module)
             module.forward = types.MethodType(expert_parallel_forward, module)
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
-            if dispatch != "alltoallv" and block is not None and is_shared_expert_block(block, module):
+            if transport != "alltoallv" and block is not None and is_shared_expert_block(block, module):
                 block._epmoe_block_forward = block.forward  # what shared_block_forward falls back to
                 block.forward = types.MethodType(shared_block_forward, block)
     if sync.active:
@@ -202,8 +187,8 @@ def _step_channels(group, ep_size: int, dp_group, dp_size: int, config: ExpertPa
     """The model's EP and ``"dp"`` step channels, each on a group created for it with
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
     names = tuple(shard.module_name for shard in shards)
-    width = max(shard.num_local_experts for shard in shards) + 1  # one row size (counts + slot total)
-    timeout = config.timeout_s
+    width = max(shard.num_local_experts for shard in shards) + 2  # one row size (counts, slot total, dtype)
+    timeout = step_timeout_s(config.timeout, group)
     ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
     dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None
     return ep, dp
@@ -214,7 +199,7 @@ class _Checked:
     """What :func:`_validate` decided, per experts module where a list."""
 
     shards: list[ExpertShard]
-    dispatch: list[str]  # ExpertParallelState.dispatch per module
+    transport: list[str]  # ExpertParallelState.transport per module
     returns_logits: list[bool]  # ModuleList blocks: whether the block's own forward returns router logits
     backend: Any  # the grouped-matmul backend the experts run (None for meta weights: chosen per forward)
     declined_backends: list[str]
@@ -246,14 +231,14 @@ def _validate(
         num_experts = num_experts_of(module)
         if num_experts % ep_size:
             raise ValueError(
-                f"apply_expert_parallel: {name} has E={num_experts} experts, not divisible by the EP size P={ep_size}"
+                f"apply_expert_parallel: {name} has E={num_experts} experts, not divisible by the EP size W={ep_size}"
             )
         local = num_experts // ep_size
         checked.shards.append(
             ExpertShard(name, num_experts, local, ep_rank * local, (ep_rank + 1) * local, ep_rank, ep_size)
         )
-        dispatch, reason = _resolve_dispatch(module, config)
-        checked.dispatch.append(dispatch)
+        transport, reason = _resolve_transport(module, config)
+        checked.transport.append(transport)
         if reason is not None:
             checked.declined_fused[name] = reason
         checked.returns_logits.append(isinstance(module, nn.ModuleList) and _block_returns_router_logits(name, owner))
@@ -268,30 +253,34 @@ def _validate(
 
 def _check_ranks_agree(
     group: dist.ProcessGroup | None, ep_size: int, config: ExpertParallelConfig,
-    found: list[tuple[str, nn.Module, nn.Module]], checked: _Checked | None, error: Exception | None,
+    found: list[tuple[str, nn.Module, nn.Module]], error: Exception | None,
 ) -> None:
     """Raise on every rank if any rank's validation failed or the ranks disagree on the config or the
-    experts modules (their number of experts, and every parameter's name, shape and dtype): otherwise
-    they would issue mismatched collectives later (an abort inside the backend, a wait until the
-    group's timeout, or silently wrong rows). One ``all_gather_object`` (none for a group of one)."""
+    experts modules (their names, number of experts, and every parameter's name, shape and dtype),
+    naming what differs: otherwise they would issue mismatched collectives later (an abort inside
+    the backend, a wait until the group's timeout, or silently wrong rows). One agreement step on
+    the EP group (:meth:`~epmoe.comm.steps.StepChannel.agree`; none for a group of one)."""
     if ep_size > 1:
-        experts = ([(s.module_name, s.num_experts, _parameter_layout(module))
-                    for s, (_, module, _) in zip(checked.shards, found)] if checked is not None
-                   else [name for name, _, _ in found])
-        mine = (dataclasses.astuple(config), experts, None if error is None else f"{type(error).__name__}: {error}")
-        gathered: list[Any] = [None] * ep_size
-        dist.all_gather_object(gathered, mine, group=group)
-        failed = [(rank, theirs[2]) for rank, theirs in enumerate(gathered) if theirs[2] is not None]
-        if failed and error is None:
-            rank, message = failed[0]
-            raise ValueError(f"apply_expert_parallel: EP rank {rank} failed to validate the model: {message}")
-        if error is None:
-            for rank, theirs in enumerate(gathered):
-                if theirs[:2] != mine[:2]:
-                    raise ValueError(
-                        f"apply_expert_parallel: EP ranks disagree on the config or the experts modules: "
-                        f"rank {rank} has {theirs[:2]}, this rank has {mine[:2]}"
-                    )
+        fields = [(f"config.{f.name} (here {getattr(config, f.name)!r})", value_code(getattr(config, f.name)))
+                  for f in dataclasses.fields(config)]
+        layouts = [_parameter_layout(module) for _, module, _ in found]
+        dtypes = [dtype for layout in layouts for _, _, dtype in layout]
+        fields += [
+            ("experts modules (names)", value_code([name for name, _, _ in found])),
+            ("experts modules' numbers of experts", value_code([num_experts_of(m) for _, m, _ in found])),
+            ("experts' parameter names and shapes", value_code([[(n, s) for n, s, _ in lay] for lay in layouts])),
+            ("experts' dtype", dtype_code(dtypes[0]) if dtypes else 0),
+            ("experts' parameter dtypes", value_code([str(d) for d in dtypes])),
+        ]
+        if error is not None:
+            fields = [(name, 0) for name, _ in fields]
+        channel = StepChannel(group, len(fields), what="EP")
+
+        def show(name: str, value: int) -> str | None:
+            return dtype_name(value) if name == "experts' dtype" else None
+
+        channel.agree(channel.next_call(AGREE), platform.group_device(group), fields, failed=error is not None,
+                      caller="apply_expert_parallel", show=show)
     if error is not None:
         raise error
 
@@ -311,15 +300,15 @@ def _data_parallel_wrapper(module: nn.Module) -> str | None:
     return None
 
 
-def _parameter_layout(module: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+def _parameter_layout(module: nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """``(name, shape, dtype)`` of every parameter of an experts module, before sharding."""
-    return [(name, tuple(p.shape), str(p.dtype)) for name, p in module.named_parameters()]
+    return [(name, tuple(p.shape), p.dtype) for name, p in module.named_parameters()]
 
 
-def _resolve_dispatch(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
-    """``(ExpertParallelState.dispatch, why a requested fused path was declined or None)`` for one module:
-    the configured mode where the fused ops can run these experts (``"auto"`` is then decided per
-    call, see :func:`~epmoe.ep.exchange.uses_fused`), else ``"alltoallv"``."""
+def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
+    """``(ExpertParallelState.transport, why a requested fused transport was declined or None)`` for
+    one module: the configured ``dispatch`` where the fused ops can run these experts (``"auto"`` is
+    then decided per call, see :meth:`~epmoe.ep.state.ExpertParallelState.fused_on`), else ``"alltoallv"``."""
     if config.dispatch == "alltoallv" or config.capacity_factor is not None:  # capacity: see the config
         return "alltoallv", None
     reason = fused_ineligible_reason(experts)

@@ -1,5 +1,5 @@
 """Recognising experts modules: transformers v5 packed experts, ``nn.ModuleList`` experts of Linear
-triples, transformers' default gate, and what the fused ops can run.
+triples, transformers' default gate, what the fused ops can run, and PEFT wrappers around experts.
 
 * Packed experts (classes decorated with transformers' ``@use_experts_implementation``): 3-D
   ``gate_up_proj`` (or ``up_proj`` when ``has_gate`` is false) and ``down_proj``; ``is_transposed``
@@ -8,7 +8,9 @@ triples, transformers' default gate, and what the fused ops can run.
 * ``nn.ModuleList`` experts whose every expert holds ``gate_proj`` / ``up_proj`` / ``down_proj`` (or
   Mixtral's ``w1`` / ``w3`` / ``w2``) bias-free ``nn.Linear`` layers and one ``act_fn``, with a forward
   that computes exactly ``down(act_fn(gate(x)) * up(x))`` (checked once per expert): those run
-  grouped (:mod:`epmoe.experts`), any other expert on its own rows.
+  grouped (:mod:`epmoe.ep.experts`), any other expert on its own rows.
+
+:func:`find_experts_modules` finds both kinds in a model by structure, not by name.
 """
 
 from __future__ import annotations
@@ -27,6 +29,42 @@ def is_packed_experts(module: nn.Module) -> bool:
         return False
     first = "gate_up_proj" if module.has_gate else "up_proj"
     return all(isinstance(getattr(module, name, None), torch.Tensor) for name in (first, "down_proj"))
+
+
+def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
+    """``(name, experts module, module whose forward epmoe replaces)``, in ``named_modules()`` order.
+
+    Packed (transformers v5) experts replace their own forward; an ``nn.ModuleList`` named ``experts``
+    whose parent block has a ``gate`` or ``router`` module replaces the parent's.
+    """
+    modules = dict(model.named_modules())
+    found = []
+    for name, module in modules.items():
+        if is_packed_experts(module):
+            found.append((name, module, module))
+        elif isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(module):
+            parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
+            if any(isinstance(getattr(parent, attr, None), nn.Module) for attr in ("gate", "router")):
+                found.append((name, module, parent))
+    return found
+
+
+def num_experts_of(module: nn.Module) -> int:
+    """Number of experts a packed or ``nn.ModuleList`` experts module holds now."""
+    if isinstance(module, nn.ModuleList):
+        return len(module)
+    return module.down_proj.shape[0]
+
+
+def peft_base(module: nn.Module) -> nn.Module | None:
+    """The innermost ``base_layer`` of a PEFT LoRA wrapper (peft nests one wrapper per adapted
+    parameter), or ``None`` if ``module`` is not one."""
+    base = getattr(module, "base_layer", None)
+    if not isinstance(base, nn.Module) or not hasattr(module, "lora_A"):
+        return None
+    while isinstance(getattr(base, "base_layer", None), nn.Module):
+        base = base.base_layer
+    return base
 
 
 def is_default_silu_gate(module: nn.Module) -> bool:

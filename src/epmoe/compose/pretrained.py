@@ -1,0 +1,72 @@
+"""``epmoe.from_pretrained``: an EP model from a transformers checkpoint, each rank reading only its experts.
+
+transformers distributes a model before loading in ``_load_pretrained_model``; epmoe loads through a
+subclass of the user's class, made for the call, whose ``_load_pretrained_model`` first applies EP
+to the meta model, then lets transformers' loader read this rank's experts only
+(:mod:`epmoe.checkpoint.load`). Everything else (buffers such as rotary ``inv_freq``, tied weights,
+missing-key initialisation, dtype handling, ``config=`` and every other keyword) is transformers'
+own. The result equals ``from_pretrained`` followed by :func:`epmoe.apply_expert_parallel`.
+
+An Auto class (``AutoModelForCausalLM``...) is resolved to the concrete class its config maps to,
+as transformers' own ``from_pretrained`` does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from epmoe.checkpoint.guard import own_state_dict
+from epmoe.checkpoint.load import as_local_parameters, as_meta_dtensors, load_error, raise_on_every_rank
+from epmoe.compose.apply import apply_expert_parallel
+from epmoe.ep.params import expert_parameters
+
+
+def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=None, **kwargs: Any):
+    """``(model, shards)``: ``model_class.from_pretrained(path, **kwargs)`` made expert-parallel over
+    ``ep_group`` (see :func:`epmoe.apply_expert_parallel`) without materialising other ranks' experts.
+    ``model_class``: a transformers model class or an Auto class."""
+    model_class = _concrete_class(model_class, path, kwargs)
+    found: dict[str, Any] = {}
+
+    class ShardedLoad(model_class):
+        @staticmethod
+        def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+            found["shards"] = apply_expert_parallel(model, ep_group, config=ep_config)
+            expert_keys = as_meta_dtensors(model)
+            info = model_class._load_pretrained_model(model, state_dict, checkpoint_files, load_config,
+                                                      expected_keys)
+            raise_on_every_rank(load_error(info[0], expert_keys), found["shards"], model)
+            as_local_parameters(model)
+            return info
+
+    ShardedLoad.__name__ = ShardedLoad.__qualname__ = model_class.__name__
+    with own_state_dict():  # transformers' loader reads the (sharded) model's state dict keys
+        model = ShardedLoad.from_pretrained(path, **kwargs)
+    model.__class__ = model_class  # the user's class again (saving writes its name as the architecture)
+    expert_parameters(model)  # mark the loaded parameters
+    return model, found["shards"]
+
+
+def _concrete_class(model_class: Any, path, kwargs: dict[str, Any]) -> type:
+    """``model_class`` if it is a transformers model class; for an Auto class, the model class its
+    mapping gives the checkpoint's config (``config=`` if given), built on the meta device to ask."""
+    if isinstance(model_class, type) and hasattr(model_class, "_load_pretrained_model"):
+        return model_class
+    if not (isinstance(model_class, type) and callable(getattr(model_class, "from_config", None))
+            and callable(getattr(model_class, "from_pretrained", None))):
+        raise TypeError(f"from_pretrained(model_class): expected a transformers model class or Auto class "
+                        f"(AutoModelForCausalLM...), got {model_class!r}")
+    from transformers import AutoConfig, PretrainedConfig
+
+    config = kwargs.get("config")
+    if not isinstance(config, PretrainedConfig):
+        config = AutoConfig.from_pretrained(config or path, trust_remote_code=kwargs.get("trust_remote_code", False))
+    with torch.device("meta"):
+        try:
+            resolved = type(model_class.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False)))
+        except ValueError as exc:
+            raise TypeError(f"from_pretrained(model_class): {model_class.__name__} has no model class for "
+                            f"{type(config).__name__}: {exc}") from exc
+    return resolved
