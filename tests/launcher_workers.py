@@ -124,13 +124,136 @@ def auto_class_loading(rank, world, path):
     return type(auto).__name__, same, diff, auto_shards == shards
 
 
-def launcher_cases(rank, world, path):
-    """Every 2-rank case of tests/test_launchers.py in one spawn: ``{case: result or error text}``."""
+def launcher_cases(rank, world, root):
+    """Every 2-rank case of tests/test_launchers.py in one spawn: ``{case: result}``."""
     results = {}
     for name, run in (("deep_copies", lambda: deep_copies(rank, world)),
                       ("dtype_on_one_rank", lambda: dtype_on_one_rank(rank, world)),
                       ("shorter_group_timeout", lambda: shorter_group_timeout(rank, world)),
-                      ("auto_class_loading", lambda: auto_class_loading(rank, world, path))):
+                      ("auto_class_loading", lambda: auto_class_loading(rank, world, f"{root}/model")),
+                      ("fsdp2_saves", lambda: fsdp2_saves(rank, world, root)),
+                      ("parameter_counts", lambda: parameter_counts(rank, world))):
         results[name] = run()
         dist.barrier()
     return results
+
+
+# --------------------------------------------------------------------------------------------
+# Saves under FSDP2, resume at another world size, parameter counts
+
+
+def fsdp2_saves(rank, world, root):
+    """The README's FSDP2 recipe, then ``model.save_pretrained`` on every rank; EP + FSDP2 + LoRA, then
+    the README's adapter save: plain transformers / peft reload each exactly (logits vs the EP model's)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    def sharded(model, base):
+        experts = set(epmoe.expert_parameters(model))
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in base.model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=experts)
+        fully_shard(base, mesh=mesh, ignored_params=experts)
+        return model
+
+    def one_step(model):
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05)
+        ids = batch_of(rank)
+        model(ids, labels=ids).loss.backward()
+        epmoe.clip_grad_norm_(model, 1.0)
+        opt.step()
+
+    out = {}
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe", dtype=torch.float64)
+    epmoe.apply_expert_parallel(model)
+    sharded(model, model)
+    one_step(model)
+    model.save_pretrained(f"{root}/full")
+    plain = AutoModelForCausalLM.from_pretrained(f"{root}/full", dtype=torch.float64,
+                                                 experts_implementation="eager")
+    ids = batch_of(rank)
+    with torch.no_grad():
+        out["full"] = (model(ids).logits - plain(ids).logits).abs().max().item()
+
+    torch.manual_seed(0)
+    base = build_model("qwen3_moe", dtype=torch.float64)
+    epmoe.apply_expert_parallel(base)
+    config = LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj", "v_proj"],
+                        target_parameters=list(EXPERTS))
+    peft_model = sharded(get_peft_model(base, config), base)
+    one_step(peft_model)
+    peft_model.save_pretrained(f"{root}/adapter", state_dict=epmoe.adapter_state_dict(peft_model),
+                               is_main_process=rank == 0)
+    dist.barrier()
+    torch.manual_seed(0)
+    unsharded = PeftModel.from_pretrained(build_model("qwen3_moe", dtype=torch.float64), f"{root}/adapter")
+    with torch.no_grad():
+        out["adapter"] = (peft_model(ids).logits - unsharded(ids).logits).abs().max().item()
+    return out
+
+
+def trainer_run(rank, world, out_dir, *, ep, max_steps, resume=None):
+    """A prepared Trainer (``ep``) or a plain one (the unsharded twin) on the fp64 model, saving a
+    checkpoint every 2 steps; ``(model, shards)`` after ``max_steps``."""
+    from transformers import Trainer, TrainingArguments
+    from training_workers import TokenDataset
+
+    if ep or resume is None:
+        model = build_model("qwen3_moe", dtype=torch.float64, seed=0)
+    else:  # transformers' Trainer reloads packed experts without its weight conversion (they stay as
+        # they are): the plain twin starts from the checkpoint's weights, loaded the way that converts
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(resume, dtype=torch.float64,
+                                                     experts_implementation="eager")
+    shards = epmoe.apply_expert_parallel(model) if ep else None
+    args = TrainingArguments(
+        output_dir=out_dir, per_device_train_batch_size=2, max_steps=max_steps, learning_rate=1e-3,
+        logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True,
+        dataloader_num_workers=0, seed=0, disable_tqdm=True,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(64, 12, seed=1))
+    if ep:
+        epmoe.prepare_trainer(trainer)
+    trainer.train(resume_from_checkpoint=resume)
+    return model, shards
+
+
+def resume_checkpoints(rank, world, root, resume_from):
+    """Train EP and unsharded twins to step 2 (checkpoint-2) at this world size, or, with
+    ``resume_from`` (the root of another world size's run), resume both from their checkpoint-2 to
+    step 4 here: every parameter of the EP model vs its twin."""
+    from training_workers import reference_view
+
+    if resume_from is None:
+        for ep in (True, False):
+            trainer_run(rank, world, f"{root}/{'ep' if ep else 'ref'}", ep=ep, max_steps=2)
+        return None
+    model, shards = trainer_run(rank, world, f"{root}/ep", ep=True, max_steps=4,
+                                resume=f"{resume_from}/ep/checkpoint-2")
+    ref, _ = trainer_run(rank, world, f"{root}/ref", ep=False, max_steps=4, resume=f"{resume_from}/ref/checkpoint-2")
+    errors = {name: pair.param_error for name, pair in reference_view(model, ref, shards).items()}
+    assert errors, "compared nothing"
+    moved = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(
+        ref.parameters(), build_model("qwen3_moe", dtype=torch.float64, seed=0).parameters()))
+    return max(errors.values()), len(errors), moved
+
+
+def parameter_counts(rank, world):
+    """``model.num_parameters()`` of an EP model counts every expert, as the unsharded model does."""
+    ref = build_model("qwen3_moe")
+    model = copy.deepcopy(ref)
+    epmoe.apply_expert_parallel(model)
+    for layer in model.model.layers:
+        layer.mlp.experts.down_proj.requires_grad_(False)
+        layer.self_attn.q_proj.weight.requires_grad_(False)
+    for layer in ref.model.layers:
+        layer.mlp.experts.down_proj.requires_grad_(False)
+        layer.self_attn.q_proj.weight.requires_grad_(False)
+    return ([model.num_parameters(), model.num_parameters(only_trainable=True),
+             model.num_parameters(exclude_embeddings=True)],
+            [ref.num_parameters(), ref.num_parameters(only_trainable=True), ref.num_parameters(exclude_embeddings=True)],
+            epmoe.parameter_counts(model), (ref.num_parameters(only_trainable=True), ref.num_parameters()))

@@ -1,6 +1,7 @@
 """The launchers and idioms users take around an EP model, each against the unsharded model per
 parameter (fp64): deep copies (EMA, TRL reference models), groups made after other groups, a rank
-that changes dtype alone, a process group with a short timeout, Auto classes."""
+that changes dtype alone, a process group with a short timeout, Auto classes, saves under FSDP2,
+a Trainer resumed at another world size, parameter counts."""
 
 import pytest
 
@@ -15,9 +16,9 @@ def two_rank_results(tmp_path_factory):
 
     from epmoe.models import build_model
 
-    path = tmp_path_factory.mktemp("auto") / "model"
-    build_model("qwen3_moe").save_pretrained(path)
-    return run_ranks(launcher_cases, 2, str(path), timeout=600)
+    root = tmp_path_factory.mktemp("launchers")
+    build_model("qwen3_moe").save_pretrained(root / "model")
+    return run_ranks(launcher_cases, 2, str(root), timeout=600)
 
 
 def test_deepcopy_is_an_independent_ep_model(two_rank_results):
@@ -52,3 +53,27 @@ def test_groups_do_not_depend_on_what_a_process_did_before():
 
     for worst, compared in run_ranks(groups_after_other_groups, 4, timeout=300):
         assert worst < 1e-10 and compared > 10
+
+
+def test_fsdp2_saves_reload_exactly_in_plain_transformers_and_peft(two_rank_results):
+    for rank, result in enumerate(two_rank_results):
+        assert result["fsdp2_saves"]["full"] < 1e-10 and result["fsdp2_saves"]["adapter"] < 1e-10, (rank, result)
+
+
+def test_num_parameters_counts_every_expert(two_rank_results):
+    for result in two_rank_results:
+        ep_counts, unsharded_counts, counts, expected = result["parameter_counts"]
+        assert ep_counts == unsharded_counts and counts == expected
+
+
+def test_prepared_trainer_resumes_at_another_world_size(tmp_path):
+    """checkpoint-2 written at 2 ranks, resumed at 1 (and 1 -> 2): every parameter after step 4 equals
+    the unsharded twin's (a plain Trainer resumed the same way)."""
+    from launcher_workers import resume_checkpoints
+
+    two, one = str(tmp_path / "two"), str(tmp_path / "one")
+    run_ranks(resume_checkpoints, 2, two, None, timeout=300)
+    run_ranks(resume_checkpoints, 1, one, None, timeout=300)
+    for label, world, root, source in (("2 -> 1", 1, f"{one}/resumed", two), ("1 -> 2", 2, f"{two}/resumed", one)):
+        for worst, compared, moved in run_ranks(resume_checkpoints, world, root, source, timeout=300):
+            assert worst < 1e-10 and compared > 10 and moved > 1e-4, (label, worst, compared, moved)

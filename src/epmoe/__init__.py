@@ -22,7 +22,7 @@ from epmoe.comm.steps import OutOfStepError
 from epmoe.compose import apply_expert_parallel, from_pretrained
 from epmoe.ep import ExpertParallelConfig, ExpertShard
 from epmoe.ep.load import expert_load, load_summary, reset_expert_load
-from epmoe.ep.params import expert_parameters, is_expert_parameter
+from epmoe.ep.params import expert_parameters, is_expert_parameter, parameter_counts
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
 from epmoe.training import LoadBalancer, clip_grad_norm_, prepare_trainer
 
@@ -49,6 +49,7 @@ __all__ = [
     "load_summary",
     "LoadBalancer",
     "OutOfStepError",
+    "parameter_counts",
     "platform",
     "prepare_trainer",
     "register_gmm_backend",

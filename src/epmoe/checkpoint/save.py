@@ -9,9 +9,10 @@ experts held at once would not fit the writer, so :func:`epmoe.apply_expert_para
 instance attributes of the model (the class is untouched):
 
 * :class:`SavePretrained` as ``save_pretrained``: transformers' own (config, generation config,
-  custom code, removal of stale shards), with ``num_parameters`` counting every expert while it
-  runs (the index's ``total_parameters``); then :class:`StreamedWeights` writes the weights, and a
-  barrier lets every rank return once the files are written;
+  custom code, removal of stale files; the index's ``total_parameters`` from the model's
+  ``num_parameters``, which counts every expert: :class:`epmoe.ep.params.NumParameters`); then
+  :class:`StreamedWeights` writes the weights, and a barrier lets every rank return once the files
+  are written;
 * :class:`GatherExperts` as ``gather_sharded_state_dict_for_save``: it takes the state dict
   transformers prepared (keys to ignore removed) for :class:`StreamedWeights` and hands transformers
   an empty one, so transformers itself writes no weights.
@@ -55,11 +56,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from epmoe.checkpoint.guard import own_state_dict
+from epmoe.comm.steps import SAVE, OutOfStepError, Position, StepChannel
 from epmoe.ep.state import ExpertParallelState, sharded_experts
 from epmoe.integrations.peft import cat_factor, expert_lora_wrappers, factor_weights
-from epmoe.comm.steps import SAVE, OutOfStepError, Position, StepChannel
 
 WRITER = 0  # the global rank transformers writes from
 _SAVING: contextvars.ContextVar[StreamedWeights | None] = contextvars.ContextVar("epmoe_saving", default=None)
@@ -102,14 +104,7 @@ class SavePretrained:
                 "save_pretrained(push_to_hub=True): an expert-parallel model's weights are written after "
                 "transformers' own save, so they would not be uploaded; save, then upload the folder "
                 "(huggingface_hub.upload_folder)")
-        extra = _non_local_expert_numel(model)
-
-        def num_parameters(only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
-            local = type(model).num_parameters(model, only_trainable, exclude_embeddings)
-            return local + extra["trainable" if only_trainable else "all"]
-
         weights = StreamedWeights(os.fspath(save_directory), options.arguments)
-        model.num_parameters = num_parameters
         token = _SAVING.set(weights)
         try:
             with own_state_dict():
@@ -117,7 +112,6 @@ class SavePretrained:
                 weights.write()
         finally:
             _SAVING.reset(token)
-            del model.num_parameters
         dist.barrier()  # the writer has finished: every rank may read the checkpoint now
         return result
 
@@ -132,6 +126,7 @@ class StreamedWeights:
         self.model: nn.Module | None = None
         self.state_dict: dict[str, torch.Tensor] | None = None
         self.on_this_rank = False
+        self.sharded: dict[int, tuple[torch.Tensor, DTensor]] = {}  # id(meta stand-in) -> (it, its DTensor)
 
     def take(self, model: nn.Module, state_dict: dict[str, torch.Tensor], save_on_this_rank: bool) -> None:
         if getattr(model, "hf_quantizer", None) is not None:
@@ -151,16 +146,17 @@ class StreamedWeights:
         model, variant = self.model, self.options.get("variant")
         state_dict = remove_tied_weights_from_state_dict(self.state_dict, model)
         self.state_dict = None
+        state_dict = {key: self._stand_in(tensor) for key, tensor in state_dict.items()}
         gathers = _WriterGathers()
         full, units = _with_full_experts(model, state_dict, gathers)
-        if not units and not self.on_this_rank:  # no experts to send, nothing to write
+        if not units and not self.sharded and not self.on_this_rank:  # nothing to send, nothing to write
             return
         planned = self._revert(full)
         unwritable = sorted(key for key, tensor in planned.items() if tensor.dtype not in _SAFETENSORS_DTYPES)
         if unwritable:  # found by every rank that plans, before any transfer
             raise TypeError(f"epmoe: save_pretrained cannot write {unwritable[:4]} (dtype "
                             f"{planned[unwritable[0]].dtype}) to safetensors")
-        owner = _owners(planned, units, self._revert)
+        owner = _owners(planned, units, self._revert, set(self.sharded))
         del full
         weights_name = _add_variant(SAFE_WEIGHTS_NAME, variant)
         split = split_state_dict_into_shards_factory(
@@ -174,6 +170,26 @@ class StreamedWeights:
             with open(os.path.join(self.directory, _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)), "w",
                       encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    def _stand_in(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, or for a ``DTensor`` (a weight FSDP2 shards) a meta tensor of its full shape,
+        planned like the experts' and gathered (:meth:`_full`) only when its file is written."""
+        if not isinstance(tensor, DTensor):
+            return tensor
+        stand_in = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        self.sharded[id(stand_in)] = (stand_in, tensor)
+        return stand_in
+
+    def _full(self, planned: torch.Tensor) -> torch.Tensor:
+        """The tensor to write for ``planned``: itself, or the full tensor its DTensor stands for (a
+        collective over the DTensor's mesh, run by every rank in the same order), viewed as planned."""
+        entry = self.sharded.get(id(_root(planned)))
+        if entry is None:
+            return planned
+        stand_in, dtensor = entry
+        full = dtensor.full_tensor()
+        return full if planned is stand_in else full.as_strided(planned.shape, planned.stride(),
+                                                                  planned.storage_offset())
 
     def _revert(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' own conversion back to the class's checkpoint layout (unless
@@ -198,9 +214,12 @@ class StreamedWeights:
             else None
         try:
             for source, own in sources.items():
-                if source is None:
-                    for key in own if writer is not None else ():
-                        writer.write(key, planned[key])
+                if source is None:  # every rank holds these; FSDP2's shards are gathered by every rank
+                    for key in own:
+                        if writer is not None or id(_root(planned[key])) in self.sharded:
+                            tensor = self._full(planned[key])
+                            if writer is not None:
+                                writer.write(key, tensor)
                     continue
                 for piece in units[source].pieces(self._revert):
                     if writer is not None and piece is not None:
@@ -246,7 +265,8 @@ class _PackedUnit:
     the writer receives and reverts one rank's part at a time and renumbers its keys; otherwise (a
     checkpoint layout that keeps the experts packed) it gathers all ``E`` experts at once."""
 
-    def __init__(self, key: str, local: torch.Tensor, dtype: torch.dtype, state: ExpertParallelState, gathers: _WriterGathers):
+    def __init__(self, key: str, local: torch.Tensor, dtype: torch.dtype, state: ExpertParallelState,
+                 gathers: _WriterGathers):
         self.key, self.local, self.dtype, self.gathers = key, local.contiguous(), dtype, gathers
         self.channel, self.parts = state.channel, state.shard.ep_size
         self.full = {key: torch.empty((state.shard.num_experts, *local.shape[1:]), dtype=dtype, device="meta")}
@@ -345,11 +365,11 @@ class _ModuleListUnit:
 
 
 def _owners(planned: dict[str, torch.Tensor], units: list[_PackedUnit | _ModuleListUnit],
-            revert: Callable[[dict], dict]) -> dict[str, int]:
+            revert: Callable[[dict], dict], stand_ins: set[int]) -> dict[str, int]:
     """Which unit each planned key comes from. Each unit is reverted alone when written, so its keys
     there must be exactly the ones the whole dict's conversion gives it; a conversion that mixes
     several units (or experts with other weights) cannot be written unit by unit and raises, before
-    anything is written."""
+    anything is written. ``stand_ins``: ids of the meta tensors standing for FSDP2's DTensors."""
     owner: dict[str, int] = {}
     for index, unit in enumerate(units):
         for key, tensor in unit.plan(revert).items():
@@ -358,7 +378,8 @@ def _owners(planned: dict[str, torch.Tensor], units: list[_PackedUnit | _ModuleL
                     f"epmoe: save_pretrained cannot write {key!r} one experts tensor at a time (the class's weight "
                     f"conversion combines several tensors into it); save with save_original_format=False")
             owner[key] = index
-    stray = [key for key, tensor in planned.items() if tensor.device.type == "meta" and key not in owner]
+    stray = [key for key, tensor in planned.items()
+             if tensor.device.type == "meta" and key not in owner and id(_root(tensor)) not in stand_ins]
     if stray:
         raise NotImplementedError(f"epmoe: save_pretrained cannot attribute {stray[:4]} to one experts tensor; "
                                   f"save with save_original_format=False")
@@ -455,6 +476,8 @@ def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     each rank's). Collective: every rank calls it."""
     with own_state_dict():
         out = peft_model.state_dict()
+    out = {key: value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2 shards, in key order
+           for key, value in out.items()}
     gathers = _WriterGathers()
     for name, module, state in expert_lora_wrappers(peft_model):
         if not gathers.joins(state.channel):
@@ -543,14 +566,3 @@ def _start_save(channel: StepChannel, device: torch.device) -> Position:
             f"epmoe.prepare_trainer(trainer) so that its saves run on every rank. Cause: {exc.__cause__ or exc}"
         ) from exc
     return position
-
-
-def _non_local_expert_numel(model: nn.Module) -> dict[str, int]:
-    """Parameters the other EP ranks hold (``all``, and ``trainable`` ones), as the unsharded model counts them."""
-    extra = {"all": 0, "trainable": 0}
-    for _, module, state in sharded_experts(model):
-        others = state.shard.ep_size - 1
-        for p in state.sharded_params(module):
-            extra["all"] += others * p.numel()
-            extra["trainable"] += others * p.numel() if p.requires_grad else 0
-    return extra

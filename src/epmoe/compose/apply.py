@@ -16,9 +16,9 @@ for ``nn.ModuleList`` experts the enclosing block's forward becomes
 
 With experts sharded (EP size > 1) the model also gets, as instance attributes: the names DDP must
 ignore (:mod:`epmoe.ep.params`), a ``generate`` that keeps every rank stepping
-(:mod:`epmoe.training.generate`), on transformers models a ``save_pretrained`` that writes
-every expert (:mod:`epmoe.checkpoint.save`), and a warning on a bare ``state_dict()`` of sharded
-experts (:mod:`epmoe.checkpoint.guard`). Its experts then communicate on groups created for EP
+(:mod:`epmoe.training.generate`), on transformers models a ``save_pretrained`` that writes every
+expert (:mod:`epmoe.checkpoint.save`) and a ``num_parameters`` that counts every expert, and a
+warning on a bare ``state_dict()`` of sharded experts (:mod:`epmoe.checkpoint.guard`). Its experts then communicate on groups created for EP
 with ``config.timeout``, every collective behind a step header (:mod:`epmoe.comm.steps`).
 """
 
@@ -41,7 +41,7 @@ from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.experts import LocalExperts, experts_backend, experts_gmm_backends
 from epmoe.ep.grads import GradSync
 from epmoe.ep.layer import expert_parallel_forward
-from epmoe.ep.params import ExpertParameterNames, expert_parameters
+from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
 from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
 from epmoe.integrations.blocks import (
@@ -170,6 +170,7 @@ def apply_expert_parallel(
         if callable(getattr(type(model), "gather_sharded_state_dict_for_save", None)):  # a transformers model
             model.gather_sharded_state_dict_for_save = GatherExperts(model)
             model.save_pretrained = SavePretrained(model)
+            model.num_parameters = NumParameters(model)
     if checked.declined_fused:
         name, reason = next(iter(checked.declined_fused.items()))
         logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",

@@ -78,6 +78,39 @@ def _walk(model: nn.Module) -> Iterator[tuple[nn.Parameter, object]]:
 
 
 
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """``(trainable, all)``: the parameters of the unsharded model ``model`` stands for (every expert
+    counted once, LoRA factors on experts included), as peft's ``get_nb_trainable_parameters`` counts
+    a model on one process. No collective: each expert parameter counts ``ep_size`` times its shard."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parameter_counts(model): expected an nn.Module, got {type(model).__name__}")
+    experts = {id(p) for p in expert_parameters(model)}
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel() * (grad_sync_of(p).ep_size if id(p) in experts else 1)
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
+class NumParameters:
+    """``model.num_parameters`` of an EP transformers model (an instance attribute; the class is
+    untouched): transformers' own count plus the experts the other EP ranks hold, so the count (and
+    the ``total_parameters`` of a saved index) is the unsharded model's."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        model = self.model
+        local = type(model).num_parameters(model, only_trainable, exclude_embeddings)
+        others = 0
+        for p, state in sharded_parameters(model):
+            if p.requires_grad or not only_trainable:
+                others += (state.shard.ep_size - 1) * p.numel()
+        return local + others
+
+
 class ExpertParameterNames:
     """The names DDP must ignore, computed when DDP reads them (see the module docstring)."""
 

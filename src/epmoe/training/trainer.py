@@ -14,8 +14,8 @@ model must be gathered from every rank: this trainer's ``_save`` lets the other 
 model's ``save_pretrained`` (:mod:`epmoe.checkpoint.save`) without writing. Trainer checkpoints
 (``save_strategy``) also get an ``epmoe_dcp/`` directory with the model and optimizer through
 :func:`epmoe.get_state_dict` and ``torch.distributed.checkpoint`` (Trainer's own optimizer file holds
-rank 0's experts' moments only), and ``resume_from_checkpoint`` loads both from it, so a resumed run
-continues exactly.
+rank 0's experts' moments only, and is not read), and ``resume_from_checkpoint`` loads both from it
+and the scheduler from Trainer's file, so a resumed run continues exactly, at any world size.
 
 DeepSpeed and accelerate's FSDP plugin shard every parameter, experts included: refused; so are
 ``save_on_each_node`` and ``load_best_model_at_end`` (see the errors).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
@@ -36,6 +37,7 @@ from epmoe.integrations.peft import has_expert_lora
 from epmoe.training.clip import clip_grad_norm_
 
 DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
+SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME: the learning-rate scheduler's file
 
 
 def prepare_trainer(trainer: Any) -> Any:
@@ -102,12 +104,17 @@ def prepare_trainer(trainer: Any) -> Any:
         set_state_dict(model, state=state)
 
     def load_optimizer_and_scheduler(checkpoint):
-        type(trainer)._load_optimizer_and_scheduler(trainer, checkpoint)  # the scheduler
-        if checkpoint is not None:
-            model = _unwrapped(trainer)
-            state = get_state_dict(model, trainer.optimizer)
-            dcp.load(state, checkpoint_id=_dcp_dir(checkpoint, must_exist=True))
-            set_state_dict(model, trainer.optimizer, state=state)
+        # Trainer's own would load its optimizer file, which holds rank 0's experts' moments in the
+        # shapes of the world size that saved it: the scheduler from its file, the rest from DCP
+        if checkpoint is None:
+            return
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        model = _unwrapped(trainer)
+        state = get_state_dict(model, trainer.optimizer)
+        dcp.load(state, checkpoint_id=_dcp_dir(checkpoint, must_exist=True))
+        set_state_dict(model, trainer.optimizer, state=state)
 
     trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
     trainer._load_from_checkpoint = load_from_checkpoint
