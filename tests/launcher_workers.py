@@ -257,3 +257,14 @@ def parameter_counts(rank, world):
              model.num_parameters(exclude_embeddings=True)],
             [ref.num_parameters(), ref.num_parameters(only_trainable=True), ref.num_parameters(exclude_embeddings=True)],
             epmoe.parameter_counts(model), (ref.num_parameters(only_trainable=True), ref.num_parameters()))
+
+
+def exits_quietly(rank, world):
+    """Rank 1 leaves with exit code 0 and no word; rank 0 then fails in a collective with it."""
+    import os
+
+    if rank == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    dist.barrier()
+    return "unreachable"

@@ -89,6 +89,14 @@ def test_demo_out_that_is_a_file_fails_before_running(tmp_path, capsys):
     assert time.monotonic() - started < 5
 
 
+def test_demo_out_that_cannot_be_written_fails_before_running(capsys):
+    started = time.monotonic()
+    assert main(["demo", "--out", "/proc"]) == 2  # a directory no one can create files in, root included
+    err = capsys.readouterr().err
+    assert "--out: cannot write in /proc" in err and err.count("\n") == 1
+    assert time.monotonic() - started < 5
+
+
 def test_info_lists_backends(capsys):
     assert main(["info"]) == 0
     out = capsys.readouterr().out

@@ -77,3 +77,13 @@ def test_prepared_trainer_resumes_at_another_world_size(tmp_path):
     for label, world, root, source in (("2 -> 1", 1, f"{one}/resumed", two), ("1 -> 2", 2, f"{two}/resumed", one)):
         for worst, compared, moved in run_ranks(resume_checkpoints, world, root, source, timeout=300):
             assert worst < 1e-10 and compared > 10 and moved > 1e-4, (label, worst, compared, moved)
+
+
+def test_run_ranks_blames_a_rank_that_exits_with_code_0_without_reporting():
+    from launcher_workers import exits_quietly
+
+    from epmoe.launch import RankError
+
+    with pytest.raises(RankError) as caught:
+        run_ranks(exits_quietly, 2, timeout=60)
+    assert str(caught.value).startswith("rank 1 died with exit code 0 without reporting an error"), str(caught.value)

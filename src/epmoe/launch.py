@@ -61,6 +61,7 @@ def _worker(fn, rank, world_size, port, backend, timeout, threads, results, args
 # a peer's "Connection reset by peer"), and for the peers' own errors once a rank died.
 FAILURE_GRACE_S = 3.0
 DEATH_GRACE_S = 10.0
+EXIT_GRACE_S = 1.0  # a rank that exited with code 0: how long its result may still be on the way
 
 
 def _report(deaths: dict[int, int], failures: dict[int, str]) -> str:
@@ -120,6 +121,7 @@ def run_ranks(
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}  # rank -> traceback, in the order they arrived
     deaths: dict[int, int] = {}  # rank -> exit code, for ranks that exited without reporting
+    exited_quietly: dict[int, float] = {}  # rank -> when it was seen exited with code 0, no result yet
     deadline = time.monotonic() + timeout
     trouble_since = None
     try:
@@ -136,7 +138,11 @@ def run_ranks(
                 rank, ok, value = results.get(timeout=0.2 if trouble_since is not None else min(deadline - now, 1.0))
             except queue.Empty:
                 for r, proc in enumerate(procs):
-                    if r not in outputs and r not in failures and r not in deaths and proc.exitcode not in (None, 0):
+                    if r in outputs or r in failures or r in deaths or proc.exitcode is None:
+                        continue
+                    # exit code 0 without a result: dead too, once what it sent last had time to arrive
+                    quiet_since = exited_quietly.setdefault(r, now)
+                    if proc.exitcode != 0 or now - quiet_since > EXIT_GRACE_S:
                         deaths[r] = proc.exitcode
                         trouble_since = trouble_since or time.monotonic()
                 continue

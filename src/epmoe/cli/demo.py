@@ -12,6 +12,7 @@ import datetime
 import gc
 import os
 import statistics
+import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
@@ -145,6 +146,11 @@ def _validate(args: argparse.Namespace) -> TrainOptions:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ValueError(f"--out: cannot create {out}: {exc.strerror}") from None
+    try:  # where the plots go must be writable before anything trains (a read-only mount, no permission)
+        with tempfile.NamedTemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--out: cannot write in {out}: {exc.strerror}") from None
     return options
 
 
