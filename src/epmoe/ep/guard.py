@@ -15,9 +15,10 @@ collective of its own):
   counter (held until that next forward, early in it: the peak of the step, at the end of the
   forward, is unchanged). :func:`epmoe.clip_grad_norm_` re-reads the versions after its own
   multiply. Any other in-place change (torch's clip always multiplies, by 1.0 where it does not
-  clip) leaves a version that moved; a ``zero_grad(set_to_none=False)`` alone (one version, zeros)
-  is not a change. This fires at the forward after the first step clipped without epmoe, whatever
-  the norms were.
+  clip) leaves a version that moved; a gradient that is zeros by then (``zero_grad(set_to_none=False)``,
+  judged on 16 evenly spaced elements) is not a change. This fires at the forward after the first
+  step clipped without epmoe, whatever the norms were; it cannot see a foreign clip followed by
+  ``zero_grad(set_to_none=False)`` (the fingerprint below still sees its per-rank factors).
 * **a fingerprint of the replicated parameters** (every plain, non-expert parameter of the model:
   DDP's replicas), recomputed only when their version counters moved (once per optimizer step): a
   hash of the bits of up to 64 evenly spaced elements of each. Ranks whose replicas differ raise,
@@ -79,16 +80,11 @@ class StepGuard:
         if torch._C._current_graph_task_id() != -1:  # a forward recomputed inside the backward
             return torch.zeros(2, dtype=torch.int64, device=device)
         records, self._records = self._records, []
-        changed = torch.zeros((), dtype=torch.int64, device=device)
-        samples = []
-        for grad, version in records:
-            moved = grad._version - version
-            if moved >= 2:  # changed, then maybe zeroed
-                changed = torch.ones((), dtype=torch.int64, device=device)
-            elif moved == 1:  # changed, or zeroed alone
-                samples.append(_spread(grad.detach(), 16).ne(0).any().to(device))
-        if samples:
-            changed = torch.maximum(changed, torch.stack(samples).any().to(torch.int64))
+        # changed since: its version moved and it is not zeros (a zero_grad(set_to_none=False))
+        moved = [_spread(grad.detach(), 16).ne(0).any().to(device) for grad, version in records
+                 if grad._version != version]
+        changed = (torch.stack(moved).any().to(torch.int64) if moved
+                   else torch.zeros((), dtype=torch.int64, device=device))
         return torch.stack([changed, self.fingerprint(root, device)])
 
     def fingerprint(self, root: nn.Module, device: torch.device) -> torch.Tensor:
