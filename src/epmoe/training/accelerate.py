@@ -2,7 +2,7 @@
 
 ``accelerator.prepare`` wraps the model in ``DistributedDataParallel`` (which leaves the expert
 parameters alone, :mod:`epmoe.ep.params`) or, with accelerate's FSDP2 plugin, in ``fully_shard``
-(which must be told to ignore the experts: ``ignored_modules``, see :func:`ignore_experts`). What is
+(which must be told to ignore the experts: its plugin's ``ignored_modules``). What is
 not right on its own is ``accelerator.clip_grad_norm_``: ``torch.nn.utils.clip_grad_norm_`` (or its
 DTensor-aware variant), whose norm on each rank sees only that rank's experts. ``prepare_accelerator``
 replaces that one method *of this accelerator* (the class is untouched) by
@@ -12,10 +12,7 @@ guard (:mod:`epmoe.ep.guard`) raises at the next forward.
 
 from __future__ import annotations
 
-import re
 from typing import Any
-
-from torch import nn
 
 from epmoe.ep.params import expert_parameters
 from epmoe.training.clip import clip_grad_norm_
@@ -57,24 +54,3 @@ def refuse_sharding_all(accelerator: Any, caller: str) -> None:
     if kind.endswith("FSDP") and getattr(plugin, "fsdp_version", 1) != 2:
         raise ValueError(f"{caller}: accelerate's FSDP1 shards every parameter, experts included, which differ per "
                          f"EP rank; use FSDP2 (fsdp_version=2, FSDP_VERSION=2), whose ignored modules keep them out")
-
-
-def ignore_experts(accelerator: Any, model: nn.Module) -> None:
-    """Keep ``model``'s expert parameters out of accelerate's FSDP2 (its plugin's ``ignored_modules``:
-    each module that holds an expert parameter directly), keeping what the user listed there."""
-    plugin = accelerator.state.fsdp_plugin
-    experts = {id(p) for p in expert_parameters(model)}
-    holders = [m for m in model.modules() if any(id(p) in experts for p in m.parameters(recurse=False))]
-    ignored = plugin.ignored_modules
-    if ignored is None or isinstance(ignored, str):  # a regex of names (accelerate's env form) or nothing
-        pattern = ignored
-        names = {m: n for n, m in model.named_modules()}
-        listed = [m for m in model.modules() if pattern and _matches(pattern, names[m])]
-        ignored = listed
-    ignored = list(ignored)
-    ignored += [m for m in holders if all(m is not other for other in ignored)]
-    plugin.ignored_modules = ignored
-
-
-def _matches(pattern: str, name: str) -> bool:
-    return re.fullmatch(pattern, name) is not None
