@@ -29,7 +29,7 @@ def recipes():
 
 def test_readme_lists_the_training_recipes():
     assert [name for name, _, _ in recipes()] == ["train_ddp", "train_fsdp2", "train_ep_dp", "train_trainer",
-                                                  "generate", "train_compiled", "save_and_reload", "load_sharded", "resume"]
+                                                  "train_accelerate", "generate", "train_compiled", "save_and_reload", "load_sharded", "resume"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -64,15 +64,18 @@ def exchange_counts(
             f"by rank (each must be W*e = the global number of experts)"
         )
     channel = StepChannel(group, length // ep_size + 2, what="exchange_counts")
-    send_counts, recv_counts, _ = exchange_counts_on(channel, Position(MODEL_WIDE, COUNTS, 1), tokens_per_expert)
+    send_counts, recv_counts, _, _ = exchange_counts_on(channel, Position(MODEL_WIDE, COUNTS, 1), tokens_per_expert)
     return send_counts, recv_counts
 
 
 def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expert: torch.Tensor,
-                       rows_dtype: torch.dtype | None = None) -> tuple[list[int], list[int], list[int]]:
+                       rows_dtype: torch.dtype | None = None, extra: torch.Tensor | None = None
+                       ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
     """:func:`exchange_counts` as one header exchange on ``channel`` at ``position`` (lengths known
-    to agree; ``channel.width`` at least ``e + 2``), plus every source's total slots (each row also
-    carries its sender's histogram total and ``rows_dtype``, the dtype of the rows about to travel).
+    to agree; ``channel.width`` at least ``e + 2``, ``e + 2 + len(extra)`` with ``extra``), plus every
+    source's total slots (each row also carries its sender's histogram total and ``rows_dtype``, the
+    dtype of the rows about to travel) and every source's ``extra`` (an int64 vector on the device,
+    the same to every peer: what else must ride along, e.g. :mod:`epmoe.ep.guard`'s values).
     Raises on every rank if the headers differ, any rank's histogram is negative, or the ranks'
     rows differ in dtype (their exchanges would not fit together: gloo aborts the process)."""
     W = channel.size
@@ -80,7 +83,13 @@ def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expe
     negative = (send_We < 0).any().to(torch.int64)  # on the device: no host read yet
     total = send_We.sum().expand(W, 1)
     dtype = send_We.new_full((W, 1), dtype_code(rows_dtype) if rows_dtype is not None else 0)
-    received, flags, sent = channel.exchange(position, torch.cat([send_We, total, dtype], dim=1), negative, echo=True)
+    columns = [send_We, total, dtype]
+    if extra is not None:
+        columns.append(extra.to(torch.int64).view(1, -1).expand(W, -1))
+    received, flags, sent = channel.exchange(position, torch.cat(columns, dim=1), negative, echo=True)
+    k = 0 if extra is None else extra.numel()
+    extras = [row[len(row) - k:] for row in received]
+    received, sent = [row[:len(row) - k] for row in received], [row[:len(row) - k] for row in sent]
     send_counts = [c for row in sent for c in row[:-2]]
     recv_counts = [c for row in received for c in row[:-2]]
     _check_non_negative(send_counts, flags)
@@ -91,7 +100,7 @@ def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expe
             f"{[dtype_name(d) for d in dtypes]} by rank (this is EP rank {channel.rank}); every rank must hold "
             f"the model in the same dtype (call model.to(dtype) on every rank)"
         )
-    return send_counts, recv_counts, [row[-2] for row in received]
+    return send_counts, recv_counts, [row[-2] for row in received], extras
 
 
 def _validate(tokens_per_expert, ep_size: int) -> None:

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from epmoe.comm.steps import Position, StepChannel, checks_on, world_size
+from epmoe.ep.guard import StepGuard
 from epmoe.errors import refuse_double_backward
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class GradSync:
         self._logged: str | None = None
         self._pending: list[tuple] = []  # "dp" all-reduces in flight in this backward
         self._queued = False  # whether this backward's _land is queued
+        self.guard = StepGuard()  # a clip epmoe did not do, replicas that drifted (epmoe.ep.guard)
+        self.root: nn.Module | None = None  # the model the experts are in (seen at the first forward)
 
     def __deepcopy__(self, memo: dict) -> GradSync:
         """The policy of a deep copy of the model: the same mode, channels and wrapper decision, no
@@ -94,6 +97,11 @@ class GradSync:
     @property
     def scale(self) -> float:
         return 1.0 / self.data_parallel_size if self.resolved == "mean" else 1.0
+
+    @property
+    def guarded(self) -> bool:
+        """Whether :attr:`guard` checks: sharded experts under a data-parallel wrapper (see :mod:`epmoe.ep.guard`)."""
+        return self.active and self.wrapper is not None and self.root is not None
 
     @property
     def active(self) -> bool:
@@ -133,6 +141,7 @@ class GradSync:
         if not torch.is_grad_enabled():
             return
         leaves = [leaf for w in weights for leaf in _leaves(w)]
+        self.root = ancestors[0] if ancestors else self.root
         ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
         if ddp is not None:
             if ddp not in self._checked_ddp:
@@ -167,6 +176,8 @@ class GradSync:
         ``position``: the layer's, for the step header."""
         present = [g for g in grads if g is not None]
         scale = self.scale
+        if self.guarded:
+            self.guard.arm(self.root)
         if not present or (self.dp_size == 1 and scale == 1.0):
             return grads
         flat = torch.cat([g.reshape(-1) for g in present])
@@ -191,6 +202,8 @@ class GradSync:
         present = [(p, g) for p, g in zip(params, grads) if g is not None and p.requires_grad]
         if not present:
             return
+        if self.guarded:
+            self.guard.arm(self.root)
         flat = torch.cat([g.reshape(-1) for _, g in present])
         work = self._all_reduce(flat, position, async_op=True)
         if not self._queued:  # first of this backward (what a failed backward left is dropped)
@@ -254,7 +267,7 @@ def sync_expert_weights(
     if sync is None or not sync.active:
         return weights
     sync.observe(ancestors, weights)
-    if not any(w.requires_grad for w in weights) or (sync.dp_size == 1 and sync.scale == 1.0):
+    if not any(w.requires_grad for w in weights) or (sync.dp_size == 1 and sync.scale == 1.0 and not sync.guarded):
         return weights
     return list(_ExpertGradSync.apply(sync, position, *weights))
 

@@ -31,6 +31,7 @@ from torch import nn
 
 from epmoe.comm.steps import FORWARD
 from epmoe.ep.dispatcher import SharedMLP, make_dispatcher
+from epmoe.ep.guard import check as check_guard
 from epmoe.ep.routing import SlotOrder, exchange_layer_counts, permute_tokens, sort_slots, unpermute_and_combine
 from epmoe.ep.state import ExpertParallelState, state_of
 
@@ -75,7 +76,12 @@ def _through_experts(state: ExpertParallelState, slots: SlotOrder, x_rank_major:
     """Counts exchange, dispatch, experts, combine: the rank-major rows to their experts and back,
     run eagerly under ``torch.compile``."""
     state.calls += 1
-    counts = exchange_layer_counts(slots, state.channel, state.position(FORWARD), x_rank_major.dtype)
+    sync = state.sync
+    guarded = state.layer == 0 and sync is not None and sync.guarded
+    guard = sync.guard.payload(sync.root, x_rank_major.device) if guarded else None
+    counts = exchange_layer_counts(slots, state.channel, state.position(FORWARD), x_rank_major.dtype, guard)
+    if guarded:
+        check_guard(counts.guards, state.position(FORWARD).describe(state.channel.layer_names))
     state.count_load(counts.local_counts_e)
     dispatcher = make_dispatcher(state, counts, x_rank_major.device, shared)
     x_expert_major = dispatcher.dispatch(x_rank_major)

@@ -46,6 +46,7 @@ class LayerCounts:
     ep_size: int  # W
     group: dist.ProcessGroup | None
     global_slots: int  # slots of every rank of the EP group in this forward (T_global * K)
+    guards: list[list[int]] = field(default_factory=list)  # each EP rank's epmoe.ep.guard values
     layout: RowLayout = field(init=False)  # the rows' layout, as one round over all local experts
 
     def __post_init__(self):
@@ -68,15 +69,18 @@ def sort_slots(top_k_index_TK: torch.Tensor, num_experts: int) -> SlotOrder:
 
 
 def exchange_layer_counts(slots: SlotOrder, channel: StepChannel | None, position: Position,
-                          rows_dtype: torch.dtype) -> LayerCounts:
+                          rows_dtype: torch.dtype, guard: torch.Tensor | None = None) -> LayerCounts:
     """The counts exchange of ``slots`` with the EP group at ``position`` (``channel``: the model's EP
     step channel, ``None`` on a single rank; one host read either way); the ranks also agree that
-    their rows travel in ``rows_dtype``."""
+    their rows travel in ``rows_dtype``. ``guard``: this rank's :mod:`epmoe.ep.guard` values (``(2,)``
+    int64), riding along; every rank's come back in ``LayerCounts.guards``."""
     if channel is None:
         counts = slots.tokens_per_expert_E.tolist()
         return LayerCounts(counts, counts, 1, None, slots.sort_S.numel())
-    send_counts, recv_counts, slots_by_rank = exchange_counts_on(channel, position, slots.tokens_per_expert_E, rows_dtype)
-    return LayerCounts(send_counts, recv_counts, channel.size, channel.group, sum(slots_by_rank))
+    send_counts, recv_counts, slots_by_rank, guards = exchange_counts_on(
+        channel, position, slots.tokens_per_expert_E, rows_dtype,
+        guard if guard is not None else slots.tokens_per_expert_E.new_zeros(2))
+    return LayerCounts(send_counts, recv_counts, channel.size, channel.group, sum(slots_by_rank), guards)
 
 
 class _PermuteRows(torch.autograd.Function):
