@@ -167,9 +167,9 @@ def test_trans_weight_is_not_copied(monkeypatch):
         (torch.randn(2, 3), [[1.0]], [2], {}, TypeError, r"grouped_mm\(weight\): expected a Tensor"),
         (torch.randn(2, 3, 1), torch.randn(1, 3, 2), [2], {}, ValueError, r"grouped_mm\(x\): expected a 2-D"),
         (torch.randn(2, 3), torch.randn(3, 2), [2], {}, ValueError, r"grouped_mm\(weight\): expected a 3-D"),
-        (torch.randn(2, 3), torch.randn(1, 4, 2), [2], {}, ValueError, r"grouped_mm\(weight\): .* has K=4"),
+        (torch.randn(2, 3), torch.randn(1, 4, 2), [2], {}, ValueError, r"grouped_mm\(weight\): .* has D=4"),
         (torch.randn(2, 3), torch.randn(1, 3, 2), [2], {"trans_weight": True}, ValueError,
-         r"grouped_mm\(weight\): .* has K=2"),
+         r"grouped_mm\(weight\): .* has D=2"),
         (torch.randn(2, 3), torch.randn(1, 3, 2).double(), [2], {}, ValueError, r"grouped_mm\(weight\): dtype"),
         (torch.ones(2, 3, dtype=torch.int64), torch.ones(1, 3, 2, dtype=torch.int64), [2], {}, ValueError,
          r"grouped_mm\(x\): expected a floating dtype"),
@@ -226,9 +226,9 @@ def test_select_backend_validates_like_grouped_mm(monkeypatch, caplog):
     with pytest.raises(TypeError, match=r"select_backend\(x\): expected a Tensor"):
         select_backend([[1.0]], torch.randn(2, 1, 4))
     with caplog.at_level(logging.INFO, logger="epmoe.gmm.registry"):
-        with pytest.raises(ValueError, match=r"select_backend\(weight\): .* has K=6, but x has K=8"):
+        with pytest.raises(ValueError, match=r"select_backend\(weight\): .* has D=6, but x has D=8"):
             select_backend(torch.randn(4, 8), torch.randn(2, 6, 4))
-        with pytest.raises(ValueError, match=r"gmm_backends\(weight\): .* has K=6, but x has K=8"):
+        with pytest.raises(ValueError, match=r"gmm_backends\(weight\): .* has D=6, but x has D=8"):
             epmoe.gmm_backends(torch.randn(4, 8), torch.randn(2, 6, 4))
     assert caplog.records == [] and errors._said == set()
 
@@ -257,7 +257,7 @@ def test_gmm_backends_for_judges_every_call():
     assert not statuses["torch"].eligible and statuses["torch"].reason.startswith("down: x stride 6")
     assert statuses["loop"].eligible
     assert all(s.eligible for s in registry.gmm_backends_for({}))
-    with pytest.raises(ValueError, match=r"gmm_backends_for\['down'\]\(weight\): .* has K=8, but x has K=6"):
+    with pytest.raises(ValueError, match=r"gmm_backends_for\['down'\]\(weight\): .* has D=8, but x has D=6"):
         registry.gmm_backends_for({"up": (x8, w8, False), "down": (x6, w8, False)})
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from epmoe.ep.params import expert_parameters
 from epmoe.training.clip import clip_grad_norm_
 
 
