@@ -18,8 +18,9 @@ With experts sharded (EP size > 1) the model also gets, as instance attributes: 
 ignore (:mod:`epmoe.ep.params`), a ``generate`` that keeps every rank stepping
 (:mod:`epmoe.training.generate`), on transformers models a ``save_pretrained`` that writes every
 expert (:mod:`epmoe.checkpoint.save`) and a ``num_parameters`` that counts every expert, and a
-warning on a bare ``state_dict()`` of sharded experts (:mod:`epmoe.checkpoint.guard`). Its experts then communicate on groups created for EP
-with ``config.timeout``, every collective behind a step header (:mod:`epmoe.comm.steps`).
+warning on a bare ``state_dict()`` of sharded experts (:mod:`epmoe.checkpoint.guard`). Its experts
+then communicate on groups created for EP with ``config.timeout``, every collective behind a step
+header (:mod:`epmoe.comm.steps`).
 """
 
 from __future__ import annotations
