@@ -24,7 +24,7 @@ from epmoe.ep import ExpertParallelConfig, ExpertShard
 from epmoe.ep.load import expert_load, load_summary, reset_expert_load
 from epmoe.ep.params import expert_parameters, is_expert_parameter
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
-from epmoe.training import LoadBalancer, clip_grad_norm_, prepare_trainer
+from epmoe.training import LoadBalancer, clip_grad_norm_, prepare_deepspeed, prepare_trainer
 
 __version__ = "0.1.0"
 
@@ -50,6 +50,7 @@ __all__ = [
     "LoadBalancer",
     "OutOfStepError",
     "platform",
+    "prepare_deepspeed",
     "prepare_trainer",
     "register_gmm_backend",
     "reset_expert_load",
