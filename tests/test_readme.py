@@ -29,7 +29,8 @@ def recipes():
 
 def test_readme_lists_the_training_recipes():
     assert [name for name, _, _ in recipes()] == ["train_ddp", "train_fsdp2", "train_ep_dp", "train_trainer",
-                                                  "train_accelerate", "generate", "train_compiled", "save_and_reload", "load_sharded", "resume"]
+                                                  "train_accelerate", "train_deepspeed", "generate", "train_compiled",
+                                                  "save_and_reload", "load_sharded", "resume"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -46,6 +47,8 @@ def test_readme_recipes_run(world, tmp_path, monkeypatch):
         assert list(by_name) == names
         if "train_ddp" in by_name:
             assert by_name["train_ddp"] > 0
+        if "train_deepspeed" in by_name:
+            assert by_name["train_deepspeed"] > 0
         if "train_compiled" in by_name:
             assert by_name["train_compiled"] > 0
         if "generate" in by_name:

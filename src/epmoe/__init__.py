@@ -24,7 +24,7 @@ from epmoe.ep import ExpertParallelConfig, ExpertShard
 from epmoe.ep.load import expert_load, load_summary, reset_expert_load
 from epmoe.ep.params import expert_parameters, is_expert_parameter, parameter_counts
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
-from epmoe.training import LoadBalancer, clip_grad_norm_, prepare_accelerator, prepare_trainer
+from epmoe.training import LoadBalancer, clip_grad_norm_, prepare_accelerator, prepare_deepspeed, prepare_trainer
 
 __version__ = "0.1.0"
 
@@ -52,6 +52,7 @@ __all__ = [
     "parameter_counts",
     "platform",
     "prepare_accelerator",
+    "prepare_deepspeed",
     "prepare_trainer",
     "register_gmm_backend",
     "reset_expert_load",

@@ -33,6 +33,13 @@ gradient hook.
 
 At each forward the wrapper is also checked to leave the expert parameters alone: a DDP that
 would all-reduce them, or an FSDP2 that sharded them, raises ``ValueError`` saying what to do.
+
+A wrapper that reduces expert gradients itself over the ``"dp"`` replicas and divides them by the
+data-parallel size (DeepSpeed's expert-data-parallel reduction, :mod:`epmoe.training.deepspeed`)
+takes both over (:meth:`GradSync.hand_over`): epmoe then leaves the gradients as the exchange made
+them, and the reducer's mean is ``"mean"``. Expert parameters that DeepSpeed's ZeRO manages
+(``_hp_mapping``, ``ds_id``) without that hand-over raise ``ValueError`` at the first forward: its
+start-up broadcast has already overwritten them with rank 0's experts.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class GradSync:
         self.dp_channel, self.dp_size = dp_channel, dp_size
         self.check_steps = check_steps
         self.wrapper: str | None = None  # what made "auto" resolve to "mean" (sticky)
+        self.reducer: str | None = None  # a wrapper that reduces and averages the expert gradients itself
         self._checked_ddp: weakref.WeakSet = weakref.WeakSet()
         self._logged: str | None = None
         self._pending: list[tuple] = []  # "dp" all-reduces in flight in this backward
@@ -79,7 +87,7 @@ class GradSync:
         """The policy of a deep copy of the model: the same mode, channels and wrapper decision, no
         reduction in flight."""
         copied = GradSync(self.mode, self.ep_channel, self.ep_size, self.dp_channel, self.dp_size, self.check_steps)
-        copied.wrapper, copied._logged = self.wrapper, self._logged
+        copied.wrapper, copied._logged, copied.reducer = self.wrapper, self._logged, self.reducer
         return copied
 
     @property
@@ -96,12 +104,18 @@ class GradSync:
 
     @property
     def scale(self) -> float:
-        return 1.0 / self.data_parallel_size if self.resolved == "mean" else 1.0
+        return 1.0 / self.data_parallel_size if self.resolved == "mean" and self.reducer is None else 1.0
+
+    @property
+    def finishes(self) -> bool:
+        """Whether epmoe itself has anything to do to the gradients after the exchange."""
+        return self.active and self.reducer is None and (self.dp_size > 1 or self.scale != 1.0)
 
     @property
     def guarded(self) -> bool:
-        """Whether :attr:`guard` checks: sharded experts under a data-parallel wrapper (see :mod:`epmoe.ep.guard`)."""
-        return self.active and self.wrapper is not None and self.root is not None
+        """Whether :attr:`guard` checks: sharded experts under a data-parallel wrapper whose expert
+        gradients epmoe finishes (DeepSpeed clips them itself; see :mod:`epmoe.ep.guard`)."""
+        return self.active and self.wrapper is not None and self.root is not None and self.reducer is None
 
     @property
     def active(self) -> bool:
@@ -120,6 +134,21 @@ class GradSync:
                 )
             self.wrapper = wrapper
         self._log()
+
+    def hand_over(self, reducer: str) -> None:
+        """``reducer`` (a wrapper's engine, e.g. DeepSpeed's) all-reduces the expert gradients over the
+        ``"dp"`` replicas and divides them by the data-parallel size itself: epmoe leaves them as the
+        exchange made them from now on, and the result is ``expert_grad="mean"``."""
+        if self.mode == "sum":
+            raise ValueError(
+                f"epmoe: {reducer} divides every gradient by the data-parallel size, expert gradients included: "
+                f"ExpertParallelConfig(expert_grad='sum') cannot be honoured; use 'auto' or 'mean'"
+            )
+        if self.wrapper is not None and self.wrapper != reducer:
+            raise ValueError(f"epmoe: the model already runs under {self.wrapper}, which averages the expert "
+                             f"gradients itself; {reducer} would average them again")
+        self.set_wrapper(reducer)
+        self.reducer = reducer
 
     def _log(self) -> None:
         decision = self.resolved
@@ -154,6 +183,21 @@ class GradSync:
                     )
                 self._checked_ddp.add(ddp)
             self.set_wrapper("DistributedDataParallel")
+        if any(hasattr(p, "ds_id") for p in leaves):
+            raise ValueError(
+                "epmoe: DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts included, "
+                "which differ on every EP rank (and DeepSpeed's own MoE support refuses stage 3): use ZeRO "
+                "stage 1 or 2 with epmoe.prepare_deepspeed(model), or FSDP2 with "
+                "fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
+            )
+        if self.reducer is None and self.active and _deepspeed_managed(ancestors, leaves):
+            raise ValueError(
+                "epmoe: DeepSpeed manages the expert parameters, which differ on every EP rank, as replicated "
+                "ones: its start-up broadcast has overwritten this rank's experts with rank 0's and its reduction "
+                "would mix different experts' gradients. Call epmoe.prepare_deepspeed(model) after "
+                "apply_expert_parallel and before deepspeed.initialize (a Trainer: epmoe.prepare_trainer(trainer) "
+                "before train()); ZeRO stages 1 and 2 are supported"
+            )
         fsdp_type = _fsdp_module_type()
         if fsdp_type is not None and any(isinstance(m, fsdp_type) for m in ancestors):
             if any(not hasattr(p, "_epmoe_expert") for p in leaves):
@@ -178,7 +222,7 @@ class GradSync:
         scale = self.scale
         if self.guarded:
             self.guard.arm(self.root)
-        if not present or (self.dp_size == 1 and scale == 1.0):
+        if not present or not self.finishes:
             return grads
         flat = torch.cat([g.reshape(-1) for g in present])
         if self.dp_size > 1:
@@ -247,7 +291,7 @@ class _ExpertGradSync(torch.autograd.Function):
     def backward(ctx, *grads):
         refuse_double_backward("expert-gradient reduction")
         sync = ctx.sync
-        if ctx.all_params and sync.dp_size > 1:
+        if ctx.all_params and sync.dp_size > 1 and sync.finishes:
             sync.reduce_later(ctx.params, list(grads), ctx.position)
             return (None,) * (2 + len(grads))
         return (None, None, *sync.finish(list(grads), ctx.position))
@@ -267,7 +311,7 @@ def sync_expert_weights(
     if sync is None or not sync.active:
         return weights
     sync.observe(ancestors, weights)
-    if not any(w.requires_grad for w in weights) or (sync.dp_size == 1 and sync.scale == 1.0 and not sync.guarded):
+    if not any(w.requires_grad for w in weights) or not (sync.finishes or sync.guarded):
         return weights
     return list(_ExpertGradSync.apply(sync, position, *weights))
 
@@ -299,6 +343,15 @@ def _leaves(tensor: torch.Tensor) -> list[nn.Parameter]:
             found.append(variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
+
+
+def _deepspeed_managed(ancestors: Sequence[nn.Module], leaves: Sequence[nn.Parameter]) -> bool:
+    """Whether a DeepSpeed engine runs these experts: ZeRO 1/2 link every parameter it optimizes to its
+    partition (``_hp_mapping``); every engine hooks the forward of the model it was given."""
+    if any(hasattr(p, "_hp_mapping") for p in leaves):
+        return True
+    return any(getattr(hook, "__qualname__", "").startswith("DeepSpeedEngine.")
+               for module in ancestors for hook in module._forward_pre_hooks.values())
 
 
 @functools.cache

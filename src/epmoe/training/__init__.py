@@ -7,6 +7,7 @@ reduced over ``"dp"`` and summed or averaged is the engine's contract: :mod:`epm
 * :mod:`epmoe.training.clip`: the whole model's gradient norm, every expert counted once.
 * :mod:`epmoe.training.trainer`: ``prepare_trainer`` for transformers' ``Trainer``.
 * :mod:`epmoe.training.accelerate`: ``prepare_accelerator`` for an accelerate ``Accelerator``.
+* :mod:`epmoe.training.deepspeed`: ``prepare_deepspeed``, DeepSpeed ZeRO 1/2 through its own MoE support.
 * :mod:`epmoe.training.generate`: ``generate`` that never leaves a rank waiting.
 * :mod:`epmoe.training.balance`: ``LoadBalancer``, auxiliary-loss-free balancing of expert load.
 """
@@ -14,6 +15,7 @@ reduced over ``"dp"`` and summed or averaged is the engine's contract: :mod:`epm
 from epmoe.training.accelerate import prepare_accelerator
 from epmoe.training.balance import LoadBalancer
 from epmoe.training.clip import clip_grad_norm_
+from epmoe.training.deepspeed import prepare_deepspeed
 from epmoe.training.trainer import prepare_trainer
 
-__all__ = ["LoadBalancer", "clip_grad_norm_", "prepare_accelerator", "prepare_trainer"]
+__all__ = ["LoadBalancer", "clip_grad_norm_", "prepare_accelerator", "prepare_deepspeed", "prepare_trainer"]

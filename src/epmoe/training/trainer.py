@@ -17,8 +17,11 @@ model's ``save_pretrained`` (:mod:`epmoe.checkpoint.save`) without writing. Trai
 rank 0's experts' moments only, and is not read), and ``resume_from_checkpoint`` loads both from it
 and the scheduler from Trainer's file, so a resumed run continues exactly, at any world size.
 
-DeepSpeed and accelerate's FSDP plugin shard every parameter, experts included: refused; so are
-``save_on_each_node`` and ``load_best_model_at_end`` (see the errors).
+DeepSpeed (``TrainingArguments(deepspeed=...)``): ZeRO stages 1 and 2 through DeepSpeed's own MoE
+support, see :mod:`epmoe.training.deepspeed`; there DeepSpeed clips and reduces, and Trainer
+checkpoints are refused (``save_model`` works). ZeRO stage 3 and accelerate's FSDP plugin shard
+every parameter, experts included: refused; so are ``save_on_each_node`` and
+``load_best_model_at_end`` (see the errors).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from epmoe.checkpoint.save import SavePretrained, adapter_state_dict
 from epmoe.ep.state import ep_states
 from epmoe.integrations.peft import has_expert_lora
 from epmoe.training.clip import clip_grad_norm_
+from epmoe.training.deepspeed import prepare_deepspeed_trainer
 
 DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME: the learning-rate scheduler's file
@@ -53,7 +57,8 @@ def prepare_trainer(trainer: Any) -> Any:
     if not states:
         raise ValueError("prepare_trainer(trainer): trainer.model is not expert-parallel; call "
                          "epmoe.apply_expert_parallel(model) before building the Trainer")
-    for flag, what in (("is_deepspeed_enabled", "DeepSpeed"), ("is_fsdp_enabled", "accelerate's FSDP plugin")):
+    deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
+    for flag, what in (("is_fsdp_enabled", "accelerate's FSDP plugin"),):
         if getattr(trainer, flag, False):
             raise ValueError(
                 f"prepare_trainer(trainer): {what} would shard the expert parameters, which differ per EP rank; "
@@ -69,15 +74,18 @@ def prepare_trainer(trainer: Any) -> Any:
                              f"expert-parallel model: {why}")
     if getattr(accelerator, "_epmoe_prepared", False):
         return trainer
+    if deepspeed:  # DeepSpeed reduces, averages and clips the expert gradients itself
+        prepare_deepspeed_trainer(trainer)
     for state in states:
-        if state.sync is not None and state.sync.active:
+        if state.sync is not None and state.sync.active and not deepspeed:
             state.sync.set_wrapper("transformers.Trainer")
 
     def clip(parameters, max_norm, norm_type=2):
         accelerator.unscale_gradients()  # what accelerate's own clip_grad_norm_ does first
         return clip_grad_norm_(list(parameters), max_norm, norm_type)
 
-    accelerator.clip_grad_norm_ = clip
+    if not deepspeed:
+        accelerator.clip_grad_norm_ = clip
 
     def save(output_dir=None, state_dict=None):
         model = _unwrapped(trainer)
@@ -116,9 +124,10 @@ def prepare_trainer(trainer: Any) -> Any:
         dcp.load(state, checkpoint_id=_dcp_dir(checkpoint, must_exist=True))
         set_state_dict(model, trainer.optimizer, state=state)
 
-    trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
-    trainer._load_from_checkpoint = load_from_checkpoint
-    trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
+    if not deepspeed:  # DeepSpeed checkpoints are refused (epmoe.training.deepspeed)
+        trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
+        trainer._load_from_checkpoint = load_from_checkpoint
+        trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
     accelerator._epmoe_prepared = True
     return trainer
 

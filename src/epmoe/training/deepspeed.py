@@ -1,0 +1,225 @@
+"""``prepare_deepspeed``: DeepSpeed ZeRO stages 1 and 2 on an EP model, exact, through DeepSpeed's own MoE support.
+
+DeepSpeed treats a parameter as an expert parameter when it carries ``allreduce = False`` and a
+``group_name`` (``deepspeed.moe.utils.is_moe_param``): its engine broadcasts it at start-up over
+that name's expert-data-parallel group only (``_broadcast_model``), ZeRO 1/2 put it in an optimizer
+param group of its own (``'moe': True``) partitioned and reduced over that group
+(``stage_1_and_2``), and the gradient norm counts every expert once. The engine turns this on only
+for a model holding one of its ``MoE`` layers (``has_moe_layers``), and creates the groups by
+calling each such layer's ``set_deepspeed_parallelism``. :func:`prepare_deepspeed` therefore
+
+* marks every expert parameter ``allreduce = False``, ``group_name = "ep_size_<EP>"`` (DeepSpeed's
+  own name for an EP size);
+* adds one parameter-free :class:`DeepSpeedExpertGroups` (a ``deepspeed.moe.layer.MoE`` that holds
+  no computation) to the model, as ``model.epmoe_deepspeed``. When the engine calls its
+  ``set_deepspeed_parallelism`` it creates DeepSpeed's expert and expert-data-parallel groups with
+  ``deepspeed.utils.groups._create_expert_and_data_parallel`` (what DeepSpeed's ``MoE`` layers call),
+  checks that they are epmoe's (the EP group; the ``"dp"`` replicas of this rank's experts, a group
+  of one without an EP x DP mesh) and hands the expert gradients' reduction to DeepSpeed
+  (:meth:`epmoe.ep.grads.GradSync.hand_over`).
+
+Why that is exact: after the backward all-to-all an expert's gradient is the sum over every EP
+rank's tokens. DeepSpeed divides every gradient, experts included, by its data-parallel size (the
+world) and sums expert gradients over the expert-data-parallel group: the gradient of the mean
+over ranks of each rank's loss, which is what the same recipe without EP computes for every
+parameter (``expert_grad="mean"``; epmoe itself then neither reduces nor scales them). Clipping:
+ZeRO's norm sums each rank's partition over all ranks, so each expert (held by one EP rank,
+partitioned over its replicas) is counted once.
+
+Refused: ZeRO stage 3 (it partitions every parameter over all ranks, and DeepSpeed refuses its own
+MoE layers there), ``expert_grad="sum"`` (DeepSpeed divides every gradient), DeepSpeed's
+data-before-expert layout and model parallelism. DeepSpeed's own checkpoints
+(``engine.save_checkpoint``) write each expert layer through its ``MoE`` layer's parameters, which
+epmoe's experts are not: save with ``model.save_pretrained`` (every rank) or
+:func:`epmoe.get_state_dict` and ``torch.distributed.checkpoint`` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from epmoe.ep.params import expert_parameters
+from epmoe.ep.state import ep_states, require_ep_states
+
+MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
+REDUCER = "DeepSpeed"
+
+
+def prepare_deepspeed(model: nn.Module) -> nn.Module:
+    """Make ``model`` (expert-parallel, or a PeftModel around one) exact under DeepSpeed ZeRO stage 1 or 2;
+    returns it.
+
+    Call on every rank after :func:`epmoe.apply_expert_parallel` (and after adding LoRA factors to
+    the experts, if any) and before ``deepspeed.initialize(model=model, ...)``. Idempotent. Give
+    DeepSpeed the optimizer in its config (``"optimizer"``, built from ``model_parameters=list(...)``)
+    or an optimizer whose param groups went through
+    ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``.
+    """
+    states = [state for _, state in require_ep_states(model, "prepare_deepspeed")]
+    syncs = list({id(s.sync): s.sync for s in states if s.sync is not None and s.sync.active}.values())
+    if not syncs:
+        return model  # EP size 1: nothing is sharded, DeepSpeed's data parallelism is right as it is
+    if len(syncs) > 1:
+        raise ValueError("prepare_deepspeed(model): the model holds experts of more than one expert-parallel "
+                         "application; apply_expert_parallel once to the whole model")
+    sync = syncs[0]
+    if sync.mode == "sum":
+        raise ValueError(
+            "prepare_deepspeed(model): DeepSpeed divides every gradient by the data-parallel size, expert "
+            "gradients included, so ExpertParallelConfig(expert_grad='sum') cannot be honoured; use 'auto' or 'mean'"
+        )
+    if sync.wrapper is not None and sync.wrapper != REDUCER:
+        raise ValueError(f"prepare_deepspeed(model): the model already ran under {sync.wrapper}; DeepSpeed would "
+                         f"average its expert gradients again")
+    name = group_name(sync.ep_size)
+    for p in expert_parameters(model):
+        p.allreduce = False
+        p.group_name = name
+    if not isinstance(getattr(model, MARKER, None), _groups_class()):
+        model.add_module(MARKER, _groups_class()(model, sync.ep_size, _num_experts(states)))
+    return model
+
+
+def group_name(ep_size: int) -> str:
+    """DeepSpeed's name for the expert and expert-data-parallel groups of an EP size."""
+    return f"ep_size_{ep_size}"
+
+
+def _num_experts(states: list) -> int:
+    return max(state.shard.num_experts for state in states)
+
+
+def split_moe_param_groups(optimizer: Any) -> None:
+    """Move the expert parameters of ``optimizer`` (a torch optimizer, no step taken yet) into param
+    groups of their own marked for DeepSpeed (``'moe': True``, ``'name'``: their group name), keeping
+    each group's options: what ``split_params_into_different_moe_groups_for_optimizer`` makes. Anything
+    else (accelerate's ``DummyOptim`` for an optimizer in the DeepSpeed config, which DeepSpeed splits
+    itself) is left alone."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if optimizer.state:
+        raise ValueError("prepare_trainer: the optimizer has already stepped; prepare the Trainer before train()")
+    kept, added = [], []
+    for group in optimizer.param_groups:
+        if group.get("moe", False):
+            kept.append(group)
+            continue
+        by_name: dict[str, list] = {}
+        rest = []
+        for p in group["params"]:
+            if getattr(p, "allreduce", True) is False and hasattr(p, "group_name"):
+                by_name.setdefault(p.group_name, []).append(p)
+            else:
+                rest.append(p)
+        if rest:
+            kept.append({**group, "params": rest})
+        for name, params in by_name.items():
+            added.append({**group, "params": params, "moe": True, "name": name})
+    optimizer.param_groups = kept
+    for group in added:
+        optimizer.add_param_group(group)
+
+
+@functools.cache
+def _groups_class() -> type:
+    """:class:`DeepSpeedExpertGroups`, built on first use (deepspeed is an optional dependency)."""
+    try:
+        from deepspeed.moe.layer import MoE
+    except ImportError as error:
+        raise ImportError("prepare_deepspeed: deepspeed is not installed (pip install deepspeed)") from error
+
+    class DeepSpeedExpertGroups(MoE):
+        """Tells DeepSpeed's engine that the model has expert parameters and creates their groups.
+
+        A ``deepspeed.moe.layer.MoE`` without parameters or computation: the engine enables its
+        expert-parameter handling for a model holding one, and calls ``set_deepspeed_parallelism``
+        on it before its start-up broadcast (see :mod:`epmoe.training.deepspeed`).
+        """
+
+        def __init__(self, root: nn.Module, ep_size: int, num_experts: int):
+            nn.Module.__init__(self)  # MoE's own constructor builds a gate and experts: none here
+            self.ep_size, self.num_experts = ep_size, num_experts
+            self.num_local_experts = num_experts // ep_size
+            self.expert_group_name = group_name(ep_size)
+            self.enable_expert_tensor_parallelism, self.use_residual = False, False
+            object.__setattr__(self, "_root", root)  # not a submodule: the model holding this one
+
+        def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False, **kwargs: Any) -> None:
+            from deepspeed.utils import groups
+
+            if use_data_before_expert_parallel_:
+                raise ValueError("prepare_deepspeed: DeepSpeed's use_data_before_expert_parallel_ layout is not "
+                                 "epmoe's ('dp', 'ep') mesh; leave it off")
+            if groups.mpu is not None:
+                raise ValueError("prepare_deepspeed: DeepSpeed with model (tensor / pipeline) parallelism is not "
+                                 "supported on an expert-parallel model")
+            name = self.expert_group_name
+            if name not in groups._get_expert_parallel_group_dict():
+                groups._create_expert_and_data_parallel(self.ep_size)
+            syncs = {id(s.sync): s for _, _, s in ep_states(self._root) if s.sync is not None and s.sync.active}
+            for state in syncs.values():
+                sync = state.sync
+                ours_ep = dist.get_process_group_ranks(state.group if state.group is not None else dist.group.WORLD)
+                ours_dp = (dist.get_process_group_ranks(sync.dp_channel.group) if sync.dp_channel is not None
+                           else [dist.get_rank()])
+                theirs_ep = dist.get_process_group_ranks(groups._get_expert_parallel_group(name))
+                theirs_dp = dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name))
+                if sorted(ours_ep) != sorted(theirs_ep) or sorted(ours_dp) != sorted(theirs_dp):
+                    raise ValueError(
+                        f"prepare_deepspeed: DeepSpeed's expert groups (EP {theirs_ep}, expert data parallel "
+                        f"{theirs_dp}) are not epmoe's (EP {ours_ep}, 'dp' replicas {ours_dp}) on rank "
+                        f"{dist.get_rank()}: build the EP group as DeepSpeed lays it out (consecutive ranks, the "
+                        f"('dp', 'ep') DeviceMesh of init_device_mesh, or the default group)"
+                    )
+                world = dist.get_world_size()
+                if world != sync.data_parallel_size:
+                    raise ValueError(f"prepare_deepspeed: DeepSpeed runs over {world} ranks but the experts are "
+                                     f"sharded over {sync.ep_size} and replicated over {sync.dp_size}")
+                sync.hand_over(REDUCER)
+
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("DeepSpeedExpertGroups holds no computation: it only configures DeepSpeed")
+
+        def extra_repr(self) -> str:
+            return f"ep_size={self.ep_size}, group_name={self.expert_group_name!r}"
+
+    DeepSpeedExpertGroups.__module__ = __name__
+    return DeepSpeedExpertGroups
+
+
+def prepare_deepspeed_trainer(trainer: Any) -> None:
+    """What :func:`epmoe.prepare_trainer` does for a Trainer running DeepSpeed (``TrainingArguments(deepspeed=...)``):
+    :func:`prepare_deepspeed` on its model, and the optimizer Trainer builds itself (no ``"optimizer"``
+    in the DeepSpeed config) given DeepSpeed's expert param groups. DeepSpeed clips (``gradient_clipping``,
+    Trainer's ``max_grad_norm``) and logs the whole model's norm itself."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    stage = getattr(plugin, "zero_stage", None)
+    if stage == 3:
+        raise ValueError(
+            "prepare_trainer(trainer): DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts "
+            "included, which differ on every EP rank (DeepSpeed refuses its own MoE layers at stage 3 too): use "
+            "ZeRO stage 1 or 2, or FSDP2 by hand with fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
+        )
+    strategy = getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)
+    if strategy != "no":
+        raise ValueError(
+            "prepare_trainer(trainer): with DeepSpeed, Trainer checkpoints go through engine.save_checkpoint, which "
+            "writes DeepSpeed's MoE layers' experts, not epmoe's: each rank's experts would be lost or mixed. Use "
+            "TrainingArguments(save_strategy='no') and save with trainer.save_model() or model.save_pretrained (every rank)"
+        )
+    prepare_deepspeed(trainer.model)
+    if getattr(trainer, "_epmoe_create_optimizer", None) is None:
+        create_optimizer = trainer.create_optimizer
+
+        def create_with_expert_groups(*args: Any, **kwargs: Any) -> Any:
+            optimizer = create_optimizer(*args, **kwargs)
+            split_moe_param_groups(optimizer)
+            return optimizer
+
+        trainer._epmoe_create_optimizer = create_optimizer
+        trainer.create_optimizer = create_with_expert_groups

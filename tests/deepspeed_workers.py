@@ -1,0 +1,224 @@
+"""Rank functions for the DeepSpeed tests (module level for spawned ranks): every case trains the same
+recipe twice, with EP (``prepare_deepspeed`` / ``prepare_trainer``) and without (every rank holding all
+experts, DeepSpeed's plain data parallelism), and returns the relative differences per quantity."""
+
+import os
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+
+import epmoe  # noqa: E402
+from epmoe.ep.state import ep_states  # noqa: E402
+from epmoe.models import build_model  # noqa: E402
+
+STEPS = 3
+CLIP = 0.05  # small enough that every step clips (the norms are ~0.5-2)
+
+
+def ds_config(stage, *, optimizer="AdamW", clip=CLIP, auto=False):
+    config = {
+        "train_micro_batch_size_per_gpu": "auto" if auto else 2,
+        "gradient_accumulation_steps": "auto" if auto else 1,
+        "gradient_clipping": "auto" if auto else clip,
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if optimizer == "AdamW":
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto" if auto else 1e-2,
+                                                            "weight_decay": "auto" if auto else 0.01,
+                                                            "torch_adam": True}}
+    elif optimizer == "SGD":  # no normalisation: a mis-scaled expert gradient would move the weights by its factor
+        config["optimizer"] = {"type": "SGD", "params": {"lr": 0.5}}
+        config["zero_allow_untested_optimizer"] = True
+    return config
+
+
+def batch_of(rank, step, batch=2, length=12, vocab=64):
+    g = torch.Generator().manual_seed(1000 + 17 * rank + step)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def fresh_model(ep):
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe", dtype=torch.float64)
+    if ep:
+        epmoe.apply_expert_parallel(model)
+    return model
+
+
+def expert_slices(model):
+    """``{parameter name: (start, end)}`` of this rank's experts, for the sharded parameters."""
+    out = {}
+    for module_name, module, state in ep_states(model):
+        for name in state.sharded_names:
+            out[f"{module_name}.{name}"] = (state.shard.local_start, state.shard.local_end)
+    return out
+
+
+def max_rel(a, b):
+    scale = b.abs().max().clamp_min(1e-12)
+    return ((a - b).abs().max() / scale).item()
+
+
+def compare_params(ep_model, ref_model):
+    """The largest relative difference over every parameter (experts: the reference's slice for this
+    rank), and how many parameters / expert parameters were compared."""
+    slices = expert_slices(ep_model)
+    ref = dict(ref_model.named_parameters())
+    worst, count, experts = 0.0, 0, 0
+    for name, p in ep_model.named_parameters():
+        target = ref[name].detach()
+        if name in slices:
+            start, end = slices[name]
+            target = target[start:end]
+            experts += 1
+        assert p.shape == target.shape, name
+        worst = max(worst, max_rel(p.detach(), target))
+        count += 1
+    return worst, count, experts
+
+
+def train_engine(model, config, rank):
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids = batch_of(rank, step)
+        loss = engine(ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach().double())
+        norms.append(torch.as_tensor(float(engine.get_global_grad_norm()), dtype=torch.float64))
+    return torch.stack(losses), torch.stack(norms), engine
+
+
+def initialize_case(rank, stage, optimizer):
+    """deepspeed.initialize with ZeRO ``stage``: EP (prepare_deepspeed) vs the same recipe without EP."""
+    ref_losses, ref_norms, ref_engine = train_engine(fresh_model(ep=False), ds_config(stage, optimizer=optimizer), rank)
+    model = epmoe.prepare_deepspeed(fresh_model(ep=True))
+    losses, norms, engine = train_engine(model, ds_config(stage, optimizer=optimizer), rank)
+    params, count, experts = compare_params(engine.module, ref_engine.module)
+    return {"loss": max_rel(losses, ref_losses), "grad_norm": max_rel(norms, ref_norms), "params": params,
+            "compared": count, "expert_params": experts, "steps": len(losses),
+            "weights_dtype": str(next(engine.module.parameters()).dtype)}
+
+
+def trainer_run(ep, stage, ds_optimizer, output_dir):
+    from transformers import Trainer, TrainingArguments
+
+    model = fresh_model(ep)
+    rows = torch.randint(0, 64, (24, 12), generator=torch.Generator().manual_seed(5))
+    dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
+    config = ds_config(stage, optimizer="AdamW" if ds_optimizer else None, auto=True)
+    args = TrainingArguments(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2,
+                             learning_rate=1e-2, max_grad_norm=CLIP, logging_steps=1, report_to=[],
+                             save_strategy="no", deepspeed=config, seed=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    if ep:
+        epmoe.prepare_trainer(trainer)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    trainer.save_model(output_dir)
+    return trainer, logs
+
+
+def trainer_case(rank, stage, ds_optimizer, tmp):
+    """Trainer(TrainingArguments(deepspeed=...)) + prepare_trainer vs the same Trainer without EP; also
+    trainer.save_model: the EP checkpoint's tensors vs the plain one's (all E experts)."""
+    ref, ref_logs = trainer_run(False, stage, ds_optimizer, f"{tmp}/ref-{stage}")
+    ep, logs = trainer_run(True, stage, ds_optimizer, f"{tmp}/ep-{stage}")
+    assert len(logs) == len(ref_logs) == STEPS, (logs, ref_logs)
+    out = {"params": 0.0, "compared": 0, "expert_params": 0}
+    for key in ("loss", "grad_norm"):
+        out[key] = max_rel(torch.tensor([e[key] for e in logs]), torch.tensor([e[key] for e in ref_logs]))
+    out["params"], out["compared"], out["expert_params"] = compare_params(ep.model, ref.model)
+    torch.distributed.barrier()
+    if rank == 0:
+        from safetensors.torch import load_file
+
+        saved, ref_saved = (load_file(f"{tmp}/{kind}-{stage}/model.safetensors") for kind in ("ep", "ref"))
+        assert sorted(saved) == sorted(ref_saved), (sorted(saved), sorted(ref_saved))
+        out["saved"] = max(max_rel(saved[k].double(), ref_saved[k].double()) for k in saved)
+        out["saved_compared"] = len(saved)
+    return out
+
+
+def unprepared_initialize(rank):
+    """deepspeed.initialize on an EP model without prepare_deepspeed: refused at the first forward."""
+    import deepspeed
+
+    model = fresh_model(ep=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config(2))
+    ids = batch_of(rank, 0)
+    try:
+        engine(ids, labels=ids)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def unprepared_trainer(tmp):
+    from transformers import Trainer, TrainingArguments
+
+    model = fresh_model(ep=True)
+    dataset = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 12))]
+    args = TrainingArguments(output_dir=f"{tmp}/unprepared", max_steps=1, per_device_train_batch_size=2,
+                             report_to=[], save_strategy="no", deepspeed=ds_config(2, auto=True), disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=dataset)
+    try:
+        trainer.train()
+    except ValueError as error:
+        return str(error), trainer.state.global_step
+    return "no error", trainer.state.global_step
+
+
+def zero3_trainer(tmp):
+    from transformers import Trainer, TrainingArguments
+
+    model = fresh_model(ep=True)
+    args = TrainingArguments(output_dir=f"{tmp}/z3", max_steps=1, per_device_train_batch_size=2, report_to=[],
+                             save_strategy="no", deepspeed=ds_config(3, auto=True), disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
+    try:
+        epmoe.prepare_trainer(trainer)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def zero3_initialize(rank):
+    import deepspeed
+
+    model = epmoe.prepare_deepspeed(fresh_model(ep=True))
+    try:
+        deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds_config(3))
+    except (ValueError, AssertionError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def _guard(fn, *args):
+    try:
+        return fn(*args)
+    except Exception as error:  # noqa: BLE001 - one failing case must not hide the others' results
+        import traceback
+
+        return {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()[-3000:]}"}
+
+
+def run_all(rank, world, tmp):
+    """Every DeepSpeed case in one spawn: ``{case: result}``; a case that raised gives its error."""
+    results = {
+        "initialize_zero1_sgd": _guard(initialize_case, rank, 1, "SGD"),
+        "initialize_zero2_adamw": _guard(initialize_case, rank, 2, "AdamW"),
+        "trainer_zero2_ds_optimizer": _guard(trainer_case, rank, 2, True, tmp),
+        "trainer_zero1_trainer_optimizer": _guard(trainer_case, rank, 1, False, tmp),
+        "unprepared_initialize": _guard(unprepared_initialize, rank),
+        "unprepared_trainer": _guard(unprepared_trainer, tmp),
+        "zero3_trainer": _guard(zero3_trainer, tmp),  # stage 3 last: it turns on transformers' zero3 mode
+        "zero3_initialize": _guard(zero3_initialize, rank),
+    }
+    return results

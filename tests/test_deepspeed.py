@@ -1,0 +1,66 @@
+"""DeepSpeed ZeRO on an EP model (2 gloo ranks, CPU, one spawn for every case): ZeRO 1 and 2 through
+``deepspeed.initialize`` (``epmoe.prepare_deepspeed``) and through ``Trainer(TrainingArguments(deepspeed=...))``
+(``epmoe.prepare_trainer``) equal the same recipe without EP (every rank holding all experts, DeepSpeed's
+plain data parallelism): losses, gradient norms (clipping active at every step), every parameter after 3
+steps (experts: the reference's slice for the rank), and ``trainer.save_model``'s file. Without the
+preparation, DeepSpeed is refused at the first forward; ZeRO 3 is refused.
+
+Tolerances: the model is float64, but ZeRO 1/2 keep float32 master weights, optimizer state and gradient
+partitions and compute the norm in float32, and transformers computes the loss from float32-upcast logits.
+Losses and norms: 1e-6 (a few float32 ulps). Parameters: with SGD (lr 0.5) 1e-6; with AdamW 5e-5: Adam
+divides by sqrt(v) + eps, so a float32-level absolute gradient difference d on an element whose gradient is
+near eps (1e-8) moves it by up to lr * d / eps (measured: 6.4e-6 relative, the same for a ZeRO run without
+EP whose float32 gradients differ in their last bit). A wrong expert scale or a double reduction is off by
+a factor of 2 in the norm (and, with SGD, in every expert update); the unprepared run's experts differ by O(1).
+"""
+
+import pytest
+
+from epmoe.launch import run_ranks
+
+pytestmark = pytest.mark.multirank
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+from deepspeed_workers import run_all  # noqa: E402
+
+EXACT_CASES = {  # case: parameter tolerance
+    "initialize_zero1_sgd": 1e-6,
+    "initialize_zero2_adamw": 5e-5,
+    "trainer_zero2_ds_optimizer": 5e-5,
+    "trainer_zero1_trainer_optimizer": 5e-5,
+}
+FP32 = 1e-6
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(run_all, 2, str(tmp_path_factory.mktemp("ds")), timeout=900)
+
+
+@pytest.mark.parametrize("case", sorted(EXACT_CASES))
+def test_zero_1_and_2_equal_the_recipe_without_ep(results, case):
+    for rank, by_case in enumerate(results):
+        got = by_case[case]
+        assert "error" not in got, f"rank {rank}: {got.get('error')}"
+        assert got["compared"] == 25 and got["expert_params"] == 4, f"rank {rank}: compared {got}"
+        assert got["loss"] <= FP32, f"rank {rank} {case}: loss {got['loss']:.3g}"
+        assert got["grad_norm"] <= FP32, f"rank {rank} {case}: grad_norm {got['grad_norm']:.3g}"
+        assert got["params"] <= EXACT_CASES[case], f"rank {rank} {case}: params {got['params']:.3g}"
+        if case.startswith("trainer") and rank == 0:
+            assert got["saved_compared"] == 69, got  # every tensor of the checkpoint, all 8 experts
+            assert got["saved"] <= EXACT_CASES[case], f"{case}: save_model {got['saved']:.3g}"
+
+
+def test_without_preparation_deepspeed_is_refused_before_a_step(results):
+    for rank, by_case in enumerate(results):
+        assert "epmoe.prepare_deepspeed(model)" in by_case["unprepared_initialize"], by_case["unprepared_initialize"]
+        message, steps = by_case["unprepared_trainer"]
+        assert "epmoe.prepare_trainer(trainer)" in message and steps == 0, (message, steps)
+
+
+def test_zero3_is_refused(results):
+    for by_case in results:
+        assert "ZeRO stage 3" in by_case["zero3_trainer"] and "stage 1 or 2" in by_case["zero3_trainer"]
+        assert "ZeRO Stage 3" in by_case["zero3_initialize"], by_case["zero3_initialize"]
