@@ -24,6 +24,7 @@ def check_matches_eager(result, dtype):
     assert result["loss_diff"] <= LOSS_TOL[dtype]
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(900)  # compiling from a cold inductor cache takes minutes on 2 cores
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_compiled_gives_the_eager_gradients(ep_size):

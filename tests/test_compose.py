@@ -28,6 +28,8 @@ from epmoe.launch import run_ranks
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.multirank  # every test spawns gloo ranks
+
 TOL = 1e-10  # float64 (transformers computes the loss from fp32-upcast logits: compared at 1e-6)
 
 

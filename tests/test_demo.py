@@ -9,6 +9,7 @@ from epmoe.demo import TrainOptions, train_parity
 from epmoe.launch import run_ranks
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 def test_training_loss_curves_match_with_and_without_ep(family):
     """24 AdamW steps on 2 ranks: the EP loss curve equals the non-EP one to fp32 tolerance."""
@@ -22,6 +23,7 @@ def test_training_loss_curves_match_with_and_without_ep(family):
         assert abs(a - b) <= 1e-4 * abs(b), f"step {step}: {a} vs {b}"
 
 
+@pytest.mark.multirank
 def test_training_through_trainer_matches_without_ep():
     """``trainer=True``: both models through transformers.Trainer (EP via prepare_trainer): equal loss curves."""
     result = run_ranks(train_parity, 2, TrainOptions(steps=4, seq_len=16, trainer=True), timeout=300)[0]
@@ -32,6 +34,7 @@ def test_training_through_trainer_matches_without_ep():
         assert r.time_ep > 0 and r.time_ref > 0
 
 
+@pytest.mark.multirank
 def test_demo_command_prints_table_and_writes_plot(tmp_path, capsys):
     """With --balance: the EP model's LoadBalancer mirrored on the reference keeps the losses equal, and
     the reload (biases mirrored too) gives the same logits."""
@@ -50,6 +53,7 @@ def test_demo_command_prints_table_and_writes_plot(tmp_path, capsys):
         assert png.stat().st_size > 1000 and str(png) in out
 
 
+@pytest.mark.multirank
 def test_demo_trainer_command(tmp_path, capsys):
     assert main(["demo", "--trainer", "--steps", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -14,22 +14,26 @@ def assert_parity(results, dtype):
             assert err <= TOL[dtype], f"rank {rank}: {key} relative error {err:.3g} > {TOL[dtype]}"
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_parity_two_ranks(family, dtype):
     assert_parity(run_ranks(model_parity, 2, family, dtype, [7, 12], "plain", timeout=240), dtype)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "olmoe"])
 def test_parity_other_families(family):
     assert_parity(run_ranks(model_parity, 2, family, "float64", [9, 5], "plain", timeout=240), "float64")
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
 def test_parity_rank_whose_experts_get_no_tokens(family):
     assert_parity(run_ranks(model_parity, 2, family, "float64", [8, 10], "silent_rank", timeout=240), "float64")
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize(
     "family,dtype", [("qwen3_5_moe", "float64"), ("qwen3_5_moe", "float32"), ("deepseek_v3", "float64"),
                      ("qwen3_moe", "float64")]
@@ -39,6 +43,7 @@ def test_parity_fused_dispatch(family, dtype):
     assert_parity(run_ranks(model_parity, 2, family, dtype, [6, 13], "fused", timeout=240), dtype)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("expert_kind,world", [("mlp", 2), ("biased", 2), ("mlp", 4)])
 def test_parity_module_list_experts(expert_kind, world):
     """Custom blocks with nn.ModuleList experts: stacked grouped compute, or each expert on its rows."""
@@ -112,6 +117,7 @@ def test_block_that_fails_its_probe_leaves_model_untouched():
     assert not any(hasattr(m, "_epmoe") for m in model.modules())
 
 
+@pytest.mark.multirank
 def test_a_rank_that_fails_validation_fails_them_all():
     from ep_workers import one_rank_fails_validation
 
@@ -142,11 +148,13 @@ def test_module_list_routing_follows_transformers_4x_conventions():
         model(ids)
 
 
+@pytest.mark.multirank
 def test_parity_bf16():
     """bf16 model: EP against the unsharded bf16 model, within bf16 tolerance."""
     assert_parity(run_ranks(model_parity, 2, "qwen3_moe", "bfloat16", [7, 12], "plain", timeout=240), "bfloat16")
 
 
+@pytest.mark.multirank
 def test_ranks_that_disagree_on_the_config_all_raise():
     from ep_workers import disagreeing_config
 

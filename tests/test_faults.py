@@ -49,6 +49,7 @@ AGREEMENT = {
 }
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", sorted(AGREEMENT))
 def test_disagreeing_arguments_raise_value_error_on_every_rank(case):
     results = spawned(agreement_run, 2)
@@ -78,6 +79,7 @@ OUT_OF_STEP = {
 RAISE_TIMEOUT = 4.0
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("case", sorted(OUT_OF_STEP))
 def test_ranks_out_of_step_raise_on_every_rank_naming_both_positions(case):
     results = spawned(out_of_step_run, 2, RAISE_TIMEOUT)
@@ -89,6 +91,7 @@ def test_ranks_out_of_step_raise_on_every_rank_naming_both_positions(case):
         assert outcome["in_step"]["type"] is None, outcome["in_step"]
 
 
+@pytest.mark.multirank
 def test_a_rank_that_raises_and_stays_alive_ends_the_others_wait_within_the_timeout():
     survivor, raiser = spawned(out_of_step_run, 2, RAISE_TIMEOUT)
     seen = survivor["raise_and_stay_alive"]
@@ -102,6 +105,7 @@ KILLED = "rank 1 died, killed by SIGKILL (exit code -9)"
 DYING = {"forward": KILLED, "backward": KILLED, "fused": KILLED, "exit": "rank 1 died with exit code 3"}
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("where", sorted(DYING))
 def test_a_dying_rank_is_blamed_and_the_survivor_raises_within_10_s(where, tmp_path):
     with pytest.raises(RankError) as info:
@@ -115,6 +119,7 @@ def test_a_dying_rank_is_blamed_and_the_survivor_raises_within_10_s(where, tmp_p
     assert survivor["time"] - died["time"] < 10, (survivor, died)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world,num_experts", [(2, 8), (3, 6)])
 def test_random_routings_match_the_unsharded_layer_in_fp64(world, num_experts):
     seen = spawned(random_routings_run, world, num_experts, 12)[0]
