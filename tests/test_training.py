@@ -31,6 +31,7 @@ def results_of(check):
 
 
 def assert_errors(errors, rank, tol=TOL):
+    assert errors, f"rank {rank}: nothing compared"
     bad = {k: v for k, v in errors.items() if not v <= tol}
     assert not bad, f"rank {rank}: {len(bad)} of {len(errors)} above {tol}: {dict(list(bad.items())[:6])}"
 
