@@ -94,13 +94,15 @@ def balancer_parity_run(rank, world, family):
     moved = all(balancers["ref"].bias[n].abs().sum() > 0 for n in balancers["ref"].bias)
     ref_params = dict(ref.named_parameters())
     local = {s.module_name: s for s in shards}
-    worst = 0.0
+    worst, compared = 0.0, {"experts": 0, "others": 0}
     for name, p in model.named_parameters():
         want = ref_params[name]
         module = name.rsplit(".", 1)[0]
         if module in local and p.shape != want.shape:
             want = want[local[module].local_start:local[module].local_end]
         worst = max(worst, ((p - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+        compared["experts" if module in local else "others"] += 1
+    assert all(compared.values()), f"nothing compared: {compared}"
     return {"bias_equal": bias_equal, "moved": moved, "param_error": worst}
 
 
@@ -159,12 +161,15 @@ def aux_loss_run(rank, world, family):
     out_ref.loss.backward()
     out.loss.backward()
     ref_params = dict(ref.named_parameters())
-    worst = 0.0
+    worst, compared = 0.0, 0
     for name, p in model.named_parameters():
         if epmoe.is_expert_parameter(p):
             continue
         g, want = p.grad, ref_params[name].grad
+        assert g is not None and want is not None, f"{name}: no gradient (EP: {g is not None}, reference: {want is not None})"
         worst = max(worst, ((g - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
+        compared += 1
+    assert compared, "no non-expert gradient compared"
     return {"aux": abs(out.aux_loss.item() - out_ref.aux_loss.item()) / abs(out_ref.aux_loss.item()),
             "loss": abs(out.loss.item() - out_ref.loss.item()) / abs(out_ref.loss.item()),
             "router_coef": model.config.router_aux_loss_coef, "non_expert_grads": worst}

@@ -159,6 +159,7 @@ def dcp_resume(rank, world, path, save_group, load_group):
     after2 = _full(ddp2, opt2)
 
     def errors(mine, ref):
+        assert ref, "nothing to compare: no parameter or optimizer state"
         assert set(mine) == set(ref), sorted(set(mine) ^ set(ref))[:4]
         return {k: ((mine[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref}
 
@@ -210,6 +211,7 @@ def dcp_lora_resume(rank, world, path, save_group, load_group):
     after2 = _full(fresh, opt2)
 
     def errors(mine, ref):
+        assert ref, "nothing to compare: no parameter or optimizer state"
         assert set(mine) == set(ref), sorted(set(mine) ^ set(ref))[:4]
         return {k: ((mine[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref}
 

@@ -20,14 +20,14 @@ def ep_model(family, dtype, group=None):
 
 
 def train_step(model, ids):
-    """Loss and every parameter's gradient (names without torch.compile's ``_orig_mod.`` and DDP's
-    ``module.`` prefixes)."""
+    """Loss, every parameter's gradient (names without torch.compile's ``_orig_mod.`` and DDP's
+    ``module.`` prefixes) and the logits."""
     model.zero_grad(set_to_none=True)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
     grads = {name.removeprefix("_orig_mod.").removeprefix("module."): p.grad
              for name, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads
+    return out.loss.detach(), grads, out.logits.detach()
 
 
 def break_sites(model, ids):
@@ -55,21 +55,22 @@ def compile_checks(rank, world, ep_size):
 def compiled_vs_eager(rank, family, dtype_name, group, steps=2, wrap=None):
     """The largest loss difference, each parameter's largest gradient difference over the eager
     gradient's largest magnitude (over ``steps`` steps on fresh batches, every step after the first
-    under ``fail_on_recompile``), whether the expert loads (telemetry) agreed after every step, and
-    the graph-break sites. Inductor rounds bf16 intermediates as eager does
+    under ``fail_on_recompile``), whether the logits were allclose at rtol = atol = 1e-5 at every step,
+    whether the expert loads (telemetry) agreed after every step, and the graph-break sites. Inductor rounds bf16 intermediates as eager does
     (``emulate_precision_casts``): else a routing choice on a near tie may flip, and whole tokens move
     between experts. ``wrap``: a wrapper (DDP) around both models, inside ``torch.compile``."""
     dtype = getattr(torch, dtype_name)
     torch._dynamo.reset()
     wrap = wrap or (lambda model: model)
     eager, compiled = wrap(ep_model(family, dtype, group)), torch.compile(wrap(ep_model(family, dtype, group)))
-    loss_diff, grad_diff, names, same_loads = 0.0, {}, None, True
+    loss_diff, grad_diff, names, same_loads, logits_close = 0.0, {}, None, True, True
     for step in range(steps):
         ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))
         stance = torch.compiler.set_stance("fail_on_recompile") if step else contextlib.nullcontext()
         with stance, torch._inductor.config.patch(emulate_precision_casts=True):
-            loss_c, grads_c = train_step(compiled, ids)
-        loss_e, grads_e = train_step(eager, ids)
+            loss_c, grads_c, logits_c = train_step(compiled, ids)
+        loss_e, grads_e, logits_e = train_step(eager, ids)
+        logits_close &= torch.allclose(logits_c, logits_e, rtol=1e-5, atol=1e-5)
         loads_c, loads_e = epmoe.expert_load(compiled), epmoe.expert_load(eager)
         same_loads &= loads_c.keys() == loads_e.keys() and all(torch.equal(loads_c[k], loads_e[k]) for k in loads_e)
         names = (sorted(grads_c), sorted(grads_e))
@@ -77,5 +78,5 @@ def compiled_vs_eager(rank, family, dtype_name, group, steps=2, wrap=None):
         for name, g in grads_e.items():
             rel = ((grads_c[name].double() - g.double()).abs().max() / g.double().abs().max().clamp_min(1e-30))
             grad_diff[name] = max(grad_diff.get(name, 0.0), rel.item())
-    return dict(loss_diff=loss_diff, grad_diff=grad_diff, names=names, same_loads=same_loads,
+    return dict(loss_diff=loss_diff, grad_diff=grad_diff, names=names, same_loads=same_loads, logits_close=logits_close,
                 sites=break_sites(wrap(ep_model(family, dtype, group)), ids))

@@ -1,6 +1,7 @@
 """Rank functions for the composition tests (EP + PEFT LoRA, EP + FSDP2); module level for spawned ranks."""
 
 import copy
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,32 @@ def lora_config(*, attention=True, experts=False, shared_expert=False):
 
 def trainable(model):
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def grad_of(name, param):
+    """``param.grad``, which must exist (a comparator must not skip a parameter that got none)."""
+    assert param.grad is not None, f"{name} has no gradient"
+    return param.grad
+
+
+def compose_checks(rank, world, lengths):
+    """Every composition recipe on the same 2 ranks, one after the other: ``{recipe: result}``, or
+    ``{recipe: {"error": traceback}}`` for one that raised (the others still run)."""
+    checks = {
+        "peft_attention": lambda: peft_attention_parity(rank, world, lengths),
+        "peft_expert_lora": lambda: peft_expert_lora_parity(rank, world, lengths),
+        "peft_fused_shared_expert": lambda: peft_fused_shared_expert_parity(rank, world, lengths),
+        "fsdp2": lambda: fsdp2_train(rank, world, 3, "float64"),
+        "fsdp2_lora": lambda: fsdp2_lora_train(rank, world, "qwen3_5_moe", 3),
+    }
+    out = {}
+    for name, check in checks.items():
+        try:
+            out[name] = check()
+        except BaseException:  # noqa: BLE001 - the test reports it, naming the recipe
+            out[name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    return out
 
 
 def reference_grads(ref, lengths, world):
@@ -82,7 +109,8 @@ def peft_attention_parity(rank, world, lengths):
         loss = model(ids, labels=ids).loss
         loss.backward()
         errors[f"{order}/loss"] = max_rel(loss.detach(), ref_loss)
-        errors[f"{order}/lora_grads"] = max(max_rel(p.grad, ref_grads[n]) for n, p in params.items())
+        assert params, f"{order}: no LoRA parameter to compare"
+        errors[f"{order}/lora_grads"] = max(max_rel(grad_of(n, p), ref_grads[n]) for n, p in params.items())
     return errors
 
 
@@ -148,13 +176,18 @@ def peft_expert_lora_parity(rank, world, lengths):
     loss = model(ids, labels=ids).loss
     loss.backward()
     errors = {"loss": max_rel(loss.detach(), ref_loss), "attention_lora_grads": 0.0, "expert_lora_grads": 0.0}
+    compared = {"attention_lora_grads": 0, "expert_lora_grads": 0}
     for name, param in params.items():
         if name in expert_names:
             wrapper = _owning_wrapper(ref, name)
             full = _expert_lora_slice(wrapper, name, summed[name], shard.local_start, shard.local_end)
-            errors["expert_lora_grads"] = max(errors["expert_lora_grads"], max_rel(param.grad, full))
+            errors["expert_lora_grads"] = max(errors["expert_lora_grads"], max_rel(grad_of(name, param), full))
+            compared["expert_lora_grads"] += 1
         else:
-            errors["attention_lora_grads"] = max(errors["attention_lora_grads"], max_rel(param.grad, ref_grads[name]))
+            errors["attention_lora_grads"] = max(errors["attention_lora_grads"],
+                                                 max_rel(grad_of(name, param), ref_grads[name]))
+            compared["attention_lora_grads"] += 1
+    assert all(compared.values()), f"nothing compared: {compared}"
     errors.update(adapter_save_roundtrip(model, ref, rank, ids))
     errors["peft_first"] = peft_expert_lora_then_ep(rank, world, lengths)
     return errors
@@ -216,12 +249,15 @@ def peft_fused_shared_expert_parity(rank, world, lengths):
     loss = model(ids, labels=ids).loss
     loss.backward()
     errors = {"loss": max_rel(loss.detach(), ref_loss), "lora_grads": 0.0}
+    compared = 0
     for name, param in trainable(model).items():
         if name in expert_names:
             full = _expert_lora_slice(_owning_wrapper(ref, name), name, summed[name], shard.local_start, shard.local_end)
         else:
             full = ref_grads[name]
-        errors["lora_grads"] = max(errors["lora_grads"], max_rel(param.grad, full))
+        errors["lora_grads"] = max(errors["lora_grads"], max_rel(grad_of(name, param), full))
+        compared += 1
+    assert compared, "no LoRA gradient compared"
     return errors
 
 
@@ -293,15 +329,18 @@ def fsdp2_train(rank, world, steps, dtype_name):
 
     ref_params = dict(ref.named_parameters())
     shard_of = {s.module_name: s for s in shards}
-    err = 0.0
+    err, compared = 0.0, {"sharded": 0, "experts": 0}
     for name, param in model.named_parameters():
         full = ref_params[name]
         if isinstance(param, DTensor):
             mine = param.full_tensor()
+            compared["sharded"] += 1
         else:
             shard = shard_of[name.rsplit(".", 1)[0]]
             mine, full = param, full[shard.local_start:shard.local_end]
+            compared["experts"] += 1
         err = max(err, max_rel(mine.detach(), full.detach()))
+    assert all(compared.values()), f"nothing compared: {compared}"
     dist.barrier()
     return losses, losses_ref, max(err, norm_err)
 
@@ -357,17 +396,20 @@ def fsdp2_lora_train(rank, world, family, steps):
         losses_ref.append(_global_loss(loss_ref, world))
 
     ref_params = dict(ref.named_parameters())
-    err = 0.0
+    err, compared = 0.0, {"sharded": 0, "experts": 0}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         full = ref_params[name].detach()
         if isinstance(p, DTensor):
             mine = p.full_tensor()
+            compared["sharded"] += 1
         else:
             mine = p
             start, end = shards[0].local_start, shards[0].local_end
             full = _expert_lora_slice(_owning_wrapper(ref, name), name, full, start, end)
+            compared["experts"] += 1
         err = max(err, max_rel(mine.detach(), full))
+    assert all(compared.values()), f"nothing compared: {compared}"
     dist.barrier()
     return losses, losses_ref, err

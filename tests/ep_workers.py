@@ -1,6 +1,7 @@
 """Rank functions for the expert-parallel tests (module level, so spawned ranks can import them)."""
 
 import copy
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -72,6 +73,7 @@ def model_parity(rank, world, family, dtype_name, lengths, scenario):
             own = {n: p.grad.clone() for n, p in ref_params.items() if n not in expert_names and p.grad is not None}
     errors["non_expert_grads"] = 0.0
     errors["router_grads"] = 0.0
+    compared = {"non_expert_grads": 0, "router_grads": 0, "expert_grads": 0}
     for name, param in model.named_parameters():
         if name in expert_names:
             continue
@@ -80,18 +82,23 @@ def model_parity(rank, world, family, dtype_name, lengths, scenario):
             continue
         err = max_rel(param.grad, own[name])
         errors["non_expert_grads"] = max(errors["non_expert_grads"], err)
+        compared["non_expert_grads"] += 1
         if ".gate." in name or ".router." in name:
             errors["router_grads"] = max(errors["router_grads"], err)
+            compared["router_grads"] += 1
     errors["expert_grads"] = 0.0
     for shard in shards:
         module = model.get_submodule(shard.module_name)
         for name, param in module.named_parameters(recurse=False):
+            assert param.grad is not None, f"{shard.module_name}.{name} has no gradient under EP"
+            compared["expert_grads"] += 1
             full = expert_grad_sum[f"{shard.module_name}.{name}"][shard.local_start:shard.local_end]
             if scenario == "silent_rank" and rank == world - 1:
                 assert torch.count_nonzero(param.grad) == 0
             errors["expert_grads"] = max(errors["expert_grads"], max_rel(param.grad, full) if full.abs().max() > 0
                                          else param.grad.abs().max().item())
     assert len(shards) >= 1 and all(s.ep_size == world and s.ep_rank == dist.get_rank() for s in shards)
+    errors["compared"] = compared  # tensors compared per kind: the test requires each to be > 0
     return errors
 
 
@@ -125,10 +132,26 @@ def module_list_parity(rank, world, expert_kind):
         if source == rank:
             errors["output"] = max_rel(out, ref_out)
             own = {n: p.grad.clone() for n, p in ref_params.items()}
-    errors["grads"] = max(
-        max_rel(p.grad, expert_sum[n] if ".experts." in n else own[n]) for n, p in model.named_parameters()
-    )
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing, f"no gradient under EP: {missing}"
+    grads = [max_rel(p.grad, expert_sum[n] if ".experts." in n else own[n]) for n, p in model.named_parameters()]
+    errors["grads"] = max(grads)
+    errors["compared"] = {"grads": len(grads), "expert_grads": sum(".experts." in n for n, _ in model.named_parameters())}
     return errors
+
+
+def run_cases(rank, world, cases):
+    """Run ``cases`` (``{label: (fn, args)}``, ``fn(rank, world, *args)``) one after the other on this
+    process group; ``{label: result}``, or ``{label: {"error": traceback}}`` for a case that raised
+    (the others still run). A barrier after each case keeps the ranks in step."""
+    out = {}
+    for label, (fn, args) in cases.items():
+        try:
+            out[label] = fn(rank, world, *args)
+        except BaseException:  # noqa: BLE001 - the test reports it, naming the case
+            out[label] = {"error": traceback.format_exc()}
+        dist.barrier()
+    return out
 
 
 def one_rank_fails_validation(rank, world):

@@ -18,6 +18,7 @@ def results():
     return _RUN[0]
 
 
+@pytest.mark.multirank
 def test_expert_load_is_the_unsharded_histogram_on_every_rank():
     for by_check in results():
         seen = by_check["telemetry"]
@@ -29,6 +30,7 @@ def test_expert_load_is_the_unsharded_histogram_on_every_rank():
             assert summary["idle_share"] == sum(c == 0 for c in counts) / len(counts)
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_load_balancer_gives_the_same_biases_and_training_at_ep_1_and_2(family):
     for by_check in results():
@@ -36,12 +38,14 @@ def test_load_balancer_gives_the_same_biases_and_training_at_ep_1_and_2(family):
         assert seen["bias_equal"] and seen["moved"] and seen["param_error"] < 1e-10, seen
 
 
+@pytest.mark.multirank
 def test_load_balancer_balances_a_skewed_router():
     for by_check in results():
         seen = by_check["balancing"]
         assert seen["first"] > 2.5 and seen["best_late"] < 0.6 * seen["first"], seen
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_models_own_auxiliary_loss_is_exact_under_ep(family):
     for by_check in results():
@@ -50,6 +54,7 @@ def test_models_own_auxiliary_loss_is_exact_under_ep(family):
         assert seen["non_expert_grads"] < 1e-10, seen
 
 
+@pytest.mark.multirank
 def test_capacity_factor_drops_the_same_slots_at_every_ep_size():
     for by_check in results():
         seen = by_check["capacity"]
@@ -59,6 +64,7 @@ def test_capacity_factor_drops_the_same_slots_at_every_ep_size():
         assert sum(sum(v) for v in seen["model_dropped"].values()) > 0, seen
 
 
+@pytest.mark.multirank
 def test_load_balancer_biases_agree_over_dp_replicas():
     from balance_workers import mesh_balancer_run
 

@@ -125,6 +125,7 @@ def test_markdown_table_and_flops():
     assert common.format_flops(1.234e12) == "1.23 TFLOP/s"
 
 
+@pytest.mark.multirank
 def test_gpu_check_exits_clearly_without_cuda():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT / "src"))
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], env=env,
@@ -133,6 +134,7 @@ def test_gpu_check_exits_clearly_without_cuda():
     assert "no CUDA device" in done.stderr
 
 
+@pytest.mark.multirank
 def test_gpu_check_runs_every_section_as_a_cpu_smoke_test(tmp_path):
     """``--device cpu --quick``: the script's every section runs (tiny shapes); no GPU figure."""
     pytest.importorskip("transformers")
@@ -152,6 +154,7 @@ def test_gpu_check_runs_every_section_as_a_cpu_smoke_test(tmp_path):
     assert cuda_only.returncode == 1 and "only with --quick" in cuda_only.stderr
 
 
+@pytest.mark.multirank
 def test_bench_checkpoint_quick(capsys):
     """``epmoe bench checkpoint --quick``: every variant measured on 2 ranks, a table printed."""
     pytest.importorskip("transformers")

@@ -62,6 +62,7 @@ def test_ep1_variants_agree_with_eager(one_thread):
     assert sum(result.counts) == layer.QUICK_SHAPES[0].rows
 
 
+@pytest.mark.multirank
 def test_ep2_quick_losses_match_the_unsharded_model(one_thread):
     settings = common.Settings(device=torch.device("cpu"), threads=2, warmup=0, repeats=1, seed=0, quick=True, out=None)
     report = layer.run_ep2(layer.QUICK_SHAPES[0], settings)
@@ -90,6 +91,7 @@ def test_unknown_part_is_rejected(capsys):
     assert "--part" in capsys.readouterr().err
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(900)  # compiling from a cold inductor cache takes minutes on 2 cores
 def test_compile_quick_rows(one_thread):
     """Part compile: every row compiled and checked against eager; EP=1 traces whole, EP=2 breaks at

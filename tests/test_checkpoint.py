@@ -7,6 +7,8 @@ from epmoe.launch import run_ranks
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.multirank  # every test spawns gloo ranks
+
 
 def test_save_pretrained_writes_every_expert(tmp_path):
     """2 ranks, EP=2: the same keys, shapes, dtypes, config.json and sharded index (its total_parameters

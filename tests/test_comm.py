@@ -46,6 +46,7 @@ def _exchange_worker(rank, world, e):
     return True
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world,e", [(2, 3), (3, 1)])
 def test_exchange_counts_and_all_to_all(world, e):
     assert run_ranks(_exchange_worker, world, e, timeout=120) == [True] * world
@@ -58,6 +59,7 @@ def _bad_worker(rank, world):
     return rank
 
 
+@pytest.mark.multirank
 def test_launcher_surfaces_first_error_without_hanging():
     with pytest.raises(RankError, match="(?s)rank 1 failed.*rank one is broken"):
         run_ranks(_bad_worker, 2, timeout=60)
@@ -73,6 +75,7 @@ def _negative_worker(rank, world):
     return recv
 
 
+@pytest.mark.multirank
 def test_negative_counts_raise_on_every_rank_and_nobody_hangs():
     assert run_ranks(_negative_worker, 3, timeout=60) == [[0, 1, 2]] * 3
 

@@ -1,6 +1,7 @@
 """``torch.compile`` of EP models: compiled gradients equal the eager ones, per parameter, at EP 1
-and 2, in fp32 and bf16, without recompiling on new routings; the graph breaks are pinned (none
-where there is nothing to exchange, one site, the exchange, where there is)."""
+and 2, in fp32 and bf16, without recompiling on new routings (and fp32 logits to 1e-5: torch's grouped
+kernel declines fp32 when compiling, epmoe's fallback must still run and match); the graph breaks are
+pinned (none where there is nothing to exchange, one site, the exchange, where there is)."""
 
 import pytest
 import torch
@@ -22,8 +23,11 @@ def check_matches_eager(result, dtype):
     name, worst = max(result["grad_diff"].items(), key=lambda item: item[1])
     assert worst <= GRAD_TOL[dtype], f"{name}: compiled gradient differs by {worst:.2e} of its scale"
     assert result["loss_diff"] <= LOSS_TOL[dtype]
+    if dtype == "float32":
+        assert result["logits_close"], "compiled fp32 logits differ from eager beyond rtol = atol = 1e-5"
 
 
+@pytest.mark.multirank
 @pytest.mark.timeout(900)  # compiling from a cold inductor cache takes minutes on 2 cores
 @pytest.mark.parametrize("ep_size", [1, 2])
 def test_compiled_gives_the_eager_gradients(ep_size):

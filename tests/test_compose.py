@@ -15,15 +15,11 @@ Recipes that work (each checked against the unsharded model):
   division.
 """
 
+import functools
+
 import pytest
 
-from compose_workers import (
-    fsdp2_lora_train,
-    fsdp2_train,
-    peft_attention_parity,
-    peft_expert_lora_parity,
-    peft_fused_shared_expert_parity,
-)
+from compose_workers import compose_checks
 from epmoe.launch import run_ranks
 
 pytest.importorskip("transformers")
@@ -41,11 +37,30 @@ def _needs_fully_shard():
         pytest.skip("torch.distributed.fsdp.fully_shard is not available")
 
 
+@functools.lru_cache(maxsize=1)
+def _all_results():
+    """Every recipe of compose_workers.compose_checks in one spawned run on 2 ranks."""
+    return run_ranks(compose_checks, 2, [7, 12], timeout=600)
+
+
+def results_of(recipe):
+    """Each rank's result of ``recipe`` (a recipe that raised fails here, with its traceback)."""
+    _needs_peft()  # every recipe but "fsdp2" uses peft, and the batch runs them all
+    _needs_fully_shard()
+    out = [by_recipe[recipe] for by_recipe in _all_results()]
+    for rank, result in enumerate(out):
+        assert not (isinstance(result, dict) and "error" in result), f"{recipe}, rank {rank}:\n{result['error']}"
+    return out
+
+
+# the spawned run is shared: the first test to need it pays for it
+pytestmark = [pytest.mark.multirank, pytest.mark.timeout(900)]
+
+
 def test_lora_on_attention_either_order():
     """LoRA on q_proj/v_proj: PEFT then EP (deepcopy of the reference PeftModel) and EP then PEFT (same
     seed): loss and every LoRA gradient equal the unsharded PEFT model's on that rank's batch."""
-    _needs_peft()
-    for rank, errors in enumerate(run_ranks(peft_attention_parity, 2, [7, 12], timeout=240)):
+    for rank, errors in enumerate(results_of("peft_attention")):
         for key, err in errors.items():
             tol = 1e-6 if key.endswith("loss") else TOL
             assert err <= tol, f"rank {rank}: {key} relative error {err:.3g}"
@@ -57,8 +72,7 @@ def test_lora_on_packed_experts_after_ep():
 
     PEFT first, then EP, is refused with a clear ValueError and an untouched model: peft's
     ParamWrappers hold LoRA factors for all E experts, which EP cannot slice consistently."""
-    _needs_peft()
-    for rank, errors in enumerate(run_ranks(peft_expert_lora_parity, 2, [7, 12], timeout=240)):
+    for rank, errors in enumerate(results_of("peft_expert_lora")):
         names, peft_first_error = errors.pop("peft_first")
         for key, err in errors.items():
             tol = 1e-6 if key == "loss" else TOL
@@ -71,8 +85,7 @@ def test_lora_on_packed_experts_after_ep():
 def test_lora_on_shared_expert_with_fused_dispatch():
     """dispatch="fused" then LoRA on the shared expert and the packed experts: the block notices the
     wrapped shared expert and runs its own forward; loss and LoRA gradients equal the unsharded model's."""
-    _needs_peft()
-    for rank, errors in enumerate(run_ranks(peft_fused_shared_expert_parity, 2, [7, 12], timeout=240)):
+    for rank, errors in enumerate(results_of("peft_fused_shared_expert")):
         for key, err in errors.items():
             tol = 1e-6 if key == "loss" else TOL
             assert err <= tol, f"rank {rank}: {key} relative error {err:.3g}"
@@ -81,8 +94,7 @@ def test_lora_on_shared_expert_with_fused_dispatch():
 def test_fsdp2_with_expert_params_ignored():
     """EP + FSDP2 (experts ignored, no manual division), 3 AdamW steps clipped by epmoe.clip_grad_norm_:
     the loss curve, the clip norms and the final parameters equal the non-EP model's under DDP."""
-    _needs_fully_shard()
-    results = run_ranks(fsdp2_train, 2, 3, "float64", timeout=240)
+    results = results_of("fsdp2")
     for rank, (losses, losses_ref, param_err) in enumerate(results):
         assert losses == pytest.approx(losses_ref, rel=1e-6, abs=0), f"rank {rank}"
         assert param_err <= TOL, f"rank {rank}: parameters after 3 steps differ by {param_err:.3g}"
@@ -94,9 +106,7 @@ def test_fsdp2_lora_qwen3_5_moe():
     """The seed project's recipe on Qwen3.5-MoE: EP -> PEFT LoRA (q/v + packed experts) -> FSDP2 with
     the expert weights and expert LoRA factors ignored -> 3 AdamW steps on the LoRA parameters, vs the
     unsharded PEFT model trained data-parallel."""
-    _needs_peft()
-    _needs_fully_shard()
-    results = run_ranks(fsdp2_lora_train, 2, "qwen3_5_moe", 3, timeout=240)
+    results = results_of("fsdp2_lora")
     for rank, (losses, losses_ref, param_err) in enumerate(results):
         assert losses == pytest.approx(losses_ref, rel=1e-6, abs=0), f"rank {rank}"
         assert param_err <= TOL, f"rank {rank}: LoRA parameters after 3 steps differ by {param_err:.3g}"

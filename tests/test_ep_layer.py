@@ -79,11 +79,13 @@ TWO_RANK_LABELS = (
 )
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("label", TWO_RANK_LABELS)
 def test_two_ranks_match_eager(two_ranks, label):
     assert_case(two_ranks, label)
 
 
+@pytest.mark.multirank
 def test_two_ranks_exact_zero_grads_were_checked(two_ranks):
     """The scenarios meant to leave experts without tokens did (so the exact-zero checks ran)."""
     r0, r1 = (r["cases"] for r in two_ranks)
@@ -93,6 +95,7 @@ def test_two_ranks_exact_zero_grads_were_checked(two_ranks):
     assert "down_proj[0]" in r0["qwen3_moe/default/all_on_one_expert_k1"]["exact_zero"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("check", ["mesh_2d_without_ep_raises", "shards_and_parameters", "second_call_is_noop",
                                    "indivisible_is_atomic"])
 def test_two_ranks_contract(two_ranks, check):
@@ -100,6 +103,7 @@ def test_two_ranks_contract(two_ranks, check):
         assert result["checks"][check] is None, f"rank {rank}: {result['checks'][check]}"
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("label", ["qwen3_moe/world_4/uneven_4", "qwen3_moe/world_4/uneven_4_k4",
                                    "qwen3_moe/mesh_dp_ep/random_k2", "qwen3_moe/mesh_dp_ep/rank_with_zero_tokens",
                                    "qwen3_moe/mesh_dp4_ep1/random_k2"])
@@ -107,6 +111,7 @@ def test_four_ranks_match_eager(four_ranks, label):
     assert_case(four_ranks, label)
 
 
+@pytest.mark.multirank
 def test_bad_routing_shape_raises_on_its_rank_without_hanging():
     start = time.monotonic()
     with pytest.raises(RankError, match=r"rank 1 failed(.|\n)*ValueError(.|\n)*top_k_index"):

@@ -1,48 +1,119 @@
-"""apply_expert_parallel on transformers models: outputs, losses and gradients equal the unsharded model's."""
+"""apply_expert_parallel on transformers models: outputs, losses and gradients equal the unsharded model's.
+
+The multi-rank cases run batched: every 2-rank case in one spawned run, the 4-rank case in another
+(see ``ep_workers.run_cases``); each test asserts on its own cases' results."""
+
+import functools
 
 import pytest
 
-from ep_workers import model_parity, module_list_parity
+from ep_workers import disagreeing_config, model_parity, module_list_parity, one_rank_fails_validation, run_cases
 from epmoe.launch import run_ranks
 
 TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}
 
+TWO_RANK_FAMILIES = ["qwen3_moe", "qwen3_5_moe"]
+OTHER_FAMILIES = ["qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "olmoe"]
+SILENT_RANK_FAMILIES = ["deepseek_v3", "gpt_oss"]
+FUSED_CASES = [("qwen3_5_moe", "float64"), ("qwen3_5_moe", "float32"), ("deepseek_v3", "float64"),
+               ("qwen3_moe", "float64")]
+MODULE_LIST_CASES = [("mlp", 2), ("biased", 2), ("mlp", 4)]
 
-def assert_parity(results, dtype):
+
+def cases_of(world):
+    """``{label: (fn, args)}``: every case that runs on ``world`` ranks."""
+    cases = {}
+    if world == 2:
+        for dtype in ("float64", "float32"):
+            for family in TWO_RANK_FAMILIES:
+                cases[f"plain/{family}/{dtype}"] = (model_parity, (family, dtype, [7, 12], "plain"))
+        cases["plain/qwen3_moe/bfloat16"] = (model_parity, ("qwen3_moe", "bfloat16", [7, 12], "plain"))
+        for family in OTHER_FAMILIES:
+            cases[f"other/{family}/float64"] = (model_parity, (family, "float64", [9, 5], "plain"))
+        for family in SILENT_RANK_FAMILIES:
+            cases[f"silent_rank/{family}/float64"] = (model_parity, (family, "float64", [8, 10], "silent_rank"))
+        for family, dtype in FUSED_CASES:
+            cases[f"fused/{family}/{dtype}"] = (model_parity, (family, dtype, [6, 13], "fused"))
+        cases["one_rank_fails_validation"] = (one_rank_fails_validation, ())
+        cases["disagreeing_config"] = (disagreeing_config, ())
+    for expert_kind, w in MODULE_LIST_CASES:
+        if w == world:
+            cases[f"module_list/{expert_kind}/world_{world}"] = (module_list_parity, (expert_kind,))
+    return cases
+
+
+@functools.lru_cache(maxsize=None)
+def batch_results(world):
+    """The per-rank ``{label: result}`` of one spawned run of every ``world``-rank case."""
+    return run_ranks(run_cases, world, cases_of(world), timeout=800)
+
+
+def results_of(world, label):
+    """Each rank's result of the case ``label`` (a case that raised fails here, with its traceback)."""
+    out = [by_label[label] for by_label in batch_results(world)]
+    for rank, result in enumerate(out):
+        assert not (isinstance(result, dict) and "error" in result), f"{label}, rank {rank}:\n{result['error']}"
+    return out
+
+
+def assert_parity(results, dtype, case=""):
+    """Every error within the dtype's tolerance, and something was compared: at least one error, and
+    each kind of tensor the worker counted (``"compared"``) at least once."""
     for rank, errors in enumerate(results):
+        errors = dict(errors)
+        compared = errors.pop("compared", {})
+        assert errors, f"{case} rank {rank}: nothing compared"
+        for kind, count in compared.items():
+            assert count > 0, f"{case} rank {rank}: no {kind} compared"
         for key, err in errors.items():
-            assert err <= TOL[dtype], f"rank {rank}: {key} relative error {err:.3g} > {TOL[dtype]}"
+            assert err <= TOL[dtype], f"{case} rank {rank}: {key} relative error {err:.3g} > {TOL[dtype]}"
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+# the spawned run is shared: the first test to need it pays for it (minutes on 2 busy cores)
+batched = pytest.mark.timeout(900)
+
+
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("family", TWO_RANK_FAMILIES)
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_parity_two_ranks(family, dtype):
-    assert_parity(run_ranks(model_parity, 2, family, dtype, [7, 12], "plain", timeout=240), dtype)
+    label = f"plain/{family}/{dtype}"
+    assert_parity(results_of(2, label), dtype, label)
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "olmoe"])
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("family", OTHER_FAMILIES)
 def test_parity_other_families(family):
-    assert_parity(run_ranks(model_parity, 2, family, "float64", [9, 5], "plain", timeout=240), "float64")
+    label = f"other/{family}/float64"
+    assert_parity(results_of(2, label), "float64", label)
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("family", SILENT_RANK_FAMILIES)
 def test_parity_rank_whose_experts_get_no_tokens(family):
-    assert_parity(run_ranks(model_parity, 2, family, "float64", [8, 10], "silent_rank", timeout=240), "float64")
+    label = f"silent_rank/{family}/float64"
+    assert_parity(results_of(2, label), "float64", label)
 
 
-@pytest.mark.parametrize(
-    "family,dtype", [("qwen3_5_moe", "float64"), ("qwen3_5_moe", "float32"), ("deepseek_v3", "float64"),
-                     ("qwen3_moe", "float64")]
-)
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("family,dtype", FUSED_CASES)
 def test_parity_fused_dispatch(family, dtype):
     """dispatch="fused": alltoallv_gmm / gmm_alltoallv in 2 rounds, the shared expert riding along."""
-    assert_parity(run_ranks(model_parity, 2, family, dtype, [6, 13], "fused", timeout=240), dtype)
+    label = f"fused/{family}/{dtype}"
+    assert_parity(results_of(2, label), dtype, label)
 
 
-@pytest.mark.parametrize("expert_kind,world", [("mlp", 2), ("biased", 2), ("mlp", 4)])
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("expert_kind,world", MODULE_LIST_CASES)
 def test_parity_module_list_experts(expert_kind, world):
     """Custom blocks with nn.ModuleList experts: stacked grouped compute, or each expert on its rows."""
-    assert_parity(run_ranks(module_list_parity, world, expert_kind, timeout=240), "float64")
+    label = f"module_list/{expert_kind}/world_{world}"
+    assert_parity(results_of(world, label), "float64", label)
 
 
 def test_fused_dispatch_choice_and_fallback(caplog):
@@ -112,10 +183,10 @@ def test_block_that_fails_its_probe_leaves_model_untouched():
     assert not any(hasattr(m, "_epmoe") for m in model.modules())
 
 
+@pytest.mark.multirank
+@batched
 def test_a_rank_that_fails_validation_fails_them_all():
-    from ep_workers import one_rank_fails_validation
-
-    messages = run_ranks(one_rank_fails_validation, 2, timeout=120)
+    messages = results_of(2, "one_rank_fails_validation")
     assert "EP rank(s) [1] rejected their input" in messages[0]
     assert messages[1].startswith("apply_expert_parallel: blocks.1.experts")
 
@@ -142,15 +213,17 @@ def test_module_list_routing_follows_transformers_4x_conventions():
         model(ids)
 
 
+@pytest.mark.multirank
+@batched
 def test_parity_bf16():
     """bf16 model: EP against the unsharded bf16 model, within bf16 tolerance."""
-    assert_parity(run_ranks(model_parity, 2, "qwen3_moe", "bfloat16", [7, 12], "plain", timeout=240), "bfloat16")
+    assert_parity(results_of(2, "plain/qwen3_moe/bfloat16"), "bfloat16", "plain/qwen3_moe/bfloat16")
 
 
+@pytest.mark.multirank
+@batched
 def test_ranks_that_disagree_on_the_config_all_raise():
-    from ep_workers import disagreeing_config
-
-    for messages in run_ranks(disagreeing_config, 2, timeout=120):
+    for messages in results_of(2, "disagreeing_config"):
         assert set(messages) == {"config", "dtype", "hidden_size", "moe_intermediate_size"}
         for case, message in messages.items():
             assert message is not None and "disagree" in message, (case, message)

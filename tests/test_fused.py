@@ -423,6 +423,7 @@ def reports():
     return get
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world,check", [(w, c) for w, names in RUNS.items() for c in names])
 def test_multi_rank(reports, world, check):
     for rank, report in enumerate(reports(world)):
@@ -550,6 +551,7 @@ def test_hcom_name_uses_the_global_rank(monkeypatch):
     assert fused_npu.hcom_name(Group()) == "hcom-5" and asked == [5]
 
 
+@pytest.mark.multirank
 def test_bench_fused_quick(tmp_path, capsys):
     """``epmoe bench fused --quick``: every variant of every (shared, pass) setting, and the report."""
     from epmoe.bench import fused as bench_fused

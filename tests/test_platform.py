@@ -120,6 +120,7 @@ def test_npu_preferred_over_cuda(monkeypatch):
     assert platform.device_type() == "npu"
 
 
+@pytest.mark.multirank
 def test_exchange_counts_synchronises_through_platform(monkeypatch):
     """Counts read on the host only after platform.synchronize (the seed's NPU race)."""
     from epmoe.launch import run_ranks

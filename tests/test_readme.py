@@ -33,6 +33,7 @@ def test_readme_lists_the_training_recipes():
                                                   "save_and_reload", "load_sharded", "resume"]
 
 
+@pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 4])
 def test_readme_recipes_run(world, tmp_path, monkeypatch):
     chosen = [(name, code) for name, ranks, code in recipes() if ranks == world]

@@ -31,10 +31,12 @@ def results_of(check):
 
 
 def assert_errors(errors, rank, tol=TOL):
+    assert errors, f"rank {rank}: nothing compared"
     bad = {k: v for k, v in errors.items() if not v <= tol}
     assert not bad, f"rank {rank}: {len(bad)} of {len(errors)} above {tol}: {dict(list(bad.items())[:6])}"
 
 
+@pytest.mark.multirank
 def test_ddp_equals_non_ep_ddp_per_parameter():
     """DDP(ep_model) with no other code, AdamW x 5, per-rank batch sizes differ, clipped every step:
     DDP neither broadcast nor reduced the experts; step-0 gradients, every clip norm (2, 1 and inf)
@@ -51,18 +53,21 @@ def test_ddp_equals_non_ep_ddp_per_parameter():
                                 "are divided by the 2 data-parallel ranks"], facts["log"]
 
 
+@pytest.mark.multirank
 def test_ddp_with_module_list_experts():
     for rank, errors in enumerate(results_of("ddp_module_list")):
         assert_errors(errors, rank)
         assert any("biased/param/blocks.0.experts" in k for k in errors)
 
 
+@pytest.mark.multirank
 def test_ddp_gpt_oss_biased_transposed_experts():
     for rank, errors in enumerate(results_of("ddp_gpt_oss")):
         assert_errors(errors, rank)
         assert any("experts.down_proj_bias" in k for k in errors)
 
 
+@pytest.mark.multirank
 def test_expert_grad_modes_without_wrapper():
     """"sum" and "auto" (no wrapper) give the unsharded model's expert gradients on the concatenated
     batch; "mean" those divided by the 2 ranks; non-expert gradients are the rank's own."""
@@ -71,6 +76,7 @@ def test_expert_grad_modes_without_wrapper():
         assert {k.split("/")[0] for k in errors} == {"sum", "auto", "mean"}
 
 
+@pytest.mark.multirank
 def test_expert_parameters_by_identity_with_lora():
     for result in results_of("identity"):
         assert result["base"] == 4  # 2 layers x (gate_up_proj, down_proj)
@@ -79,6 +85,7 @@ def test_expert_parameters_by_identity_with_lora():
         assert not result["ddp_reduces_experts"] and result["ddp_reduces_attention_lora"]
 
 
+@pytest.mark.multirank
 def test_refusals():
     for result in results_of("refusals"):
         assert "apply expert parallelism first" in result["ddp"] and "DistributedDataParallel" in result["ddp"]
@@ -86,6 +93,7 @@ def test_refusals():
         assert result["synced_false"] and "synced_gpus" in result["synced_false"]
 
 
+@pytest.mark.multirank
 def test_generate_ranks_stop_at_different_steps():
     results = results_of("generate")
     assert [r["new_tokens"] for r in results] == [3, 9]
@@ -93,6 +101,7 @@ def test_generate_ranks_stop_at_different_steps():
         assert result["greedy_equal"] and result["sampled_reproducible"] and result["sampled_equal_ref"], result
 
 
+@pytest.mark.multirank
 def test_ep_x_dp_mesh_four_ranks():
     """("dp", "ep") = (2, 2): equals 4-rank non-EP DDP per parameter (AdamW x 4, clipped), replicas
     over "dp" bitwise identical; the same with ModuleList experts, and with frozen expert weights
@@ -103,6 +112,7 @@ def test_ep_x_dp_mesh_four_ranks():
         assert result["replicas_equal"]
 
 
+@pytest.mark.multirank
 def test_trainer_defaults_are_exact(tmp_path):
     """Trainer (a subclass, through prepare_trainer) on the EP model vs a plain Trainer on the unsharded
     model: AdamW, max_grad_norm=1.0 (it clips: logged norms > 1), gradient checkpointing, accumulation
@@ -119,6 +129,7 @@ def test_trainer_defaults_are_exact(tmp_path):
             assert result["replicated_equal"], dtype
 
 
+@pytest.mark.multirank
 def test_trainer_resume_from_checkpoint_is_exact(tmp_path):
     """Trainer checkpoints of an EP model (through prepare_trainer) resume exactly: a fresh run from
     checkpoint-4 ends with the uninterrupted run's parameters and step 5-6 losses (fp64)."""

@@ -30,6 +30,7 @@ def batch(step, rank, sizes):
 
 
 def rel(a, b):
+    assert a is not None and b is not None, "a gradient is missing (None)"
     a, b = a.detach().double(), b.detach().double()
     assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
@@ -55,6 +56,7 @@ class Pair:
 
     @property
     def grad_error(self):
+        assert self.mine.grad is not None and self.ref_param.grad is not None, "no gradient to compare"
         return rel(self.mine.grad, self.ref_param.grad[self.rows])
 
 
@@ -70,6 +72,7 @@ def reference_view(model, ref, shards):
             shard = by_module[name.rsplit(".", 1)[0]]
             rows = slice(shard.local_start, shard.local_end)
         pairs[name] = Pair(p, full, rows)
+    assert pairs, "no parameter to compare"
     return pairs
 
 
