@@ -99,7 +99,8 @@ def groups_after_other_groups(rank, world):
     """Ranks 0 and 1 train an EP model on their own pair first; then EP over all ranks must still form
     its groups (their names may not depend on what a process did before)."""
     torch.manual_seed(0)
-    pair, other = dist.new_group([0, 1]), dist.new_group([2, 3])
+    pair = dist.new_group([0, 1])
+    dist.new_group([2, 3])  # every rank takes part in creating every group
     if rank < 2:
         first = build_model("qwen3_moe")
         epmoe.apply_expert_parallel(first, pair)

@@ -7,8 +7,6 @@ import time
 import pytest
 
 from epmoe.cli import main
-from epmoe.demo import TrainOptions, train_parity
-from epmoe.launch import run_ranks
 
 
 def _table_rows(out):

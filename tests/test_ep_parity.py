@@ -165,7 +165,6 @@ def test_named_backend_that_declines_leaves_model_untouched():
 def test_block_that_fails_its_probe_leaves_model_untouched():
     """A ModuleList block whose router cannot be probed: ValueError naming the module, nothing changed,
     and a second call fails the same way (not with 'partly expert-parallel')."""
-    import torch
     from torch import nn
 
     import epmoe

@@ -8,7 +8,6 @@ tests/test_compile.py (EP 1 and 2, logits, loss and every gradient).
 """
 
 import json
-import time
 
 import pytest
 import torch
