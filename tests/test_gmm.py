@@ -337,3 +337,15 @@ def test_auto_takes_batched_only_for_small_even_groups_in_a_forward():
     torch.testing.assert_close(y.double(), reference(x, w, even, False), atol=1e-4, rtol=1e-5)
     y = epmoe.grouped_mm(x, w, skewed, backend="batched")  # named: runs where auto would not
     torch.testing.assert_close(y.double(), reference(x, w, skewed, False), atol=1e-4, rtol=1e-5)
+
+
+def test_a_preferred_backend_runs_where_it_takes_the_call_else_auto_chooses():
+    """``prefer:NAME`` (what the experts' compute passes after choosing once): NAME where it takes
+    the operands, the usual choice where it declines them (a named backend would raise)."""
+    x, w = torch.randn(6, 4, dtype=torch.float64), torch.randn(2, 4, 3, dtype=torch.float64)
+    expected = epmoe.grouped_mm(x, w, [2, 4], backend="loop")
+    assert select_backend(x, w, backend="prefer:loop", counts=[2, 4]).name == "loop"
+    assert select_backend(x, w, backend="prefer:npu", counts=[2, 4]).name == select_backend(x, w, counts=[2, 4]).name
+    torch.testing.assert_close(epmoe.grouped_mm(x, w, [2, 4], backend="prefer:npu"), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="declines"):
+        epmoe.grouped_mm(x, w, [2, 4], backend="npu")

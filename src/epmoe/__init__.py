@@ -3,10 +3,11 @@
 The data path of one MoE layer, and where each step lives::
 
     router (the model's own)                 untouched
-      -> counts exchange                     epmoe.comm.counts      exchange_counts
-      -> dispatch (permute + all-to-all-v)   epmoe.ep.dispatcher    / epmoe.comm.fused alltoallv_gmm
-      -> grouped experts                     epmoe.experts          on epmoe.gmm.grouped_mm
-      -> combine (all-to-all-v + unpermute)  epmoe.ep.dispatcher    / epmoe.comm.fused gmm_alltoallv
+      -> sort + counts exchange              epmoe.ep.routing       on epmoe.comm.counts
+      -> dispatch (all-to-all-v + permute)   epmoe.ep.dispatcher    / epmoe.comm.fused alltoallv_gmm
+      -> grouped experts                     epmoe.ep.experts       on epmoe.gmm.grouped_mm
+      -> combine (unpermute + all-to-all-v)  epmoe.ep.dispatcher    / epmoe.comm.fused gmm_alltoallv
+    (the whole layer: epmoe.ep.layer.routed_experts; the floors of the package: README.md)
 
 The collectives of a training step on a model's EP groups carry or follow step headers
 (:mod:`epmoe.comm.steps`), so ranks out of step raise on every rank, and run on groups whose waits

@@ -58,11 +58,9 @@ def raise_on_every_rank(error: str | None, shards: list, model: nn.Module) -> No
     if shards and shards[0].ep_size > 1:
         group = ep_group_of(model)
         channel = StepChannel(group, 1, what="EP")
-        try:
-            channel.agree(channel.next_call(AGREE), platform.group_device(group), [], failed=error is not None,
-                          caller="epmoe.from_pretrained")
-        except ValueError as exc:
-            raise ValueError(f"epmoe.from_pretrained: the checkpoint does not hold every expert: {exc}") from None
+        channel.agree(channel.next_call(AGREE), platform.group_device(group), [], failed=error is not None,
+                      caller="epmoe.from_pretrained: the checkpoint does not hold every expert",
+                      what_failed="found some of their experts missing or with the wrong shape")
     if error is not None:
         raise ValueError(f"epmoe.from_pretrained: the checkpoint does not hold every expert: EP rank "
                          f"{shards[0].ep_rank if shards else 0}: {error}")

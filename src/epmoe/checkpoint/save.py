@@ -135,7 +135,7 @@ class StreamedWeights:
         self.on_this_rank = save_on_this_rank and (dist.get_rank() if dist.is_initialized() else 0) == WRITER
 
     def write(self) -> None:
-        """RowLayout the files on every rank (the same plan everywhere: it decides the gathers' order),
+        """Plan the files on every rank (the same plan everywhere: it decides the gathers' order),
         then gather and write them."""
         if self.state_dict is None:  # transformers returned before taking the state dict
             return

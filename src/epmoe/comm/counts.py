@@ -41,7 +41,7 @@ def exchange_counts(
         _validate(tokens_per_expert, ep_size)
     except (TypeError, ValueError):
         if ep_size > 1:  # the peers are entering the lengths exchange: join it, flagged, then raise
-            lengths = torch.zeros(ep_size, 1, dtype=torch.int64, device=platform.current_device())
+            lengths = torch.zeros(ep_size, 1, dtype=torch.int64, device=platform.group_device(group))
             StepChannel(group, 1, what="exchange_counts").exchange(
                 Position(MODEL_WIDE, COUNTS, 0), lengths, torch.ones((), dtype=torch.int64, device=lengths.device))
         raise

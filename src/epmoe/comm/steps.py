@@ -224,28 +224,29 @@ class StepChannel:
 
     def agree(self, position: Position, device: torch.device, fields: Sequence[tuple[str, int]],
               extra: Sequence[int] = (), *, failed: bool = False, caller: str = "epmoe",
-              show: Callable[[str, int], object] | None = None) -> list[list[int]]:
+              show: Callable[[str, int], object] | None = None,
+              what_failed: str = "rejected their input") -> list[list[int]]:
         """The agreement step: validate, then agree, then change anything.
 
         One header exchange in which every rank shows every peer the same row: its ``fields``
         (``(name, value)``; the names and their number the same on every rank), then ``extra``
         values (the same number on every rank, not compared), its flag set where ``failed`` (this
         rank rejected its own input: it should raise its own error once this returns). Raises
-        ``ValueError`` on every other rank naming the ranks that failed, else on every rank naming
+        ``ValueError`` on every other rank naming the ranks that failed (``what_failed``: what they
+        found), else on every rank naming
         the first field whose values differ (``show(name, value)`` renders a value, ``None`` for a
         value that means nothing to a reader, such as a hash: the message then names the field
         only). Returns every rank's ``fields`` values and ``extra``, by rank.
         """
         row = [value for _, value in fields] + list(extra)
-        payload = platform.host_to_device(torch.tensor([row] * self.size, dtype=torch.int64).view(self.size, -1),
-                                          device)
+        payload = platform.host_to_device(torch.tensor(row, dtype=torch.int64).expand(self.size, len(row)), device)
         flag = platform.host_to_device(torch.tensor(int(failed), dtype=torch.int64), device)
         received, flags = self.exchange(position, payload, flag)
         if failed:
             return received
         bad = [rank for rank, theirs in enumerate(flags) if theirs]
         if bad:
-            raise ValueError(f"{caller}: {self.what} rank(s) {bad} rejected their input (see their error); no rank "
+            raise ValueError(f"{caller}: {self.what} rank(s) {bad} {what_failed} (see their error); no rank "
                              f"goes on (this is {self.what} rank {self.rank})")
         for index, (name, _) in enumerate(fields):
             values = [theirs[index] for theirs in received]

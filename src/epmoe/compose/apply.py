@@ -61,7 +61,7 @@ def resolve_groups(ep_group: Any) -> tuple[dist.ProcessGroup | None, dist.Proces
     """``(ep group, dp group or None)`` from a ProcessGroup, a DeviceMesh or ``None``.
 
     A 1-D mesh is the EP group; a 2-D mesh needs dims named ``"ep"`` and ``"dp"``: experts sharded over
-    ``"ep"``, replicated over ``"dp"`` (their gradients reduced over it, see :mod:`epmoe.training.grads`).
+    ``"ep"``, replicated over ``"dp"`` (their gradients reduced over it, see :mod:`epmoe.ep.grads`).
     """
     if ep_group is None or isinstance(ep_group, dist.ProcessGroup):
         return ep_group, None
@@ -263,19 +263,21 @@ def _check_ranks_agree(
     the backend, a wait until the group's timeout, or silently wrong rows). One agreement step on
     the EP group (:meth:`~epmoe.comm.steps.StepChannel.agree`; none for a group of one)."""
     if ep_size > 1:
-        fields = [(f"config.{f.name} (here {getattr(config, f.name)!r})", value_code(getattr(config, f.name)))
-                  for f in dataclasses.fields(config)]
-        layouts = [_parameter_layout(module) for _, module, _ in found]
-        dtypes = [dtype for layout in layouts for _, _, dtype in layout]
-        fields += [
-            ("experts modules (names)", value_code([name for name, _, _ in found])),
-            ("experts modules' numbers of experts", value_code([num_experts_of(m) for _, m, _ in found])),
-            ("experts' parameter names and shapes", value_code([[(n, s) for n, s, _ in lay] for lay in layouts])),
-            ("experts' dtype", dtype_code(dtypes[0]) if dtypes else 0),
-            ("experts' parameter dtypes", value_code([str(d) for d in dtypes])),
-        ]
-        if error is not None:
-            fields = [(name, 0) for name, _ in fields]
+        names = [f"config.{f.name} (here {getattr(config, f.name)!r})" for f in dataclasses.fields(config)] + [
+            "experts modules (names)", "experts modules' numbers of experts", "experts' parameter names and shapes",
+            "experts' dtype", "experts' parameter dtypes"]
+        values = [0] * len(names)  # a rank whose validation failed shows nothing (its modules may be broken)
+        if error is None:
+            layouts = [_parameter_layout(module) for _, module, _ in found]
+            dtypes = [dtype for layout in layouts for _, _, dtype in layout]
+            values = [value_code(getattr(config, f.name)) for f in dataclasses.fields(config)] + [
+                value_code([name for name, _, _ in found]),
+                value_code([num_experts_of(m) for _, m, _ in found]),
+                value_code([[(n, s) for n, s, _ in layout] for layout in layouts]),
+                dtype_code(dtypes[0]) if dtypes else 0,
+                value_code([str(d) for d in dtypes]),
+            ]
+        fields = list(zip(names, values))
         channel = StepChannel(group, len(fields), what="EP")
 
         def show(name: str, value: int) -> str | None:

@@ -22,6 +22,9 @@ from epmoe.checkpoint.load import as_local_parameters, as_meta_dtensors, load_er
 from epmoe.compose.apply import apply_expert_parallel
 from epmoe.ep.params import expert_parameters
 
+HUB_ARGUMENTS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token",
+                 "trust_remote_code")  # what from_pretrained passes on to its config
+
 
 def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=None, **kwargs: Any):
     """``(model, shards)``: ``model_class.from_pretrained(path, **kwargs)`` made expert-parallel over
@@ -61,8 +64,9 @@ def _concrete_class(model_class: Any, path, kwargs: dict[str, Any]) -> type:
     from transformers import AutoConfig, PretrainedConfig
 
     config = kwargs.get("config")
-    if not isinstance(config, PretrainedConfig):
-        config = AutoConfig.from_pretrained(config or path, trust_remote_code=kwargs.get("trust_remote_code", False))
+    if not isinstance(config, PretrainedConfig):  # read as transformers reads it: the same hub arguments
+        hub = {key: kwargs[key] for key in HUB_ARGUMENTS if key in kwargs}
+        config = AutoConfig.from_pretrained(config or path, **hub)
     with torch.device("meta"):
         try:
             resolved = type(model_class.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False)))

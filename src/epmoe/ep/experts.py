@@ -31,6 +31,7 @@ from epmoe import errors, platform
 from epmoe.ep.recognize import is_default_silu_gate, linear_triples, num_experts_of
 from epmoe.gmm import BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
+from epmoe.gmm.registry import PREFERRED
 
 
 def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
@@ -147,8 +148,11 @@ class LocalExperts:
             counts = None if counts.device.type != "cpu" else counts.tolist()
         differentiable = torch.is_grad_enabled() and (x_em.requires_grad or any(
             p.requires_grad for p in self.module.parameters()))
-        return choose_backend(self.gmm_statuses(), backend=self.backend, counts=counts, x=x_em,
-                              backward=differentiable).name
+        chosen = choose_backend(self.gmm_statuses(), backend=self.backend, counts=counts, x=x_em,
+                                backward=differentiable).name
+        # a named backend is held to it; auto's choice was made on probes of these operands: if the
+        # real ones differ where a backend looks (alignment), the op falls back as auto would
+        return chosen if self.backend != "auto" else PREFERRED + chosen
 
     def forward(self, x_em: torch.Tensor, counts: Sequence[int] | torch.Tensor, *,
                 sync_weights: WeightsHook | None = None) -> torch.Tensor:

@@ -246,8 +246,6 @@ class GradSync:
         present = [(p, g) for p, g in zip(params, grads) if g is not None and p.requires_grad]
         if not present:
             return
-        if self.guarded:
-            self.guard.arm(self.root)
         flat = torch.cat([g.reshape(-1) for _, g in present])
         work = self._all_reduce(flat, position, async_op=True)
         if not self._queued:  # first of this backward (what a failed backward left is dropped)
@@ -256,6 +254,8 @@ class GradSync:
             self._pending = []
             torch.autograd.Variable._execution_engine.queue_callback(self._land)
             self._queued = True
+        if self.guarded:  # queued after _land: the guard records the gradients _land wrote
+            self.guard.arm(self.root)
         self._pending.append((work, flat, [p for p, _ in present], self.scale))
 
     def _land(self) -> None:

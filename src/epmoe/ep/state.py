@@ -120,8 +120,8 @@ class ExpertParallelState:
         return [getattr(owner, name) for name in self.sharded_names]
 
     def sync_weights(self, weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
-        """The experts' weights as this forward uses them: gradients finished by :attr:`sync` (a
-        :class:`~epmoe.ep.experts.WeightsHook`)."""
+        """The experts' weights as this forward uses them, gradients finished by :attr:`sync` (this
+        method is the :class:`~epmoe.ep.experts.WeightsHook` the experts' compute takes)."""
         if per_parameter and self.sync is not None and self.sync.active:
             self.sync.observe(self.ancestors, weights)
             register_param_hooks(self.sync, weights, lambda: self.position(GRAD_REDUCE))

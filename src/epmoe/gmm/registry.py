@@ -42,6 +42,7 @@ from epmoe.gmm.torch_gmm import TorchBackend
 logger = logging.getLogger(__name__)
 
 ENV_BACKEND = "EPMOE_GMM_BACKEND"
+PREFERRED = "prefer:"  # backend="prefer:NAME": NAME where it takes the call, else as "auto"
 
 _registry: list[GmmBackend] = [NpuBackend(), BatchedBackend(), TorchBackend(), LoopBackend()]
 
@@ -106,10 +107,16 @@ def select_backend(
     over ``backend``. With ``counts`` (validated by ``grouped_mm``), ``auto`` may take a backend that
     wins only on some group sizes (``backward``: whether the call will be differentiated).
     """
+    calls = [(None, x, weight, trans_weight)]
     named = os.environ.get(ENV_BACKEND, "").strip() or backend
+    if isinstance(named, str) and named.startswith(PREFERRED):
+        statuses = _judge(calls, "select_backend", only=named[len(PREFERRED):])
+        if statuses and statuses[0].eligible:  # the preferred backend takes these operands
+            return choose_backend(statuses, backend=named, counts=counts, x=x, backward=backward)
+        named = backend = "auto"  # it declines them (or is unknown): the usual choice
     only = named if isinstance(named, str) and named != "auto" else None  # a named backend: judge it alone
-    return choose_backend(_judge([(None, x, weight, trans_weight)], "select_backend", only=only), backend=backend,
-                          counts=counts, x=x, backward=backward)
+    return choose_backend(_judge(calls, "select_backend", only=only), backend=backend, counts=counts, x=x,
+                          backward=backward)
 
 
 def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto", counts: list[int] | None = None,
@@ -127,6 +134,8 @@ def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto", 
         raise TypeError(f"grouped_mm(backend): expected a str, got {type(backend).__name__}")
     forced = os.environ.get(ENV_BACKEND, "").strip()
     name = forced or backend
+    if name.startswith(PREFERRED):  # select_backend found the preferred one eligible
+        name = name[len(PREFERRED):]
     registered = {b.name: b for b in _registry}
     if name != "auto":
         if name not in registered:
@@ -306,7 +315,9 @@ def grouped_mm(
             device; the op reads a tensor to the host once, so under ``torch.compile`` a device tensor
             costs no graph break).
         trans_weight: whether ``weight`` is ``(G, N, D)``.
-        backend: ``"auto"`` or a registered backend name (``$EPMOE_GMM_BACKEND`` overrides it).
+        backend: ``"auto"``, a registered backend name, or ``"prefer:NAME"`` (``NAME`` where it takes
+            the call, else as ``"auto"``: what a caller that chose once for several calls passes);
+            ``$EPMOE_GMM_BACKEND`` overrides it.
 
     Returns:
         ``(T, N)`` in ``x``'s dtype; differentiable in ``x`` and ``weight``.

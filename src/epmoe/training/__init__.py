@@ -12,10 +12,12 @@ reduced over ``"dp"`` and summed or averaged is the engine's contract: :mod:`epm
 * :mod:`epmoe.training.balance`: ``LoadBalancer``, auxiliary-loss-free balancing of expert load.
 """
 
+from epmoe.ep.params import expert_parameters, is_expert_parameter  # their home before the engine took them
 from epmoe.training.accelerate import prepare_accelerator
 from epmoe.training.balance import LoadBalancer
 from epmoe.training.clip import clip_grad_norm_
 from epmoe.training.deepspeed import prepare_deepspeed
 from epmoe.training.trainer import prepare_trainer
 
-__all__ = ["LoadBalancer", "clip_grad_norm_", "prepare_accelerator", "prepare_deepspeed", "prepare_trainer"]
+__all__ = ["LoadBalancer", "clip_grad_norm_", "expert_parameters", "is_expert_parameter", "prepare_accelerator",
+           "prepare_deepspeed", "prepare_trainer"]

@@ -72,7 +72,7 @@ def prepare_trainer(trainer: Any) -> Any:
         if getattr(trainer.args, option, False):
             raise ValueError(f"prepare_trainer(trainer): TrainingArguments({option}=True) is not supported on an "
                              f"expert-parallel model: {why}")
-    if getattr(accelerator, "_epmoe_prepared", False):
+    if getattr(trainer, "_epmoe_prepared", False):  # the trainer's own flag: prepare_accelerator marks the accelerator
         return trainer
     if deepspeed:  # DeepSpeed reduces, averages and clips the expert gradients itself
         prepare_deepspeed_trainer(trainer)
@@ -128,7 +128,7 @@ def prepare_trainer(trainer: Any) -> Any:
         trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
         trainer._load_from_checkpoint = load_from_checkpoint
         trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
-    accelerator._epmoe_prepared = True
+    trainer._epmoe_prepared = True
     return trainer
 
 

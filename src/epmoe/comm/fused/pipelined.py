@@ -40,7 +40,7 @@ from epmoe.comm.layout import RowLayout, gather_rows, prefix
 class Run:
     """One run (a forward, or a backward) besides its input rows, built by :mod:`~epmoe.comm.fused.autograd`.
 
-    ``weight``: ``(e, K, N)``, or ``(e, N, K)`` with ``trans_weight``: this rank's experts as the run's
+    ``weight``: ``(e, D, N)``, or ``(e, N, D)`` with ``trans_weight``: this rank's experts as the run's
     grouped matmuls use them. ``side``: the shared expert's job, run while the pipeline communicates.
     With ``dw_x`` (expert-major, ``plan.rows_expert_major`` rows) the run also returns
     ``grad_weight = dW(dw_x, the run's expert-major rows)`` in the layout ``dw_trans`` says.
