@@ -134,6 +134,37 @@ def trainer_parity(rank, world, out_dir, steps=4):
             "files": sorted(os.listdir(f"{out_dir}/saved"))}
 
 
+def trainer_resume(rank, world, out_dir, steps=4):
+    """A prepared Trainer under the HF FSDP2 config checkpointing every 2 steps trains 4 steps; a fresh
+    one (other initial weights) resumes from checkpoint-2 and trains to 4: every parameter (fp64) and
+    the logged losses of steps 3-4 equal the uninterrupted run's."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import Trainer
+
+    def run(seed, resume=None):
+        model = build_model("qwen3_moe", dtype=torch.float64, seed=seed)
+        epmoe.apply_expert_parallel(model)
+        training_args = args(out_dir, "run", steps, gradient_accumulation_steps=1, save_strategy="steps",
+                             save_steps=2)
+        with as_on_gpus():
+            trainer = epmoe.prepare_trainer(Trainer(model=model, args=training_args,
+                                                    train_dataset=TokenDataset(64, 12, seed=1)))
+        trainer.train(resume_from_checkpoint=resume)
+        for module in trainer.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        params = {name: full(p).clone() for name, p in trainer.model.named_parameters()}
+        return params, {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+
+    params, losses = run(0)
+    dist.barrier()
+    resumed, losses2 = run(99, resume=f"{out_dir}/run/checkpoint-2")
+    assert set(resumed) == set(params) and params
+    errors = {f"param/{name}": rel(resumed[name], params[name]) for name in params}
+    errors.update({f"loss/{step}": abs(losses2[step] - losses[step]) / abs(losses[step]) for step in (3, 4)})
+    return {"errors": errors, "files": sorted(os.listdir(f"{out_dir}/run/checkpoint-2"))}
+
+
 def refused(rank, world, out_dir, case):
     """prepare_trainer on an EP Trainer whose FSDP config cannot be made exact: its ValueError."""
     from transformers import Trainer
@@ -168,7 +199,8 @@ def refused(rank, world, out_dir, case):
 
 
 def two_rank_checks(rank, world, out_dir):
-    checks = {"parity": lambda: trainer_parity(rank, world, f"{out_dir}/parity")}
+    checks = {"parity": lambda: trainer_parity(rank, world, f"{out_dir}/parity"),
+              "resume": lambda: trainer_resume(rank, world, f"{out_dir}/resume")}
     for case in ("fsdp1", "cpu_ram_efficient_loading", "ignored_modules_wrong"):
         checks[case] = lambda case=case: refused(rank, world, out_dir, case)
     return run_checks(checks)

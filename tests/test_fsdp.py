@@ -76,3 +76,16 @@ def test_prepare_trainer_refuses_what_fsdp_cannot_make_exact(out, case, words):
         assert result["error"] is not None, result
         for word in words:
             assert word in result["error"], (word, result["error"])
+
+
+def test_trainer_checkpoints_under_hf_fsdp2_config_resume_exactly(out):
+    """save_strategy="steps" under the FSDP2 config: a fresh prepared Trainer resumed from checkpoint-2
+    ends with the uninterrupted run's parameters and step 3-4 losses (fp64); the checkpoint holds
+    epmoe's DCP state and no FSDP plugin files (which would hold rank 0's experts only)."""
+    for rank, result in enumerate(of(out, "resume")):
+        errors = result["errors"]
+        assert sum(k.startswith("param/") for k in errors) >= 10 and any(".experts." in k for k in errors)
+        assert len([k for k in errors if k.startswith("loss/")]) == 2
+        bad = {k: v for k, v in errors.items() if not v <= TOL}
+        assert not bad, f"rank {rank}: {bad}"
+        assert "epmoe_dcp" in result["files"] and not any("fsdp" in f for f in result["files"]), result["files"]
