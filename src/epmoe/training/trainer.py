@@ -19,8 +19,10 @@ and the scheduler from Trainer's file, so a resumed run continues exactly, at an
 
 DeepSpeed (``TrainingArguments(deepspeed=...)``): ZeRO stages 1 and 2 through DeepSpeed's own MoE
 support, see :mod:`epmoe.training.deepspeed`; there DeepSpeed clips and reduces, and Trainer
-checkpoints are refused (``save_model`` works). ZeRO stage 3 and accelerate's FSDP plugin shard
-every parameter, experts included: refused; so are ``save_on_each_node`` and
+checkpoints are refused (``save_model`` works). accelerate's FSDP2 plugin
+(``TrainingArguments(fsdp=..., fsdp_config={"version": 2})``): its ``ignored_modules`` set to the
+experts, Trainer's clip and saving routed as above, see :mod:`epmoe.training.fsdp`. ZeRO stage 3 and
+FSDP1 shard every parameter, experts included: refused; so are ``save_on_each_node`` and
 ``load_best_model_at_end`` (see the errors).
 """
 
@@ -39,6 +41,7 @@ from epmoe.ep.state import ep_states
 from epmoe.integrations.peft import has_expert_lora
 from epmoe.training.clip import clip_grad_norm_
 from epmoe.training.deepspeed import prepare_deepspeed_trainer
+from epmoe.training.fsdp import prepare_fsdp_trainer, without_fsdp_branch
 
 DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME: the learning-rate scheduler's file
@@ -58,13 +61,7 @@ def prepare_trainer(trainer: Any) -> Any:
         raise ValueError("prepare_trainer(trainer): trainer.model is not expert-parallel; call "
                          "epmoe.apply_expert_parallel(model) before building the Trainer")
     deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
-    for flag, what in (("is_fsdp_enabled", "accelerate's FSDP plugin"),):
-        if getattr(trainer, flag, False):
-            raise ValueError(
-                f"prepare_trainer(trainer): {what} would shard the expert parameters, which differ per EP rank; "
-                f"use DDP (the Trainer default), or FSDP2 by hand with "
-                f"fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
-            )
+    fsdp = getattr(trainer, "is_fsdp_enabled", False)
     for option, why in (("save_on_each_node", "each node's first rank would write a checkpoint, but the experts "
                                                "are gathered to global rank 0 only"),
                         ("load_best_model_at_end", "Trainer reloads the best checkpoint with load_state_dict of a "
@@ -76,6 +73,8 @@ def prepare_trainer(trainer: Any) -> Any:
         return trainer
     if deepspeed:  # DeepSpeed reduces, averages and clips the expert gradients itself
         prepare_deepspeed_trainer(trainer)
+    if fsdp:  # FSDP2 told to leave the experts alone (epmoe.training.fsdp); FSDP1 refused there
+        prepare_fsdp_trainer(trainer)
     for state in states:
         if state.sync is not None and state.sync.active and not deepspeed:
             state.sync.set_wrapper("transformers.Trainer")
@@ -86,6 +85,8 @@ def prepare_trainer(trainer: Any) -> Any:
 
     if not deepspeed:
         accelerator.clip_grad_norm_ = clip
+        # plain expert tensors next to FSDP2's DTensors: Trainer clips there without the accelerator
+        trainer._mixed_mesh_grad_norm = lambda model, max_norm: clip(model.parameters(), max_norm)
 
     def save(output_dir=None, state_dict=None):
         model = _unwrapped(trainer)
@@ -100,9 +101,16 @@ def prepare_trainer(trainer: Any) -> Any:
                                   is_main_process=False)
 
     trainer._save = save
+    if fsdp:  # Trainer's FSDP branch saves this rank's experts only (or, SHARDED_STATE_DICT, nothing)
+        trainer.save_model = lambda output_dir=None, _internal_call=False: without_fsdp_branch(
+            trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call)
 
     def save_optimizer_and_scheduler(output_dir):
-        type(trainer)._save_optimizer_and_scheduler(trainer, output_dir)  # the scheduler (and rank 0's moments)
+        # the scheduler (and rank 0's moments); under FSDP not the plugin's files, which hold rank 0's experts
+        if fsdp:
+            without_fsdp_branch(trainer, type(trainer)._save_optimizer_and_scheduler, trainer, output_dir)
+        else:
+            type(trainer)._save_optimizer_and_scheduler(trainer, output_dir)
         dcp.save(get_state_dict(_unwrapped(trainer), trainer.optimizer), checkpoint_id=_dcp_dir(output_dir))
 
     def load_from_checkpoint(resume_from_checkpoint, model=None):
