@@ -57,6 +57,7 @@ def compose_checks(rank, world, lengths):
         "fsdp2": lambda: fsdp2_train(rank, world, 3, "float64"),
         "fsdp2_lora": lambda: fsdp2_lora_train(rank, world, "qwen3_5_moe", 3),
         "lora_init": lambda: lora_init_parity(rank, world, 3),
+        "lora_load_unsharded": lambda: load_unsharded_adapter(rank, world),
     }
     out = {}
     for name, check in checks.items():
@@ -511,3 +512,31 @@ def lora_init_parity(rank, world, steps):
         result["control_unequal"] = sum(not torch.equal(a, b) for a, b in pairs.values())
         out[str(init)] = result
     return out
+
+
+def load_unsharded_adapter(rank, world):
+    """An adapter saved by plain peft from the unsharded model, loaded with ``PeftModel.from_pretrained``
+    into an EP model: the expert factors are read whole (peft sized them from ``ds_shape``), then each
+    rank keeps its slice at the first forward. Returns ``(factors compared, unequal, logits error)``."""
+    import tempfile
+
+    from peft import PeftModel, get_peft_model
+
+    torch.manual_seed(2)
+    ref = get_peft_model(build_model("qwen3_moe", dtype=torch.float64), lora_config(experts=True))
+    paths = [tempfile.mkdtemp(prefix="epmoe-unsharded-adapter-") if rank == 0 else None]
+    dist.broadcast_object_list(paths, src=0)
+    if rank == 0:
+        ref.save_pretrained(paths[0])
+    dist.barrier()
+    base = build_model("qwen3_moe", dtype=torch.float64)
+    shard = epmoe.apply_expert_parallel(base)[0]
+    torch.manual_seed(99)  # not the reference's: every factor comes from the file
+    model = PeftModel.from_pretrained(base, paths[0])
+    ids = batch_of(rank, [7, 12])
+    with torch.no_grad():
+        logits_err = max_rel(model(ids).logits, ref(ids).logits)
+    names = {n for n, _ in ref.named_parameters() if ".lora_" in n}
+    pairs = _expert_factor_slices(model, ref, shard, names)
+    assert len(pairs) == len(names), "nothing compared"
+    return len(pairs), sum(not torch.equal(a, b) for a, b in pairs.values()), logits_err

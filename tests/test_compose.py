@@ -129,3 +129,11 @@ def test_lora_on_packed_experts_starts_like_unsharded(init):
         assert r["unequal_after_forward"] == 0 and r["local_shapes"], f"rank {rank}: {r}"
         assert r["loss_err"] <= 1e-6 and r["param_err"] <= TOL and r["trained"], f"rank {rank}: {r}"
         assert r["control_unequal"] > 0, f"rank {rank}: {r}"
+
+
+def test_unsharded_adapter_loads_into_ep_model():
+    """PeftModel.from_pretrained(ep_model, path) of an adapter plain peft saved from the unsharded model:
+    every factor (experts: this rank's slice) bitwise the saved one, and the unsharded model's logits."""
+    for rank, (compared, unequal, logits_err) in enumerate(results_of("lora_load_unsharded")):
+        assert compared == 16 and unequal == 0, f"rank {rank}: {compared} compared, {unequal} unequal"
+        assert logits_err <= TOL, f"rank {rank}: logits relative error {logits_err:.3g}"
