@@ -56,6 +56,8 @@ def compose_checks(rank, world, lengths):
         "peft_fused_shared_expert": lambda: peft_fused_shared_expert_parity(rank, world, lengths),
         "fsdp2": lambda: fsdp2_train(rank, world, 3, "float64"),
         "fsdp2_lora": lambda: fsdp2_lora_train(rank, world, "qwen3_5_moe", 3),
+        "lora_init": lambda: lora_init_parity(rank, world, 3),
+        "lora_load_unsharded": lambda: load_unsharded_adapter(rank, world),
     }
     out = {}
     for name, check in checks.items():
@@ -134,6 +136,7 @@ def _owning_wrapper(model, param_name):
 def copy_lora_from_reference(model, ref, shard):
     """Give the EP model's LoRA factors the unsharded reference's values (expert factors sliced to this
     rank's experts); return the names of the expert LoRA parameters."""
+    epmoe.expert_parameters(model)  # narrows the expert factors peft made for all E experts (epmoe.ep.lora)
     params, ref_params = trainable(model), trainable(ref)
     assert set(params) == set(ref_params)
     expert_names = {n for n in params if ".experts." in n}
@@ -413,3 +416,127 @@ def fsdp2_lora_train(rank, world, family, steps):
     assert all(compared.values()), f"nothing compared: {compared}"
     dist.barrier()
     return losses, losses_ref, err
+
+
+def _expert_factor_slices(model, ref, shard, names):
+    """``{name: (EP model's factor, the unsharded reference's)}`` for ``names``: expert factors the
+    reference's sliced to this rank's experts, every other factor whole."""
+    ref_params = dict(ref.named_parameters())
+    out = {}
+    for name, param in model.named_parameters():
+        if name not in names:
+            continue
+        full = ref_params[name].detach()
+        if ".experts." in name:
+            full = _expert_lora_slice(_owning_wrapper(ref, name), name, full, shard.local_start, shard.local_end)
+        out[name] = (param.detach(), full)
+    return out
+
+
+def lora_init_parity(rank, world, steps):
+    """Same seed, ``get_peft_model`` on the unsharded model and on the EP model, for peft's three random
+    inits (``True``: kaiming A, zero B; ``"gaussian"``; ``False``: both nn.Linear's init), LoRA on the
+    packed experts of both layers (layer 1's drawn after layer 0's) and on q/v:
+
+    * right after ``get_peft_model``: every factor equals the reference's, bitwise (the expert factors
+      still whole: peft made all E experts' from the shard's ``ds_shape``);
+    * after the first forward (nothing of epmoe called in between): the expert factors are the
+      reference's sliced to this rank's experts, the others unchanged, still bitwise;
+    * then ``steps`` AdamW steps under DDP, vs the reference under DDP on the same batches: losses and
+      every LoRA parameter (experts sliced) per parameter.
+
+    A control with the ``ds_shape`` removed before ``get_peft_model`` must differ (what EP gave before).
+    Returns ``{init: {...}}`` of errors and counts."""
+    from peft import LoraConfig, get_peft_model
+
+    from epmoe.ep.lora import clear_full_shapes
+
+    dtype = torch.float64
+    out = {}
+    for init in (True, "gaussian", False):
+        def config():
+            return LoraConfig(r=2, lora_alpha=4, init_lora_weights=init, target_modules=["q_proj", "v_proj"],
+                              target_parameters=EXPERT_PARAMS)
+
+        torch.manual_seed(5)
+        ref = get_peft_model(build_model("qwen3_moe", dtype=dtype), config())
+        lora_names = set(trainable(ref))
+        base = build_model("qwen3_moe", dtype=dtype)
+        shard = epmoe.apply_expert_parallel(base)[0]
+        torch.manual_seed(5)
+        model = get_peft_model(base, config())
+        result = {"factors": len(lora_names),
+                  "expert_factors": sum(".experts." in n for n in lora_names)}
+        mine, theirs = trainable(model), trainable(ref)
+        assert set(mine) == lora_names
+        result["unequal_after_get_peft_model"] = sum(not torch.equal(mine[n], theirs[n]) for n in lora_names)
+
+        ids = synthetic_batch(0, rank, 2, 16)
+        with torch.no_grad():
+            model(ids, labels=ids)  # its first forward narrows the expert factors (a forward pre-hook)
+        pairs = _expert_factor_slices(model, ref, shard, lora_names)
+        assert len(pairs) == len(lora_names), "nothing compared"
+        result["unequal_after_forward"] = sum(not torch.equal(a, b) for a, b in pairs.values())
+        result["local_shapes"] = all(
+            a.shape == b.shape and (".experts." not in n or a.numel() * world == dict(ref.named_parameters())[n].numel())
+            for n, (a, b) in pairs.items())
+
+        ddp, ref_ddp = DDP(model), DDP(ref)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+        losses, losses_ref = [], []
+        for step in range(steps):
+            ids = synthetic_batch(step, rank, 2, 16)
+            for net, optimizer, record in ((ddp, opt, losses), (ref_ddp, opt_ref, losses_ref)):
+                loss = net(ids, labels=ids).loss
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                record.append(_global_loss(loss, world))
+        result["loss_err"] = max(abs(a - b) / abs(b) for a, b in zip(losses, losses_ref))
+        pairs = _expert_factor_slices(model, ref, shard, lora_names)
+        assert len(pairs) == len(lora_names), "nothing compared"
+        result["param_err"] = max(max_rel(a, b) for a, b in pairs.values())
+        result["trained"] = losses[-1] != losses[0]
+
+        # control: without the shard's ds_shape peft sizes the expert factors for the local experts only
+        plain = build_model("qwen3_moe", dtype=dtype)
+        epmoe.apply_expert_parallel(plain)
+        clear_full_shapes(plain)
+        torch.manual_seed(5)
+        plain = get_peft_model(plain, config())
+        epmoe.expert_parameters(plain)
+        torch.manual_seed(5)
+        fresh_ref = get_peft_model(build_model("qwen3_moe", dtype=dtype), config())
+        pairs = _expert_factor_slices(plain, fresh_ref, shard, lora_names)
+        result["control_unequal"] = sum(not torch.equal(a, b) for a, b in pairs.values())
+        out[str(init)] = result
+    return out
+
+
+def load_unsharded_adapter(rank, world):
+    """An adapter saved by plain peft from the unsharded model, loaded with ``PeftModel.from_pretrained``
+    into an EP model: the expert factors are read whole (peft sized them from ``ds_shape``), then each
+    rank keeps its slice at the first forward. Returns ``(factors compared, unequal, logits error)``."""
+    import tempfile
+
+    from peft import PeftModel, get_peft_model
+
+    torch.manual_seed(2)
+    ref = get_peft_model(build_model("qwen3_moe", dtype=torch.float64), lora_config(experts=True))
+    paths = [tempfile.mkdtemp(prefix="epmoe-unsharded-adapter-") if rank == 0 else None]
+    dist.broadcast_object_list(paths, src=0)
+    if rank == 0:
+        ref.save_pretrained(paths[0])
+    dist.barrier()
+    base = build_model("qwen3_moe", dtype=torch.float64)
+    shard = epmoe.apply_expert_parallel(base)[0]
+    torch.manual_seed(99)  # not the reference's: every factor comes from the file
+    model = PeftModel.from_pretrained(base, paths[0])
+    ids = batch_of(rank, [7, 12])
+    with torch.no_grad():
+        logits_err = max_rel(model(ids).logits, ref(ids).logits)
+    names = {n for n, _ in ref.named_parameters() if ".lora_" in n}
+    pairs = _expert_factor_slices(model, ref, shard, names)
+    assert len(pairs) == len(names), "nothing compared"
+    return len(pairs), sum(not torch.equal(a, b) for a, b in pairs.values()), logits_err

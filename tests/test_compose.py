@@ -7,6 +7,8 @@ Recipes that work (each checked against the unsharded model):
 * LoRA on the packed experts (``target_parameters``): ``apply_expert_parallel`` FIRST, then
   ``get_peft_model``; peft then builds LoRA factors for the E/P local experts only, and their gradients
   are summed over every rank's tokens like the expert weights'. The other order fails (see below).
+* The LoRA factors EP gives those experts are the unsharded model's with the same seed (each rank its
+  experts' slice), for peft's random inits, and training from them matches the unsharded model.
 * FSDP2: ``apply_expert_parallel`` -> ``fully_shard(layer, mesh=mesh, ignored_params=expert_params)``
   per decoder layer -> ``fully_shard(root, mesh=mesh, ignored_params=expert_params)`` with
   ``expert_params = set(epmoe.expert_parameters(model))``; the expert parameters (and expert LoRA
@@ -111,3 +113,27 @@ def test_fsdp2_lora_qwen3_5_moe():
         assert losses == pytest.approx(losses_ref, rel=1e-6, abs=0), f"rank {rank}"
         assert param_err <= TOL, f"rank {rank}: LoRA parameters after 3 steps differ by {param_err:.3g}"
     assert results[0][0][-1] != results[0][0][0]
+
+
+@pytest.mark.parametrize("init", ["True", "gaussian", "False"])
+def test_lora_on_packed_experts_starts_like_unsharded(init):
+    """Same seed, get_peft_model on the EP model and on the unsharded one (LoRA on the packed experts
+    and q/v): every factor bitwise the unsharded model's right after get_peft_model (expert factors for
+    all E experts), and after the first forward the expert factors are this rank's slice of them; 3
+    AdamW steps under DDP then match the unsharded model under DDP per parameter. Without the shard's
+    ds_shape (what EP gave before) the factors differ: the check can see it."""
+    for rank, by_init in enumerate(results_of("lora_init")):
+        r = by_init[init]
+        assert r["factors"] == 16 and r["expert_factors"] == 8, f"rank {rank}: {r}"
+        assert r["unequal_after_get_peft_model"] == 0, f"rank {rank}: {r}"
+        assert r["unequal_after_forward"] == 0 and r["local_shapes"], f"rank {rank}: {r}"
+        assert r["loss_err"] <= 1e-6 and r["param_err"] <= TOL and r["trained"], f"rank {rank}: {r}"
+        assert r["control_unequal"] > 0, f"rank {rank}: {r}"
+
+
+def test_unsharded_adapter_loads_into_ep_model():
+    """PeftModel.from_pretrained(ep_model, path) of an adapter plain peft saved from the unsharded model:
+    every factor (experts: this rank's slice) bitwise the saved one, and the unsharded model's logits."""
+    for rank, (compared, unequal, logits_err) in enumerate(results_of("lora_load_unsharded")):
+        assert compared == 16 and unequal == 0, f"rank {rank}: {compared} compared, {unequal} unequal"
+        assert logits_err <= TOL, f"rank {rank}: logits relative error {logits_err:.3g}"

@@ -18,7 +18,9 @@ With experts sharded (EP size > 1) the model also gets, as instance attributes: 
 ignore (:mod:`epmoe.ep.params`), a ``generate`` that keeps every rank stepping
 (:mod:`epmoe.training.generate`), on transformers models a ``save_pretrained`` that writes every
 expert (:mod:`epmoe.checkpoint.save`) and a ``num_parameters`` that counts every expert, and a
-warning on a bare ``state_dict()`` of sharded experts (:mod:`epmoe.checkpoint.guard`). Its experts
+warning on a bare ``state_dict()`` of sharded experts (:mod:`epmoe.checkpoint.guard`). Sharded 3-D
+packed experts tensors carry their whole shape as ``ds_shape`` and their block a forward pre-hook,
+so that PEFT LoRA added afterwards starts from the unsharded model's factors (:mod:`epmoe.ep.lora`). Its experts
 then communicate on groups created for EP with ``config.timeout``, every collective behind a step
 header (:mod:`epmoe.comm.steps`).
 """
@@ -42,6 +44,7 @@ from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.experts import LocalExperts, experts_backend, experts_gmm_backends
 from epmoe.ep.grads import GradSync
 from epmoe.ep.layer import expert_parallel_forward
+from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
 from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
@@ -155,15 +158,18 @@ def apply_expert_parallel(
             sharded = _shard_parameters(module, shard)
             attach_state(module, ExpertParallelState(shard, config, group, LocalExperts(module, config.gmm_backend),
                                                      transport=transport, sharded_names=sharded, **common))
-            if sharded:
-                warn_on_bare_state_dict(module)
             module.forward = types.MethodType(expert_parallel_forward, module)
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+            if sharded:
+                warn_on_bare_state_dict(module)
+                if block is not None:  # LoRA factors peft makes for all E experts: narrowed before use
+                    install_settle_hook(block, name.rsplit(".", 1)[1])
             if transport != "alltoallv" and block is not None and is_shared_expert_block(block, module):
                 block._epmoe_block_forward = block.forward  # what shared_block_forward falls back to
                 block.forward = types.MethodType(shared_block_forward, block)
     if sync.active:
         expert_parameters(model)  # marks them
+        mark_full_shapes(model)  # peft's LoRA factors start as the unsharded model's (epmoe.ep.lora)
         # what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets, named when DDP reads it
         model._ddp_params_and_buffers_to_ignore = ExpertParameterNames(model)
         if SyncedGenerate.applies_to(model):

@@ -20,6 +20,7 @@ import torch
 from epmoe.checkpoint.guard import own_state_dict
 from epmoe.checkpoint.load import as_local_parameters, as_meta_dtensors, load_error, raise_on_every_rank
 from epmoe.compose.apply import apply_expert_parallel
+from epmoe.ep.lora import mark_full_shapes
 from epmoe.ep.params import expert_parameters
 
 HUB_ARGUMENTS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token",
@@ -49,6 +50,7 @@ def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=
         model = ShardedLoad.from_pretrained(path, **kwargs)
     model.__class__ = model_class  # the user's class again (saving writes its name as the architecture)
     expert_parameters(model)  # mark the loaded parameters
+    mark_full_shapes(model)  # the loaded ones are new parameter objects (epmoe.ep.lora)
     return model, found["shards"]
 
 

@@ -10,6 +10,7 @@
 * :mod:`~epmoe.ep.grads`, :mod:`~epmoe.ep.params`: the expert-gradient contract (``"dp"``
   reduction, sum / mean) and which parameters are expert-parallel.
 * :mod:`~epmoe.ep.load`: expert-load telemetry.
+* :mod:`~epmoe.ep.lora`: PEFT LoRA factors on sharded experts start as the unsharded model's.
 
 Nothing here imports model knowledge, training, checkpoints or composition (the floors above).
 """

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from epmoe.ep.grads import GradSync
+from epmoe.ep.lora import settle_expert_lora
 from epmoe.ep.recognize import peft_base
 from epmoe.ep.state import sharded_parameters, state_of
 
@@ -46,11 +47,13 @@ def grad_sync_of(param: torch.Tensor) -> GradSync | None:
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Every expert-parallel parameter of ``model``, in ``model.parameters()`` order.
 
-    Includes LoRA factors that PEFT added on the experts after EP. Empty for EP size 1 (nothing is
-    sharded: data-parallel wrappers treat the experts like any other parameter).
+    Includes LoRA factors that PEFT added on the experts after EP (narrowed to this rank's experts
+    first, see :mod:`epmoe.ep.lora`). Empty for EP size 1 (nothing is sharded: data-parallel wrappers
+    treat the experts like any other parameter).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expert_parameters(model): expected an nn.Module, got {type(model).__name__}")
+    settle_expert_lora(model)
     found = {id(p): sync for p, sync in _walk(model)}
     params = []
     for p in model.parameters():

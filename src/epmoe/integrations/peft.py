@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from epmoe.ep.lora import settle_expert_lora
 from epmoe.ep.recognize import peft_base
 from epmoe.ep.state import ExpertParallelState, state_of
 
@@ -36,7 +37,9 @@ class FactorLayout:
 
 def expert_lora_wrappers(model: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertParallelState]]:
     """``(name, wrapper, state)`` of every PEFT LoRA wrapper whose base is an EP experts module (its
-    factors are per local expert), in ``named_modules()`` order."""
+    factors are per local expert), in ``named_modules()`` order; each holds this rank's experts'
+    factors only (:func:`epmoe.ep.lora.settle_expert_lora` runs first)."""
+    settle_expert_lora(model)
     for name, module in model.named_modules():
         state = state_of(peft_base(module))
         if state is not None:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from epmoe.ep.lora import clear_full_shapes
 from epmoe.ep.params import expert_parameters
 from epmoe.ep.state import ep_states, require_ep_states
 
@@ -77,9 +78,10 @@ def prepare_deepspeed(model: nn.Module) -> nn.Module:
         raise ValueError(f"prepare_deepspeed(model): the model already ran under {sync.wrapper}; DeepSpeed would "
                          f"average its expert gradients again")
     name = group_name(sync.ep_size)
-    for p in expert_parameters(model):
+    for p in expert_parameters(model):  # LoRA factors on the experts narrowed to this rank's first
         p.allreduce = False
         p.group_name = name
+    clear_full_shapes(model)  # DeepSpeed reads ds_shape as ZeRO-3's (e.g. its checkpoints' param_shapes)
     if not isinstance(getattr(model, MARKER, None), _groups_class()):
         model.add_module(MARKER, _groups_class()(model, sync.ep_size, _num_experts(states)))
     return model

@@ -1,0 +1,134 @@
+"""PEFT LoRA on sharded packed experts starts from the unsharded model's factors.
+
+peft's ``ParamWrapper`` (``LoraConfig(target_parameters=[...])``) sizes its factors from the targeted
+parameter's shape, read as ``getattr(param, "ds_shape", param.shape)``: ``ds_shape`` is DeepSpeed
+ZeRO-3's "whole shape of a partitioned parameter", and an EP shard is exactly that, a partition of
+the ``(E, ...)`` experts tensor. :func:`mark_full_shapes` gives every 3-D packed experts parameter EP
+sharded its ``ds_shape = (E, ...)``, so ``get_peft_model`` builds and initialises the factors of all
+``E`` experts on every rank, drawing from the RNG exactly what it draws for the unsharded model: with
+the same seed every rank holds the unsharded model's factors, and every LoRA factor drawn after
+them (later layers' experts, anything drawn after ``get_peft_model``) is the unsharded model's too.
+
+Each wrapper then keeps only its rank's experts (:func:`settle_expert_lora`: the same
+``nn.Parameter`` objects, ``.data`` narrowed, ``num_experts`` set to ``e``)::
+
+    lora_A (r*E, in)  expert-major   rows of experts [start, end)          -> (r*e, in)
+    lora_B (out, r*E) expert-minor   viewed (out, r, E), [:, :, start:end]  -> (out, r*e)
+
+peft offers no hook after it initialises a wrapper, so this runs at the first of: a forward of the
+block around the experts (a forward pre-hook installed by :func:`install_settle_hook`, before peft's
+wrapper registers its parametrization), and every epmoe function that reads expert parameters or
+LoRA factors (:func:`epmoe.expert_parameters`, and through it DDP's start-up, ``fully_shard``'s
+``ignored_params``, :func:`epmoe.parameter_counts`, :func:`epmoe.prepare_deepspeed`; checkpoints and
+``prepare_trainer`` through :func:`epmoe.integrations.peft.expert_lora_wrappers`). Until then the
+wrapper holds all ``E`` experts' factors (peft's ``print_trainable_parameters`` counts them). An
+adapter loaded with ``PeftModel.from_pretrained`` before that point is the unsharded adapter, read
+whole and then narrowed the same way.
+
+Not covered: a further adapter added to an existing wrapper after it settled (peft then sizes it
+from ``num_experts``, the local ``e``: a correct start, drawn differently from the unsharded
+model's), LoRA on ``nn.ModuleList`` experts' Linears (only the local experts have Linears to wrap),
+and a ``copy.deepcopy`` of an EP model (``nn.Parameter`` copies drop attributes, ``ds_shape`` included).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from epmoe.ep.recognize import peft_base
+from epmoe.ep.state import ExpertParallelState, sharded_experts, state_of
+
+FULL_SHAPE = "ds_shape"  # the attribute peft reads for a partitioned parameter's whole shape
+
+
+def mark_full_shapes(model: nn.Module) -> None:
+    """Give every 3-D packed experts parameter EP sharded its whole shape ``(E, ...)`` as ``ds_shape``."""
+    for _, module, state in sharded_experts(model, packed_only=True):
+        for param in state.sharded_params(module):
+            if param.dim() == 3:
+                setattr(param, FULL_SHAPE, torch.Size((state.shard.num_experts, *param.shape[1:])))
+
+
+def clear_full_shapes(model: nn.Module) -> None:
+    """Remove the ``ds_shape`` :func:`mark_full_shapes` set (for wrappers that take it for ZeRO-3's)."""
+    for _, module, state in sharded_experts(model, packed_only=True):
+        for param in state.sharded_params(module):
+            if FULL_SHAPE in param.__dict__:
+                delattr(param, FULL_SHAPE)
+
+
+def settle_expert_lora(model: nn.Module) -> None:
+    """Narrow every PEFT LoRA wrapper of ``model`` that holds factors for all ``E`` experts of sharded
+    packed experts to this rank's experts (see the module docstring). Idempotent, local (no collective)."""
+    for module in model.modules():
+        state = _unsettled(module)
+        if state is not None:
+            _narrow(module, state)
+
+
+def install_settle_hook(block: nn.Module, attribute: str) -> None:
+    """Settle the LoRA wrappers around ``block.<attribute>`` (the experts) before each forward of ``block``."""
+    block.register_forward_pre_hook(functools.partial(_settle_before_forward, attribute))
+
+
+def _settle_before_forward(attribute: str, block: nn.Module, args) -> None:
+    module = block._modules.get(attribute)
+    while module is not None and hasattr(module, "lora_A"):  # peft nests one wrapper per adapted parameter
+        if _unsettled(module) is not None:
+            _settle_now(module)
+            return
+        module = getattr(module, "base_layer", None)
+
+
+@torch.compiler.disable
+def _settle_now(wrapper: nn.Module) -> None:
+    settle_expert_lora(wrapper)
+
+
+def _unsettled(module: nn.Module) -> ExpertParallelState | None:
+    """The EP state of the experts ``module`` wraps, if ``module`` is a LoRA wrapper still holding
+    factors for all ``E`` of their sharded experts."""
+    state = state_of(peft_base(module))
+    if state is None or state.shard.ep_size == 1 or isinstance(state.local_experts, nn.ModuleList):
+        return None
+    return state if getattr(module, "num_experts", None) == state.shard.num_experts else None
+
+
+def _narrow(wrapper: nn.Module, state: ExpertParallelState) -> None:
+    shard = state.shard
+    E, e, start, end = shard.num_experts, shard.num_local_experts, shard.local_start, shard.local_end
+    for linear in wrapper.lora_A.values():  # (r*E, in), expert-major
+        weight = linear.weight
+        _check(wrapper, shard, "lora_A", weight.shape[0], weight.shape)
+        rows = weight.shape[0] // E
+        _set(weight, lambda t: t.reshape(E, rows, -1)[start:end].reshape(e * rows, -1))
+        linear.out_features = e * rows
+    for linear in wrapper.lora_B.values():  # (out, r*E), expert-minor
+        weight = linear.weight
+        _check(wrapper, shard, "lora_B", weight.shape[1], weight.shape)
+        out = weight.shape[0]
+        _set(weight, lambda t: t.reshape(out, -1, E)[:, :, start:end].reshape(out, -1))
+        linear.in_features = weight.shape[1]
+        if linear.bias is not None:
+            raise ValueError(f"epmoe: {shard.module_name}: a LoRA bias on sharded experts is not supported")
+    wrapper.num_experts = e
+
+
+def _check(wrapper, shard, factor: str, width: int, shape) -> None:
+    if width % shard.num_experts:
+        raise ValueError(
+            f"epmoe: {shard.module_name}: the PEFT wrapper of {getattr(wrapper, 'parameter_name', '?')} says it holds "
+            f"{shard.num_experts} experts, but its {factor} {tuple(shape)} is not a multiple of them"
+        )
+
+
+def _set(weight: nn.Parameter, narrow) -> None:
+    """``weight.data`` (and a gradient, if any) narrowed in place of the object: optimizers and
+    wrappers that already hold the parameter keep it."""
+    with torch.no_grad():
+        weight.data = narrow(weight.data).clone()
+        if weight.grad is not None:
+            weight.grad = narrow(weight.grad).clone()
