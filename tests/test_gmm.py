@@ -349,3 +349,9 @@ def test_a_preferred_backend_runs_where_it_takes_the_call_else_auto_chooses():
     torch.testing.assert_close(epmoe.grouped_mm(x, w, [2, 4], backend="prefer:npu"), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match="declines"):
         epmoe.grouped_mm(x, w, [2, 4], backend="npu")
+
+
+def test_zero_groups_on_auto():
+    """No groups at all (an empty weight stack): every backend's answer is the empty (0, N) output."""
+    out = epmoe.grouped_mm(torch.zeros(0, 16), torch.zeros(0, 16, 8), [])
+    assert out.shape == (0, 8)
