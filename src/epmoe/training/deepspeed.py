@@ -46,6 +46,7 @@ from torch import nn
 from epmoe.ep.lora import clear_full_shapes
 from epmoe.ep.params import expert_parameters
 from epmoe.ep.state import ep_states, require_ep_states
+from epmoe.training.optim import split_groups_of_created_optimizer
 
 MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
 REDUCER = "DeepSpeed"
@@ -215,13 +216,4 @@ def prepare_deepspeed_trainer(trainer: Any) -> None:
             "TrainingArguments(save_strategy='no') and save with trainer.save_model() or model.save_pretrained (every rank)"
         )
     prepare_deepspeed(trainer.model)
-    if getattr(trainer, "_epmoe_create_optimizer", None) is None:
-        create_optimizer = trainer.create_optimizer
-
-        def create_with_expert_groups(*args: Any, **kwargs: Any) -> Any:
-            optimizer = create_optimizer(*args, **kwargs)
-            split_moe_param_groups(optimizer)
-            return optimizer
-
-        trainer._epmoe_create_optimizer = create_optimizer
-        trainer.create_optimizer = create_with_expert_groups
+    split_groups_of_created_optimizer(trainer, split_moe_param_groups)

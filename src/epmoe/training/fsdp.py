@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from epmoe.ep.params import expert_parameters, is_expert_parameter
+from epmoe.training.optim import split_groups_of_created_optimizer
 
 
 def prepare_fsdp_trainer(trainer: Any) -> None:
@@ -68,16 +69,7 @@ def prepare_fsdp_trainer(trainer: Any) -> None:
             "call prepare_trainer before trainer.train()"
         )
     keep_experts_out(plugin, model, experts)
-    if getattr(trainer, "_epmoe_create_optimizer", None) is None:
-        create_optimizer = trainer.create_optimizer
-
-        def create_with_expert_groups(*args: Any, **kwargs: Any) -> Any:
-            optimizer = create_optimizer(*args, **kwargs)
-            split_expert_param_groups(optimizer)
-            return optimizer
-
-        trainer._epmoe_create_optimizer = create_optimizer
-        trainer.create_optimizer = create_with_expert_groups
+    split_groups_of_created_optimizer(trainer, split_expert_param_groups)
 
 
 def split_expert_param_groups(optimizer: Any) -> None:
