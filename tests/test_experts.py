@@ -235,3 +235,32 @@ def test_npu_uses_swiglu_only_for_the_default_silu_gate(monkeypatch):
     assert len(fake.swiglu_calls) == 1
     torch.testing.assert_close(LocalExperts(gpt).gate_activation(h), gpt._apply_gate(h))
     assert len(fake.swiglu_calls) == 1
+
+
+def test_backend_eligibility_is_judged_once_not_per_grouped_matmul():
+    """Each backend judges an experts module's grouped matmuls once (its probes, at the first forward
+    on a device and dtype); later forwards and backwards choose from that, without asking again."""
+    import epmoe
+    from epmoe.gmm import unregister_gmm_backend
+
+    from epmoe.gmm.loop import LoopBackend
+
+    class Counting(LoopBackend):
+        name, accelerated, asked = "counting", False, 0
+
+        def ineligible_reason(self, x, weight, *, trans_weight=False):
+            Counting.asked += 1
+            return "declines, and counts the questions"
+
+    epmoe.register_gmm_backend(Counting())
+    try:
+        module = packed_experts("qwen3_moe")
+        experts = LocalExperts(module)
+        x = torch.randn(6, hidden_size(module), dtype=torch.float64, requires_grad=True)
+        experts.forward(x, [2, 0, 4] + [0] * (recognize.num_experts_of(module) - 3)).sum().backward()
+        first = Counting.asked
+        for _ in range(3):
+            experts.forward(x, [1, 5] + [0] * (recognize.num_experts_of(module) - 2)).sum().backward()
+        assert first == 1 and Counting.asked == first  # declined at the first probe, once
+    finally:
+        unregister_gmm_backend("counting")

@@ -39,14 +39,13 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from epmoe.ep.lora import clear_full_shapes
 from epmoe.ep.params import expert_parameters
 from epmoe.ep.state import ep_states, require_ep_states
-from epmoe.training.optim import split_groups_of_created_optimizer
+from epmoe.training.optim import split_groups_of_created_optimizer, split_param_groups
 
 MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
 REDUCER = "DeepSpeed"
@@ -98,34 +97,15 @@ def _num_experts(states: list) -> int:
 
 
 def split_moe_param_groups(optimizer: Any) -> None:
-    """Move the expert parameters of ``optimizer`` (a torch optimizer, no step taken yet) into param
-    groups of their own marked for DeepSpeed (``'moe': True``, ``'name'``: their group name), keeping
-    each group's options: what ``split_params_into_different_moe_groups_for_optimizer`` makes. Anything
-    else (accelerate's ``DummyOptim`` for an optimizer in the DeepSpeed config, which DeepSpeed splits
-    itself) is left alone."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return
-    if optimizer.state:
-        raise ValueError("prepare_trainer: the optimizer has already stepped; prepare the Trainer before train()")
-    kept, added = [], []
-    for group in optimizer.param_groups:
-        if group.get("moe", False):
-            kept.append(group)
-            continue
-        by_name: dict[str, list] = {}
-        rest = []
-        for p in group["params"]:
-            if getattr(p, "allreduce", True) is False and hasattr(p, "group_name"):
-                by_name.setdefault(p.group_name, []).append(p)
-            else:
-                rest.append(p)
-        if rest:
-            kept.append({**group, "params": rest})
-        for name, params in by_name.items():
-            added.append({**group, "params": params, "moe": True, "name": name})
-    optimizer.param_groups = kept
-    for group in added:
-        optimizer.add_param_group(group)
+    """Move the expert parameters of ``optimizer`` into param groups of their own marked for DeepSpeed
+    (``'moe': True``, ``'name'``: their group name), keeping each group's options: what
+    ``split_params_into_different_moe_groups_for_optimizer`` makes."""
+    def own_group(group: dict, p: nn.Parameter) -> dict | None:
+        if group.get("moe", False) or getattr(p, "allreduce", True) is not False or not hasattr(p, "group_name"):
+            return None
+        return {"moe": True, "name": p.group_name}
+
+    split_param_groups(optimizer, own_group)
 
 
 @functools.cache

@@ -35,11 +35,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import torch
 from torch import nn
 
 from epmoe.ep.params import expert_parameters, is_expert_parameter
-from epmoe.training.optim import split_groups_of_created_optimizer
+from epmoe.training.optim import split_groups_of_created_optimizer, split_param_groups
 
 
 def prepare_fsdp_trainer(trainer: Any) -> None:
@@ -73,26 +72,11 @@ def prepare_fsdp_trainer(trainer: Any) -> None:
 
 
 def split_expert_param_groups(optimizer: Any) -> None:
-    """Move the expert parameters of ``optimizer`` (no step taken yet) into param groups of their own,
-    each group's options kept. Trainer builds its optimizer before accelerate shards the model and
-    swaps the other parameters for FSDP2's DTensors; a group mixing them with the plain expert tensors
-    fails in torch's fused / foreach kernels. Per-element updates are the same in either grouping."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        return
-    if optimizer.state:
-        raise ValueError("prepare_trainer: the optimizer has already stepped; prepare the Trainer before train()")
-    kept, added = [], []
-    for group in optimizer.param_groups:
-        experts = [p for p in group["params"] if is_expert_parameter(p)]
-        rest = [p for p in group["params"] if not is_expert_parameter(p)]
-        if experts and rest:
-            kept.append({**group, "params": rest})
-            added.append({**group, "params": experts})
-        else:
-            kept.append(group)
-    optimizer.param_groups = kept
-    for group in added:
-        optimizer.add_param_group(group)
+    """Move the expert parameters of ``optimizer`` into param groups of their own, each group's
+    options kept. Trainer builds its optimizer before accelerate shards the model and swaps the other
+    parameters for FSDP2's DTensors; a group mixing them with the plain expert tensors fails in
+    torch's fused / foreach kernels. Per-element updates are the same in either grouping."""
+    split_param_groups(optimizer, lambda group, p: {} if is_expert_parameter(p) else None)
 
 
 def keep_experts_out(plugin: Any, model: nn.Module, experts: list[nn.Parameter]) -> None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from torch import nn
+
 
 def split_groups_of_created_optimizer(trainer: Any, split: Callable[[Any], None]) -> None:
     """Make ``trainer.create_optimizer`` apply ``split`` to the optimizer it creates (once per trainer)."""
@@ -24,3 +27,32 @@ def split_groups_of_created_optimizer(trainer: Any, split: Callable[[Any], None]
 
     trainer._epmoe_create_optimizer = create_optimizer
     trainer.create_optimizer = create_with_split_groups
+
+
+def split_param_groups(optimizer: Any, own_group: Callable[[dict, nn.Parameter], dict | None]) -> None:
+    """Move parameters of ``optimizer`` (a torch optimizer that has not stepped) into groups of their
+    own: ``own_group(group, p)`` gives the options that set ``p``'s new group apart (``None``: ``p``
+    stays), the original group's options kept. Anything but a torch optimizer (accelerate's
+    ``DummyOptim`` for an optimizer in the DeepSpeed config) is left alone."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    if optimizer.state:
+        raise ValueError("prepare_trainer: the optimizer has already stepped; prepare the Trainer before train()")
+    kept, added = [], []
+    for group in optimizer.param_groups:
+        rest, own = [], {}
+        for p in group["params"]:
+            options = own_group(group, p)
+            if options is None:
+                rest.append(p)
+            else:
+                own.setdefault(tuple(sorted(options.items())), []).append(p)
+        if not own:
+            kept.append(group)
+            continue
+        if rest:
+            kept.append({**group, "params": rest})
+        added += [{**group, **dict(options), "params": params} for options, params in own.items()]
+    optimizer.param_groups = kept
+    for group in added:
+        optimizer.add_param_group(group)
