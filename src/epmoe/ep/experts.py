@@ -139,13 +139,13 @@ class LocalExperts:
     def choose_backend(self, counts: list[int] | torch.Tensor, x_em: torch.Tensor) -> str:
         """The backend this forward's grouped matmuls (and their backward) run on: chosen once, from
         :meth:`gmm_statuses` and, for ``auto``, host counts (a backend that wins only on some group
-        sizes is taken only where the counts are known without a device read). Under
+        sizes is taken only where the counts are a host list: a counts tensor is never read here). Under
         ``torch.compile`` the configured name goes to the op, which chooses when it runs (nothing of the
         choice is traced)."""
         if torch.compiler.is_compiling():
             return self.backend
         if isinstance(counts, torch.Tensor):
-            counts = None if counts.device.type != "cpu" else counts.tolist()
+            counts = None  # not read: the op reads it only for a backend that needs host counts
         differentiable = torch.is_grad_enabled() and (x_em.requires_grad or any(
             p.requires_grad for p in self.module.parameters()))
         chosen = choose_backend(self.gmm_statuses(), backend=self.backend, counts=counts, x=x_em,

@@ -11,7 +11,9 @@ A backend computes, for groups ``g = 0..G-1`` of consecutive rows of ``x``::
 
 ``forward`` gives ``y_TN``; ``grad_weight`` gives ``dW`` with the weight's own layout. The autograd
 (and every validation) lives in :mod:`epmoe.gmm.registry`, so a backend only multiplies: it receives
-validated, contiguous ``x``, ``counts`` as a Python list and never sees ``T == 0``.
+validated, contiguous ``x``, ``counts`` as a Python list (or, for a backend with ``device_counts``,
+possibly a ``(G,)`` int64 tensor on ``x``'s device, which it must not read to the host) and never
+sees ``T == 0``.
 """
 
 from __future__ import annotations
@@ -45,12 +47,15 @@ class GmmBackend:
 
     ``accelerated`` marks backends faster than the loop: falling back from them is worth a warning.
     ``by_counts`` marks backends that pay only for some group sizes: ``auto`` takes them only where
-    :meth:`counts_reason` accepts the call's counts (never without counts).
+    :meth:`counts_reason` accepts the call's counts (never without counts). ``device_counts`` marks
+    backends whose kernels take the counts on the device: a caller whose counts are there (an EP layer
+    on one rank) then never reads them to the host.
     """
 
     name: str = ""
     accelerated: bool = True
     by_counts: bool = False
+    device_counts: bool = False
 
     def ineligible_reason(self, x: torch.Tensor, weight: torch.Tensor, *, trans_weight: bool = False) -> str | None:
         """``None`` when this backend can run ``grouped_mm(x, weight, ...)``, else a short reason."""
@@ -61,12 +66,13 @@ class GmmBackend:
         device; ``backward``: the call will be differentiated too), or ``None``."""
         return None
 
-    def forward(self, x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,
+                trans_weight: bool) -> torch.Tensor:
         """``y_TN``: rows of group ``g`` times ``weight[g]`` (``weight[g].T`` when ``trans_weight``)."""
         raise NotImplementedError
 
     def grad_weight(
-        self, x_TD: torch.Tensor, dy_TN: torch.Tensor, counts: list[int], trans_weight: bool
+        self, x_TD: torch.Tensor, dy_TN: torch.Tensor, counts: list[int] | torch.Tensor, trans_weight: bool
     ) -> torch.Tensor:
         """``dW[g] = x_g^T dy_g`` as ``(G, D, N)``, or ``dy_g^T x_g`` as ``(G, N, D)`` when ``trans_weight``.
 

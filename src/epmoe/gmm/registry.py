@@ -1,9 +1,11 @@
 """``grouped_mm``: validation, backend registry and choice, and the autograd shared by all backends.
 
     grouped_mm(x_TD, weight, counts)            validate shapes and dtypes (traceable)
-      -> epmoe::grouped_mm (custom op)          read counts to the host once, validate them, choose:
-         |                                      $EPMOE_GMM_BACKEND, else backend=, else ("auto") the
-         |                                      first eligible backend
+      -> epmoe::grouped_mm (custom op)          choose: $EPMOE_GMM_BACKEND, else backend=, else
+         |                                      ("auto") the first eligible backend; counts as it
+         |                                      takes them: a device tensor, unread, for a backend
+         |                                      with device_counts (torch), else read to the host
+         |                                      once and validated (host lists: validated first)
          |--forward-->  backend.forward(x, W)             -> y_TN
          <-backward--   epmoe::grouped_mm_backward: the same choice (a named backend is judged
                         alone: callers that issue several grouped matmuls, such as the experts'
@@ -236,32 +238,46 @@ def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
     return values
 
 
+def backend_counts(backend: GmmBackend, counts_G: torch.Tensor, host_counts: list[int] | None,
+                   x_TD: torch.Tensor, num_groups: int) -> list[int] | torch.Tensor:
+    """The counts as ``backend`` takes them: ``host_counts`` where the caller has them, else the
+    ``(G,)`` tensor on ``x_TD``'s device for a :attr:`~GmmBackend.device_counts` backend (not read:
+    its values are trusted), else ``counts_G`` read to the host once and validated."""
+    if host_counts is not None:
+        return host_counts
+    if backend.device_counts:
+        return counts_G.to(device=x_TD.device, dtype=torch.int64)
+    return _counts_list(counts_G, num_groups, x_TD.shape[0])
+
+
 @torch.library.custom_op("epmoe::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, trans_weight: bool,
-                   backend: str, differentiable: bool) -> torch.Tensor:
-    """The op behind :func:`grouped_mm`: ``counts_G`` read to the host here (once), the backend chosen
-    here, so that ``torch.compile`` traces neither (only :func:`_grouped_mm_fake`)."""
-    counts = _counts_list(counts_G, weight.shape[0], x_TD.shape[0])
-    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=counts,
+def _grouped_mm_op(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
+                   trans_weight: bool, backend: str, differentiable: bool) -> torch.Tensor:
+    """The op behind :func:`grouped_mm`: the backend chosen here and the counts read to the host
+    here where it needs them (once), so that ``torch.compile`` traces neither (only
+    :func:`_grouped_mm_fake`)."""
+    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts,
                             backward=differentiable)
+    counts = backend_counts(chosen, counts_G, host_counts, x_TD, weight.shape[0])
     if x_TD.shape[0] == 0:
         return x_TD.new_zeros(0, weight.shape[1 if trans_weight else 2])
     return chosen.forward(x_TD, weight, counts, trans_weight)
 
 
 @_grouped_mm_op.register_fake
-def _grouped_mm_fake(x_TD, weight, counts_G, trans_weight, backend, differentiable):
+def _grouped_mm_fake(x_TD, weight, counts_G, host_counts, trans_weight, backend, differentiable):
     return x_TD.new_empty(x_TD.shape[0], weight.shape[1 if trans_weight else 2])
 
 
 @torch.library.custom_op("epmoe::grouped_mm_backward", mutates_args=())
 def _grouped_mm_backward_op(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor,
-                            trans_weight: bool, backend: str, need_dx: bool, need_dw: bool
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            host_counts: list[int] | None, trans_weight: bool, backend: str, need_dx: bool,
+                            need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx_TD, dW)`` on the backend the forward ran (chosen again from the same operands: the
     choice depends on nothing else); a gradient not needed is an empty tensor."""
-    counts = _counts_list(counts_G, weight.shape[0], x_TD.shape[0])
-    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=counts, backward=True)
+    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts,
+                            backward=True)
+    counts = backend_counts(chosen, counts_G, host_counts, x_TD, weight.shape[0])
     dx = dw = x_TD.new_empty(0)
     if x_TD.shape[0] == 0:
         return (torch.zeros_like(x_TD) if need_dx else dx), (torch.zeros_like(weight) if need_dw else dw)
@@ -274,24 +290,24 @@ def _grouped_mm_backward_op(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: tor
 
 
 @_grouped_mm_backward_op.register_fake
-def _grouped_mm_backward_fake(dy_TN, x_TD, weight, counts_G, trans_weight, backend, need_dx, need_dw):
+def _grouped_mm_backward_fake(dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, need_dx, need_dw):
     empty = x_TD.new_empty(0)
     return (torch.empty_like(x_TD) if need_dx else empty), (torch.empty_like(weight) if need_dw else empty)
 
 
 def _setup_context(ctx, inputs, output):
-    x_TD, weight, counts_G, trans_weight, backend, _ = inputs
+    x_TD, weight, counts_G, host_counts, trans_weight, backend, _ = inputs
     ctx.save_for_backward(x_TD, weight, counts_G)
-    ctx.trans_weight, ctx.backend = trans_weight, backend
+    ctx.host_counts, ctx.trans_weight, ctx.backend = host_counts, trans_weight, backend
 
 
 def _backward(ctx, dy_TN):
     refuse_double_backward("grouped_mm")
     x_TD, weight, counts_G = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = torch.ops.epmoe.grouped_mm_backward(dy_TN, x_TD, weight, counts_G, ctx.trans_weight, ctx.backend,
-                                                 need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None
+    dx, dw = torch.ops.epmoe.grouped_mm_backward(dy_TN, x_TD, weight, counts_G, ctx.host_counts, ctx.trans_weight,
+                                                 ctx.backend, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -312,8 +328,9 @@ def grouped_mm(
         weight: ``(G, D, N)``, or ``(G, N, D)`` (``nn.Linear`` layout) with ``trans_weight=True``,
             read without a transposed copy.
         counts: ``G`` non-negative ints summing to ``T`` (list, tuple, or integer tensor on any
-            device; the op reads a tensor to the host once, so under ``torch.compile`` a device tensor
-            costs no graph break).
+            device). A backend that takes its counts on the device (``torch``) gets a tensor unread
+            (its values are trusted, not validated); for the others the op reads it to the host once.
+            Under ``torch.compile`` a device tensor costs no graph break either way.
         trans_weight: whether ``weight`` is ``(G, N, D)``.
         backend: ``"auto"``, a registered backend name, or ``"prefer:NAME"`` (``NAME`` where it takes
             the call, else as ``"auto"``: what a caller that chose once for several calls passes);
@@ -325,10 +342,15 @@ def grouped_mm(
     check_operands(x, weight, trans_weight)
     if not isinstance(backend, str):
         raise TypeError(f"grouped_mm(backend): expected a str, got {type(backend).__name__}")
+    host_counts = None
     if isinstance(counts, torch.Tensor):
-        errors.check_counts_tensor("grouped_mm(counts)", counts)  # the op reads the values
+        errors.check_counts_tensor("grouped_mm(counts)", counts)  # the op reads the values where it must
         counts_G = counts
     else:
-        counts_G = torch.tensor(errors.int_list("grouped_mm(counts)", counts), dtype=torch.int64)
+        host_counts = _counts_list(counts, weight.shape[0], x.shape[0])
+        counts_G = torch.tensor(host_counts, dtype=torch.int64)
+        if torch.compiler.is_compiling():
+            host_counts = None  # a traced list would be a constant of the graph
     differentiable = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return torch.ops.epmoe.grouped_mm(x.contiguous(), weight, counts_G, trans_weight, backend, differentiable)
+    return torch.ops.epmoe.grouped_mm(x.contiguous(), weight, counts_G, host_counts, trans_weight, backend,
+                                      differentiable)

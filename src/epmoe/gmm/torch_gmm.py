@@ -1,6 +1,7 @@
 """The ``torch`` backend: ``torch.nn.functional.grouped_mm`` (or ``torch._grouped_mm``).
 
-One kernel call per grouped matmul with int32 cumulative end offsets. It declines where the kernel
+One kernel call per grouped matmul with int32 cumulative end offsets, computed on the device from
+device counts (``device_counts``: no host read). It declines where the kernel
 is missing, wrong or slow (see :meth:`TorchBackend.ineligible_reason`):
 
     torch <  2.8         no kernel
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from epmoe import platform
-from epmoe.gmm.backend import GmmBackend
+from epmoe.gmm.backend import GmmBackend, prefix
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -58,6 +59,7 @@ class TorchBackend(GmmBackend):
     """
 
     name = "torch"
+    device_counts = True
 
     def ineligible_reason(self, x, weight, *, trans_weight=False):
         if _kernel() is None:
@@ -88,12 +90,11 @@ class TorchBackend(GmmBackend):
                 or _misaligned("weight", w_GDN, check_pointer=check_pointer))
 
     @staticmethod
-    def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
-        ends, total = [], 0
-        for n in counts:
-            total += n
-            ends.append(total)
-        return platform.host_to_device(torch.tensor(ends, dtype=torch.int32), device)
+    def _offsets(counts: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The kernel's int32 cumulative end offsets (computed where the counts are)."""
+        if isinstance(counts, torch.Tensor):
+            return counts.cumsum(0).to(torch.int32)
+        return platform.host_to_device(torch.tensor(prefix(counts)[1:], dtype=torch.int32), device)
 
     def forward(self, x_TD, weight, counts, trans_weight):
         w_GDN = weight.transpose(1, 2) if trans_weight else weight
@@ -105,7 +106,10 @@ class TorchBackend(GmmBackend):
             dw = _kernel()(dy_TN.t(), x_TD, offs=offs)  # (G, N, D)
         else:
             dw = _kernel()(x_TD.t(), dy_TN, offs=offs)  # (G, D, N)
+        # the kernel leaves empty groups zero on most builds, not all (pytorch#172439)
+        if isinstance(counts, torch.Tensor):
+            return dw.masked_fill_((counts == 0).view(-1, 1, 1), 0)
         empty = [g for g, n in enumerate(counts) if n == 0]
-        if empty:  # the kernel leaves them zero on most builds, not all (pytorch#172439)
+        if empty:
             dw[empty] = 0
         return dw
