@@ -19,6 +19,8 @@ length in a small header exchange, so ranks with different lengths raise instead
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -64,20 +66,31 @@ def exchange_counts(
             f"by rank (each must be W*e = the global number of experts)"
         )
     channel = StepChannel(group, length // ep_size + 2, what="exchange_counts")
-    send_counts, recv_counts, _, _ = exchange_counts_on(channel, Position(MODEL_WIDE, COUNTS, 1), tokens_per_expert)
-    return send_counts, recv_counts
+    exchanged = exchange_counts_on(channel, Position(MODEL_WIDE, COUNTS, 1), tokens_per_expert)
+    return exchanged.send_counts, exchanged.recv_counts
+
+
+class CountsExchanged(NamedTuple):
+    """What :func:`exchange_counts_on` returns, on the host."""
+
+    send_counts: list[int]  # (W*e,) rows this rank sends to expert (r, j), rank-major
+    recv_counts: list[int]  # (W*e,) rows this rank receives from rank s for local expert j, (s, j)
+    slots_by_rank: list[int]  # (W,) every source's histogram total
+    extras_received: list[list[int]]  # (W, k) the extra columns each source sent this rank
+    extras_sent: list[list[int]]  # (W, k) the extra columns this rank sent each peer
 
 
 def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expert: torch.Tensor,
                        rows_dtype: torch.dtype | None = None, extra: torch.Tensor | None = None
-                       ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+                       ) -> CountsExchanged:
     """:func:`exchange_counts` as one header exchange on ``channel`` at ``position`` (lengths known
-    to agree; ``channel.width`` at least ``e + 2``, ``e + 2 + len(extra)`` with ``extra``), plus every
-    source's total slots (each row also carries its sender's histogram total and ``rows_dtype``, the
-    dtype of the rows about to travel) and every source's ``extra`` (an int64 vector on the device,
-    the same to every peer: what else must ride along, e.g. :mod:`epmoe.ep.guard`'s values).
-    Raises on every rank if the headers differ, any rank's histogram is negative, or the ranks'
-    rows differ in dtype (their exchanges would not fit together: gloo aborts the process)."""
+    to agree; ``channel.width`` at least ``e + 2``, ``e + 2 + k`` with ``k`` extra columns), plus
+    every source's total slots (each row also carries its sender's histogram total and ``rows_dtype``,
+    the dtype of the rows about to travel) and ``extra`` columns (int64 on the device: a ``(k,)``
+    vector sent to every peer alike, e.g. :mod:`epmoe.ep.guard`'s values, or ``(W, k)``, row ``r`` to
+    peer ``r``, e.g. how many rows it is about to receive). Raises on every rank if the headers differ,
+    any rank's histogram is negative, or the ranks' rows differ in dtype (their exchanges would not
+    fit together: gloo aborts the process)."""
     W = channel.size
     send_We = tokens_per_expert.to(torch.int64).view(W, -1)
     negative = (send_We < 0).any().to(torch.int64)  # on the device: no host read yet
@@ -85,10 +98,10 @@ def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expe
     dtype = send_We.new_full((W, 1), dtype_code(rows_dtype) if rows_dtype is not None else 0)
     columns = [send_We, total, dtype]
     if extra is not None:
-        columns.append(extra.to(torch.int64).view(1, -1).expand(W, -1))
+        columns.append(extra.to(torch.int64).view(-1 if extra.dim() == 2 else 1, extra.shape[-1]).expand(W, -1))
     received, flags, sent = channel.exchange(position, torch.cat(columns, dim=1), negative, echo=True)
-    k = 0 if extra is None else extra.numel()
-    extras = [row[len(row) - k:] for row in received]
+    k = 0 if extra is None else extra.shape[-1]
+    extras_received, extras_sent = [row[len(row) - k:] for row in received], [row[len(row) - k:] for row in sent]
     received, sent = [row[:len(row) - k] for row in received], [row[:len(row) - k] for row in sent]
     send_counts = [c for row in sent for c in row[:-2]]
     recv_counts = [c for row in received for c in row[:-2]]
@@ -100,7 +113,7 @@ def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expe
             f"{[dtype_name(d) for d in dtypes]} by rank (this is EP rank {channel.rank}); every rank must hold "
             f"the model in the same dtype (call model.to(dtype) on every rank)"
         )
-    return send_counts, recv_counts, [row[-2] for row in received], extras
+    return CountsExchanged(send_counts, recv_counts, [row[-2] for row in received], extras_received, extras_sent)
 
 
 def _validate(tokens_per_expert, ep_size: int) -> None:

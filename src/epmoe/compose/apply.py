@@ -195,7 +195,7 @@ def _step_channels(group, ep_size: int, dp_group, dp_size: int, config: ExpertPa
     """The model's EP and ``"dp"`` step channels, each on a group created for it with
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
     names = tuple(shard.module_name for shard in shards)
-    width = max(shard.num_local_experts for shard in shards) + 4  # one row size (counts, slot total, dtype, guard)
+    width = max(shard.num_local_experts for shard in shards) + 5  # a row: counts, slot total, dtype, rows, guard (2)
     timeout = step_timeout_s(config.timeout, group)
     ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
     dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None

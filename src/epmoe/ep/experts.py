@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from epmoe import errors, platform
+from epmoe.ep.mlp import register_experts, routed_mlp, routed_mlp_autograd
 from epmoe.ep.recognize import is_default_silu_gate, linear_triples, num_experts_of
+from epmoe.ep.routing import RowPairs
 from epmoe.gmm import BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
 from epmoe.gmm.registry import PREFERRED
@@ -106,6 +108,7 @@ class LocalExperts:
         self._triples = None if self.packed else linear_triples(module)
         self._children = self._layers()
         self._statuses: dict[tuple[torch.device, torch.dtype], list[BackendStatus]] = {}
+        self.key = register_experts(self)  # how epmoe::routed_mlp finds this object's gate
 
     def _layers(self) -> list[tuple[nn.Module, ...]]:
         return [] if self.packed else [tuple(expert.children()) for expert in self.module]
@@ -178,14 +181,59 @@ class LocalExperts:
         return self._module_list_forward(x_em, counts, sync_weights)
 
     def gate_activation(self, h: torch.Tensor) -> torch.Tensor:
-        """The packed experts' gate (``_apply_gate``) or activation (``act_fn``) on ``h``;
-        ``npu_swiglu`` on an NPU for transformers' default gate."""
+        """The experts' gate on the up projection's output ``h``: packed experts' ``_apply_gate`` or
+        ``act_fn`` (``npu_swiglu`` on an NPU for transformers' default gate), Linear triples'
+        ``act_fn(gate) * up``."""
+        if self.packed and self.default_gate and platform.device_type(h) == "npu":
+            return platform.torch_npu().npu_swiglu(h, dim=-1)
+        return self.gate_reference(h)
+
+    def gate_reference(self, h: torch.Tensor) -> torch.Tensor:
+        """:meth:`gate_activation` in plain torch ops (what ``epmoe::routed_mlp`` differentiates)."""
         module = self.module
+        if not self.packed:
+            gate, up = h.chunk(2, dim=-1)
+            return module[0].act_fn(gate) * up
         if not module.has_gate:
             return module.act_fn(h)
-        if self.default_gate and platform.device_type(h) == "npu":
-            return platform.torch_npu().npu_swiglu(h, dim=-1)
         return module._apply_gate(h)
+
+    @property
+    def lean(self) -> bool:
+        """Whether :meth:`routed_mlp` runs ``epmoe::routed_mlp`` (packed experts without a norm after
+        the down projection, or Linear triples), keeping what :mod:`epmoe.ep.mlp` says."""
+        if self.packed:
+            return not getattr(self.module, "has_post_expert_norm", False)
+        return self.triples is not None
+
+    def routed_mlp(self, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs, *,
+                   sync_weights: WeightsHook | None = None) -> torch.Tensor:
+        """``(R, H)``: rows ``x_RH`` through the local experts their ``pairs`` name, weighted by
+        ``weights_RK`` and summed per row (:mod:`epmoe.ep.mlp`)."""
+        sync_weights = sync_weights or _as_is
+        if not self.lean:
+            return routed_mlp_autograd(
+                lambda x_PH, counts: self.forward(x_PH, counts, sync_weights=sync_weights), x_RH, weights_RK, pairs)
+        backend = self.choose_backend(pairs.counts, x_RH)
+        if self.packed:
+            module = self.module
+            up, down, *biases = sync_weights([getattr(module, name) for name in packed_weight_names(module)])
+            up_bias, down_bias = biases if biases else (None, None)
+            trans_weight = not module.is_transposed
+        else:
+            up, down = sync_weights(self._stacked_triples())
+            up_bias = down_bias = None
+            trans_weight = True
+        return routed_mlp(self.key, x_RH, weights_RK, pairs, up, down, up_bias, down_bias,
+                          trans_weight=trans_weight, backend=backend)
+
+    def _stacked_triples(self) -> list[torch.Tensor]:
+        """A ``ModuleList``'s Linear triples as ``[gate_up (e, 2I, H), down (e, H, I)]`` (nn.Linear layout)."""
+        triples = self.triples
+        gate_w = torch.stack([t[0].weight for t in triples])
+        up_w = torch.stack([t[1].weight for t in triples])
+        down_w = torch.stack([t[2].weight for t in triples])
+        return [torch.cat([gate_w, up_w], dim=1), down_w]
 
     def _packed_forward(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
                         ) -> torch.Tensor:
@@ -210,12 +258,8 @@ class LocalExperts:
         experts, triples = self.module, self.triples
         if triples is not None:
             backend = self.choose_backend(counts, x_em)
-            gate_w = torch.stack([t[0].weight for t in triples])  # (e, I, H), nn.Linear layout
-            up_w = torch.stack([t[1].weight for t in triples])
-            down_w = torch.stack([t[2].weight for t in triples])  # (e, H, I)
-            gate_up_w, down_w = sync_weights([torch.cat([gate_w, up_w], dim=1), down_w])  # (e, 2I, H), (e, H, I)
-            gate, up = grouped_mm(x_em, gate_up_w, counts, trans_weight=True, backend=backend).chunk(2, dim=-1)
-            h = experts[0].act_fn(gate) * up
+            gate_up_w, down_w = sync_weights(self._stacked_triples())  # (e, 2I, H), (e, H, I)
+            h = self.gate_reference(grouped_mm(x_em, gate_up_w, counts, trans_weight=True, backend=backend))
             return grouped_mm(h, down_w, counts, trans_weight=True, backend=backend)
         sync_weights(list(experts.parameters()), per_parameter=True)
         if isinstance(counts, torch.Tensor):

@@ -1,17 +1,27 @@
-"""A layer's routing on the sender: its slots sorted by expert, and the counts exchange.
+"""A layer's routing as index tensors built on the device: which rows travel, which pairs run.
 
 The model's router gives each token ``K`` routing choices (``top_k_index_TK``, ``top_k_weights_TK``);
-one choice is a *slot* (``S = T * K``). :func:`sort_slots` sorts this rank's slots by global expert
-on the device (the one sort of the layer), :func:`permute_tokens` gathers the rank-major rows from
-it, and :func:`unpermute_and_combine` weights the returned rows and sums each token's ``K``::
+one choice is a *slot* (``S = T * K``, slot ``s = t*K + k``). A layer moves *rows* and its experts
+run *pairs*:
 
-    slot s = t*K + k     sort_S (stable, by expert)      rank-major rows (to rank r's expert j)
-    t0: e2 e0            [t0k1 t1k0 | t0k0 t1k1]          x[sort_S // K]
-    t1: e0 e3             e0   e0     e2   e3
+* **rows** (``R``): what travels. On one rank the rows are the tokens themselves (``R = T``). Over
+  ``W`` ranks each token travels once to each rank holding one of its experts (:class:`TokenRows`):
+  one row per (token, destination rank), rank-major then token, so a token whose ``K`` experts live
+  on ``d`` ranks is sent ``d`` times, not ``K``. The rows it gets back are summed in rank order.
+* **pairs** (``P``): what the experts compute. On the expert's rank each row expands to its local
+  experts by index (:class:`RowPairs`): a pair is a (row, k) whose expert is local, ``slot_P = row*K
+  + k``, sorted by local expert (stable: source rank, then token, then k, the order capacity keeps).
+  Each row's pairs come back weighted and summed in ``k`` order, one row per (token, rank)::
 
-:func:`exchange_layer_counts` is the layer's counts exchange (one host read, its step header riding
-along: :mod:`epmoe.comm.steps`): every rank learns what it sends to and receives from each expert,
-which dispatch, combine and both backward exchanges reuse (:class:`LayerCounts`).
+    token t0: experts e0 e3   (e = 2 local experts per rank, W = 2)
+    rank 0 sends t0 once to rank 0 (e0) and once to rank 1 (e3): rows [t0 | t0]
+    rank 1 expands its row t0 to the pair (t0, k=1) of local expert 1, returns w1 * e3(t0)
+    rank 0 sums what came back: out[t0] = w0 * e0(t0) + w1 * e3(t0)
+
+:func:`exchange_layer_counts` is the layer's counts exchange (the one host read of an EP layer, its
+step header riding along: :mod:`epmoe.comm.steps`): every rank learns how many rows it sends and
+receives, and how many pairs each of its local experts runs. The fused transport keeps the vendor's
+per-slot layout instead (:class:`SlotOrder`: one row per slot, weighted on the sender).
 """
 
 from __future__ import annotations
@@ -27,13 +37,138 @@ from epmoe.comm.steps import Position, StepChannel
 
 
 @dataclass
-class SlotOrder:
-    """This rank's slots sorted by global expert, on the device (no host read: ``torch.compile``
-    traces :func:`sort_slots`)."""
+class RowPairs:
+    """The pairs of ``R`` rows with ``K`` choices each, expert-major, on the device."""
 
-    sort_S: torch.Tensor  # slot ids in rank-major order (sorted by global expert, stable)
-    unsort_S: torch.Tensor  # inverse of sort_S
-    tokens_per_expert_E: torch.Tensor  # (E,) int64: slots per global expert
+    slot_P: torch.Tensor  # (P,) int64: row*K + k of each pair, sorted by local expert (stable)
+    pair_RK: torch.Tensor  # (R, K) int64: the pair of each (row, k); P where it has none
+    counts_e: torch.Tensor  # (e,) int64: pairs per local expert, on the device
+    host_counts_e: list[int] | None = None  # the same on the host, where the counts exchange read them
+
+    @property
+    def counts(self) -> list[int] | torch.Tensor:
+        """The counts the grouped matmuls take: the host list where known, else the device tensor."""
+        return self.host_counts_e if self.host_counts_e is not None else self.counts_e
+
+
+def pair_rows(local_expert_RK: torch.Tensor, num_local: int, num_pairs: int | None = None,
+              host_counts_e: list[int] | None = None) -> RowPairs:
+    """The pairs of rows whose ``K`` choices go to ``local_expert_RK`` (``num_local`` where the
+    expert is not local). ``num_pairs``: how many are local (from the counts exchange; ``None``: all
+    ``R * K``, a single rank's case, so nothing is read to the host)."""
+    R, K = local_expert_RK.shape
+    key_S = local_expert_RK.reshape(-1)
+    P = key_S.numel() if num_pairs is None else num_pairs
+    slot_P = torch.sort(key_S, stable=True).indices[:P]
+    pair_S = torch.full_like(key_S, P).index_copy_(0, slot_P, torch.arange(P, device=key_S.device))
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=key_S.device)
+    counts.scatter_add_(0, key_S.long(), torch.ones_like(key_S, dtype=torch.int64))
+    return RowPairs(slot_P, pair_S.view(R, K), counts[:num_local], host_counts_e)
+
+
+def keep_first(pairs: RowPairs, capacity: int, host_counts_e: list[int]) -> tuple[RowPairs, list[int]]:
+    """``(kept pairs, dropped per local expert)``: only the first ``capacity`` pairs of each local
+    expert (``host_counts_e``: its pairs, on the host) run; the others' outputs are zero."""
+    kept_e = [min(capacity, n) for n in host_counts_e]
+    dropped = [n - k for n, k in zip(host_counts_e, kept_e)]
+    if not any(dropped):
+        return pairs, dropped
+    P, device = pairs.slot_P.numel(), pairs.slot_P.device
+    starts_e = pairs.counts_e.cumsum(0) - pairs.counts_e
+    expert_P = torch.repeat_interleave(torch.arange(len(kept_e), device=device), pairs.counts_e, output_size=P)
+    dropped_P = (torch.arange(P, device=device) - starts_e[expert_P]) >= capacity
+    slot_P = pairs.slot_P[torch.sort(dropped_P.to(torch.int8), stable=True).indices[:sum(kept_e)]]
+    R, K = pairs.pair_RK.shape
+    pair_S = torch.full((R * K,), slot_P.numel(), dtype=torch.int64, device=device)
+    pair_S.index_copy_(0, slot_P, torch.arange(slot_P.numel(), device=device))
+    counts_e = torch.tensor(kept_e, dtype=torch.int64).to(device)
+    return RowPairs(slot_P, pair_S.view(R, K), counts_e, kept_e), dropped
+
+
+def rows_per_rank(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
+    """``(W,)`` int64 on the device: how many rows go to each rank (tokens with an expert there)."""
+    sends_TW = _sends_TW(top_k_index_TK, experts_per_rank, ep_size)
+    return sends_TW.sum(0)
+
+
+def _sends_TW(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
+    rank_TK = torch.div(top_k_index_TK.long(), experts_per_rank, rounding_mode="floor")
+    sends_TW = torch.zeros(top_k_index_TK.shape[0], ep_size, dtype=torch.int64, device=top_k_index_TK.device)
+    return sends_TW.scatter_(1, rank_TK, 1)
+
+
+@dataclass
+class TokenRows:
+    """The sender's rows: one per (token, destination rank), rank-major then token, on the device."""
+
+    token_R: torch.Tensor  # (R,) int64: each row's token
+    row_TD: torch.Tensor  # (T, D) int64: each token's rows in rank order (D = min(K, W)); R where none
+
+
+def token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int, num_rows: int) -> TokenRows:
+    """The rows of tokens routed by ``top_k_index_TK`` (``num_rows``: their number, from the counts
+    exchange); built from index arithmetic and one stable sort, no per-rank loop."""
+    T, K = top_k_index_TK.shape
+    device = top_k_index_TK.device
+    sends_WT = _sends_TW(top_k_index_TK, experts_per_rank, ep_size).t().reshape(-1)
+    order_R = torch.sort(1 - sends_WT, stable=True).indices[:num_rows]  # rank-major, then token
+    row_WT = torch.full((ep_size * T,), num_rows, dtype=torch.int64, device=device)
+    row_WT.index_copy_(0, order_R, torch.arange(num_rows, device=device))
+    row_TD = torch.sort(row_WT.view(ep_size, T).t(), dim=1).values[:, :min(K, ep_size)]
+    return TokenRows(order_R % T, row_TD)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``x_TH[token_R]``; backward: each token's rows' gradients summed in rank order."""
+
+    @staticmethod
+    def forward(ctx, x_TH, rows: TokenRows):
+        ctx.rows = rows
+        return x_TH[rows.token_R]
+
+    @staticmethod
+    def backward(ctx, dx_RH):
+        return _sum_by_token(dx_RH, ctx.rows), None
+
+
+class _SumRows(torch.autograd.Function):
+    """Each token's rows summed in rank order; backward: the token's gradient to each of its rows."""
+
+    @staticmethod
+    def forward(ctx, y_RH, rows: TokenRows):
+        ctx.rows = rows
+        return _sum_by_token(y_RH, rows)
+
+    @staticmethod
+    def backward(ctx, dout_TH):
+        return dout_TH[ctx.rows.token_R], None
+
+
+def _sum_by_token(y_RH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+    """``(T, H)``: each token's rows summed in a fixed order (deterministic: no atomics)."""
+    R = y_RH.shape[0]
+    out_TH = y_RH.new_zeros(rows.row_TD.shape[0], y_RH.shape[1], dtype=accumulation_dtype(y_RH.dtype))
+    if R == 0:
+        return out_TH.to(y_RH.dtype)
+    for column in rows.row_TD.unbind(1):
+        has_row = (column < R).unsqueeze(1)
+        out_TH += torch.where(has_row, y_RH[column.clamp(max=R - 1)], 0)
+    return out_TH.to(y_RH.dtype)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where sums of rows of ``dtype`` accumulate: float32 for 16-bit floats (as ``torch.sum`` does)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def gather_rows(x_TH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+    """``(R, H)``: each token's hidden state once per destination rank (differentiable)."""
+    return _GatherRows.apply(x_TH, rows)
+
+
+def sum_rows(y_RH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+    """``(T, H)``: the rows each token got back, summed in rank order (differentiable)."""
+    return _SumRows.apply(y_RH, rows)
 
 
 @dataclass
@@ -41,13 +176,15 @@ class LayerCounts:
     """What one layer forward's counts exchange told this rank, on the host; dispatch, combine and
     their backward all read it."""
 
-    send_counts_WE: list[int]  # (W*e,) rows this rank sends to expert (r, j), rank-major
-    recv_counts_WE: list[int]  # (W*e,) rows this rank receives from rank s for local expert j, (s, j)
+    send_counts_WE: list[int]  # (W*e,) slots this rank sends to expert (r, j), rank-major
+    recv_counts_WE: list[int]  # (W*e,) slots this rank receives from rank s for local expert j, (s, j)
     ep_size: int  # W
     group: dist.ProcessGroup | None
     global_slots: int  # slots of every rank of the EP group in this forward (T_global * K)
+    send_rows_W: list[int] = field(default_factory=list)  # (W,) rows this rank sends to each rank
+    recv_rows_W: list[int] = field(default_factory=list)  # (W,) rows this rank receives from each rank
     guards: list[list[int]] = field(default_factory=list)  # each EP rank's epmoe.ep.guard values
-    layout: RowLayout = field(init=False)  # the rows' layout, as one round over all local experts
+    layout: RowLayout = field(init=False)  # the slots' layout, as one round over all local experts
 
     def __post_init__(self):
         e = len(self.send_counts_WE) // self.ep_size
@@ -55,32 +192,53 @@ class LayerCounts:
 
     @property
     def local_counts_e(self) -> list[int]:
-        """Rows per local expert ``j`` (summed over source ranks): the grouped matmul's counts."""
+        """Pairs (slots) per local expert ``j``, summed over source ranks: the grouped matmul's counts."""
         return self.layout.rows_per_expert_e
 
 
-def sort_slots(top_k_index_TK: torch.Tensor, num_experts: int) -> SlotOrder:
-    """This rank's slots sorted by global expert (stable), and how many each expert receives."""
+def exchange_layer_counts(tokens_per_expert_E: torch.Tensor, rows_W: torch.Tensor | None, channel: StepChannel | None,
+                          position: Position, rows_dtype: torch.dtype, guard: torch.Tensor | None = None
+                          ) -> LayerCounts:
+    """The counts exchange of this rank's slots per global expert (``tokens_per_expert_E``, on the
+    device) and rows per destination rank (``rows_W``) with the EP group at ``position`` (``channel``:
+    the model's EP step channel, ``None`` on a single rank; one host read either way); the ranks also
+    agree that their rows travel in ``rows_dtype``. ``guard``: this rank's :mod:`epmoe.ep.guard` values
+    (``(2,)`` int64), riding along; every rank's come back in ``LayerCounts.guards``."""
+    if channel is None:
+        counts = tokens_per_expert_E.tolist()
+        return LayerCounts(counts, counts, 1, None, sum(counts))
+    W = channel.size
+    if guard is None:
+        guard = tokens_per_expert_E.new_zeros(2)
+    extra = torch.cat([rows_W.view(W, 1), guard.view(1, -1).expand(W, -1)], dim=1)
+    exchanged = exchange_counts_on(channel, position, tokens_per_expert_E, rows_dtype, extra)
+    return LayerCounts(
+        exchanged.send_counts, exchanged.recv_counts, W, channel.group, sum(exchanged.slots_by_rank),
+        send_rows_W=[row[0] for row in exchanged.extras_sent], recv_rows_W=[row[0] for row in exchanged.extras_received],
+        guards=[row[1:] for row in exchanged.extras_received],
+    )
+
+
+@dataclass
+class SlotOrder:
+    """This rank's slots sorted by global expert, on the device: the fused transport's per-slot
+    rows (no host read: ``torch.compile`` traces :func:`sort_slots`)."""
+
+    sort_S: torch.Tensor  # slot ids in rank-major order (sorted by global expert, stable)
+    unsort_S: torch.Tensor  # inverse of sort_S
+
+
+def slots_per_expert(top_k_index_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``(E,)`` int64 on the device: this rank's slots per global expert."""
     expert_S = top_k_index_TK.reshape(-1)
     tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_S.device)
-    tokens_per_expert_E.scatter_add_(0, expert_S.long(), torch.ones_like(expert_S, dtype=torch.int64))
-    sort_S = torch.sort(expert_S, stable=True).indices
-    return SlotOrder(sort_S, inverse_permutation(sort_S), tokens_per_expert_E)
+    return tokens_per_expert_E.scatter_add_(0, expert_S.long(), torch.ones_like(expert_S, dtype=torch.int64))
 
 
-def exchange_layer_counts(slots: SlotOrder, channel: StepChannel | None, position: Position,
-                          rows_dtype: torch.dtype, guard: torch.Tensor | None = None) -> LayerCounts:
-    """The counts exchange of ``slots`` with the EP group at ``position`` (``channel``: the model's EP
-    step channel, ``None`` on a single rank; one host read either way); the ranks also agree that
-    their rows travel in ``rows_dtype``. ``guard``: this rank's :mod:`epmoe.ep.guard` values (``(2,)``
-    int64), riding along; every rank's come back in ``LayerCounts.guards``."""
-    if channel is None:
-        counts = slots.tokens_per_expert_E.tolist()
-        return LayerCounts(counts, counts, 1, None, slots.sort_S.numel())
-    send_counts, recv_counts, slots_by_rank, guards = exchange_counts_on(
-        channel, position, slots.tokens_per_expert_E, rows_dtype,
-        guard if guard is not None else slots.tokens_per_expert_E.new_zeros(2))
-    return LayerCounts(send_counts, recv_counts, channel.size, channel.group, sum(slots_by_rank), guards)
+def sort_slots(top_k_index_TK: torch.Tensor) -> SlotOrder:
+    """This rank's slots sorted by global expert (stable)."""
+    sort_S = torch.sort(top_k_index_TK.reshape(-1), stable=True).indices
+    return SlotOrder(sort_S, inverse_permutation(sort_S))
 
 
 class _PermuteRows(torch.autograd.Function):

@@ -70,7 +70,8 @@ class ExpertParallelState:
         self.loads.setdefault(counter, torch.zeros(self.shard.num_local_experts, dtype=torch.int64))
 
     def count_load(self, local_counts: list[int] | torch.Tensor, counters: tuple[str, ...] | None = None) -> None:
-        """Add this forward's slots per local expert (a host list or host tensor) to ``counters``
+        """Add this forward's slots per local expert (a host list, or a tensor, on the device where
+        the counts never left it: nothing is read) to ``counters``
         (default: every routed-load counter). A forward recomputed inside the backward (gradient
         checkpointing) adds nothing (a compiled one replays no Python side effect: this runs once per
         traced forward)."""
@@ -78,6 +79,8 @@ class ExpertParallelState:
             return
         counts = torch.as_tensor(local_counts, dtype=torch.int64)
         for counter in counters or self.load_counters:
+            if self.loads[counter].device != counts.device:  # counts on the device: the counter follows them
+                self.loads[counter] = self.loads[counter].to(counts.device)
             self.loads[counter].add_(counts)
 
     def position(self, phase: int) -> Position:

@@ -250,18 +250,47 @@ def backend_counts(backend: GmmBackend, counts_G: torch.Tensor, host_counts: lis
     return _counts_list(counts_G, num_groups, x_TD.shape[0])
 
 
-@torch.library.custom_op("epmoe::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
+def run_grouped_mm(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
                    trans_weight: bool, backend: str, differentiable: bool) -> torch.Tensor:
-    """The op behind :func:`grouped_mm`: the backend chosen here and the counts read to the host
-    here where it needs them (once), so that ``torch.compile`` traces neither (only
-    :func:`_grouped_mm_fake`)."""
+    """The body of the ``epmoe::grouped_mm`` op, for other ops that run grouped matmuls inside
+    (operands validated, ``x_TD`` contiguous; ``host_counts``: the counts as a validated host list,
+    or ``None``)."""
     chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts,
                             backward=differentiable)
     counts = backend_counts(chosen, counts_G, host_counts, x_TD, weight.shape[0])
     if x_TD.shape[0] == 0:
         return x_TD.new_zeros(0, weight.shape[1 if trans_weight else 2])
     return chosen.forward(x_TD, weight, counts, trans_weight)
+
+
+def run_grouped_mm_backward(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor,
+                            host_counts: list[int] | None, trans_weight: bool, backend: str, need_dx: bool,
+                            need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The body of the ``epmoe::grouped_mm_backward`` op: ``(dx_TD, dW)``, an empty tensor for a
+    gradient not needed (``x_TD`` may be an empty ``(0, D)`` probe when only ``dx`` is)."""
+    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts,
+                            backward=True)
+    num_rows = dy_TN.shape[0]
+    counts = backend_counts(chosen, counts_G, host_counts, dy_TN, weight.shape[0])
+    dx = dw = dy_TN.new_empty(0)
+    if num_rows == 0:
+        dx_shape = (0, weight.shape[2 if trans_weight else 1])
+        return (dy_TN.new_zeros(dx_shape) if need_dx else dx), (torch.zeros_like(weight) if need_dw else dw)
+    dy_TN = dy_TN.contiguous()
+    if need_dx:
+        dx = chosen.forward(dy_TN, weight, counts, not trans_weight)
+    if need_dw:
+        dw = chosen.grad_weight(x_TD, dy_TN, counts, trans_weight)
+    return dx, dw
+
+
+@torch.library.custom_op("epmoe::grouped_mm", mutates_args=())
+def _grouped_mm_op(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
+                   trans_weight: bool, backend: str, differentiable: bool) -> torch.Tensor:
+    """The op behind :func:`grouped_mm`: the backend chosen here and the counts read to the host
+    here where it needs them (once), so that ``torch.compile`` traces neither (only
+    :func:`_grouped_mm_fake`)."""
+    return run_grouped_mm(x_TD, weight, counts_G, host_counts, trans_weight, backend, differentiable)
 
 
 @_grouped_mm_op.register_fake
@@ -275,18 +304,7 @@ def _grouped_mm_backward_op(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: tor
                             need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx_TD, dW)`` on the backend the forward ran (chosen again from the same operands: the
     choice depends on nothing else); a gradient not needed is an empty tensor."""
-    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts,
-                            backward=True)
-    counts = backend_counts(chosen, counts_G, host_counts, x_TD, weight.shape[0])
-    dx = dw = x_TD.new_empty(0)
-    if x_TD.shape[0] == 0:
-        return (torch.zeros_like(x_TD) if need_dx else dx), (torch.zeros_like(weight) if need_dw else dw)
-    dy_TN = dy_TN.contiguous()
-    if need_dx:
-        dx = chosen.forward(dy_TN, weight, counts, not trans_weight)
-    if need_dw:
-        dw = chosen.grad_weight(x_TD, dy_TN, counts, trans_weight)
-    return dx, dw
+    return run_grouped_mm_backward(dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, need_dx, need_dw)
 
 
 @_grouped_mm_backward_op.register_fake

@@ -1,0 +1,195 @@
+"""The local experts' MLP on a layer's rows, keeping little for backward: ``epmoe::routed_mlp``.
+
+One op runs what an expert's rank computes for the rows it holds (:mod:`epmoe.ep.routing`: rows,
+and the pairs they expand to)::
+
+    x_RH --gather by slot_P // K--> x_PH --grouped_mm(up)--> h_PN --gate--> a_PI --grouped_mm(down)--> y_PH
+         --weighted by weights_RK, summed over each row's pairs in k order--> out_RH
+
+For backward it keeps the rows ``x_RH`` (on one rank, the block input itself, which the router keeps
+too), the up projection's output ``h_PN`` (``N = 2I`` for gated experts) and the routing indices and
+weights: about ``H + 2KI`` elements per token, SonicMoE's bound, against ``K(2H + 4I)`` for plain
+autograd. Everything else is recomputed in backward by index (the gathered rows, each row's
+gradient) or elementwise (the gate); the routing weights' gradient needs no expert output::
+
+    out_r = sum_k w_rk y_rk,   y = a @ Wd (+ b)   =>   d w_rk = <d out_r, y_rk> = <d out_r @ Wd^T, a_rk> (+ <d out_r, b>)
+
+and ``d out_r @ Wd^T`` is the down projection's input gradient before weighting, which backward
+computes anyway: no matmul is added. The sums are in a fixed order (deterministic run to run).
+
+The op is a ``torch.library`` custom op with a custom backward op: ``torch.compile`` traces it as one
+call. The gate is recomputed with ``torch.func.vjp`` of the experts' own gate (transformers'
+``_apply_gate`` / ``act_fn``; on an NPU the forward may run ``npu_swiglu``, the recompute the same
+function in plain torch ops). Experts it cannot run (an expert's own forward, a norm after the down
+projection) run :func:`routed_mlp_autograd`: the same result through plain autograd.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import torch
+
+from epmoe.errors import refuse_double_backward
+from epmoe.ep.routing import RowPairs, accumulation_dtype
+from epmoe.gmm.registry import run_grouped_mm, run_grouped_mm_backward
+
+_LIVE: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()  # key -> LocalExperts
+_KEYS = itertools.count()
+
+
+def register_experts(experts: object) -> int:
+    """A key by which the op finds ``experts`` (a :class:`~epmoe.ep.experts.LocalExperts`, for its
+    gate): custom ops take no Python objects."""
+    key = next(_KEYS)
+    _LIVE[key] = experts
+    return key
+
+
+def _expert_of_pair(counts_e: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(counts_e.numel(), device=counts_e.device), counts_e,
+                                   output_size=num_pairs)
+
+
+def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: torch.Tensor, out_dtype: torch.dtype
+                 ) -> torch.Tensor:
+    """``(R, H)``: each row's pairs' outputs times their weights (in the wider of the two dtypes, as
+    transformers weights them; ``None``: unweighted), summed in ``k`` order; rows without pairs give
+    zeros."""
+    R, K = pair_RK.shape
+    P = y_PH.shape[0]
+    product_dtype = y_PH.dtype if weights_RK is None else torch.promote_types(y_PH.dtype, weights_RK.dtype)
+    out_RH = y_PH.new_zeros(R, y_PH.shape[1], dtype=accumulation_dtype(product_dtype))
+    if P == 0:
+        return out_RH.to(out_dtype)
+    for k in range(K):
+        pair_R = pair_RK[:, k]
+        weighted = y_PH[pair_R.clamp(max=P - 1)]
+        if weights_RK is not None:
+            weighted = weighted * weights_RK[:, k:k + 1]
+        out_RH += torch.where((pair_R < P).unsqueeze(1), weighted, 0)
+    return out_RH.to(out_dtype)
+
+
+@torch.library.custom_op("epmoe::routed_mlp", mutates_args=())
+def _routed_mlp_op(
+    x_RH: torch.Tensor, weights_RK: torch.Tensor, slot_P: torch.Tensor, pair_RK: torch.Tensor, counts_e: torch.Tensor,
+    host_counts: list[int] | None, up: torch.Tensor, down: torch.Tensor, up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None, trans_weight: bool, backend: str, experts_key: int, differentiable: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_RH, h_PN)``: the rows' routed MLP and the up projection's output (kept for backward)."""
+    K, P = weights_RK.shape[1], slot_P.numel()
+    experts = _LIVE[experts_key]
+    x_PH = x_RH[slot_P // K]
+    h_PN = run_grouped_mm(x_PH, up, counts_e, host_counts, trans_weight, backend, differentiable)
+    if up_bias is not None:
+        h_PN = h_PN + up_bias[_expert_of_pair(counts_e, P)]
+    a_PI = experts.gate_activation(h_PN)
+    y_PH = run_grouped_mm(a_PI.contiguous(), down, counts_e, host_counts, trans_weight, backend, differentiable)
+    if down_bias is not None:
+        y_PH = y_PH + down_bias[_expert_of_pair(counts_e, P)]
+    return weighted_sum(y_PH, weights_RK, pair_RK, x_RH.dtype), h_PN
+
+
+@_routed_mlp_op.register_fake
+def _routed_mlp_fake(x_RH, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias, down_bias,
+                     trans_weight, backend, experts_key, differentiable):
+    return torch.empty_like(x_RH), x_RH.new_empty(slot_P.shape[0], up.shape[1 if trans_weight else 2])
+
+
+@torch.library.custom_op("epmoe::routed_mlp_backward", mutates_args=())
+def _routed_mlp_backward_op(
+    dout_RH: torch.Tensor, x_RH: torch.Tensor, h_PN: torch.Tensor, weights_RK: torch.Tensor, slot_P: torch.Tensor,
+    pair_RK: torch.Tensor, counts_e: torch.Tensor, host_counts: list[int] | None, up: torch.Tensor,
+    down: torch.Tensor, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, trans_weight: bool,
+    backend: str, experts_key: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx_RH, dweights_RK, d_up, d_down, d_up_bias, d_down_bias)`` (empty where there is no bias)."""
+    K, P = weights_RK.shape[1], slot_P.numel()
+    experts = _LIVE[experts_key]
+    row_P = slot_P // K
+    expert_P = _expert_of_pair(counts_e, P) if up_bias is not None else None
+    # the gate, recomputed from h (elementwise), with its vector-Jacobian product
+    a_PI, gate_vjp = torch.func.vjp(experts.gate_reference, h_PN)
+    dout_PH = dout_RH[row_P]
+    w_P = weights_RK.reshape(-1)[slot_P]
+    # down projection: u = d out @ Wd^T (the input gradient before weighting) serves both the
+    # activation's gradient (w * u) and the routing weight's (<u, a>)
+    no_x = a_PI.new_empty(0, a_PI.shape[1])
+    u_PI, _ = run_grouped_mm_backward(dout_PH, no_x, down, counts_e, host_counts, trans_weight, backend, True, False)
+    product_dtype = torch.promote_types(dout_RH.dtype, weights_RK.dtype)
+    sum_dtype = accumulation_dtype(product_dtype)
+    dw_P = (u_PI.to(sum_dtype) * a_PI.to(sum_dtype)).sum(1)
+    dy_PH = (dout_PH * w_P.unsqueeze(1)).to(a_PI.dtype)
+    _, d_down = run_grouped_mm_backward(dy_PH, a_PI.contiguous(), down, counts_e, host_counts, trans_weight, backend,
+                                        False, True)
+    d_down_bias, d_up_bias = x_RH.new_empty(0), x_RH.new_empty(0)
+    if down_bias is not None:
+        dw_P = dw_P + (dout_PH.to(sum_dtype) * down_bias[expert_P].to(sum_dtype)).sum(1)
+        d_down_bias = torch.zeros_like(down_bias).index_put_((expert_P,), dy_PH, accumulate=True)
+    (dh_PN,) = gate_vjp((u_PI * w_P.unsqueeze(1)).to(a_PI.dtype))
+    dh_PN = dh_PN.contiguous()
+    if up_bias is not None:
+        d_up_bias = torch.zeros_like(up_bias).index_put_((expert_P,), dh_PN, accumulate=True)
+    dx_PH, d_up = run_grouped_mm_backward(dh_PN, x_RH[row_P], up, counts_e, host_counts, trans_weight, backend,
+                                          True, True)
+    dx_RH = weighted_sum(dx_PH, None, pair_RK, x_RH.dtype)
+    dweights_RK = torch.zeros(weights_RK.numel(), dtype=weights_RK.dtype, device=weights_RK.device)
+    dweights_RK.index_copy_(0, slot_P, dw_P.to(weights_RK.dtype))
+    return dx_RH, dweights_RK.view_as(weights_RK), d_up, d_down, d_up_bias, d_down_bias
+
+
+@_routed_mlp_backward_op.register_fake
+def _routed_mlp_backward_fake(dout_RH, x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down,
+                              up_bias, down_bias, trans_weight, backend, experts_key):
+    empty = x_RH.new_empty(0)
+    return (torch.empty_like(x_RH), torch.empty_like(weights_RK), torch.empty_like(up), torch.empty_like(down),
+            empty if up_bias is None else torch.empty_like(up_bias),
+            empty if down_bias is None else torch.empty_like(down_bias))
+
+
+def _setup_context(ctx, inputs, output):
+    (x_RH, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias, down_bias, trans_weight, backend,
+     experts_key, _) = inputs
+    ctx.save_for_backward(x_RH, output[1], weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias)
+    ctx.options = (host_counts, trans_weight, backend, experts_key)
+
+
+def _backward(ctx, dout_RH, _dh):
+    refuse_double_backward("routed_mlp")
+    x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias = ctx.saved_tensors
+    host_counts, trans_weight, backend, experts_key = ctx.options
+    dx, dweights, d_up, d_down, d_up_bias, d_down_bias = torch.ops.epmoe.routed_mlp_backward(
+        dout_RH.contiguous(), x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias,
+        down_bias, trans_weight, backend, experts_key)
+    needs = ctx.needs_input_grad
+    return (dx if needs[0] else None, dweights if needs[1] else None, None, None, None, None,
+            d_up if needs[6] else None, d_down if needs[7] else None,
+            d_up_bias if needs[8] else None, d_down_bias if needs[9] else None, None, None, None, None)
+
+
+_routed_mlp_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def routed_mlp(experts_key: int, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs, up: torch.Tensor,
+               down: torch.Tensor, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, *,
+               trans_weight: bool, backend: str) -> torch.Tensor:
+    """``(R, H)``: the rows' routed MLP through ``epmoe::routed_mlp`` (see the module docstring);
+    ``experts_key``: from :func:`register_experts`."""
+    differentiable = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x_RH, weights_RK, up, down, up_bias, down_bias))
+    host_counts = None if torch.compiler.is_compiling() else pairs.host_counts_e
+    out_RH, _ = torch.ops.epmoe.routed_mlp(
+        x_RH, weights_RK, pairs.slot_P, pairs.pair_RK, pairs.counts_e, host_counts, up, down, up_bias, down_bias,
+        trans_weight, backend, experts_key, differentiable)
+    return out_RH
+
+
+def routed_mlp_autograd(experts_forward, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs
+                        ) -> torch.Tensor:
+    """``(R, H)``: the same as :func:`routed_mlp` through plain autograd, for experts run by
+    ``experts_forward(x_PH, counts)`` (which keeps what autograd keeps)."""
+    K = weights_RK.shape[1]
+    y_PH = experts_forward(x_RH[pairs.slot_P // K], pairs.counts)
+    return weighted_sum(y_PH, weights_RK, pairs.pair_RK, x_RH.dtype)
