@@ -239,7 +239,37 @@ def two_rank_run(rank, world):
     check(checks, "shards_and_parameters", lambda: contract_shards(qwen, rank, world))
     check(checks, "second_call_is_noop", lambda: contract_twice(qwen, rank, world))
     check(checks, "indivisible_is_atomic", lambda: contract_atomic(qwen, world))
+    check(checks, "one_host_read_and_each_token_once_per_rank", lambda: lean_exchange(qwen, rank, world))
     return results
+
+
+def lean_exchange(base, rank, world):
+    """A layer's forward + backward at EP 2 with ``check_steps`` off reads the host once (the counts
+    exchange), and hands all-to-all-v each token once per remote rank holding one of its experts, four
+    times (dispatch, combine, their backward), plus its ``K`` expert ids and weights twice."""
+    from host_reads import counting_host_reads
+
+    from epmoe.comm import count_traffic
+
+    model = copy.deepcopy(base)
+    epmoe.apply_expert_parallel(model, config={"check_steps": False})
+    experts = experts_of(model)
+    K, e = 4, NUM_EXPERTS // world
+    inputs = [make_inputs(21, src, 12, K, "random", None, world) for src in range(world)]
+    hidden, index, weights, grad_out = inputs[rank]
+    h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+    with counting_host_reads() as reads, count_traffic() as traffic:
+        (experts(h, index, w) * grad_out).sum().backward()
+    assert reads == ["tolist"], reads
+
+    def remote_rows(src, dst):  # rows rank src sends rank dst: its tokens with an expert there
+        return sum(1 for t in inputs[src][1].tolist() if any(x // e == dst for x in t))
+
+    sent = sum(remote_rows(rank, dst) for dst in range(world) if dst != rank)
+    received = sum(remote_rows(src, rank) for src in range(world) if src != rank)
+    row, route = HIDDEN * 8, 2 * K * 8  # fp64 rows; the expert ids and weights travel in fp64 too
+    assert traffic.bytes_to_peers == 2 * (sent + received) * row + (sent + received) * route, traffic
+    assert sent < 12 * K  # fewer rows than slots: the test says something
 
 
 def assert_untouched(model, original):

@@ -97,7 +97,7 @@ def test_two_ranks_exact_zero_grads_were_checked(two_ranks):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("check", ["mesh_2d_without_ep_raises", "shards_and_parameters", "second_call_is_noop",
-                                   "indivisible_is_atomic"])
+                                   "indivisible_is_atomic", "one_host_read_and_each_token_once_per_rank"])
 def test_two_ranks_contract(two_ranks, check):
     for rank, result in enumerate(two_ranks):
         assert result["checks"][check] is None, f"rank {rank}: {result['checks'][check]}"

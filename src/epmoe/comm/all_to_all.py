@@ -12,7 +12,10 @@ which ``torch.compile`` traces as one call.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,7 +33,36 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
     return group.group_name
 
 
+@dataclass
+class Traffic:
+    """What :func:`all_to_all_v` handed the collective for other ranks (this rank's own rows, which
+    stay in memory, excluded), forward and backward, while :func:`count_traffic` was open."""
+
+    bytes_to_peers: int = 0
+    exchanges: int = 0
+
+
+_RECORDERS: list[Traffic] = []
+
+
+@contextmanager
+def count_traffic() -> Iterator[Traffic]:
+    """Count this process's :func:`all_to_all_v` traffic inside the ``with`` block (the fused ops'
+    pipelined exchanges and the small step-header exchanges are not counted)."""
+    traffic = Traffic()
+    _RECORDERS.append(traffic)
+    try:
+        yield traffic
+    finally:
+        _RECORDERS.remove(traffic)
+
+
 def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    if _RECORDERS:
+        rows_to_peers = sum(input_splits) - input_splits[dist.get_rank(group)]
+        for traffic in _RECORDERS:
+            traffic.bytes_to_peers += rows_to_peers * math.prod(x.shape[1:]) * x.element_size()
+            traffic.exchanges += 1
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out

@@ -56,13 +56,15 @@ def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: t
                  ) -> torch.Tensor:
     """``(R, H)``: each row's pairs' outputs times their weights (in the wider of the two dtypes, as
     transformers weights them; ``None``: unweighted), summed in ``k`` order; rows without pairs give
-    zeros."""
+    zeros. Differentiable, and connected to ``y_PH`` and ``weights_RK`` even without pairs (a rank's
+    backward exchanges must run)."""
     R, K = pair_RK.shape
     P = y_PH.shape[0]
     product_dtype = y_PH.dtype if weights_RK is None else torch.promote_types(y_PH.dtype, weights_RK.dtype)
     out_RH = y_PH.new_zeros(R, y_PH.shape[1], dtype=accumulation_dtype(product_dtype))
-    if P == 0:
-        return out_RH.to(out_dtype)
+    if P == 0:  # sums of nothing, to stay connected
+        connected = y_PH.sum() if weights_RK is None else y_PH.sum() + weights_RK[:0].sum()
+        return (out_RH + connected).to(out_dtype)
     for k in range(K):
         pair_R = pair_RK[:, k]
         weighted = y_PH[pair_R.clamp(max=P - 1)]
