@@ -7,6 +7,8 @@ Glossary (one letter per quantity, used in names across the package: ``x_TH``, `
     I   expert intermediate size              E   experts of the layer (global)
     W   ranks of the EP group (``ep_size``)   e   local experts per rank, E = W * e
     r   a destination rank, s a source rank    j   a local expert, global expert g = r*e + j
+    R   rows that travel: one per (token, rank holding one of its experts); R = T on one rank
+    P   pairs an expert's rank runs: one per (row, local expert among its K)
 
 (The grouped matmul, below this package, names its own operands: ``x (T, D)`` rows by group,
 ``weight (G, D, N)``, ``G`` groups, ``D`` the contracted width.)
@@ -16,10 +18,11 @@ Words, one meaning each::
     route        the model's router picks K experts per token (epmoe never changes it)
     exchange     an all-to-all: of counts (the counts exchange, ``exchange_counts``), of step
                  headers (:mod:`epmoe.comm.steps`), or of rows
-    dispatch     rank-major rows to their experts' ranks, in expert-major order; combine: back
-    transport    how dispatch and combine move rows: all-to-all-v or the fused ops (the config's
-                 ``dispatch`` field names it; :mod:`epmoe.ep.dispatcher`, one class each)
-    layout       where each row sits in the three orders below (:class:`RowLayout`)
+    dispatch     tokens to their experts' ranks; combine: their outputs back
+    transport    how dispatch and combine move rows: all-to-all-v, one row per (token, rank)
+                 (:mod:`epmoe.ep.routing`), or the fused ops, one row per slot in the three orders
+                 below (the config's ``dispatch`` field names it; :mod:`epmoe.ep.dispatcher`)
+    layout       where each per-slot row sits in the three orders below (:class:`RowLayout`)
     shard        what one EP rank holds of an experts module (``ExpertShard``); checkpoints have files
     group        a ``torch.distributed`` process group (the grouped matmul's row groups are ``G``)
     backend      an implementation chosen by eligibility, with a reason when it declines: grouped-matmul
@@ -27,7 +30,7 @@ Words, one meaning each::
     agreement    one step in which every rank shows its peers what must match, before anything changes
                  (:meth:`epmoe.comm.steps.StepChannel.agree`)
 
-Three row orders, for one layer on one rank::
+Three orders of per-slot rows (the fused ops' layout, the vendor's), for one layer on one rank::
 
     rank-major (sender)            source-major (receiver)        expert-major (receiver)
     rows sorted by g = (r, j)      rows by (s, j) as received     rows by (j, s): grouped_mm input

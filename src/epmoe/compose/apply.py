@@ -317,8 +317,8 @@ def _parameter_layout(module: nn.Module) -> list[tuple[str, tuple[int, ...], tor
 
 def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
     """``(ExpertParallelState.transport, why a requested fused transport was declined or None)`` for
-    one module: the configured ``dispatch`` where the fused ops can run these experts (``"auto"`` is
-    then decided per call, see :meth:`~epmoe.ep.state.ExpertParallelState.fused_on`), else ``"alltoallv"``."""
+    one module: the configured ``dispatch`` where the fused ops can run these experts (see
+    :meth:`~epmoe.ep.state.ExpertParallelState.fused_on`), else ``"alltoallv"``."""
     if config.dispatch == "alltoallv" or config.capacity_factor is not None:  # capacity: see the config
         return "alltoallv", None
     reason = fused_ineligible_reason(experts)

@@ -20,8 +20,10 @@ class ExpertParallelConfig:
 
     Attributes:
         gmm_backend: ``"auto"`` or a registered grouped-matmul backend name (see ``epmoe.gmm_backends``).
-        dispatch: ``"alltoallv"`` (exchange, then grouped matmul), ``"fused"`` (``alltoallv_gmm`` /
-            ``gmm_alltoallv``, overlapping rounds of communication with compute), or ``"auto"``.
+        dispatch: ``"alltoallv"`` (each token once per rank holding its experts, then grouped
+            matmul), ``"fused"`` (``alltoallv_gmm`` / ``gmm_alltoallv`` in the vendor's per-slot
+            layout, overlapping rounds of communication with compute and the shared expert), or
+            ``"auto"`` (``"alltoallv"`` on every device).
         num_chunks: pipelining rounds of the fused path (int >= 1, or ``"auto"``).
         expert_grad: what expert gradients are once backward ends: ``"sum"`` over every rank's
             tokens (the unsharded model on the concatenated batch), ``"mean"`` (divided by the

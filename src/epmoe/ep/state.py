@@ -103,12 +103,11 @@ class ExpertParallelState:
         return header_in_backward(y_rank_major, self.channel, self.position(BACKWARD))
 
     def fused_on(self, device: torch.device) -> bool:
-        """Whether a call on ``device`` takes the fused transport. ``"auto"`` is decided per call (the
-        model may move after :func:`epmoe.apply_expert_parallel`): fused on accelerators, whose
-        collectives run beside the compute, all-to-all-v on CPU, where ``benchmarks/fused_cpu.md``
-        measured no gain from rounds."""
-        if self.transport == "auto":
-            return device.type != "cpu"
+        """Whether a call on ``device`` takes the fused transport: only where ``dispatch="fused"``
+        asked for it. ``"auto"`` takes all-to-all-v on every device: it sends each token once per rank
+        holding its experts, where the fused ops' per-slot layout sends it once per expert
+        (:mod:`epmoe.ep.dispatcher`); on CPU ``benchmarks/fused_cpu.md`` also measured no gain from
+        the fused ops' rounds. (Not measured on an accelerator.)"""
         return self.transport == "fused"
 
     def transport_on(self, device: torch.device) -> str:
