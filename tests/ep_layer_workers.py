@@ -258,8 +258,18 @@ def lean_exchange(base, rank, world):
     inputs = [make_inputs(21, src, 12, K, "random", None, world) for src in range(world)]
     hidden, index, weights, grad_out = inputs[rank]
     h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+    params = {p.untyped_storage().data_ptr() for p in experts.parameters()}
+    saved = {}
+
+    def pack(t):  # every storage autograd keeps, parameters excluded
+        if t.untyped_storage().data_ptr() not in params:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes() // 8
+        return t
+
     with counting_host_reads() as reads, count_traffic() as traffic:
-        (experts(h, index, w) * grad_out).sum().backward()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = experts(h, index, w)
+        (out * grad_out).sum().backward()
     assert reads == ["tolist"], reads
 
     def remote_rows(src, dst):  # rows rank src sends rank dst: its tokens with an expert there
@@ -270,6 +280,12 @@ def lean_exchange(base, rank, world):
     row, route = HIDDEN * 8, 2 * K * 8  # fp64 rows; the expert ids and weights travel in fp64 too
     assert traffic.bytes_to_peers == 2 * (sent + received) * row + (sent + received) * route, traffic
     assert sent < 12 * K  # fewer rows than slots: the test says something
+    # kept: the rows received once per (token, rank) and the gate/up output per pair, plus indices
+    # and weights (a few K per row); the per-slot layout keeps K rows of H per token at least
+    rows_in = sum(remote_rows(src, rank) for src in range(world))
+    pairs = sum(1 for src in range(world) for t in inputs[src][1].tolist() for x in t if x // e == rank)
+    up = 2 * model.config.moe_intermediate_size  # the gate/up output's width
+    assert sum(saved.values()) <= rows_in * HIDDEN + pairs * up + 4 * K * (rows_in + 12), (saved, rows_in, pairs)
 
 
 def assert_untouched(model, original):

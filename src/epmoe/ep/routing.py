@@ -122,35 +122,37 @@ class _GatherRows(torch.autograd.Function):
     """``x_TH[token_R]``; backward: each token's rows' gradients summed in rank order."""
 
     @staticmethod
-    def forward(ctx, x_TH, rows: TokenRows):
-        ctx.rows = rows
-        return x_TH[rows.token_R]
+    def forward(ctx, x_TH, token_R, row_TD):
+        ctx.save_for_backward(row_TD)
+        return x_TH[token_R]
 
     @staticmethod
     def backward(ctx, dx_RH):
-        return _sum_by_token(dx_RH, ctx.rows), None
+        (row_TD,) = ctx.saved_tensors
+        return _sum_by_token(dx_RH, row_TD), None, None
 
 
 class _SumRows(torch.autograd.Function):
     """Each token's rows summed in rank order; backward: the token's gradient to each of its rows."""
 
     @staticmethod
-    def forward(ctx, y_RH, rows: TokenRows):
-        ctx.rows = rows
-        return _sum_by_token(y_RH, rows)
+    def forward(ctx, y_RH, token_R, row_TD):
+        ctx.save_for_backward(token_R)
+        return _sum_by_token(y_RH, row_TD)
 
     @staticmethod
     def backward(ctx, dout_TH):
-        return dout_TH[ctx.rows.token_R], None
+        (token_R,) = ctx.saved_tensors
+        return dout_TH[token_R], None, None
 
 
-def _sum_by_token(y_RH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
     """``(T, H)``: each token's rows summed in a fixed order (deterministic: no atomics)."""
     R = y_RH.shape[0]
-    out_TH = y_RH.new_zeros(rows.row_TD.shape[0], y_RH.shape[1], dtype=accumulation_dtype(y_RH.dtype))
+    out_TH = y_RH.new_zeros(row_TD.shape[0], y_RH.shape[1], dtype=accumulation_dtype(y_RH.dtype))
     if R == 0:
         return out_TH.to(y_RH.dtype)
-    for column in rows.row_TD.unbind(1):
+    for column in row_TD.unbind(1):
         has_row = (column < R).unsqueeze(1)
         out_TH += torch.where(has_row, y_RH[column.clamp(max=R - 1)], 0)
     return out_TH.to(y_RH.dtype)
@@ -163,12 +165,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def gather_rows(x_TH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
     """``(R, H)``: each token's hidden state once per destination rank (differentiable)."""
-    return _GatherRows.apply(x_TH, rows)
+    return _GatherRows.apply(x_TH, rows.token_R, rows.row_TD)
 
 
 def sum_rows(y_RH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
     """``(T, H)``: the rows each token got back, summed in rank order (differentiable)."""
-    return _SumRows.apply(y_RH, rows)
+    return _SumRows.apply(y_RH, rows.token_R, rows.row_TD)
 
 
 @dataclass
