@@ -245,8 +245,9 @@ def two_rank_run(rank, world):
 
 def lean_exchange(base, rank, world):
     """A layer's forward + backward at EP 2 with ``check_steps`` off reads the host once (the counts
-    exchange), and hands all-to-all-v each token once per remote rank holding one of its experts, four
-    times (dispatch, combine, their backward), plus its ``K`` expert ids and weights twice."""
+    exchange), hands all-to-all-v each token once per remote rank holding one of its experts, four
+    times (dispatch, combine, their backward), plus its ``K`` expert ids and weights twice, keeps the
+    rows once per (token, rank), and gives bitwise the same results run to run."""
     from host_reads import counting_host_reads
 
     from epmoe.comm import count_traffic
@@ -286,6 +287,16 @@ def lean_exchange(base, rank, world):
     pairs = sum(1 for src in range(world) for t in inputs[src][1].tolist() for x in t if x // e == rank)
     up = 2 * model.config.moe_intermediate_size  # the gate/up output's width
     assert sum(saved.values()) <= rows_in * HIDDEN + pairs * up + 4 * K * (rows_in + 12), (saved, rows_in, pairs)
+
+    def results():  # forward + backward again: bitwise the same, run to run
+        experts.zero_grad(set_to_none=True)
+        h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = experts(h, index, w)
+        (out * grad_out).sum().backward()
+        return [out, h.grad, w.grad, *(p.grad for p in experts.parameters())]
+
+    first = results()
+    assert all(torch.equal(a, b) for a, b in zip(first, results()))
 
 
 def assert_untouched(model, original):
