@@ -1,4 +1,11 @@
-"""Grouped experts compute: the local experts' MLP on rows already sorted by local expert.
+"""Grouped experts compute: the local experts' MLP.
+
+An EP layer calls :meth:`LocalExperts.routed_mlp` on the rows its rank holds and the pairs they
+expand to (:mod:`epmoe.ep.routing`): ``epmoe::routed_mlp`` (:mod:`epmoe.ep.mlp`), which gathers,
+weights and sums by index and keeps little for backward, for packed experts without a post-expert
+norm and Linear triples; the others go through :meth:`LocalExperts.forward` and plain autograd.
+:meth:`LocalExperts.forward` (and :func:`experts_forward`) run the MLP on rows already sorted by
+local expert::
 
     x_em (rows expert-major, counts[j] rows for local expert j)
       -> gate_up projection   grouped_mm(x_em, gate_up_proj)  (+ bias of each row's expert)

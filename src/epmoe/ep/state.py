@@ -70,8 +70,8 @@ class ExpertParallelState:
         self.loads.setdefault(counter, torch.zeros(self.shard.num_local_experts, dtype=torch.int64))
 
     def count_load(self, local_counts: list[int] | torch.Tensor, counters: tuple[str, ...] | None = None) -> None:
-        """Add this forward's slots per local expert (a host list, or a tensor, on the device where
-        the counts never left it: nothing is read) to ``counters``
+        """Add this forward's slots per local expert (a host list, or a tensor on whatever device
+        holds it: counts that never left the device are added there, not read) to ``counters``
         (default: every routed-load counter). A forward recomputed inside the backward (gradient
         checkpointing) adds nothing (a compiled one replays no Python side effect: this runs once per
         traced forward)."""
