@@ -54,23 +54,25 @@ def _expert_of_pair(counts_e: torch.Tensor, num_pairs: int) -> torch.Tensor:
 
 def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: torch.Tensor, out_dtype: torch.dtype
                  ) -> torch.Tensor:
-    """``(R, H)``: each row's pairs' outputs times their weights (in the wider of the two dtypes, as
-    transformers weights them; ``None``: unweighted), summed in ``k`` order; rows without pairs give
-    zeros. Differentiable, and connected to ``y_PH`` and ``weights_RK`` even without pairs (a rank's
-    backward exchanges must run)."""
+    """``(R, H)``: each row's pairs' outputs times their weights (``None``: unweighted), summed in ``k``
+    order in float32 or wider (as ``torch.sum`` accumulates 16-bit floats); rows without a pair at
+    some ``k`` (``pair_RK == P``) take a zero row there. Differentiable, and connected to ``y_PH`` and
+    ``weights_RK`` even without pairs (a rank's backward exchanges must run)."""
     R, K = pair_RK.shape
-    P = y_PH.shape[0]
+    P, H = y_PH.shape
     product_dtype = y_PH.dtype if weights_RK is None else torch.promote_types(y_PH.dtype, weights_RK.dtype)
-    out_RH = y_PH.new_zeros(R, y_PH.shape[1], dtype=accumulation_dtype(product_dtype))
+    out_RH = y_PH.new_zeros(R, H, dtype=accumulation_dtype(product_dtype))
     if P == 0:  # sums of nothing, to stay connected
         connected = y_PH.sum() if weights_RK is None else y_PH.sum() + weights_RK[:0].sum()
         return (out_RH + connected).to(out_dtype)
+    if P < R * K:  # some (row, k) have no pair: they read an appended zero row
+        y_PH = torch.cat([y_PH, y_PH.new_zeros(1, H)])
     for k in range(K):
-        pair_R = pair_RK[:, k]
-        weighted = y_PH[pair_R.clamp(max=P - 1)]
-        if weights_RK is not None:
-            weighted = weighted * weights_RK[:, k:k + 1]
-        out_RH += torch.where((pair_R < P).unsqueeze(1), weighted, 0)
+        y_RH = y_PH[pair_RK[:, k]]
+        if weights_RK is None:
+            out_RH += y_RH
+        else:
+            out_RH.addcmul_(y_RH, weights_RK[:, k:k + 1])
     return out_RH.to(out_dtype)
 
 

@@ -147,14 +147,13 @@ class _SumRows(torch.autograd.Function):
 
 
 def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
-    """``(T, H)``: each token's rows summed in a fixed order (deterministic: no atomics)."""
-    R = y_RH.shape[0]
-    out_TH = y_RH.new_zeros(row_TD.shape[0], y_RH.shape[1], dtype=accumulation_dtype(y_RH.dtype))
-    if R == 0:
-        return out_TH.to(y_RH.dtype)
+    """``(T, H)``: each token's rows summed in a fixed order (deterministic: no atomics), in float32
+    or wider; a token's missing rows (``row_TD == R``) read an appended zero row."""
+    R, H = y_RH.shape
+    out_TH = y_RH.new_zeros(row_TD.shape[0], H, dtype=accumulation_dtype(y_RH.dtype))
+    y_RH = torch.cat([y_RH, y_RH.new_zeros(1, H)])
     for column in row_TD.unbind(1):
-        has_row = (column < R).unsqueeze(1)
-        out_TH += torch.where(has_row, y_RH[column.clamp(max=R - 1)], 0)
+        out_TH += y_RH[column]
     return out_TH.to(y_RH.dtype)
 
 
