@@ -106,9 +106,11 @@ class TorchBackend(GmmBackend):
             dw = _kernel()(dy_TN.t(), x_TD, offs=offs)  # (G, N, D)
         else:
             dw = _kernel()(x_TD.t(), dy_TN, offs=offs)  # (G, D, N)
-        # the kernel leaves empty groups zero on most builds, not all (pytorch#172439)
+        # the kernel leaves empty groups zero on most builds, not all (pytorch#172439); on CPU each
+        # group is one at::mm_out, which writes zeros for an empty contraction (checked on 2.13 with
+        # recycled NaN-filled memory)
         if isinstance(counts, torch.Tensor):
-            return dw.masked_fill_((counts == 0).view(-1, 1, 1), 0)
+            return dw if dw.device.type == "cpu" else dw.masked_fill_((counts == 0).view(-1, 1, 1), 0)
         empty = [g for g, n in enumerate(counts) if n == 0]
         if empty:
             dw[empty] = 0
