@@ -16,6 +16,11 @@
 4. ``torch.compile`` of the MoE block (epmoe, transformers' ``grouped_mm``) vs eager: step times, graph
    breaks and the largest gradient difference.
 5. Peak device memory of one step of each block variant.
+6. The lean data path at EP 1 (``epmoe bench layer`` part lean's EP 1 half, in bf16, at Qwen3-30B-A3B's
+   and a Mixtral-like shape, 16384 tokens): elements saved for backward per token, epmoe's block vs
+   transformers' ``grouped_mm`` block (measured) next to the formulas (plain autograd, Megatron-Core,
+   SonicMoE, the bound H + 2KI + E); the step epmoe vs ``grouped_mm`` (goal: no slower beyond noise);
+   the peak memory of one forward + backward of each above what was allocated before it.
 
 Needs torch, transformers and epmoe. Exits with status 1 and a message when no CUDA device is present
 or the ``torch`` backend declines there. ``--device cpu --quick`` runs every section on tiny shapes
@@ -25,6 +30,7 @@ or the ``torch`` backend declines there. ``--device cpu --quick`` runs every sec
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -37,10 +43,11 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import epmoe
 
 from epmoe import platform
-from epmoe.bench import common, compiled, gmm, layer
+from epmoe.bench import common, compiled, gmm, layer, lean
 
 TOLERANCE = 1.5e-2  # max |error| / max |reference|, for bf16 results with float32 accumulation
 GPU_BLOCK_GOAL = 0.8  # epmoe block time / transformers grouped_mm block time
+GPU_LEAN_TOKENS = 16384  # tokens of the lean shapes' blocks on the GPU
 
 # (counts, K, N): empty groups first / in the middle / last, one full group, uneven sizes.
 CHECKS = (
@@ -106,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                     + "\n".join(gmm.summarize(results)))
     print(sections[-1])
     sections += block_sections(settings, layer.QUICK_SHAPES if args.quick else layer.SHAPES)
+    sections += lean_sections(settings, lean.QUICK_PLAN.shapes if args.quick else
+                              [dataclasses.replace(s, tokens=GPU_LEAN_TOKENS) for s in lean.PLAN.shapes])
     report = "\n".join(sections) + "\n"
     if args.out:
         Path(args.out).write_text(f"# gpu_check: `python benchmarks/gpu_check.py`\n\n{report}")
@@ -132,6 +141,27 @@ def block_sections(settings: common.Settings, shapes) -> list[str]:
             common.markdown_table(compiled.BLOCK_HEADERS, rows, align="llrrrrrlr"), "",
             "## Peak device memory of one forward + backward step\n",
             common.markdown_table(("shape", "variant", "peak MiB"), memory, align="llr")]
+    print("\n".join(out))
+    return out
+
+
+def lean_sections(settings: common.Settings, shapes) -> list[str]:
+    """Section 6: the lean data path at EP 1 in bf16 (bench layer part lean's saved elements and step)."""
+    results = [lean.run_ep1(shape, settings, dtype=torch.bfloat16) for shape in shapes]
+    out = ["\n## The lean data path at EP 1, bf16 (`epmoe bench layer` part lean, EP 1 half)\n",
+           "\n".join(f"- {s.name}: {s.describe()}" for s in shapes), "",
+           "### Saved for backward, elements per token\n",
+           common.markdown_table(lean.SAVED_HEADERS, [r for result in results for r in result.saved_rows()],
+                                 align="llrr"), ""]
+    out += [line for result in results for line in result.saved_lines()]
+    out += ["- measured rows: the whole block (router included), in bf16 elements (one int64 index counts as "
+            "four); formula rows: the experts (the bound adds the router's E probabilities)", "",
+            "### Step (block forward + backward) and peak memory of one step\n",
+            common.markdown_table(lean.EP1_STEP_HEADERS, [r for result in results for r in result.step_rows()],
+                                  align="llrrrr"), ""]
+    out += [result.step_verdict() for result in results]
+    out.append("- peak MiB above weights: the most allocated during one forward + backward above what was allocated "
+               "before it (activations, the weights' gradients, workspace)")
     print("\n".join(out))
     return out
 

@@ -1,4 +1,5 @@
-"""``epmoe bench layer``: the EP=1 smoke run through the CLI, the EP=2 smoke run on 2 gloo ranks."""
+"""``epmoe bench layer``: the EP=1 smoke run through the CLI, the EP=2 smoke run on 2 gloo ranks, part
+lean's EP 1 half in one process and the whole part through the CLI."""
 
 import argparse
 
@@ -7,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from epmoe.bench import common, layer  # noqa: E402
+from epmoe.bench import common, layer, lean  # noqa: E402
 from epmoe.cli import main  # noqa: E402
 
 
@@ -108,3 +109,59 @@ def test_compile_quick_rows(one_thread):
     assert ep1.sites == [] and ep1.graphs == 1
     assert ep2.sites == ["Skip calling `torch.compiler.disable()`d function (routed_experts)"]
     assert "compiled / eager" in report.markdown()
+
+
+def test_lean_ep1_keeps_the_bound_and_times_both_blocks(one_thread):
+    """Part lean at EP 1: epmoe keeps H + 2KI + E plus a few elements per routing choice (its indices
+    and weights), transformers' grouped_mm block at least K(2H + 4I); both steps timed."""
+    torch.set_num_threads(1)
+    settings = common.Settings(device=torch.device("cpu"), threads=1, warmup=0, repeats=2, seed=0, quick=True, out=None)
+    shape = lean.QUICK_PLAN.shapes[0]
+    H, I, K, E = shape.hidden, shape.intermediate, shape.top_k, shape.num_experts
+    assert [value for _, value in lean.kept_formulas(shape)] == [
+        K * (2 * H + 4 * I), K * (H + 3 * I), K * (H + 2 * I), H + 2 * K * I, H + 2 * K * I + E]
+    result = lean.run_ep1(shape, settings)
+    assert H + 2 * K * I + E <= result.saved[layer.EPMOE] <= H + 2 * K * I + E + 10 * K
+    assert result.saved[layer.GROUPED] >= K * (2 * H + 4 * I)
+    assert result.peak_bytes == {layer.GROUPED: None, layer.EPMOE: None}  # no device memory on the CPU
+    assert all(len(t.samples_s) == 2 and t.median_s > 0 for t in result.timings.values())
+    assert len(result.round_ratios()) == 2 and "goal: no slower beyond noise" in result.step_verdict()
+
+
+@pytest.mark.multirank
+def test_bench_layer_quick_lean(tmp_path, capsys, one_thread):
+    """The whole part on the quick plan: every table's rows present, epmoe below transformers' block
+    in saved elements, below the per-slot layout on the wire, first losses equal to the unsharded model's."""
+    out = tmp_path / "lean.md"
+    assert main(["bench", "layer", "--quick", "--threads", "2", "--part", "lean", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    shapes = {shape.name: shape for shape in lean.QUICK_PLAN.shapes}
+
+    saved = _table(printed, lean.SAVED_HEADERS)
+    assert len(saved) == len(shapes) * 7
+    for name, shape in shapes.items():
+        rows = {r[1]: float(r[2]) for r in saved if r[0] == name}
+        epmoe, grouped = rows[f"{layer.EPMOE} block, measured"], rows[f"{layer.GROUPED} block, measured"]
+        assert rows["SonicMoE: H + 2KI"] < epmoe < rows["Megatron-Core, moe_act recompute: K(H + 2I)"] < grouped
+
+    wire = _table(printed, lean.WIRE_HEADERS)
+    assert sorted((r[0], int(r[1])) for r in wire) == sorted((n, w) for n in shapes for w in lean.WIRE_RANKS)
+    for name, ep_size, tokens, d, measured, rows_only, per_slot, ratio in wire:
+        assert 1 <= float(d) <= min(shapes[name].top_k, int(ep_size))
+        assert float(rows_only) < float(measured) < float(per_slot) and float(ratio) < 1, (name, ep_size)
+
+    steps = _table(printed, lean.EP1_STEP_HEADERS)
+    assert [(r[0], r[1]) for r in steps] == [(n, v) for n in shapes for v in (layer.GROUPED, layer.EPMOE)]
+    assert all(float(r[2]) > 0 for r in steps)
+
+    ep2 = {r[0]: r for r in _table(printed, lean.STEP_HEADERS)}
+    assert list(ep2) == [lean.A2A, lean.PER_SLOT, lean.TRANSFORMERS_EP]
+    for label in (lean.A2A, lean.PER_SLOT):
+        assert float(ep2[label][1]) > 0 and float(ep2[label][3]) < 1e-5, label
+    # transformers' own EP either ran (and then matches too) or its failure is reported, not hidden
+    assert ep2[lean.TRANSFORMERS_EP][1] == "-" or float(ep2[lean.TRANSFORMERS_EP][3]) < 1e-5
+    assert "epmoe all-to-all-v step / per-slot step" in printed and "goal <= 0.85)" in printed
+
+    document = out.read_text()
+    assert "epmoe bench layer --quick --device cpu --threads 2" in document and "--part lean" in document
+    assert "Part lean:" not in document and "Megatron-Core" in document  # lean's own description and shapes only

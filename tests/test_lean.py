@@ -10,6 +10,7 @@ from host_reads import counting_host_reads
 from torch import nn
 
 from epmoe.bench.blocks import EPMOE, GROUPED, Shape, build_blocks
+from epmoe.bench.lean import saved_elements_per_token
 from epmoe.ep import recognize
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.mlp import routed_mlp_autograd, weighted_sum
@@ -146,25 +147,6 @@ def test_weighted_sum_skips_rows_without_pairs_even_next_to_nan():
 
 
 SHAPE = Shape("issue 21", num_experts=32, top_k=8, hidden=256, intermediate=96, tokens=128)
-
-
-def saved_elements_per_token(block, x, dy):
-    """Bytes of every storage autograd saves in a forward of ``block`` (parameters excluded), per
-    token, in elements of ``x``'s dtype."""
-    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    x = x.detach().requires_grad_()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(x)
-    torch.autograd.backward(out, dy)
-    return sum(saved.values()) / x.shape[-2] / x.element_size()
 
 
 def test_saved_per_token_at_ep1_is_sonicmoe_bound():

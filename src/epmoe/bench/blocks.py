@@ -1,7 +1,9 @@
-"""The MoE blocks and shapes ``epmoe bench layer`` measures (its parts ep1, ep2 and compile)."""
+"""The MoE blocks, models and shapes ``epmoe bench layer`` measures (its parts ep1, ep2, compile and
+lean), and the steps it times: a block's forward + backward, a model's forward + backward."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -10,6 +12,8 @@ import torch
 import epmoe
 
 EAGER, GROUPED, EPMOE, DENSE = "transformers eager", "transformers grouped_mm", "epmoe", "dense floor"
+BLOCK_VARIANTS = (EAGER, GROUPED, EPMOE)
+IMPLEMENTATIONS = {EAGER: "eager", GROUPED: "grouped_mm", EPMOE: "eager"}  # config._experts_implementation
 EP2_RANKS = 2
 
 
@@ -47,30 +51,39 @@ QUICK_SHAPES = (Shape("tiny", num_experts=8, top_k=2, hidden=64, intermediate=32
 EP2_LAYERS = 1  # decoder layers of the EP=2 model (a MoE layer)
 
 
-def build_blocks(shape: Shape, seed: int, device: torch.device, dtype: torch.dtype = torch.float32):
-    """``{variant: Qwen3MoeSparseMoeBlock}``: eager, grouped_mm and epmoe copies with identical weights."""
+def build_blocks(shape: Shape, seed: int, device: torch.device, dtype: torch.dtype = torch.float32,
+                 variants: tuple[str, ...] = BLOCK_VARIANTS) -> dict[str, torch.nn.Module]:
+    """``{variant: Qwen3MoeSparseMoeBlock}`` for each of ``variants`` (``EAGER``, ``GROUPED``,
+    ``EPMOE``), with identical weights whichever are built (drawn from ``seed``). The epmoe copy goes
+    through ``epmoe.apply_expert_parallel(block)``: EP size 1 without a process group, the default
+    group's size under one (each rank then holds its slice of the experts)."""
     import transformers
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    def block(implementation: str) -> torch.nn.Module:
+    unknown = sorted(set(variants) - set(BLOCK_VARIANTS))
+    if unknown or not variants:
+        raise ValueError(f"build_blocks(variants): expected some of {list(BLOCK_VARIANTS)}, got {list(variants)}")
+
+    def block(variant: str) -> torch.nn.Module:
         config = transformers.Qwen3MoeConfig(
             hidden_size=shape.hidden, moe_intermediate_size=shape.intermediate, num_experts=shape.num_experts,
             num_experts_per_tok=shape.top_k, norm_topk_prob=True)
-        config._experts_implementation = implementation  # each copy its own config: experts keep a reference
+        config._experts_implementation = IMPLEMENTATIONS[variant]  # each copy its own config: experts keep a reference
         return Qwen3MoeSparseMoeBlock(config)
 
     generator = torch.Generator().manual_seed(seed)
-    reference = block("eager")
+    first, *others = variants
+    reference = block(first)
     with torch.no_grad():  # a bare block is not initialised by from_pretrained: weights are torch.empty
         for param in reference.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
-    reference = reference.to(device, dtype)
-    blocks = {EAGER: reference}
-    for label, implementation in ((GROUPED, "grouped_mm"), (EPMOE, "eager")):
-        blocks[label] = block(implementation).to(device, dtype)
-        blocks[label].load_state_dict(reference.state_dict())
-    epmoe.apply_expert_parallel(blocks[EPMOE])
-    return blocks
+    blocks = {first: reference.to(device, dtype)}
+    for variant in others:
+        blocks[variant] = block(variant).to(device, dtype)
+        blocks[variant].load_state_dict(reference.state_dict())
+    if EPMOE in blocks:
+        epmoe.apply_expert_parallel(blocks[EPMOE])
+    return {variant: blocks[variant] for variant in BLOCK_VARIANTS if variant in blocks}
 
 
 def block_step(block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Callable[[], torch.Tensor]:
@@ -91,3 +104,34 @@ def ep2_model_kwargs(shape: Shape) -> dict:
     """``epmoe.models.build_model`` arguments of the EP=2 model: the shape's experts, small attention."""
     return dict(num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden,
                 moe_intermediate_size=shape.intermediate, num_hidden_layers=EP2_LAYERS)
+
+
+def load_causal_lm(path: str, **kwargs) -> torch.nn.Module:
+    """The model saved at ``path`` in float32, its experts on transformers' ``grouped_mm``
+    (``kwargs``: more ``from_pretrained`` arguments, e.g. a ``distributed_config``)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="grouped_mm",
+                                                **kwargs)
+
+
+def model_step(model: torch.nn.Module, ids: torch.Tensor, balancer=None, extra_seconds: list | None = None
+               ) -> Callable[[], float]:
+    """Forward and backward of ``model`` on ``ids`` (labels = ids), returning the loss (DDP
+    synchronises the gradients inside the backward); with a ``balancer``, then the step's expert
+    load read and reset and the balancer's update, whose own seconds are appended to
+    ``extra_seconds`` (timed inside the step)."""
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        if balancer is not None:
+            start = time.perf_counter()
+            epmoe.expert_load(model.module)
+            epmoe.reset_expert_load(model.module)
+            balancer.step()
+            extra_seconds.append(time.perf_counter() - start)
+        return loss.item()
+
+    return step

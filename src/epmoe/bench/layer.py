@@ -34,6 +34,10 @@ against the replicated Trainer's.
 
 Part ``compile``: ``torch.compile`` against eager, the block and the model step
 (:mod:`epmoe.bench.compiled`).
+
+Part ``lean``: the lean data path side by side at Qwen3-30B-A3B's and a Mixtral-like shape: what a
+block keeps for backward, the bytes on the wire at EP 2 and EP 4, the EP 1 and EP 2 steps
+(:mod:`epmoe.bench.lean`).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ import torch
 
 import epmoe
 from epmoe import platform
-from epmoe.bench import common
+from epmoe.bench import common, lean
 from epmoe.bench.blocks import (
     DENSE,
     EAGER,
@@ -67,6 +71,8 @@ from epmoe.bench.blocks import (
     block_step,
     build_blocks,
     ep2_model_kwargs,
+    load_causal_lm,
+    model_step,
 )
 from epmoe.bench.compiled import run_compile
 from epmoe.demo import step_times
@@ -75,7 +81,7 @@ from epmoe.gmm import grouped_mm
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
 
-PARTS = ("ep1", "ep2", "compile")
+PARTS = ("ep1", "ep2", "compile", "lean")
 EP1_HEADERS = ("shape", "variant", "time ms", "expert GFLOP/s", "epmoe time / this")
 SPLIT_HEADERS = ("shape", "part of the epmoe step", "time ms", "share of the step (in it) / time vs the step (alone)")
 PROFILED_STEPS = 3  # epmoe steps profiled for the in-step share of its grouped matmuls
@@ -95,7 +101,9 @@ TRAINER_VARIANTS = (EPMOE_TRAINER, REPLICATED_TRAINER)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--part", action="append", choices=PARTS,
                         help="run only this part (repeatable; default: all). ep1: one process, EP size 1; "
-                             "ep2: 2 gloo ranks on CPU; compile: torch.compile vs eager (block, EP=1 and EP=2 steps)")
+                             "ep2: 2 gloo ranks on CPU; compile: torch.compile vs eager (block, EP=1 and EP=2 steps); "
+                             "lean: the lean data path (saved per token, wire bytes at EP 2 and 4, EP 1 and EP 2 "
+                             "steps) at Qwen3-30B-A3B and Mixtral-like shapes")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         sections.append(ep2)
     if "compile" in parts:
         report = run_compile(shapes, settings)
+        print(report.markdown() + "\n")
+        sections.append(report)
+    if "lean" in parts:
+        report = lean.run_lean(settings)
         print(report.markdown() + "\n")
         sections.append(report)
     if settings.out:
@@ -406,14 +418,9 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     """One rank of part ep2: load the variants, check their first loss, time their steps side by side."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from transformers import AutoModelForCausalLM
-
-    def load(**kwargs) -> torch.nn.Module:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="grouped_mm",
-                                                    **kwargs)
 
     generator = torch.Generator().manual_seed(seed + 1000 + rank)
-    reference = load()
+    reference = load_causal_lm(path)
     vocab = reference.config.vocab_size
     ids = torch.randint(0, vocab, (2, tokens // 2), generator=generator)
     with torch.no_grad():
@@ -424,21 +431,21 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     model = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(model)
     dispatch = sorted({state.transport_on(ids.device) for _, _, state in ep_states(model)})
-    steps[EPMOE_DDP] = _step(DDP(model), ids)
+    steps[EPMOE_DDP] = model_step(DDP(model), ids)
     unchecked = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(unchecked, config={"check_steps": False})
-    steps[EPMOE_UNCHECKED] = _step(DDP(unchecked), ids)
+    steps[EPMOE_UNCHECKED] = model_step(DDP(unchecked), ids)
     balanced = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(balanced)
     balancer_seconds: list[float] = []
-    steps[EPMOE_BALANCED] = _step(DDP(balanced), ids, epmoe.LoadBalancer(balanced, update_rate=1e-3),
-                                  balancer_seconds)
-    steps[REPLICATED_DDP] = _step(DDP(copy.deepcopy(reference)), ids)
+    steps[EPMOE_BALANCED] = model_step(DDP(balanced), ids, epmoe.LoadBalancer(balanced, update_rate=1e-3),
+                                       balancer_seconds)
+    steps[REPLICATED_DDP] = model_step(DDP(copy.deepcopy(reference)), ids)
     try:
         from transformers.distributed import DistributedConfig
 
-        hf = load(distributed_config=DistributedConfig(fsdp_size=world, ep_size=world))
-        steps["transformers EP"] = _step(hf, ids)
+        hf = load_causal_lm(path, distributed_config=DistributedConfig(fsdp_size=world, ep_size=world))
+        steps["transformers EP"] = model_step(hf, ids)
         losses["transformers EP"] = steps["transformers EP"]()
     except Exception:  # noqa: BLE001 - report why their path could not run, keep measuring ours
         errors["transformers EP"] = traceback.format_exc()
@@ -470,27 +477,6 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     return {"losses": losses, "times": times, "errors": errors, "dispatch": "/".join(dispatch),
             "trainer_losses": trainer_losses, "count_load_us": count_load_us,
             "balancer_ms": 1e3 * statistics.median(balancer_seconds[-repeats:])}
-
-
-def _step(model: torch.nn.Module, ids: torch.Tensor, balancer=None, extra_seconds: list | None = None
-          ) -> Callable[[], float]:
-    """Forward and backward (DDP synchronises the gradients inside the backward); with a
-    ``balancer``, then the step's expert load read and reset and the balancer's update, whose own
-    seconds are appended to ``extra_seconds`` (timed inside the step)."""
-
-    def step() -> float:
-        model.zero_grad(set_to_none=True)
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        if balancer is not None:
-            start = time.perf_counter()
-            epmoe.expert_load(model.module)
-            epmoe.reset_expert_load(model.module)
-            balancer.step()
-            extra_seconds.append(time.perf_counter() - start)
-        return loss.item()
-
-    return step
 
 
 def _trainer_steps(model: torch.nn.Module, prepare: bool, tokens: int, steps: int, seed: int):
@@ -530,13 +516,24 @@ def _allocator_env() -> str:
 
 
 def _document(shapes, settings: common.Settings, parts: list[str], sections: list) -> str:
+    """The results file: how to reproduce them, the machine, what the parts run measure, their shapes,
+    the results."""
     import transformers
 
     extra = "".join(f" --part {p}" for p in parts) if parts != list(PARTS) else ""
     command = f"epmoe bench layer {settings.options()}{extra}"
-    shape_lines = "\n".join(f"- {s.name}: {s.describe()}; expert GEMMs {s.flops / 1e9:.1f} GFLOP per step"
-                            for s in shapes)
+    described, shape_lines = [], []
+    if set(parts) - {"lean"}:
+        described += [_markdown(__doc__.split(chr(10), 2)[2].strip()),
+                      f"Goals: epmoe at most {GOALS['grouped_mm']}x transformers' `grouped_mm` time, at most "
+                      f"{GOALS['eager']}x\n`eager`, and at least {GOALS['dense']} of the dense floor's speed."]
+        shape_lines += [f"- {s.name}: {s.describe()}; expert GEMMs {s.flops / 1e9:.1f} GFLOP per step" for s in shapes]
+    if "lean" in parts:
+        described.append(_markdown(lean.__doc__.strip()))
+        shape_lines.append(("\nPart lean:\n\n" if shape_lines else "") + lean.describe(settings.quick))
     body = "\n\n".join(section.markdown() for section in sections)
+    description = "\n\n".join(described)
+    shape_text = "\n".join(shape_lines)
     return f"""# MoE layer benchmark: `epmoe bench layer`
 
 Reproduce (from the repository root, after `pip install -e '.[models]'`):
@@ -549,17 +546,13 @@ Reproduce (from the repository root, after `pip install -e '.[models]'`):
   round (order rotated each round); median of {settings.repeats} rounds after {settings.warmup} warm-up round(s).
   EP=2: every rank times each step between two barriers; the slowest rank's median is shown.
 
-{_markdown(__doc__.split(chr(10), 2)[2].strip())}
-
-Goals: epmoe at most {GOALS['grouped_mm']}x transformers' `grouped_mm` time, at most {GOALS['eager']}x
-`eager`, and at least {GOALS['dense']} of the dense floor's speed.
+{description}
 
 ## Shapes
 
-{shape_lines}
+{shape_text}
 
 ## Results
 
 {body}
 """
-
