@@ -28,15 +28,16 @@ chooses its grouped-matmul backend once, for both projections, and its backward 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from epmoe import errors, platform
 from epmoe.ep.mlp import register_experts, routed_mlp, routed_mlp_autograd
-from epmoe.ep.recognize import is_default_silu_gate, linear_triples, num_experts_of
+from epmoe.ep.recognize import is_default_silu_gate, is_silu, linear_triples, num_experts_of
 from epmoe.ep.routing import RowPairs
 from epmoe.gmm import BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
@@ -204,6 +205,26 @@ class LocalExperts:
         if not module.has_gate:
             return module.act_fn(h)
         return module._apply_gate(h)
+
+    def gate_vjp(self, h: torch.Tensor) -> tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+        """``(a, vjp)``: :meth:`gate_reference` on ``h`` recomputed, and ``vjp(da) -> dh``. A SiLU gate
+        (``silu(gate) * up`` on ``h``'s two halves: transformers' default, SiLU Linear triples) has its
+        derivative written out, into one ``dh`` buffer; any other gate goes through ``torch.func.vjp``."""
+        if not (self.default_gate or (not self.packed and is_silu(self.module[0].act_fn))):
+            a, vjp = torch.func.vjp(self.gate_reference, h)
+            return a, lambda da: vjp(da)[0]
+        gate, up = h.chunk(2, dim=-1)
+        silu = F.silu(gate)
+
+        def silu_gate_vjp(da: torch.Tensor) -> torch.Tensor:
+            dh = torch.empty_like(h)
+            d_gate, d_up = dh.chunk(2, dim=-1)
+            torch.mul(da, silu, out=d_up)
+            torch.mul(da, up, out=d_gate)
+            torch.ops.aten.silu_backward.grad_input(d_gate, gate, grad_input=d_gate)  # elementwise, in place
+            return dh
+
+        return silu * up, silu_gate_vjp
 
     @property
     def lean(self) -> bool:

@@ -18,9 +18,10 @@ and ``d out_r @ Wd^T`` is the down projection's input gradient before weighting,
 computes anyway: no matmul is added. The sums are in a fixed order (deterministic run to run).
 
 The op is a ``torch.library`` custom op with a custom backward op: ``torch.compile`` traces it as one
-call. The gate is recomputed with ``torch.func.vjp`` of the experts' own gate (transformers'
-``_apply_gate`` / ``act_fn``; on an NPU the forward may run ``npu_swiglu``, the recompute the same
-function in plain torch ops). Experts it cannot run (an expert's own forward, a norm after the down
+call. The gate is recomputed in backward (:meth:`~epmoe.ep.experts.LocalExperts.gate_vjp`: a SiLU
+gate's derivative written out, any other gate of the experts' own, transformers' ``_apply_gate`` /
+``act_fn``, through ``torch.func.vjp``; on an NPU the forward may run ``npu_swiglu``, the recompute
+the same function in plain torch ops). Experts it cannot run (an expert's own forward, a norm after the down
 projection) run :func:`routed_mlp_autograd`: the same result through plain autograd.
 """
 
@@ -61,16 +62,19 @@ def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: t
     R, K = pair_RK.shape
     P, H = y_PH.shape
     product_dtype = y_PH.dtype if weights_RK is None else torch.promote_types(y_PH.dtype, weights_RK.dtype)
-    out_RH = y_PH.new_zeros(R, H, dtype=accumulation_dtype(product_dtype))
+    sum_dtype = accumulation_dtype(product_dtype)
     if P == 0:  # sums of nothing, to stay connected
         connected = y_PH.sum() if weights_RK is None else y_PH.sum() + weights_RK[:0].sum()
-        return (out_RH + connected).to(out_dtype)
+        return (y_PH.new_zeros(R, H, dtype=sum_dtype) + connected).to(out_dtype)
     if P < R * K:  # some (row, k) have no pair: they read an appended zero row
         y_PH = torch.cat([y_PH, y_PH.new_zeros(1, H)])
+    out_RH = None
     for k in range(K):
         y_RH = y_PH[pair_RK[:, k]]
         if weights_RK is None:
-            out_RH += y_RH
+            out_RH = y_RH.to(sum_dtype) if out_RH is None else out_RH.add_(y_RH)
+        elif out_RH is None:
+            out_RH = (y_RH * weights_RK[:, k:k + 1]).to(sum_dtype)
         else:
             out_RH.addcmul_(y_RH, weights_RK[:, k:k + 1])
     return out_RH.to(out_dtype)
@@ -114,26 +118,24 @@ def _routed_mlp_backward_op(
     experts = _LIVE[experts_key]
     row_P = slot_P // K
     expert_P = _expert_of_pair(counts_e, P) if up_bias is not None else None
-    # the gate, recomputed from h (elementwise), with its vector-Jacobian product
-    a_PI, gate_vjp = torch.func.vjp(experts.gate_reference, h_PN)
+    a_PI, gate_vjp = experts.gate_vjp(h_PN)  # the gate recomputed from h (elementwise), and its vjp
     dout_PH = dout_RH[row_P]
     w_P = weights_RK.reshape(-1)[slot_P]
     # down projection: u = d out @ Wd^T (the input gradient before weighting) serves both the
     # activation's gradient (w * u) and the routing weight's (<u, a>)
     no_x = a_PI.new_empty(0, a_PI.shape[1])
     u_PI, _ = run_grouped_mm_backward(dout_PH, no_x, down, counts_e, host_counts, trans_weight, backend, True, False)
-    product_dtype = torch.promote_types(dout_RH.dtype, weights_RK.dtype)
-    sum_dtype = accumulation_dtype(product_dtype)
-    dw_P = (u_PI.to(sum_dtype) * a_PI.to(sum_dtype)).sum(1)
-    dy_PH = (dout_PH * w_P.unsqueeze(1)).to(a_PI.dtype)
+    sum_dtype = accumulation_dtype(torch.promote_types(dout_RH.dtype, weights_RK.dtype))
+    dw_P = _row_dots(u_PI, a_PI, sum_dtype)
+    if down_bias is not None:
+        dw_P = dw_P + _row_dots(dout_PH, down_bias[expert_P], sum_dtype)
+    dy_PH = dout_PH.mul_(w_P.unsqueeze(1))  # the down projection's output gradient, in dout_PH's storage
     _, d_down = run_grouped_mm_backward(dy_PH, a_PI.contiguous(), down, counts_e, host_counts, trans_weight, backend,
                                         False, True)
     d_down_bias, d_up_bias = x_RH.new_empty(0), x_RH.new_empty(0)
     if down_bias is not None:
-        dw_P = dw_P + (dout_PH.to(sum_dtype) * down_bias[expert_P].to(sum_dtype)).sum(1)
         d_down_bias = torch.zeros_like(down_bias).index_put_((expert_P,), dy_PH, accumulate=True)
-    (dh_PN,) = gate_vjp((u_PI * w_P.unsqueeze(1)).to(a_PI.dtype))
-    dh_PN = dh_PN.contiguous()
+    dh_PN = gate_vjp(u_PI.mul_(w_P.unsqueeze(1))).contiguous()  # d a = w * u, in u's storage
     if up_bias is not None:
         d_up_bias = torch.zeros_like(up_bias).index_put_((expert_P,), dh_PN, accumulate=True)
     dx_PH, d_up = run_grouped_mm_backward(dh_PN, x_RH[row_P], up, counts_e, host_counts, trans_weight, backend,
@@ -142,6 +144,14 @@ def _routed_mlp_backward_op(
     dweights_RK = torch.zeros(weights_RK.numel(), dtype=weights_RK.dtype, device=weights_RK.device)
     dweights_RK.index_copy_(0, slot_P, dw_P.to(weights_RK.dtype))
     return dx_RH, dweights_RK.view_as(weights_RK), d_up, d_down, d_up_bias, d_down_bias
+
+
+def _row_dots(a_PN: torch.Tensor, b_PN: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(P,)``: each row's dot product, in ``dtype`` (the inputs' own where it is theirs: no
+    ``(P, N)`` product is written)."""
+    if a_PN.dtype == b_PN.dtype == dtype:
+        return torch.linalg.vecdot(a_PN, b_PN)
+    return (a_PN.to(dtype) * b_PN.to(dtype)).sum(1)
 
 
 @_routed_mlp_backward_op.register_fake

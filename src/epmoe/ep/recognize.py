@@ -71,12 +71,16 @@ def is_default_silu_gate(module: nn.Module) -> bool:
     """Whether a packed experts module gates with transformers' default SiLU gate (an NPU runs it as
     ``npu_swiglu``)."""
     gate = getattr(type(module), "_apply_gate", None)
-    act = getattr(module, "act_fn", None)
     return (
         getattr(gate, "__name__", "") == "_default_apply_gate"
         and getattr(gate, "__module__", "") == "transformers.integrations.moe"
-        and (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
+        and is_silu(getattr(module, "act_fn", None))
     )
+
+
+def is_silu(act: object) -> bool:
+    """Whether ``act`` is SiLU (torch's module or transformers' ``SiLUActivation``)."""
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 def _linear_triple(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] | None:
