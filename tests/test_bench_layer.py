@@ -161,6 +161,7 @@ def test_bench_layer_quick_lean(tmp_path, capsys, one_thread):
     # transformers' own EP either ran (and then matches too) or its failure is reported, not hidden
     assert ep2[lean.TRANSFORMERS_EP][1] == "-" or float(ep2[lean.TRANSFORMERS_EP][3]) < 1e-5
     assert "epmoe all-to-all-v step / per-slot step" in printed and "goal <= 0.85)" in printed
+    assert "the floor of the ratio from the bytes alone" in printed  # the exchanges timed alone
 
     document = out.read_text()
     assert "epmoe bench layer --quick --device cpu --threads 2" in document and "--part lean" in document

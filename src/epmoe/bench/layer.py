@@ -509,10 +509,10 @@ def _markdown(docstring: str) -> str:
     return docstring.replace("``", "`").replace("::\n", ":\n")
 
 
-def _allocator_env() -> str:
-    """glibc malloc tunables and preloaded allocators: on a CPU they move these timings a lot."""
-    found = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "LD_PRELOAD"]
-    return ", ".join(f"`{f}`" for f in found) if found else "none (glibc defaults)"
+def _allocator_env() -> list[str]:
+    """glibc malloc tunables and preloaded allocators set (``NAME=value``): on a CPU they move these
+    timings a lot, so the reproduce command sets them too."""
+    return [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k == "LD_PRELOAD"]
 
 
 def _document(shapes, settings: common.Settings, parts: list[str], sections: list) -> str:
@@ -521,7 +521,7 @@ def _document(shapes, settings: common.Settings, parts: list[str], sections: lis
     import transformers
 
     extra = "".join(f" --part {p}" for p in parts) if parts != list(PARTS) else ""
-    command = f"epmoe bench layer {settings.options()}{extra}"
+    command = " ".join([*_allocator_env(), f"epmoe bench layer {settings.options()}{extra}"])
     described, shape_lines = [], []
     if set(parts) - {"lean"}:
         described += [_markdown(__doc__.split(chr(10), 2)[2].strip()),
@@ -541,7 +541,7 @@ Reproduce (from the repository root, after `pip install -e '.[models]'`):
     {command}
 
 - Machine: {common.machine_description(settings.device)}; transformers {transformers.__version__};
-  allocator settings in the environment: {_allocator_env()}.
+  allocator settings in the environment: {", ".join(f"`{f}`" for f in _allocator_env()) or "none (glibc defaults)"}.
 - Run: {datetime.date.today().isoformat()}. Within a shape every variant is timed side by side, interleaved round by
   round (order rotated each round); median of {settings.repeats} rounds after {settings.warmup} warm-up round(s).
   EP=2: every rank times each step between two barriers; the slowest rank's median is shown.

@@ -332,6 +332,7 @@ class StepReport:
     timings: dict[str, common.Timing]
     loss_diffs: dict[str, float]  # variant -> max over ranks of |first loss - unsharded loss|
     errors: dict[str, str]  # variant -> why it could not run
+    exchanges: dict[str, common.Timing]  # A2A / PER_SLOT -> the four row exchanges of its layout, timed alone
 
     def rows(self) -> list[tuple]:
         rows = []
@@ -353,6 +354,15 @@ class StepReport:
         if TRANSFORMERS_EP in t:
             lines.append(f"- epmoe all-to-all-v step / transformers EP step = "
                          f"{t[A2A].median_s / t[TRANSFORMERS_EP].median_s:.2f}")
+        per_slot, lean = self.exchanges[PER_SLOT].median_s, self.exchanges[A2A].median_s
+        floor = (t[PER_SLOT].median_s - (per_slot - lean)) / t[PER_SLOT].median_s
+        lines.append(
+            f"- what the bytes are worth here: the per-slot layout's four row exchanges of this step's routing, "
+            f"timed alone on these ranks (`all_to_all_single`, slowest rank), take {per_slot * 1e3:.1f} ms, "
+            f"epmoe's {lean * 1e3:.1f} ms; the per-slot step without that difference would be {floor:.2f}x "
+            f"itself: the floor of the ratio from the bytes alone on this machine"
+            + (f", above the goal of {STEP_GOAL}: beyond what loopback gloo lets the bytes save" if floor > STEP_GOAL
+               else ""))
         return lines
 
 
@@ -366,7 +376,7 @@ def run_step(shape: Shape, settings: common.Settings) -> StepReport:
     errors = results[0]["errors"]
     loss_diffs = {label: max(abs(r["losses"][label] - r["losses"]["unsharded"]) for r in results)
                   for label in results[0]["timings"]}
-    return StepReport(shape, threads, results[0]["timings"], loss_diffs, errors)
+    return StepReport(shape, threads, results[0]["timings"], loss_diffs, errors, results[0]["exchanges"])
 
 
 def _step_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeats: int, seed: int) -> dict:
@@ -377,8 +387,13 @@ def _step_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repea
     generator = torch.Generator().manual_seed(seed + 1000 + rank)
     reference = load_causal_lm(path)
     ids = torch.randint(0, reference.config.vocab_size, (2, tokens // 2), generator=generator)
+    routed = []  # the MoE layer's top-k index on this rank's batch, from its router's output
+    hook = reference.model.layers[0].mlp.gate.register_forward_hook(lambda _m, _i, out: routed.append(out[-1]))
     with torch.no_grad():
         losses = {"unsharded": reference(ids, labels=ids).loss.item()}
+    hook.remove()
+    rows = _rows_to_peer(routed[0], reference.config.num_experts // world, rank, world)
+    hidden = reference.config.hidden_size
     steps, errors = {}, {}
     for label, config in STEP_CONFIGS.items():
         model = copy.deepcopy(reference)
@@ -402,7 +417,38 @@ def _step_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repea
     for label in STEP_CONFIGS:
         losses[label] = steps[label]()
     timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
-    return {"losses": losses, "timings": timings, "errors": errors}
+    exchanges = common.measure({label: _row_exchanges(n, hidden, world) for label, n in rows.items()},
+                               warmup=warmup, repeats=repeats, ranks=True)
+    return {"losses": losses, "timings": timings, "errors": errors, "exchanges": exchanges}
+
+
+def _rows_to_peer(top_k_index_TK: torch.Tensor, experts_per_rank: int, rank: int, world: int) -> dict[str, int]:
+    """The H-rows this rank sends the other ranks per exchange: epmoe's (one per token and other rank
+    its experts live on) and the per-slot layout's (one per slot whose expert is on another rank)."""
+    rank_TK = torch.div(top_k_index_TK, experts_per_rank, rounding_mode="floor")
+    spans_TW = torch.zeros(rank_TK.shape[0], world, dtype=torch.int64).scatter_(1, rank_TK, 1)
+    return {A2A: int(spans_TW.sum() - spans_TW[:, rank].sum()), PER_SLOT: int((rank_TK != rank).sum())}
+
+
+def _row_exchanges(rows_to_peer: int, hidden: int, world: int) -> Callable[[], None]:
+    """Four ``all_to_all_single`` of fp32 rows of width ``hidden``, ``rows_to_peer`` to every other rank
+    (what a layer's dispatch, combine and their backward exchanges move), as one timed call; every
+    rank learns the others' counts first."""
+    import torch.distributed as dist
+
+    counts = [None] * world
+    dist.all_gather_object(counts, rows_to_peer)
+    rank = dist.get_rank()
+    send = [0 if r == rank else rows_to_peer for r in range(world)]
+    receive = [0 if r == rank else counts[r] for r in range(world)]
+    x = torch.randn(sum(send), hidden)
+    out = x.new_empty(sum(receive), hidden)
+
+    def exchanges() -> None:
+        for _ in range(4):
+            dist.all_to_all_single(out, x, receive, send)
+
+    return exchanges
 
 
 # ---------------------------------------------------------------------------------------------
