@@ -177,3 +177,20 @@ def test_no_host_read_at_ep1(monkeypatch):
     assert reads() == []
     monkeypatch.setitem(os.environ, ENV_BACKEND, "loop")
     assert len(reads()) > 0
+
+
+def test_a_deep_copy_runs_its_own_gate_after_the_original_is_gone():
+    import copy
+    import gc
+
+    blocks = build_blocks(Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=16), 0,
+                          torch.device("cpu"))
+    original = blocks.pop(EPMOE)
+    twin = copy.deepcopy(original)
+    x = torch.randn(1, 16, 64)
+    want = original(x)
+    del original
+    gc.collect()
+    y = twin(x.requires_grad_())
+    y.sum().backward()
+    torch.testing.assert_close(y, want)

@@ -118,6 +118,12 @@ class LocalExperts:
         self._statuses: dict[tuple[torch.device, torch.dtype], list[BackendStatus]] = {}
         self.key = register_experts(self)  # how epmoe::routed_mlp finds this object's gate
 
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy`` of the model) registers itself: the op must find the copy's gate,
+        not the original's, which may be gone."""
+        self.__dict__.update(state)
+        self.key = register_experts(self)
+
     def _layers(self) -> list[tuple[nn.Module, ...]]:
         return [] if self.packed else [tuple(expert.children()) for expert in self.module]
 
