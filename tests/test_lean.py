@@ -194,3 +194,14 @@ def test_a_deep_copy_runs_its_own_gate_after_the_original_is_gone():
     y = twin(x.requires_grad_())
     y.sum().backward()
     torch.testing.assert_close(y, want)
+
+
+@pytest.mark.parametrize("bad", [8, -1])
+def test_out_of_range_expert_raises_at_ep1(bad):
+    """On one rank a choice outside [0, E) raises, never counts as another rank's (a zero output)."""
+    blocks = build_blocks(Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=4), 0,
+                          torch.device("cpu"))
+    experts = blocks[EPMOE].experts
+    index = torch.tensor([[0, 1], [2, bad], [3, 4], [5, 6]])
+    with pytest.raises(RuntimeError):
+        experts(torch.randn(4, 64), index, torch.rand(4, 2))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from epmoe import platform
 from epmoe.comm.counts import exchange_counts_on
 from epmoe.comm.layout import RowLayout, inverse_permutation
 from epmoe.comm.steps import Position, StepChannel
@@ -55,13 +56,14 @@ def pair_rows(local_expert_RK: torch.Tensor, num_local: int, num_pairs: int | No
               host_counts_e: list[int] | None = None) -> RowPairs:
     """The pairs of rows whose ``K`` choices go to ``local_expert_RK`` (``num_local`` where the
     expert is not local). ``num_pairs``: how many are local (from the counts exchange; ``None``: all
-    ``R * K``, a single rank's case, so nothing is read to the host)."""
+    ``R * K``, a single rank's case, so nothing is read to the host, and a choice outside
+    ``[0, num_local)`` raises in the histogram instead of counting as another rank's)."""
     R, K = local_expert_RK.shape
     key_S = local_expert_RK.reshape(-1)
     P = key_S.numel() if num_pairs is None else num_pairs
     slot_P = torch.sort(key_S, stable=True).indices[:P]
     pair_S = torch.full_like(key_S, P).index_copy_(0, slot_P, torch.arange(P, device=key_S.device))
-    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=key_S.device)
+    counts = torch.zeros(num_local + (num_pairs is not None), dtype=torch.int64, device=key_S.device)
     counts.scatter_add_(0, key_S.long(), torch.ones_like(key_S, dtype=torch.int64))
     return RowPairs(slot_P, pair_S.view(R, K), counts[:num_local], host_counts_e)
 
@@ -81,7 +83,7 @@ def keep_first(pairs: RowPairs, capacity: int, host_counts_e: list[int]) -> tupl
     R, K = pairs.pair_RK.shape
     pair_S = torch.full((R * K,), slot_P.numel(), dtype=torch.int64, device=device)
     pair_S.index_copy_(0, slot_P, torch.arange(slot_P.numel(), device=device))
-    counts_e = torch.tensor(kept_e, dtype=torch.int64).to(device)
+    counts_e = platform.host_to_device(torch.tensor(kept_e, dtype=torch.int64), device)
     return RowPairs(slot_P, pair_S.view(R, K), counts_e, kept_e), dropped
 
 
