@@ -46,6 +46,7 @@ def test_bench_layer_quick_ep1(tmp_path, capsys, one_thread):
                                          "outside the grouped matmuls, in the step"] and len(split) == 5
     in_step = [float(r[3].rstrip("%")) for r in split[:2]]
     assert all(0 <= share <= 100 for share in in_step) and 99 <= sum(in_step) <= 101  # shares of one step
+    assert in_step[0] > 0  # the profile sees the grouped matmuls wherever they run (inside routed_mlp too)
     assert all(r[3].endswith("x") and "timed alone" in r[1] for r in split[2:])  # isolated: a ratio, not a share
     assert "(goal <= 0.85)" in printed and "share of the epmoe step outside its grouped matmuls" in printed
 

@@ -13,7 +13,7 @@ One step is the block's forward and backward (input, router and expert weights a
 set to ``None`` first as ``zero_grad`` does). ``eager`` is 5-30x slower than the others, so it is
 timed in a short pass of its own, interleaved with epmoe, and compared with that pass's epmoe time.
 Where the epmoe step goes: its grouped matmuls measured inside the step (``torch.profiler`` over a
-few steps: the time of epmoe's grouped-matmul ops, forward and backward, over the
+few steps: the time of epmoe's grouped matmuls (``epmoe.gmm.forward`` / ``epmoe.gmm.backward`` in the profile), over the
 profiled steps' wall time), the share outside them; then the grouped matmuls, the router and the
 SwiGLU each timed on its own (same counts, forward and backward), reported as their time against the
 step's, not as shares of it (alone, with their own caches, they need not add up to the step).
@@ -78,6 +78,7 @@ from epmoe.bench.compiled import run_compile
 from epmoe.demo import step_times
 from epmoe.ep.state import ep_states
 from epmoe.gmm import grouped_mm
+from epmoe.gmm.registry import PROFILED_BACKWARD, PROFILED_FORWARD
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
 
@@ -85,7 +86,7 @@ PARTS = ("ep1", "ep2", "compile", "lean")
 EP1_HEADERS = ("shape", "variant", "time ms", "expert GFLOP/s", "epmoe time / this")
 SPLIT_HEADERS = ("shape", "part of the epmoe step", "time ms", "share of the step (in it) / time vs the step (alone)")
 PROFILED_STEPS = 3  # epmoe steps profiled for the in-step share of its grouped matmuls
-GMM_FUNCTIONS = ("epmoe::grouped_mm", "epmoe::grouped_mm_backward")  # epmoe's grouped-matmul ops, in profiles
+GMM_FUNCTIONS = (PROFILED_FORWARD, PROFILED_BACKWARD)  # epmoe's grouped matmuls, in profiles
 EP2_HEADERS = ("variant", "step ms", "loss - unsharded loss (max over ranks)", "note")
 GOALS = {"grouped_mm": 0.85, "eager": 0.3, "dense": 0.7}  # epmoe/grouped_mm <=, epmoe/eager <=, dense/epmoe >=
 EAGER_REPEATS = 2  # rounds of the eager pass (eager takes seconds to tens of seconds per step on a CPU)

@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 
 ENV_BACKEND = "EPMOE_GMM_BACKEND"
 PREFERRED = "prefer:"  # backend="prefer:NAME": NAME where it takes the call, else as "auto"
+# the names a backend's multiplications carry in profiles, wherever they run (the grouped_mm ops, or
+# inside epmoe::routed_mlp)
+PROFILED_FORWARD, PROFILED_BACKWARD = "epmoe.gmm.forward", "epmoe.gmm.backward"
 
 _registry: list[GmmBackend] = [NpuBackend(), BatchedBackend(), TorchBackend(), LoopBackend()]
 
@@ -260,7 +263,8 @@ def run_grouped_mm(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Ten
     counts = backend_counts(chosen, counts_G, host_counts, x_TD, weight.shape[0])
     if x_TD.shape[0] == 0:
         return x_TD.new_zeros(0, weight.shape[1 if trans_weight else 2])
-    return chosen.forward(x_TD, weight, counts, trans_weight)
+    with torch.profiler.record_function(PROFILED_FORWARD):
+        return chosen.forward(x_TD, weight, counts, trans_weight)
 
 
 def run_grouped_mm_backward(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor,
@@ -277,10 +281,11 @@ def run_grouped_mm_backward(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: tor
         dx_shape = (0, weight.shape[2 if trans_weight else 1])
         return (dy_TN.new_zeros(dx_shape) if need_dx else dx), (torch.zeros_like(weight) if need_dw else dw)
     dy_TN = dy_TN.contiguous()
-    if need_dx:
-        dx = chosen.forward(dy_TN, weight, counts, not trans_weight)
-    if need_dw:
-        dw = chosen.grad_weight(x_TD, dy_TN, counts, trans_weight)
+    with torch.profiler.record_function(PROFILED_BACKWARD):
+        if need_dx:
+            dx = chosen.forward(dy_TN, weight, counts, not trans_weight)
+        if need_dw:
+            dw = chosen.grad_weight(x_TD, dy_TN, counts, trans_weight)
     return dx, dw
 
 
