@@ -186,10 +186,11 @@ def all_checks(rank, world):
 
 
 def capacity_run(rank, world, factor=0.6):
-    """capacity_factor at the experts module: EP 2 against transformers' eager experts on the ranks'
-    batches concatenated, the dropped slots' routing weights masked to zero (an independent oracle
-    of the policy: per expert, the first C slots in (source rank, token, k) order are kept); then at
-    the model: EP 2 against EP 1 on the concatenated batch, logits and dropped counts."""
+    """capacity_factor at the experts module: EP ``world`` (2 or 4) against transformers' eager experts
+    on the ranks' batches concatenated, the dropped slots' routing weights masked to zero (an
+    independent oracle of the policy: per expert, the first C slots in (source rank, token, k) order
+    are kept); then at the model: EP ``world`` against EP 1 on the concatenated batch, logits and
+    dropped counts."""
     import math
 
     from ep_layer_workers import base_model, experts_of, max_rel, run_module
@@ -202,7 +203,7 @@ def capacity_run(rank, world, factor=0.6):
     E, K, H = 8, 2, reference.gate_up_proj.shape[-1]
     g = torch.Generator().manual_seed(7)
     inputs = []
-    for T in (7, 11)[:world]:
+    for T in (7, 11, 5, 9)[:world]:
         inputs.append((torch.randn(T, H, generator=g, dtype=torch.float64),
                        torch.rand(T, E, generator=g).argsort(dim=1)[:, :K],
                        torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), -1),
@@ -228,7 +229,7 @@ def capacity_run(rank, world, factor=0.6):
     dropped = epmoe.expert_load(ep, dropped=True)[shard.module_name].tolist()
     want_dropped = [max(0, n - capacity) for n in seen]
 
-    # the model: EP 2 on each rank's batch vs EP 1 on the concatenation (same lengths)
+    # the model: EP W on each rank's batch vs EP 1 on the concatenation (same lengths)
     full = copy.deepcopy(base)
     epmoe.apply_expert_parallel(full, _group_of_one(rank, world), config={"capacity_factor": factor})
     ids = [batch(r, length=10)[:, :10] for r in range(world)]

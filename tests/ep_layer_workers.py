@@ -392,6 +392,9 @@ def four_rank_run(rank, world):
     # a (dp=4, ep=1) mesh: EP size 1, no exchange with anyone
     mesh41 = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "ep"))
     engine_variant(cases, "qwen3_moe/mesh_dp4_ep1", qwen, [rank], 0, mesh41, None, pick(["random_k2"]))
+    from balance_workers import capacity_run
+
+    results["capacity"] = capacity_run(rank, world)
     return results
 
 

@@ -112,6 +112,17 @@ def test_four_ranks_match_eager(four_ranks, label):
 
 
 @pytest.mark.multirank
+def test_four_ranks_capacity_drops_the_same_slots(four_ranks):
+    """capacity_factor at EP 4: outputs and every gradient equal the masked oracle's, the dropped
+    counts the policy's, the model's logits EP 1's on the concatenated batch."""
+    for result in four_ranks:
+        seen = result["capacity"]
+        assert max(seen["errors"]) < 1e-10, seen["errors"]
+        assert seen["dropped"] == seen["want_dropped"] and sum(seen["dropped"]) > 0, seen
+        assert seen["model_logits"] < 1e-10 and seen["model_dropped"] == seen["full_dropped"], seen
+
+
+@pytest.mark.multirank
 def test_bad_routing_shape_raises_on_its_rank_without_hanging():
     start = time.monotonic()
     with pytest.raises(RankError, match=r"rank 1 failed(.|\n)*ValueError(.|\n)*top_k_index"):
