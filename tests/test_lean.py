@@ -164,7 +164,8 @@ def test_saved_per_token_at_ep1_is_sonicmoe_bound():
 
 def test_no_host_read_at_ep1(monkeypatch):
     """A forward + backward of an EP-1 block reads nothing to the host on a backend that takes its
-    counts on the device (torch); the loop backend needs them (the control: reads are seen)."""
+    counts on the device (torch); the loop backend needs them, read once per op (the control: reads
+    are seen)."""
     blocks = build_blocks(Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=16), 0,
                           torch.device("cpu"))
     x = torch.randn(1, 16, 64, requires_grad=True)
@@ -176,7 +177,7 @@ def test_no_host_read_at_ep1(monkeypatch):
 
     assert reads() == []
     monkeypatch.setitem(os.environ, ENV_BACKEND, "loop")
-    assert len(reads()) > 0
+    assert reads() == ["tolist", "tolist"]  # a host-counts backend: once in forward, once in backward
 
 
 def test_a_deep_copy_runs_its_own_gate_after_the_original_is_gone():

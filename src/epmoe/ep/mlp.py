@@ -34,7 +34,7 @@ import torch
 
 from epmoe.errors import refuse_double_backward
 from epmoe.ep.routing import RowPairs, accumulation_dtype
-from epmoe.gmm.registry import run_grouped_mm, run_grouped_mm_backward
+from epmoe.gmm.registry import host_counts_once, run_grouped_mm, run_grouped_mm_backward
 
 _LIVE: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()  # key -> LocalExperts
 _KEYS = itertools.count()
@@ -90,6 +90,7 @@ def _routed_mlp_op(
     K, P = weights_RK.shape[1], slot_P.numel()
     experts = _LIVE[experts_key]
     x_PH = x_RH[slot_P // K]
+    host_counts = host_counts_once(x_PH, up, counts_e, host_counts, trans_weight, backend)
     h_PN = run_grouped_mm(x_PH, up, counts_e, host_counts, trans_weight, backend, differentiable)
     if up_bias is not None:
         h_PN = h_PN + up_bias[_expert_of_pair(counts_e, P)]
@@ -117,6 +118,7 @@ def _routed_mlp_backward_op(
     K, P = weights_RK.shape[1], slot_P.numel()
     experts = _LIVE[experts_key]
     row_P = slot_P // K
+    host_counts = host_counts_once(x_RH[:0], up, counts_e, host_counts, trans_weight, backend)
     expert_P = _expert_of_pair(counts_e, P) if up_bias is not None else None
     a_PI, gate_vjp = experts.gate_vjp(h_PN)  # the gate recomputed from h (elementwise), and its vjp
     dout_PH = dout_RH[row_P]

@@ -8,6 +8,10 @@ group's rows) when every group has rows, and a per-group matmul loop otherwise: 
 has been reported not to tolerate empty groups. A single group is one plain matmul: the documented
 op rejects a counts group list of length 1.
 
+It takes its counts on the host (``device_counts`` is off): the weight gradient must know which
+groups are empty before it picks the kernel, so an EP layer on one rank reads them once per forward
+and once per backward on an NPU.
+
 Written against the vendor's documented semantics; tested only against the CPU emulation in
 ``tests/npu_emulation.py``, never on Ascend hardware.
 """

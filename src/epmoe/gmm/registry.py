@@ -253,6 +253,22 @@ def backend_counts(backend: GmmBackend, counts_G: torch.Tensor, host_counts: lis
     return _counts_list(counts_G, num_groups, x_TD.shape[0])
 
 
+def host_counts_once(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
+                     trans_weight: bool, backend: str) -> list[int] | None:
+    """For an op that issues several grouped matmuls on the same counts (``x_TD``: the first one's
+    input, or a ``(0, D)`` probe like it): ``host_counts`` where the caller has them, else ``counts_G``
+    read to the host once if ``backend`` resolves to a backend that needs host counts (then every call
+    gets the list), else ``None`` (nothing read)."""
+    if host_counts is not None:
+        return host_counts
+    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend)
+    if chosen.device_counts:
+        return None
+    values = errors.int_list("grouped_mm(counts)", counts_G)
+    _counts_list(values, weight.shape[0], sum(values))  # the rows are the caller's: validated there
+    return values
+
+
 def run_grouped_mm(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
                    trans_weight: bool, backend: str, differentiable: bool) -> torch.Tensor:
     """The body of the ``epmoe::grouped_mm`` op, for other ops that run grouped matmuls inside
