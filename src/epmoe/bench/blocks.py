@@ -3,6 +3,7 @@ lean), and the steps it times: a block's forward + backward, a model's forward +
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 import epmoe
+from epmoe.launch import run_ranks
+from epmoe.models import build_model
 
 EAGER, GROUPED, EPMOE, DENSE = "transformers eager", "transformers grouped_mm", "epmoe", "dense floor"
 BLOCK_VARIANTS = (EAGER, GROUPED, EPMOE)
@@ -104,6 +107,18 @@ def ep2_model_kwargs(shape: Shape) -> dict:
     """``epmoe.models.build_model`` arguments of the EP=2 model: the shape's experts, small attention."""
     return dict(num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden,
                 moe_intermediate_size=shape.intermediate, num_hidden_layers=EP2_LAYERS)
+
+
+def run_on_saved_model(rank_fn: Callable, ranks: int, shape: Shape, settings) -> tuple[list, int]:
+    """``(each rank's result, threads per rank)``: a one-layer Qwen3-MoE model of ``shape``'s experts
+    saved with ``save_pretrained``, then ``rank_fn(rank, world, path, tokens, warmup, repeats, seed)``
+    on ``ranks`` spawned gloo ranks sharing ``settings.threads``."""
+    threads = max(1, settings.threads // ranks)
+    with tempfile.TemporaryDirectory(prefix="epmoe-bench-") as path:
+        build_model("qwen3_moe", seed=settings.seed, **ep2_model_kwargs(shape)).save_pretrained(path)
+        results = run_ranks(rank_fn, ranks, path, shape.tokens, settings.warmup, settings.repeats, settings.seed,
+                            threads_per_rank=threads, timeout=900)
+    return results, threads
 
 
 def load_causal_lm(path: str, **kwargs) -> torch.nn.Module:

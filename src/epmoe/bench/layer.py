@@ -70,7 +70,7 @@ from epmoe.bench.blocks import (
     Shape,
     block_step,
     build_blocks,
-    ep2_model_kwargs,
+    run_on_saved_model,
     load_causal_lm,
     model_step,
 )
@@ -79,8 +79,6 @@ from epmoe.demo import step_times
 from epmoe.ep.state import ep_states
 from epmoe.gmm import grouped_mm
 from epmoe.gmm.registry import PROFILED_BACKWARD, PROFILED_FORWARD
-from epmoe.launch import run_ranks
-from epmoe.models import build_model
 
 PARTS = ("ep1", "ep2", "compile", "lean")
 EP1_HEADERS = ("shape", "variant", "time ms", "expert GFLOP/s", "epmoe time / this")
@@ -394,11 +392,7 @@ class Ep2Report:
 
 def run_ep2(shape: Shape, settings: common.Settings) -> Ep2Report:
     """Save a small Qwen3-MoE model, then time and check every EP=2 variant on 2 gloo ranks."""
-    threads = max(1, settings.threads // EP2_RANKS)
-    with tempfile.TemporaryDirectory(prefix="epmoe-bench-layer-") as path:
-        build_model("qwen3_moe", seed=settings.seed, **ep2_model_kwargs(shape)).save_pretrained(path)
-        results = run_ranks(_ep2_rank, EP2_RANKS, path, shape.tokens, settings.warmup, settings.repeats,
-                            settings.seed, threads_per_rank=threads, timeout=900)
+    results, threads = run_on_saved_model(_ep2_rank, EP2_RANKS, shape, settings)
     errors = results[0]["errors"]
     labels = [label for label in results[0]["times"] if label not in errors]
     steps_ms = {label: 1e3 * max(statistics.median(r["times"][label]) for r in results) for label in labels}

@@ -57,7 +57,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
-import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,13 +72,12 @@ from epmoe.bench.blocks import (
     Shape,
     block_step,
     build_blocks,
-    ep2_model_kwargs,
+    run_on_saved_model,
     load_causal_lm,
     model_step,
 )
 from epmoe.comm import count_traffic
 from epmoe.launch import run_ranks
-from epmoe.models import build_model
 
 WIRE_RANKS = (2, 4)  # EP sizes of the wire measurement
 STEP_RANKS = 2  # EP size of the step measurement
@@ -368,11 +366,7 @@ class StepReport:
 
 def run_step(shape: Shape, settings: common.Settings) -> StepReport:
     """Save a one-layer Qwen3-MoE model of ``shape``'s experts, then time its EP 2 step variants."""
-    threads = max(1, settings.threads // STEP_RANKS)
-    with tempfile.TemporaryDirectory(prefix="epmoe-bench-lean-") as path:
-        build_model("qwen3_moe", seed=settings.seed, **ep2_model_kwargs(shape)).save_pretrained(path)
-        results = run_ranks(_step_rank, STEP_RANKS, path, shape.tokens, settings.warmup, settings.repeats,
-                            settings.seed, threads_per_rank=threads, timeout=900)
+    results, threads = run_on_saved_model(_step_rank, STEP_RANKS, shape, settings)
     errors = results[0]["errors"]
     loss_diffs = {label: max(abs(r["losses"][label] - r["losses"]["unsharded"]) for r in results)
                   for label in results[0]["timings"]}
