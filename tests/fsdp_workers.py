@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 import epmoe
 from epmoe.models import build_model
-from training_workers import TokenDataset, rel, run_checks
+from training_workers import TokenDataset, rel, run_checks, trainer_log, trainer_log_errors
 
 FSDP_CONFIG = {"version": 2, "transformer_layer_cls_to_wrap": ["Qwen3MoeDecoderLayer"]}
 MAX_GRAD_NORM = 0.5
@@ -112,16 +112,10 @@ def trainer_parity(rank, world, out_dir, steps=4):
         want = ref_full[name][rows[name.rsplit(".", 1)[0]]] if expert else ref_full[name]
         errors[f"param/{name}"] = rel(full(p), want)
     log = trainer.state.log_history
-    norms = [h["grad_norm"] for h in log if "grad_norm" in h]
-    norms_ref = [h["grad_norm"] for h in log_ref if "grad_norm" in h]
-    losses = [h["loss"] for h in log if "loss" in h]
-    losses_ref = [h["loss"] for h in log_ref if "loss" in h]
-    assert len(norms) == len(norms_ref) == steps and len(losses) == len(losses_ref) == steps, (norms, norms_ref)
-    for step, (a, b) in enumerate(zip(norms, norms_ref)):
-        errors[f"grad_norm/{step}"] = abs(a - b) / abs(b)
-    for step, (a, b) in enumerate(zip(losses, losses_ref)):
-        errors[f"loss/{step}"] = abs(a - b) / abs(b)
-    errors["eval_loss"] = abs(eval_ep - eval_ref) / abs(eval_ref)
+    norms, norms_ref = trainer_log(log, "grad_norm"), trainer_log(log_ref, "grad_norm")
+    assert len(norms) == len(norms_ref) == steps, (norms, norms_ref)
+    assert len(trainer_log(log, "loss")) == len(trainer_log(log_ref, "loss")) == steps, (log, log_ref)
+    errors.update(trainer_log_errors(log, log_ref, eval_ep, eval_ref))
 
     # Trainer.save_model: every rank joins; plain transformers reloads the whole (unsharded) model
     trainer.save_model(f"{out_dir}/saved")

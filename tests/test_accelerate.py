@@ -9,6 +9,7 @@ import functools
 import pytest
 
 from epmoe.launch import run_ranks
+from rank_checks import of
 from accelerate_workers import two_rank_checks
 
 pytest.importorskip("accelerate")
@@ -26,14 +27,6 @@ def results(tmp_dir):
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     return results(str(tmp_path_factory.mktemp("acc")))
-
-
-def of(out, check):
-    found = [ranks[check] for ranks in out]
-    for rank, result in enumerate(found):
-        assert not (isinstance(result, dict) and "error" in result and isinstance(result["error"], str)
-                    and result["error"].startswith("Traceback")), f"rank {rank}:\n{result['error']}"
-    return found
 
 
 def test_prepared_accelerator_equals_non_ep_accelerate(out):

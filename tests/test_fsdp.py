@@ -12,6 +12,7 @@ import functools
 import pytest
 
 from epmoe.launch import run_ranks
+from rank_checks import of
 from fsdp_workers import MAX_GRAD_NORM, two_rank_checks
 
 pytest.importorskip("accelerate")
@@ -29,14 +30,6 @@ def results(tmp_dir):
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     return results(str(tmp_path_factory.mktemp("fsdp")))
-
-
-def of(out, check):
-    found = [ranks[check] for ranks in out]
-    for rank, result in enumerate(found):
-        error = result.get("error") if isinstance(result, dict) else None
-        assert not (isinstance(error, str) and error.startswith("Traceback")), f"rank {rank}:\n{error}"
-    return found
 
 
 def test_prepared_trainer_under_hf_fsdp2_config_equals_the_unsharded_model(out):

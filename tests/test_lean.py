@@ -146,7 +146,7 @@ def test_weighted_sum_skips_rows_without_pairs_even_next_to_nan():
     assert out.tolist() == [[1.0], [0.0]]
 
 
-SHAPE = Shape("issue 21", num_experts=32, top_k=8, hidden=256, intermediate=96, tokens=128)
+SHAPE = Shape("Qwen3-30B-A3B-like", num_experts=32, top_k=8, hidden=256, intermediate=96, tokens=128)
 
 
 def test_saved_per_token_at_ep1_is_sonicmoe_bound():

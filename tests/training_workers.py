@@ -430,6 +430,21 @@ def trainer_parity_both(rank, world, out_dir):
             for dtype in ("float64", "float32")}
 
 
+def trainer_log(log: list[dict], key: str) -> list[float]:
+    """The values of ``key`` (``"loss"``, ``"grad_norm"``) Trainer logged, in step order."""
+    return [entry[key] for entry in log if key in entry]
+
+
+def trainer_log_errors(log: list[dict], log_ref: list[dict], eval_loss: float, eval_ref: float) -> dict[str, float]:
+    """Relative differences of each logged grad norm and loss, and of the eval loss, to the reference run's."""
+    errors = {}
+    for key in ("grad_norm", "loss"):
+        for step, (a, b) in enumerate(zip(trainer_log(log, key), trainer_log(log_ref, key))):
+            errors[f"{key}/{step}"] = abs(a - b) / abs(b)
+    errors["eval_loss"] = abs(eval_loss - eval_ref) / abs(eval_ref)
+    return errors
+
+
 def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32"):
     """transformers.Trainer on 2 ranks with its defaults (AdamW, max_grad_norm=1.0) plus gradient
     checkpointing and gradient accumulation 2: the EP model through ``prepare_trainer`` (on a Trainer
@@ -467,15 +482,8 @@ def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32"):
     pairs = reference_view(model, ref, shards).items()
     errors = {f"param/{name}": pair.param_error if dtype_name == "float64" else pair.param_norm_error
               for name, pair in pairs}
-    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
-    norms_ref = [h["grad_norm"] for h in trainer_ref.state.log_history if "grad_norm" in h]
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    losses_ref = [h["loss"] for h in trainer_ref.state.log_history if "loss" in h]
-    for step, (a, b) in enumerate(zip(norms, norms_ref)):
-        errors[f"grad_norm/{step}"] = abs(a - b) / abs(b)
-    for step, (a, b) in enumerate(zip(losses, losses_ref)):
-        errors[f"loss/{step}"] = abs(a - b) / abs(b)
-    errors["eval_loss"] = abs(eval_ep - eval_ref) / abs(eval_ref)
+    norms = trainer_log(trainer.state.log_history, "grad_norm")
+    errors.update(trainer_log_errors(trainer.state.log_history, trainer_ref.state.log_history, eval_ep, eval_ref))
     # Trainer.save_model: every rank joins, the writer writes all experts; plain transformers reloads them
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""``epmoe bench layer --part lean``: the lean data path measured side by side (issue 21, point 5).
+"""``epmoe bench layer --part lean``: what a layer keeps and sends, measured side by side.
 
 Two shapes, each a ``Qwen3MoeSparseMoeBlock`` with random weights (its own router: softmax over the
 ``E`` experts, top-``K``, renormalised; SwiGLU experts): Qwen3-30B-A3B's (E=128, K=8, H=2048,
