@@ -6,8 +6,8 @@ gloo answers by killing a process (``SIGABRT``: the sizes differ) and a peer tha
 alive by a wait as long as the process group's timeout (30 minutes by default). So every collective
 epmoe issues on the groups it creates for a model's EP (and ``"dp"``) traffic is a *header exchange*
 or follows one within the same operation (backward and ``"dp"`` headers only where ``check_steps``
-is on; checkpoint loading and DCP keep to the user's groups). A header exchange is one ``all_to_all_single`` of one int64 row per peer, the same
-row size for every header on that group::
+is on; checkpoint loading and DCP keep to the user's groups). A header exchange is one
+``all_to_all_single`` of one int64 row per peer, the same row size for every header on that group::
 
     row sent to each peer:  [ MAGIC | layer | phase | call | flag | payload ... padded to width ]
                               \\____ Position ____/
@@ -16,7 +16,8 @@ row size for every header on that group::
                                         the counts for the peer's experts (free: it runs anyway)
     backward of that layer              an empty header before the layer's first backward exchange
     "dp" expert-gradient reduction      a header (payload: the element count) before each one
-    clip_grad_norm_, save_pretrained    a header before their reductions / gathers
+    clip_grad_norm_, save_pretrained    a header before their reductions / gathers (save_pretrained:
+                                        and one after the writes, on the EP then the "dp" group)
     expert_load (telemetry)             the header exchange carries each rank's expert counts
     agreement (apply_expert_parallel,   each rank shows its peers what must match (named fields)
       the fused ops, loading)           and whether its own input failed: :meth:`StepChannel.agree`
@@ -29,7 +30,9 @@ where the tensors are on the CPU, an option on accelerators (``ExpertParallelCon
 
 Waiting is bounded by the group epmoe creates for EP at :func:`epmoe.apply_expert_parallel`
 (:func:`step_group`): the same ranks and backend as the user's, with ``ExpertParallelConfig.timeout``
-(300 s by default, well under the process group's 30 minutes), and nothing but epmoe on it.
+(300 s by default, well under the process group's 30 minutes), and nothing but epmoe on it. A
+channel over the user's group (the agreements that run before that group exists, or without it)
+waits on each header exchange at most the timeout it was given (``StepChannel(timeout_s=...)``).
 """
 
 from __future__ import annotations
@@ -136,7 +139,8 @@ def step_group(group: dist.ProcessGroup | None, timeout_s: float) -> dist.Proces
     one rank (local, nothing exchanged): the name then depends on the ranks alone."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     known = len(dist.distributed_c10d._world.pg_names)  # what torch hashes into a local group's name
-    rows = StepChannel(group, 1).agree(Position(MODEL_WIDE, AGREE, 0), platform.group_device(group), [], [known])
+    channel = StepChannel(group, 1, timeout_s=timeout_s)
+    rows = channel.agree(Position(MODEL_WIDE, AGREE, 0), platform.group_device(group), [], [known])
     for _ in range(max(row[0] for row in rows) - known):
         dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
     return dist.new_group(
@@ -184,7 +188,7 @@ class StepChannel:
             rows[:, HEADER - 1] = flag
         received = torch.empty_like(rows)
         try:
-            dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group)
+            self._wait(dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group, async_op=True))
             platform.synchronize(device)  # the collective may run on its own stream (HCCL)
         except RuntimeError as exc:
             raise self.failed(position, exc) from exc
@@ -267,6 +271,14 @@ class StepChannel:
             return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         except RuntimeError as exc:
             raise self.failed(position, exc) from exc
+
+    def _wait(self, work: dist.Work) -> None:
+        """Wait for ``work``, at most ``timeout_s`` where given (the group's own timeout otherwise):
+        a channel over the user's group (an agreement before epmoe's group exists) is bounded too."""
+        if self.timeout_s is None:
+            work.wait()
+        else:
+            work.wait(datetime.timedelta(seconds=self.timeout_s))
 
     def failed(self, position: Position, exc: BaseException) -> RuntimeError:
         """The error a failed or timed-out collective of this group becomes."""
