@@ -236,12 +236,14 @@ def dcp_checks(rank, world, root):
 def pair_then_world(rank, world, root, timeout):
     """An EP model made and saved on ranks 0 and 1 (a group of the pair), then one over all ranks made
     and saved, with ``ExpertParallelConfig.timeout`` = ``timeout``: the seconds each took on this rank
-    and whether plain from_pretrained of each checkpoint equals its unsharded model, every weight."""
+    and whether plain from_pretrained of each checkpoint equals its unsharded model, every weight.
+    Then one made and saved on ranks 2 and 3 (without global rank 0, the writer): ``(error type,
+    message, seconds)`` on those ranks."""
     import time
 
     from transformers import AutoModelForCausalLM
 
-    pair = dist.new_group([0, 1])  # every rank creates it: torch's rule for new_group
+    pair, other_pair = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank creates both: torch's rule
     references, seconds = {}, {}
     for name, group, ranks, seed in (("pair", pair, (0, 1), 1), ("world", None, range(world), 2)):
         if rank not in ranks:
@@ -258,7 +260,17 @@ def pair_then_world(rank, world, root, timeout):
                                                            dtype=torch.float32).named_parameters())
         equal[name] = set(loaded) == {n for n, _ in ref.named_parameters()} and all(
             torch.equal(p, loaded[n]) for n, p in ref.named_parameters())
-    return {"seconds": seconds, "equal": equal}
+    without_writer = None
+    if rank >= 2:
+        model = build_model("qwen3_moe", dtype=torch.float32)
+        epmoe.apply_expert_parallel(model, other_pair, config={"timeout": timeout})
+        started = time.monotonic()
+        try:
+            model.save_pretrained(os.path.join(root, "pair-without-writer"))
+            without_writer = (None, "", time.monotonic() - started)
+        except ValueError as exc:
+            without_writer = (type(exc).__name__, str(exc), time.monotonic() - started)
+    return {"seconds": seconds, "equal": equal, "without_writer": without_writer}
 
 
 def apply_without_peers(rank, world, timeout):

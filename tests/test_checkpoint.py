@@ -64,16 +64,21 @@ def test_dcp_resume(world, tmp_path):
 def check_pair_then_world(rank, pair_then_world, apply_without_peers):
     """An EP model made and saved on ranks 0 and 1 (their own group), then one over all 4 ranks made
     and saved (ExpertParallelConfig.timeout = 10 s): every rank finishes each within the timeout, and
-    plain from_pretrained of both checkpoints gives every weight of the unsharded models bitwise.
+    plain from_pretrained of both checkpoints gives every weight of the unsharded models bitwise. One
+    made and saved on ranks 2 and 3 (global rank 0, the writer, is not among them: nothing is
+    written) raises ValueError on both, saying so.
     apply_expert_parallel over all 4 ranks called on ranks 2 and 3 only (timeout 3 s): both raise
     within the timeout, naming it."""
     seconds, equal = pair_then_world["seconds"], pair_then_world["equal"]
     assert sorted(seconds) == (["pair", "world"] if rank < 2 else ["world"]), (rank, seconds)
     assert max(seconds.values()) < 10.0, (rank, seconds)
     assert equal == {"pair": True, "world": True} if rank < 2 else equal == {"world": True}, (rank, equal)
+    without_writer = pair_then_world["without_writer"]
     if rank < 2:
-        assert apply_without_peers is None, (rank, apply_without_peers)
+        assert without_writer is None and apply_without_peers is None, (rank, without_writer, apply_without_peers)
         return
+    assert without_writer[0] == "ValueError" and "global rank 0" in without_writer[1], (rank, without_writer)
+    assert without_writer[2] < 10.0, (rank, without_writer)
     kind, message, took = apply_without_peers
     assert kind == "RuntimeError" and "ExpertParallelConfig.timeout = 3 s" in message, (rank, message)
     assert took < 3.0 + 5, (rank, took)
