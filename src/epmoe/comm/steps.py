@@ -151,11 +151,17 @@ def step_group(group: dist.ProcessGroup | None, timeout_s: float) -> dist.Proces
 
 class StepChannel:
     """One group's header exchanges (see the module docstring). ``width``: payload values per row,
-    fixed for the group; ``layer_names``: the model's experts modules, for error messages."""
+    fixed for the group; ``layer_names``: the model's experts modules, for error messages;
+    ``timeout_s``: the longest an exchange may wait (``None``: the group's own timeout), by the
+    group's own timeout where that is not longer (:func:`step_group`'s), else by waiting on the
+    collective at most that long (a channel over the user's group)."""
 
     def __init__(self, group: dist.ProcessGroup | None, width: int, layer_names: tuple[str, ...] = (),
                  timeout_s: float | None = None, what: str = "EP"):
         self.group, self.width, self.layer_names, self.timeout_s, self.what = group, width, layer_names, timeout_s, what
+        own = group_timeout_s(group) if timeout_s is not None else None
+        # a group whose own timeout is longer (the user's): each exchange waits at most timeout_s itself
+        self.wait_s = timeout_s if timeout_s is not None and (own is None or own > timeout_s + 1e-3) else None
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.calls: dict[int, int] = {}  # model-wide phase -> how many have run
 
@@ -188,7 +194,11 @@ class StepChannel:
             rows[:, HEADER - 1] = flag
         received = torch.empty_like(rows)
         try:
-            self._wait(dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group, async_op=True))
+            if self.wait_s is None:  # the group's own timeout bounds the wait (epmoe's step groups)
+                dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group)
+            else:
+                work = dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group, async_op=True)
+                work.wait(datetime.timedelta(seconds=self.wait_s))
             platform.synchronize(device)  # the collective may run on its own stream (HCCL)
         except RuntimeError as exc:
             raise self.failed(position, exc) from exc
@@ -271,14 +281,6 @@ class StepChannel:
             return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
         except RuntimeError as exc:
             raise self.failed(position, exc) from exc
-
-    def _wait(self, work: dist.Work) -> None:
-        """Wait for ``work``, at most ``timeout_s`` where given (the group's own timeout otherwise):
-        a channel over the user's group (an agreement before epmoe's group exists) is bounded too."""
-        if self.timeout_s is None:
-            work.wait()
-        else:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
 
     def failed(self, position: Position, exc: BaseException) -> RuntimeError:
         """The error a failed or timed-out collective of this group becomes."""
