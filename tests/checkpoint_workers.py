@@ -224,11 +224,70 @@ def dcp_checks(rank, world, root):
     if world == 2:
         return {"same_size": dcp_resume(rank, world, f"{root}/same", "world", "world"),
                 "lora_same_size": dcp_lora_resume(rank, world, f"{root}/lora", "world", "world")}
-    return {"same_size": dcp_resume(rank, world, f"{root}/same4", "world", "world"),
+    return {"pair_then_world": pair_then_world(rank, world, root, 10.0),
+            "same_size": dcp_resume(rank, world, f"{root}/same4", "world", "world"),
             "lora_ep2_to_ep4": dcp_lora_resume(rank, world, f"{root}/lora2to4", "mesh", "world"),
             "ep2_to_ep4": dcp_resume(rank, world, f"{root}/2to4", "mesh", "world"),
             "ep4_to_ep2": dcp_resume(rank, world, f"{root}/4to2", "world", "mesh"),
-            "pretrained_any_size": pretrained_any_size(rank, world, root)}
+            "pretrained_any_size": pretrained_any_size(rank, world, root),
+            "apply_without_peers": apply_without_peers(rank, world, 3.0)}  # last: leaves the world group waiting
+
+
+def pair_then_world(rank, world, root, timeout):
+    """An EP model made and saved on ranks 0 and 1 (a group of the pair), then one over all ranks made
+    and saved, with ``ExpertParallelConfig.timeout`` = ``timeout``: the seconds each took on this rank
+    and whether plain from_pretrained of each checkpoint equals its unsharded model, every weight.
+    Then one made and saved on ranks 2 and 3 (without global rank 0, the writer): ``(error type,
+    message, seconds)`` on those ranks."""
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    pair, other_pair = dist.new_group([0, 1]), dist.new_group([2, 3])  # every rank creates both: torch's rule
+    references, seconds = {}, {}
+    for name, group, ranks, seed in (("pair", pair, (0, 1), 1), ("world", None, range(world), 2)):
+        if rank not in ranks:
+            continue
+        references[name] = build_model("qwen3_moe", dtype=torch.float32, seed=seed)
+        started = time.monotonic()
+        model = copy.deepcopy(references[name])
+        epmoe.apply_expert_parallel(model, group, config={"timeout": timeout})
+        model.save_pretrained(os.path.join(root, f"pair-then-{name}"))
+        seconds[name] = time.monotonic() - started
+    equal = {}
+    for name, ref in references.items():  # the world save returned: the writer has written both
+        loaded = dict(AutoModelForCausalLM.from_pretrained(os.path.join(root, f"pair-then-{name}"),
+                                                           dtype=torch.float32).named_parameters())
+        equal[name] = set(loaded) == {n for n, _ in ref.named_parameters()} and all(
+            torch.equal(p, loaded[n]) for n, p in ref.named_parameters())
+    without_writer = None
+    if rank >= 2:
+        model = build_model("qwen3_moe", dtype=torch.float32)
+        epmoe.apply_expert_parallel(model, other_pair, config={"timeout": timeout})
+        started = time.monotonic()
+        try:
+            model.save_pretrained(os.path.join(root, "pair-without-writer"))
+            without_writer = (None, "", time.monotonic() - started)
+        except ValueError as exc:
+            without_writer = (type(exc).__name__, str(exc), time.monotonic() - started)
+    return {"seconds": seconds, "equal": equal, "without_writer": without_writer}
+
+
+def apply_without_peers(rank, world, timeout):
+    """apply_expert_parallel over every rank, called on ranks 2 and 3 only (ranks 0 and 1 are alive,
+    elsewhere): ``(error type, message, seconds)`` on the ranks that called it, ``None`` on the others."""
+    import time
+
+    if rank < 2:
+        time.sleep(timeout + 4)
+        return None
+    model = build_model("qwen3_moe", dtype=torch.float32)
+    started = time.monotonic()
+    try:
+        epmoe.apply_expert_parallel(model, config={"timeout": timeout})
+    except RuntimeError as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - started
+    return None, "", time.monotonic() - started
 
 
 def pretrained_any_size(rank, world, root):

@@ -39,13 +39,15 @@ def test_dcp_resume(world, tmp_path):
     differently. The 4-rank run also saves with save_pretrained at EP 2 and loads with
     epmoe.from_pretrained at EP 4, and back: the unsharded model's logits to 1e-6. PEFT LoRA on the packed
     experts (and q/v) resumes the same way (on 2 ranks at the same EP size, on 4 from EP 2 to EP 4),
-    every factor and moment of every expert included."""
+    every factor and moment of every expert included. The 4-rank run starts with
+    :func:`check_pair_then_world` and ends with its refusal case."""
     from checkpoint_workers import dcp_checks
 
     for rank, by_case in enumerate(run_ranks(dcp_checks, world, str(tmp_path), timeout=300)):
         if world == 4:  # save_pretrained -> epmoe.from_pretrained across EP sizes, in the same run
             hops = by_case.pop("pretrained_any_size")
             assert hops.pop("sizes") == [4, 2] and max(hops.values()) <= 1e-6, (rank, hops)
+            check_pair_then_world(rank, by_case.pop("pair_then_world"), by_case.pop("apply_without_peers"))
         lora = by_case["lora_same_size" if world == 2 else "lora_ep2_to_ep4"].pop("expert_lora")
         # A and B of both packed experts tensors of each of the 2 layers, and AdamW's step and moments of each
         assert sum(k.startswith("model/") for k in lora) == 8 and len(lora) == 8 * 4, (rank, lora)
@@ -57,6 +59,29 @@ def test_dcp_resume(world, tmp_path):
                 assert result["losses"] == pytest.approx(result["losses_loaded"], rel=1e-6), (rank, case)
                 for key, err in result["after"].items():
                     assert err <= (1e-6 if key.startswith("model/") else 1e-5), (rank, case, key, err)
+
+
+def check_pair_then_world(rank, pair_then_world, apply_without_peers):
+    """An EP model made and saved on ranks 0 and 1 (their own group), then one over all 4 ranks made
+    and saved (ExpertParallelConfig.timeout = 10 s): every rank finishes each within the timeout, and
+    plain from_pretrained of both checkpoints gives every weight of the unsharded models bitwise. One
+    made and saved on ranks 2 and 3 (global rank 0, the writer, is not among them: nothing is
+    written) raises ValueError on both, saying so.
+    apply_expert_parallel over all 4 ranks called on ranks 2 and 3 only (timeout 3 s): both raise
+    within the timeout, naming it."""
+    seconds, equal = pair_then_world["seconds"], pair_then_world["equal"]
+    assert sorted(seconds) == (["pair", "world"] if rank < 2 else ["world"]), (rank, seconds)
+    assert max(seconds.values()) < 10.0, (rank, seconds)
+    assert equal == {"pair": True, "world": True} if rank < 2 else equal == {"world": True}, (rank, equal)
+    without_writer = pair_then_world["without_writer"]
+    if rank < 2:
+        assert without_writer is None and apply_without_peers is None, (rank, without_writer, apply_without_peers)
+        return
+    assert without_writer[0] == "ValueError" and "global rank 0" in without_writer[1], (rank, without_writer)
+    assert without_writer[2] < 10.0, (rank, without_writer)
+    kind, message, took = apply_without_peers
+    assert kind == "RuntimeError" and "ExpertParallelConfig.timeout = 3 s" in message, (rank, message)
+    assert took < 3.0 + 5, (rank, took)
 
 
 def test_from_pretrained_reads_only_local_experts(tmp_path):

@@ -25,7 +25,7 @@ from torch import nn
 
 from epmoe import platform
 from epmoe.checkpoint.dcp import expert_dtensor
-from epmoe.comm.steps import AGREE, StepChannel
+from epmoe.comm.steps import AGREE, StepChannel, step_timeout_s
 from epmoe.ep.state import ep_group_of, sharded_experts
 
 
@@ -53,11 +53,13 @@ def load_error(info: Any, expert_keys: set[str]) -> str | None:
 
 def raise_on_every_rank(error: str | None, shards: list, model: nn.Module) -> None:
     """Each rank reads only its own experts, so only some may find a broken one: tell the EP group
-    (one agreement step, :meth:`~epmoe.comm.steps.StepChannel.agree`) and raise ``ValueError`` on all
-    of it, the ranks that found a broken expert saying which."""
+    (one agreement step, :meth:`~epmoe.comm.steps.StepChannel.agree`, waiting at most
+    ``ExpertParallelConfig.timeout``) and raise ``ValueError`` on all of it, the ranks that found a
+    broken expert saying which."""
     if shards and shards[0].ep_size > 1:
         group = ep_group_of(model)
-        channel = StepChannel(group, 1, what="EP")
+        config = next(state for _, _, state in sharded_experts(model)).config
+        channel = StepChannel(group, 1, timeout_s=step_timeout_s(config.timeout, group), what="EP")
         channel.agree(channel.next_call(AGREE), platform.group_device(group), [], failed=error is not None,
                       caller="epmoe.from_pretrained: the checkpoint does not hold every expert",
                       what_failed="found some of their experts missing or with the wrong shape")

@@ -11,8 +11,9 @@ instance attributes of the model (the class is untouched):
 * :class:`SavePretrained` as ``save_pretrained``: transformers' own (config, generation config,
   custom code, removal of stale files; the index's ``total_parameters`` from the model's
   ``num_parameters``, which counts every expert: :class:`epmoe.ep.params.NumParameters`); then
-  :class:`StreamedWeights` writes the weights, and a barrier lets every rank return once the files
-  are written;
+  :class:`StreamedWeights` writes the weights, and a step header on the model's EP and ``"dp"``
+  groups (bounded by ``ExpertParallelConfig.timeout``, the model's ranks only) lets every rank
+  return once the files are written;
 * :class:`GatherExperts` as ``gather_sharded_state_dict_for_save``: it takes the state dict
   transformers prepared (keys to ignore removed) for :class:`StreamedWeights` and hands transformers
   an empty one, so transformers itself writes no weights.
@@ -58,6 +59,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from epmoe import platform
 from epmoe.checkpoint.guard import own_state_dict
 from epmoe.comm.steps import SAVE, OutOfStepError, Position, StepChannel
 from epmoe.ep.state import ExpertParallelState, sharded_experts
@@ -112,8 +114,36 @@ class SavePretrained:
                 weights.write()
         finally:
             _SAVING.reset(token)
-        dist.barrier()  # the writer has finished: every rank may read the checkpoint now
+        _written(model)
         return result
+
+
+def _written(model: nn.Module) -> None:
+    """Return once the writer has finished, on every rank of ``model`` (then any may read the
+    checkpoint): a step header on the model's EP group, then on its ``"dp"`` group, each bounded by
+    ``ExpertParallelConfig.timeout``. Only the model's ranks take part (not the whole world, where
+    other ranks may be running other models): every rank of an EP x DP mesh shares a ``"dp"`` group
+    with a rank of the writer's EP group, which passed its header after the writer had finished.
+
+    A model whose ranks do not include the writer (an EP group of other ranks than global rank 0,
+    without a ``"dp"`` group reaching it) had nothing written, by transformers or by epmoe: the EP
+    header carries whether each rank's groups hold the writer, and every rank raises ``ValueError``."""
+    state = next((state for _, _, state in sharded_experts(model)), None)
+    if state is None:
+        return
+    dp_channel = state.sync.dp_channel if state.sync is not None else None
+    channels = [channel for channel in (state.channel, dp_channel) if channel is not None]
+    holds = any(WRITER in dist.get_process_group_ranks(channel.group) for channel in channels)
+    ep, device = state.channel, platform.group_device(state.channel.group)
+    payload_W1 = platform.host_to_device(torch.full((ep.size, 1), int(holds), dtype=torch.int64), device)
+    received, _ = ep.exchange(ep.next_call(SAVE), payload_W1)
+    if dp_channel is not None:
+        dp_channel.check(dp_channel.next_call(SAVE), platform.group_device(dp_channel.group))
+    if not any(row[0] for row in received):
+        raise ValueError(
+            f"save_pretrained: this EP model's ranks {dist.get_process_group_ranks(ep.group)} do not include "
+            f"global rank {WRITER}, which writes the checkpoint (transformers' convention): nothing was written. "
+            f"Save a model whose EP group (or \"dp\" group) includes global rank {WRITER}")
 
 
 class StreamedWeights:

@@ -1,6 +1,6 @@
 """Row layouts: the only code that turns counts into splits, offsets and permutation indices.
 
-Glossary (one letter per quantity, used in names across the package: ``x_TH``, ``counts_WE``...)::
+Glossary (one letter per quantity, used in names across the package: ``x_TH``, ``send_counts_WE``...)::
 
     T   tokens on this rank                   K   routing choices per token (top-k)
     S   slots, S = T * K: one (token, k) pair  H   hidden size
@@ -9,6 +9,10 @@ Glossary (one letter per quantity, used in names across the package: ``x_TH``, `
     r   a destination rank, s a source rank    j   a local expert, global expert g = r*e + j
     R   rows that travel: one per (token, rank holding one of its experts); R = T on one rank
     P   pairs an expert's rank runs: one per (row, local expert among its K)
+
+A name's suffix gives its dimensions in these letters (``x_TH`` is ``(T, H)``,
+``expert_major_splits_W`` one entry per rank); ``_WE`` marks a flat list of ``W * e = E`` counts
+indexed ``r*e + j`` (rank, then local expert), as ``RowLayout.counts_rank_major_WE``.
 
 (The grouped matmul, below this package, names its own operands: ``x (T, D)`` rows by group,
 ``weight (G, D, N)``, ``G`` groups, ``D`` the contracted width.)
@@ -29,6 +33,9 @@ Words, one meaning each::
                  backends, and the fused ops' backends (their public ``impl=`` argument)
     agreement    one step in which every rank shows its peers what must match, before anything changes
                  (:meth:`epmoe.comm.steps.StepChannel.agree`)
+    header       a step header: one int64 row to each peer saying where the sender is (layer, phase,
+                 call); a step channel is one group's header exchanges (:mod:`epmoe.comm.steps`)
+    round        a pipelining round of the fused ops: local experts ``[j0, j1)``, one all-to-all
 
 Three orders of per-slot rows (the fused ops' layout, the vendor's), for one layer on one rank::
 

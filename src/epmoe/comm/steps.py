@@ -6,8 +6,8 @@ gloo answers by killing a process (``SIGABRT``: the sizes differ) and a peer tha
 alive by a wait as long as the process group's timeout (30 minutes by default). So every collective
 epmoe issues on the groups it creates for a model's EP (and ``"dp"``) traffic is a *header exchange*
 or follows one within the same operation (backward and ``"dp"`` headers only where ``check_steps``
-is on; checkpoint loading and DCP keep to the user's groups). A header exchange is one ``all_to_all_single`` of one int64 row per peer, the same
-row size for every header on that group::
+is on; checkpoint loading and DCP keep to the user's groups). A header exchange is one
+``all_to_all_single`` of one int64 row per peer, the same row size for every header on that group::
 
     row sent to each peer:  [ MAGIC | layer | phase | call | flag | payload ... padded to width ]
                               \\____ Position ____/
@@ -16,7 +16,8 @@ row size for every header on that group::
                                         the counts for the peer's experts (free: it runs anyway)
     backward of that layer              an empty header before the layer's first backward exchange
     "dp" expert-gradient reduction      a header (payload: the element count) before each one
-    clip_grad_norm_, save_pretrained    a header before their reductions / gathers
+    clip_grad_norm_, save_pretrained    a header before their reductions / gathers (save_pretrained:
+                                        and one after the writes, on the EP then the "dp" group)
     expert_load (telemetry)             the header exchange carries each rank's expert counts
     agreement (apply_expert_parallel,   each rank shows its peers what must match (named fields)
       the fused ops, loading)           and whether its own input failed: :meth:`StepChannel.agree`
@@ -29,7 +30,9 @@ where the tensors are on the CPU, an option on accelerators (``ExpertParallelCon
 
 Waiting is bounded by the group epmoe creates for EP at :func:`epmoe.apply_expert_parallel`
 (:func:`step_group`): the same ranks and backend as the user's, with ``ExpertParallelConfig.timeout``
-(300 s by default, well under the process group's 30 minutes), and nothing but epmoe on it.
+(300 s by default, well under the process group's 30 minutes), and nothing but epmoe on it. A
+channel over the user's group (the agreements that run before that group exists, or without it)
+waits on each header exchange at most the timeout it was given (``StepChannel(timeout_s=...)``).
 """
 
 from __future__ import annotations
@@ -136,7 +139,8 @@ def step_group(group: dist.ProcessGroup | None, timeout_s: float) -> dist.Proces
     one rank (local, nothing exchanged): the name then depends on the ranks alone."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     known = len(dist.distributed_c10d._world.pg_names)  # what torch hashes into a local group's name
-    rows = StepChannel(group, 1).agree(Position(MODEL_WIDE, AGREE, 0), platform.group_device(group), [], [known])
+    channel = StepChannel(group, 1, timeout_s=timeout_s)
+    rows = channel.agree(Position(MODEL_WIDE, AGREE, 0), platform.group_device(group), [], [known])
     for _ in range(max(row[0] for row in rows) - known):
         dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
     return dist.new_group(
@@ -147,11 +151,17 @@ def step_group(group: dist.ProcessGroup | None, timeout_s: float) -> dist.Proces
 
 class StepChannel:
     """One group's header exchanges (see the module docstring). ``width``: payload values per row,
-    fixed for the group; ``layer_names``: the model's experts modules, for error messages."""
+    fixed for the group; ``layer_names``: the model's experts modules, for error messages;
+    ``timeout_s``: the longest an exchange may wait (``None``: the group's own timeout), by the
+    group's own timeout where that is not longer (:func:`step_group`'s), else by waiting on the
+    collective at most that long (a channel over the user's group)."""
 
     def __init__(self, group: dist.ProcessGroup | None, width: int, layer_names: tuple[str, ...] = (),
                  timeout_s: float | None = None, what: str = "EP"):
         self.group, self.width, self.layer_names, self.timeout_s, self.what = group, width, layer_names, timeout_s, what
+        own = group_timeout_s(group) if timeout_s is not None else None
+        # a group whose own timeout is longer (the user's): each exchange waits at most timeout_s itself
+        self.wait_s = timeout_s if timeout_s is not None and (own is None or own > timeout_s + 1e-3) else None
         self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.calls: dict[int, int] = {}  # model-wide phase -> how many have run
 
@@ -184,7 +194,11 @@ class StepChannel:
             rows[:, HEADER - 1] = flag
         received = torch.empty_like(rows)
         try:
-            dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group)
+            if self.wait_s is None:  # the group's own timeout bounds the wait (epmoe's step groups)
+                dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group)
+            else:
+                work = dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group, async_op=True)
+                work.wait(datetime.timedelta(seconds=self.wait_s))
             platform.synchronize(device)  # the collective may run on its own stream (HCCL)
         except RuntimeError as exc:
             raise self.failed(position, exc) from exc

@@ -284,7 +284,7 @@ def _check_ranks_agree(
                 value_code([str(d) for d in dtypes]),
             ]
         fields = list(zip(names, values))
-        channel = StepChannel(group, len(fields), what="EP")
+        channel = StepChannel(group, len(fields), timeout_s=step_timeout_s(config.timeout, group), what="EP")
 
         def show(name: str, value: int) -> str | None:
             return dtype_name(value) if name == "experts' dtype" else None
