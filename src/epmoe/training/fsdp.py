@@ -71,12 +71,12 @@ def prepare_fsdp_trainer(trainer: Any) -> None:
     split_groups_of_created_optimizer(trainer, split_expert_param_groups)
 
 
-def split_expert_param_groups(optimizer: Any) -> None:
+def split_expert_param_groups(optimizer: Any, caller: str) -> None:
     """Move the expert parameters of ``optimizer`` into param groups of their own, each group's
     options kept. Trainer builds its optimizer before accelerate shards the model and swaps the other
     parameters for FSDP2's DTensors; a group mixing them with the plain expert tensors fails in
     torch's fused / foreach kernels. Per-element updates are the same in either grouping."""
-    split_param_groups(optimizer, lambda group, p: {} if is_expert_parameter(p) else None)
+    split_param_groups(optimizer, lambda group, p: {} if is_expert_parameter(p) else None, caller)
 
 
 def keep_experts_out(plugin: Any, model: nn.Module, experts: list[nn.Parameter]) -> None:
