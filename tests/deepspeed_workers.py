@@ -186,6 +186,25 @@ def accelerate_case(rank, stage, ds_optimizer):
             "compared": count, "expert_params": experts, "steps": len(losses), "moe_groups": moe_groups}
 
 
+def accelerate_refused(stage, prepare_first):
+    """prepare_accelerator where it cannot be exact under accelerate's DeepSpeed plugin: ZeRO 3, or an
+    engine that accelerator.prepare has already built for the EP model (``prepare_first``): its error."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DummyOptim
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(stage)))
+    if prepare_first:
+        model = fresh_model(ep=True)
+        accelerator.prepare(model, DummyOptim(model.parameters()))
+    try:
+        epmoe.prepare_accelerator(accelerator)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def unsplit_optimizer_initialize(rank):
     """prepare_deepspeed, then deepspeed.initialize with a torch optimizer whose param groups were not
     split into DeepSpeed's MoE groups: the error the user sees."""
@@ -273,9 +292,11 @@ def run_all(rank, world, tmp):
         "accelerate_zero2_ds_optimizer": _guard(accelerate_case, rank, 2, True),
         "accelerate_zero1_torch_optimizer": _guard(accelerate_case, rank, 1, False),
         "unsplit_optimizer_initialize": _guard(unsplit_optimizer_initialize, rank),
+        "accelerate_after_prepare": _guard(accelerate_refused, 2, True),
         "unprepared_initialize": _guard(unprepared_initialize, rank),
         "unprepared_trainer": _guard(unprepared_trainer, tmp),
         "zero3_trainer": _guard(zero3_trainer, tmp),  # stage 3 last: it turns on transformers' zero3 mode
         "zero3_initialize": _guard(zero3_initialize, rank),
+        "zero3_accelerate": _guard(accelerate_refused, 3, False),
     }
     return results

@@ -80,3 +80,11 @@ def test_zero3_is_refused(results):
     for by_case in results:
         assert "ZeRO stage 3" in by_case["zero3_trainer"] and "stage 1 or 2" in by_case["zero3_trainer"]
         assert "ZeRO Stage 3" in by_case["zero3_initialize"], by_case["zero3_initialize"]
+        assert "prepare_accelerator" in by_case["zero3_accelerate"], by_case["zero3_accelerate"]
+        assert "ZeRO stage 3" in by_case["zero3_accelerate"], by_case["zero3_accelerate"]
+
+
+def test_prepare_accelerator_after_the_engine_is_built_is_refused(results):
+    for by_case in results:
+        message = by_case["accelerate_after_prepare"]
+        assert "before accelerator.prepare" in message, message
