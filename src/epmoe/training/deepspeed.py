@@ -64,7 +64,8 @@ def prepare_deepspeed(model: nn.Module) -> nn.Module:
     the experts, if any) and before ``deepspeed.initialize(model=model, ...)``. Idempotent. Give
     DeepSpeed the optimizer in its config (``"optimizer"``, built from ``model_parameters=list(...)``)
     or an optimizer whose param groups went through
-    ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``.
+    ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`` (any other torch
+    optimizer raises ``ValueError`` inside ``deepspeed.initialize``, naming this fix).
     """
     states = [state for _, state in require_ep_states(model, "prepare_deepspeed")]
     syncs = list({id(s.sync): s.sync for s in states if s.sync is not None and s.sync.active}.values())

@@ -62,7 +62,7 @@ def prepare_fsdp_trainer(trainer: Any) -> None:
         )
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     experts = expert_parameters(model)
-    if any(_is_dtensor(p) for p in experts):
+    if any(is_dtensor(p) for p in experts):
         raise ValueError(
             "prepare_trainer(trainer): the model is already sharded by FSDP with its expert parameters inside; "
             "call prepare_trainer before trainer.train()"
@@ -127,7 +127,7 @@ def without_fsdp_branch(trainer: Any, method: Any, *args: Any, **kwargs: Any) ->
         trainer.is_fsdp_enabled = True
 
 
-def _is_dtensor(p: Any) -> bool:
+def is_dtensor(p: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover

@@ -4,28 +4,13 @@
 use the libraries' public hooks where they have one: a ``TrainerCallback`` (the DCP half of a Trainer
 checkpoint), accelerate's FSDP2 plugin (``ignored_modules``), DeepSpeed's MoE protocol (parameter
 marks, ``'moe'`` param groups, a ``deepspeed.moe.layer.MoE`` child). Where none exists, a method is
-replaced *on the instance* (the class is untouched), and every such method, each DeepSpeed method
-epmoe overrides, and each private function epmoe calls is listed in :data:`TABLE` with its signature
-as checked against :data:`CHECKED_AGAINST` (tests/test_launchers.py fails when one disappears or
-changes signature):
-
-    library        owner.method                              how        why
-    accelerate     Accelerator.clip_grad_norm_               replaced   every expert counted once
-    accelerate     Accelerator.prepare                       replaced   DeepSpeed plugin: expert marks, MoE groups
-    transformers   Trainer.create_optimizer                  replaced   DeepSpeed / FSDP2 param groups
-    transformers   Trainer._mixed_mesh_grad_norm             replaced   FSDP2's clip, experts counted once
-    transformers   Trainer._save                             replaced   every rank joins save_pretrained
-    transformers   Trainer.save_model                        replaced   FSDP2: not the plugin's branch
-    transformers   Trainer._save_optimizer_and_scheduler     replaced   FSDP2: not the plugin's files
-    transformers   Trainer._load_from_checkpoint             replaced   the model from DCP
-    transformers   Trainer._load_optimizer_and_scheduler     replaced   the optimizer from DCP
-    deepspeed      moe.layer.MoE.set_deepspeed_parallelism   overridden epmoe's groups made DeepSpeed's
-    deepspeed      utils.groups._create_expert_and_data_parallel, _get_expert_parallel_group_dict,
-                   _get_expert_parallel_group, _get_expert_data_parallel_group           called
-    deepspeed      runtime.engine.DeepSpeedEngine._configure_distributed_model   read: its ``client_optimizer``
-                   (set before it calls ``set_deepspeed_parallelism``) has its param groups checked there
-
-TRL's trainers (``SFTTrainer``...) inherit the Trainer methods above; the test checks them there too.
+replaced *on the instance* (the class is untouched). :data:`TABLE` lists every such method, each
+DeepSpeed method epmoe overrides, each private function of another library epmoe calls and the one
+attribute of a DeepSpeed engine it reads, each with its signature as checked against
+:data:`CHECKED_AGAINST` and why; tests/test_launchers.py fails when one disappears or changes
+signature (on TRL's ``SFTTrainer`` too, which inherits the Trainer methods). Besides methods, epmoe
+writes accelerate's FSDP plugin's ``ignored_modules`` (its configuration, :mod:`epmoe.training.fsdp`)
+and, for the duration of one call, a Trainer's ``is_fsdp_enabled`` (``without_fsdp_branch`` there).
 
 What epmoe remembers about other libraries' objects (a Trainer or accelerator prepared, a Trainer
 whose optimizer gets split groups, a router with a load balancer) sits in one registry keyed by the

@@ -44,7 +44,7 @@ from epmoe.ep.state import ep_states
 from epmoe.integrations.peft import has_expert_lora
 from epmoe.training.accelerate import install_clip
 from epmoe.training.deepspeed import prepare_deepspeed_trainer
-from epmoe.training.fsdp import prepare_fsdp_trainer, without_fsdp_branch
+from epmoe.training.fsdp import is_dtensor, prepare_fsdp_trainer, without_fsdp_branch
 from epmoe.training.launchers import remember, remembered, replace
 
 DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
@@ -86,8 +86,20 @@ def prepare_trainer(trainer: Any) -> Any:
             state.sync.set_wrapper("transformers.Trainer")
     if not deepspeed:
         clip = install_clip(accelerator)
-        # plain expert tensors next to FSDP2's DTensors: Trainer clips there without the accelerator
-        replace(trainer, "_mixed_mesh_grad_norm", lambda model, max_norm: clip(model.parameters(), max_norm))
+        if fsdp or any(is_dtensor(p) for p in model.parameters()):
+            # plain expert tensors next to FSDP2's DTensors: Trainer clips there without the accelerator
+            replace(trainer, "_mixed_mesh_grad_norm", lambda model, max_norm: clip(model.parameters(), max_norm))
+
+    _save_from_every_rank(trainer, fsdp)
+    if not deepspeed:  # DeepSpeed checkpoints are refused (epmoe.training.deepspeed)
+        trainer.add_callback(_dcp_callback_class()(trainer))
+        _resume_from_dcp(trainer)
+    remember(trainer, PREPARED)
+    return trainer
+
+
+def _save_from_every_rank(trainer: Any, fsdp: bool) -> None:
+    """Trainer writes from one process only; the EP ranks must all join the experts' gather."""
 
     def save(output_dir=None, state_dict=None):
         model = _unwrapped(trainer)
@@ -96,7 +108,6 @@ def prepare_trainer(trainer: Any) -> Any:
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict) if trainer.args.should_save else None
         if trainer.args.should_save:
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict)
-        # Trainer writes from one process only; the EP ranks must all join the experts' gather
         if isinstance(getattr(model, "save_pretrained", None), SavePretrained):
             model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict,
                                   is_main_process=False)
@@ -108,6 +119,10 @@ def prepare_trainer(trainer: Any) -> Any:
         # the scheduler and rank 0's moments, not the plugin's files, which hold rank 0's experts
         replace(trainer, "_save_optimizer_and_scheduler", lambda output_dir: without_fsdp_branch(
             trainer, type(trainer)._save_optimizer_and_scheduler, trainer, output_dir))
+
+
+def _resume_from_dcp(trainer: Any) -> None:
+    """``resume_from_checkpoint``: the model and optimizer from the checkpoint's ``epmoe_dcp/``."""
 
     def load_from_checkpoint(resume_from_checkpoint, model=None):
         model = _unwrapped(trainer)
@@ -128,12 +143,8 @@ def prepare_trainer(trainer: Any) -> Any:
         dcp.load(state, checkpoint_id=_dcp_dir(checkpoint, must_exist=True))
         set_state_dict(model, trainer.optimizer, state=state)
 
-    if not deepspeed:  # DeepSpeed checkpoints are refused (epmoe.training.deepspeed)
-        trainer.add_callback(_dcp_callback_class()(trainer))
-        replace(trainer, "_load_from_checkpoint", load_from_checkpoint)
-        replace(trainer, "_load_optimizer_and_scheduler", load_optimizer_and_scheduler)
-    remember(trainer, PREPARED)
-    return trainer
+    replace(trainer, "_load_from_checkpoint", load_from_checkpoint)
+    replace(trainer, "_load_optimizer_and_scheduler", load_optimizer_and_scheduler)
 
 
 @functools.cache
