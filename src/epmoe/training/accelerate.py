@@ -22,7 +22,6 @@ launcher table (:mod:`epmoe.training.launchers`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -32,7 +31,6 @@ from epmoe.training.deepspeed import MARKER, prepare_deepspeed, refuse_zero3, sp
 from epmoe.training.launchers import accelerator_clip, remember, remembered, replace
 
 PREPARED = "prepare_accelerator"
-CLIPS = "epmoe.clip_grad_norm_"
 
 
 def prepare_accelerator(accelerator: Any) -> Any:
@@ -55,18 +53,9 @@ def prepare_accelerator(accelerator: Any) -> Any:
     if str(getattr(accelerator, "distributed_type", "")).endswith("DEEPSPEED"):
         _prepare_deepspeed_path(accelerator)
     else:
-        install_clip(accelerator)
+        replace(accelerator, "clip_grad_norm_", accelerator_clip(accelerator))
     remember(accelerator, PREPARED)
     return accelerator
-
-
-def install_clip(accelerator: Any) -> Callable:
-    """Make ``accelerator.clip_grad_norm_`` :func:`epmoe.clip_grad_norm_` after accelerate's
-    ``unscale_gradients`` (once per accelerator); returns that clip."""
-    if not remembered(accelerator, CLIPS):
-        replace(accelerator, "clip_grad_norm_", accelerator_clip(accelerator))
-        remember(accelerator, CLIPS)
-    return accelerator.clip_grad_norm_
 
 
 def _prepare_deepspeed_path(accelerator: Any) -> None:

@@ -50,7 +50,7 @@ from torch import nn
 from epmoe.ep.lora import clear_full_shapes
 from epmoe.ep.params import expert_parameters
 from epmoe.ep.state import ep_states, require_ep_states
-from epmoe.training.optim import split_groups_of_created_optimizer, split_param_groups
+from epmoe.training.optim import split_param_groups
 
 MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
 REDUCER = "DeepSpeed"
@@ -234,9 +234,11 @@ def _groups_class() -> type:
 
 def prepare_deepspeed_trainer(trainer: Any) -> None:
     """What :func:`epmoe.prepare_trainer` does for a Trainer running DeepSpeed (``TrainingArguments(deepspeed=...)``):
-    :func:`prepare_deepspeed` on its model, and the optimizer Trainer builds itself (no ``"optimizer"``
-    in the DeepSpeed config) given DeepSpeed's expert param groups. DeepSpeed clips (``gradient_clipping``,
-    Trainer's ``max_grad_norm``) and logs the whole model's norm itself."""
+    refuse what cannot be exact, :func:`prepare_deepspeed` on its model. The optimizer Trainer builds
+    itself (no ``"optimizer"`` in the DeepSpeed config) gets DeepSpeed's expert param groups from the
+    accelerator's ``prepare`` (:func:`epmoe.prepare_accelerator`, which ``prepare_trainer`` calls).
+    DeepSpeed clips (``gradient_clipping``, Trainer's ``max_grad_norm``) and logs the whole model's
+    norm itself."""
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
     refuse_zero3(getattr(plugin, "zero_stage", None), "prepare_trainer(trainer)")
     strategy = getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)
@@ -247,4 +249,3 @@ def prepare_deepspeed_trainer(trainer: Any) -> None:
             "TrainingArguments(save_strategy='no') and save with trainer.save_model() or model.save_pretrained (every rank)"
         )
     prepare_deepspeed(trainer.model)
-    split_groups_of_created_optimizer(trainer, split_moe_param_groups)

@@ -7,8 +7,9 @@ accelerate wraps the model in ``DistributedDataParallel``, which leaves the expe
 nothing. One thing is not: Trainer clips with ``accelerator.clip_grad_norm_``, i.e.
 ``torch.nn.utils.clip_grad_norm_``, whose norm on each rank sees only that rank's experts, so every
 rank would clip by a different factor and the replicated weights drift apart. ``prepare_trainer``
-replaces that one method *of this trainer's accelerator* (the class is untouched) by
-:func:`epmoe.clip_grad_norm_`, which also makes the logged ``grad_norm`` the whole model's. And
+prepares this trainer's accelerator (:func:`epmoe.prepare_accelerator`: that one method *of this
+accelerator*, the class untouched, becomes :func:`epmoe.clip_grad_norm_`), which also makes the
+logged ``grad_norm`` the whole model's. And
 Trainer saves (``save_model``, checkpoints) from the main process only, while the experts of an EP
 model must be gathered from every rank: this trainer's ``_save`` lets the other ranks join the
 model's ``save_pretrained`` (:mod:`epmoe.checkpoint.save`) without writing. Trainer checkpoints
@@ -20,7 +21,8 @@ continues exactly, at any world size. Which methods of this trainer are replaced
 launcher table, :mod:`epmoe.training.launchers`.
 
 DeepSpeed (``TrainingArguments(deepspeed=...)``): ZeRO stages 1 and 2 through DeepSpeed's own MoE
-support, see :mod:`epmoe.training.deepspeed`; there DeepSpeed clips and reduces, and Trainer
+support, see :mod:`epmoe.training.deepspeed` (the expert param groups made at the accelerator's
+``prepare``, :mod:`epmoe.training.accelerate`); there DeepSpeed clips and reduces, and Trainer
 checkpoints are refused (``save_model`` works). accelerate's FSDP2 plugin
 (``TrainingArguments(fsdp=..., fsdp_config={"version": 2})``): its ``ignored_modules`` set to the
 experts, Trainer's clip and saving routed as above, see :mod:`epmoe.training.fsdp`. ZeRO stage 3 and
@@ -42,7 +44,7 @@ from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
 from epmoe.checkpoint.save import SavePretrained, adapter_state_dict
 from epmoe.ep.state import ep_states
 from epmoe.integrations.peft import has_expert_lora
-from epmoe.training.accelerate import install_clip
+from epmoe.training.accelerate import prepare_accelerator
 from epmoe.training.deepspeed import prepare_deepspeed_trainer
 from epmoe.training.fsdp import is_dtensor, prepare_fsdp_trainer, without_fsdp_branch
 from epmoe.training.launchers import remember, remembered, replace
@@ -84,11 +86,11 @@ def prepare_trainer(trainer: Any) -> Any:
     for state in states:
         if state.sync is not None and state.sync.active and not deepspeed:
             state.sync.set_wrapper("transformers.Trainer")
-    if not deepspeed:
-        clip = install_clip(accelerator)
-        if fsdp or any(is_dtensor(p) for p in model.parameters()):
-            # plain expert tensors next to FSDP2's DTensors: Trainer clips there without the accelerator
-            replace(trainer, "_mixed_mesh_grad_norm", lambda model, max_norm: clip(model.parameters(), max_norm))
+    prepare_accelerator(accelerator)  # its clip, or under DeepSpeed the expert groups at accelerator.prepare
+    if not deepspeed and (fsdp or any(is_dtensor(p) for p in model.parameters())):
+        # plain expert tensors next to FSDP2's DTensors: Trainer clips there without the accelerator
+        clip = accelerator.clip_grad_norm_
+        replace(trainer, "_mixed_mesh_grad_norm", lambda model, max_norm: clip(model.parameters(), max_norm))
 
     _save_from_every_rank(trainer, fsdp)
     if not deepspeed:  # DeepSpeed checkpoints are refused (epmoe.training.deepspeed)
