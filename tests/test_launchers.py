@@ -177,3 +177,26 @@ def test_unsplit_deepspeed_param_groups_name_the_fix():
         with pytest.raises(ValueError, match="epmoe.prepare_deepspeed") as caught:
             check_moe_param_groups(groups, "here")
         assert "split_params_into_different_moe_groups_for_optimizer" in str(caught.value)
+
+
+def test_prepare_trainer_replaces_only_methods_in_the_table_and_sets_no_other_attribute(tmp_path):
+    """What prepare_trainer adds to the Trainer and its accelerator is methods of the table, once (a
+    second call changes nothing), and one TrainerCallback."""
+    transformers = pytest.importorskip("transformers")
+    import epmoe
+    from epmoe.models import build_model
+    from epmoe.training.launchers import REPLACED
+
+    model = build_model("qwen3_moe")
+    epmoe.apply_expert_parallel(model)
+    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    before = set(vars(trainer)), set(vars(trainer.accelerator))
+    assert epmoe.prepare_trainer(trainer) is trainer
+    after = dict(vars(trainer)), dict(vars(trainer.accelerator))
+    assert epmoe.prepare_trainer(trainer) is trainer
+    assert (dict(vars(trainer)), dict(vars(trainer.accelerator))) == after
+    added = (set(after[0]) - before[0]) | (set(after[1]) - before[1])
+    assert added and added <= {entry.method for entry in TABLE if entry.how == REPLACED}, added
+    callbacks = [type(callback).__name__ for callback in trainer.callback_handler.callbacks]
+    assert callbacks.count("DcpCheckpoint") == 1, callbacks
