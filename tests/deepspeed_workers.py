@@ -146,6 +146,79 @@ def trainer_case(rank, stage, ds_optimizer, tmp):
     return out
 
 
+def accelerate_run(ep, stage, ds_optimizer, rank):
+    """An accelerate loop under its DeepSpeed plugin (ZeRO ``stage``; the optimizer in the DeepSpeed
+    config through ``DummyOptim``, or torch's AdamW): ``(losses, norms, engine)``; ``ep``: the EP model
+    through ``epmoe.prepare_accelerator``."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DummyOptim
+
+    AcceleratorState._reset_state(True)  # a fresh plugin for each run of this process
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(
+        hf_ds_config=ds_config(stage, optimizer="AdamW" if ds_optimizer else None)))
+    model = fresh_model(ep)
+    if ep:
+        assert epmoe.prepare_accelerator(accelerator) is accelerator
+    optimizer = (DummyOptim(model.parameters()) if ds_optimizer
+                 else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids = batch_of(rank, step)
+        loss = engine(ids, labels=ids).loss
+        accelerator.backward(loss)  # DeepSpeed's backward and step (it clips: gradient_clipping)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach().double())
+        norms.append(torch.as_tensor(float(accelerator.clip_grad_norm_(engine.parameters(), CLIP)),
+                                     dtype=torch.float64))
+    return torch.stack(losses), torch.stack(norms), engine
+
+
+def accelerate_case(rank, stage, ds_optimizer):
+    """prepare_accelerator under accelerate's DeepSpeed plugin vs the same loop without EP."""
+    ref_losses, ref_norms, ref_engine = accelerate_run(False, stage, ds_optimizer, rank)
+    losses, norms, engine = accelerate_run(True, stage, ds_optimizer, rank)
+    params, count, experts = compare_params(engine.module, ref_engine.module)
+    moe_groups = sum(bool(group.get("moe")) for group in engine.optimizer.optimizer.param_groups)
+    return {"loss": max_rel(losses, ref_losses), "grad_norm": max_rel(norms, ref_norms), "params": params,
+            "compared": count, "expert_params": experts, "steps": len(losses), "moe_groups": moe_groups}
+
+
+def accelerate_refused(stage, prepare_first):
+    """prepare_accelerator where it cannot be exact under accelerate's DeepSpeed plugin: ZeRO 3, or an
+    engine that accelerator.prepare has already built for the EP model (``prepare_first``): its error."""
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DummyOptim
+
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(stage)))
+    if prepare_first:
+        model = fresh_model(ep=True)
+        accelerator.prepare(model, DummyOptim(model.parameters()))
+    try:
+        epmoe.prepare_accelerator(accelerator)
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def unsplit_optimizer_initialize(rank):
+    """prepare_deepspeed, then deepspeed.initialize with a torch optimizer whose param groups were not
+    split into DeepSpeed's MoE groups: the error the user sees."""
+    import deepspeed
+
+    model = epmoe.prepare_deepspeed(fresh_model(ep=True))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(2, optimizer=None))
+    except (ValueError, AssertionError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 def unprepared_initialize(rank):
     """deepspeed.initialize on an EP model without prepare_deepspeed: refused at the first forward."""
     import deepspeed
@@ -216,9 +289,14 @@ def run_all(rank, world, tmp):
         "initialize_zero2_adamw": _guard(initialize_case, rank, 2, "AdamW"),
         "trainer_zero2_ds_optimizer": _guard(trainer_case, rank, 2, True, tmp),
         "trainer_zero1_trainer_optimizer": _guard(trainer_case, rank, 1, False, tmp),
+        "accelerate_zero2_ds_optimizer": _guard(accelerate_case, rank, 2, True),
+        "accelerate_zero1_torch_optimizer": _guard(accelerate_case, rank, 1, False),
+        "unsplit_optimizer_initialize": _guard(unsplit_optimizer_initialize, rank),
+        "accelerate_after_prepare": _guard(accelerate_refused, 2, True),
         "unprepared_initialize": _guard(unprepared_initialize, rank),
         "unprepared_trainer": _guard(unprepared_trainer, tmp),
         "zero3_trainer": _guard(zero3_trainer, tmp),  # stage 3 last: it turns on transformers' zero3 mode
         "zero3_initialize": _guard(zero3_initialize, rank),
+        "zero3_accelerate": _guard(accelerate_refused, 3, False),
     }
     return results

@@ -1,9 +1,11 @@
 """DeepSpeed ZeRO on an EP model (2 gloo ranks, CPU, one spawn for every case): ZeRO 1 and 2 through
-``deepspeed.initialize`` (``epmoe.prepare_deepspeed``) and through ``Trainer(TrainingArguments(deepspeed=...))``
-(``epmoe.prepare_trainer``) equal the same recipe without EP (every rank holding all experts, DeepSpeed's
+``deepspeed.initialize`` (``epmoe.prepare_deepspeed``), through ``Trainer(TrainingArguments(deepspeed=...))``
+(``epmoe.prepare_trainer``) and through accelerate's DeepSpeed plugin (``epmoe.prepare_accelerator``) equal
+the same recipe without EP (every rank holding all experts, DeepSpeed's
 plain data parallelism): losses, gradient norms (clipping active at every step), every parameter after 3
 steps (experts: the reference's slice for the rank), and ``trainer.save_model``'s file. Without the
-preparation, DeepSpeed is refused at the first forward; ZeRO 3 is refused.
+preparation, DeepSpeed is refused at the first forward; an optimizer whose param groups were not split into
+DeepSpeed's MoE groups raises epmoe's error naming the fix; ZeRO 3 is refused.
 
 Tolerances: the model is float64, but ZeRO 1/2 keep float32 master weights, optimizer state and gradient
 partitions and compute the norm in float32, and transformers computes the loss from float32-upcast logits.
@@ -30,6 +32,8 @@ EXACT_CASES = {  # case: parameter tolerance
     "initialize_zero2_adamw": 5e-5,
     "trainer_zero2_ds_optimizer": 5e-5,
     "trainer_zero1_trainer_optimizer": 5e-5,
+    "accelerate_zero2_ds_optimizer": 5e-5,
+    "accelerate_zero1_torch_optimizer": 5e-5,
 }
 FP32 = 1e-6
 
@@ -48,6 +52,8 @@ def test_zero_1_and_2_equal_the_recipe_without_ep(results, case):
         assert got["loss"] <= FP32, f"rank {rank} {case}: loss {got['loss']:.3g}"
         assert got["grad_norm"] <= FP32, f"rank {rank} {case}: grad_norm {got['grad_norm']:.3g}"
         assert got["params"] <= EXACT_CASES[case], f"rank {rank} {case}: params {got['params']:.3g}"
+        if case.startswith("accelerate"):  # the expert parameters in DeepSpeed's MoE param group
+            assert got["moe_groups"] == 1, f"rank {rank} {case}: {got}"
         if case.startswith("trainer") and rank == 0:
             assert got["saved_compared"] == 69, got  # every tensor of the checkpoint, all 8 experts
             assert got["saved"] <= EXACT_CASES[case], f"{case}: save_model {got['saved']:.3g}"
@@ -60,7 +66,25 @@ def test_without_preparation_deepspeed_is_refused_before_a_step(results):
         assert "epmoe.prepare_trainer(trainer)" in message and steps == 0, (message, steps)
 
 
+def test_unsplit_optimizer_groups_raise_epmoe_error_naming_the_fix(results):
+    """A torch optimizer over every parameter (no MoE param groups) given to deepspeed.initialize after
+    prepare_deepspeed: epmoe's ValueError naming the fix, not DeepSpeed's assertion."""
+    for by_case in results:
+        message = by_case["unsplit_optimizer_initialize"]
+        assert message.startswith("ValueError: "), message
+        assert "epmoe.prepare_deepspeed(model)" in message, message
+        assert "split_params_into_different_moe_groups_for_optimizer" in message, message
+
+
 def test_zero3_is_refused(results):
     for by_case in results:
         assert "ZeRO stage 3" in by_case["zero3_trainer"] and "stage 1 or 2" in by_case["zero3_trainer"]
         assert "ZeRO Stage 3" in by_case["zero3_initialize"], by_case["zero3_initialize"]
+        assert "prepare_accelerator" in by_case["zero3_accelerate"], by_case["zero3_accelerate"]
+        assert "ZeRO stage 3" in by_case["zero3_accelerate"], by_case["zero3_accelerate"]
+
+
+def test_prepare_accelerator_after_the_engine_is_built_is_refused(results):
+    for by_case in results:
+        message = by_case["accelerate_after_prepare"]
+        assert "before accelerator.prepare" in message, message

@@ -4,9 +4,13 @@ Which parameters are expert-parallel (DDP told to leave them alone) and how thei
 reduced over ``"dp"`` and summed or averaged is the engine's contract: :mod:`epmoe.ep.params`,
 :mod:`epmoe.ep.grads`. Here:
 
+* :mod:`epmoe.training.launchers`: the launcher table (every method of another library epmoe
+  replaces, overrides or calls, with the versions it was checked against) and the registry of what
+  was prepared.
 * :mod:`epmoe.training.clip`: the whole model's gradient norm, every expert counted once.
 * :mod:`epmoe.training.trainer`: ``prepare_trainer`` for transformers' ``Trainer``.
-* :mod:`epmoe.training.accelerate`: ``prepare_accelerator`` for an accelerate ``Accelerator``.
+* :mod:`epmoe.training.accelerate`: ``prepare_accelerator`` for an accelerate ``Accelerator`` (DDP,
+  FSDP2, or its DeepSpeed plugin through :mod:`epmoe.training.deepspeed`).
 * :mod:`epmoe.training.deepspeed`: ``prepare_deepspeed``, DeepSpeed ZeRO 1/2 through its own MoE support.
 * :mod:`epmoe.training.generate`: ``generate`` that never leaves a rank waiting.
 * :mod:`epmoe.training.balance`: ``LoadBalancer``, auxiliary-loss-free balancing of expert load.

@@ -23,8 +23,10 @@ from torch import nn
 from epmoe.ep.load import global_load, replicas_load
 from epmoe.ep.state import require_ep_states
 from epmoe.integrations.blocks import block_router
+from epmoe.training.launchers import remember, remembered
 
 _COUNTER = "balancer"
+_BALANCED = "LoadBalancer"  # a router with a balancer (one per model)
 
 
 class LoadBalancer:
@@ -45,7 +47,7 @@ class LoadBalancer:
         self._states = require_ep_states(model, "LoadBalancer")
         routers = [(name, block_router(state.ancestors[-2])) for name, state in self._states]
         for (name, router), (_, state) in zip(routers, self._states):
-            if getattr(router, "_epmoe_balanced", False):
+            if remembered(router, _BALANCED):
                 raise ValueError(f"LoadBalancer: {name} already has a LoadBalancer (one per model)")
             own = getattr(router, "e_score_correction_bias", None)
             if isinstance(own, torch.Tensor):
@@ -55,7 +57,7 @@ class LoadBalancer:
                 self.bias[name] = torch.zeros(state.shard.num_experts, dtype=torch.float32,
                                               device=router.weight.device)
                 router.register_forward_hook(_biased_selection(self.bias[name]))
-            router._epmoe_balanced = True
+            remember(router, _BALANCED)
             if _COUNTER not in state.load_counters:
                 state.load_counters = (*state.load_counters, _COUNTER)
             state.add_counter(_COUNTER)

@@ -16,7 +16,10 @@ calling each such layer's ``set_deepspeed_parallelism``. :func:`prepare_deepspee
   ``deepspeed.utils.groups._create_expert_and_data_parallel`` (what DeepSpeed's ``MoE`` layers call),
   checks that they are epmoe's (the EP group; the ``"dp"`` replicas of this rank's experts, a group
   of one without an EP x DP mesh) and hands the expert gradients' reduction to DeepSpeed
-  (:meth:`epmoe.ep.grads.GradSync.hand_over`).
+  (:meth:`epmoe.ep.grads.GradSync.hand_over`). There too, before DeepSpeed looks at the optimizer it
+  was given, that optimizer's param groups are checked (:func:`check_moe_param_groups`): expert
+  parameters outside DeepSpeed's MoE groups raise ``ValueError`` naming the fix, in place of
+  DeepSpeed's own assertion (or, with some groups split, its silently wrong reduction).
 
 Why that is exact: after the backward all-to-all an expert's gradient is the sum over every EP
 rank's tokens. DeepSpeed divides every gradient, experts included, by its data-parallel size (the
@@ -37,15 +40,17 @@ epmoe's experts are not: save with ``model.save_pretrained`` (every rank) or
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from epmoe.ep.lora import clear_full_shapes
 from epmoe.ep.params import expert_parameters
 from epmoe.ep.state import ep_states, require_ep_states
-from epmoe.training.optim import split_groups_of_created_optimizer, split_param_groups
+from epmoe.training.optim import split_param_groups
 
 MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
 REDUCER = "DeepSpeed"
@@ -59,7 +64,8 @@ def prepare_deepspeed(model: nn.Module) -> nn.Module:
     the experts, if any) and before ``deepspeed.initialize(model=model, ...)``. Idempotent. Give
     DeepSpeed the optimizer in its config (``"optimizer"``, built from ``model_parameters=list(...)``)
     or an optimizer whose param groups went through
-    ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``.
+    ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`` (any other torch
+    optimizer raises ``ValueError`` inside ``deepspeed.initialize``, naming this fix).
     """
     states = [state for _, state in require_ep_states(model, "prepare_deepspeed")]
     syncs = list({id(s.sync): s.sync for s in states if s.sync is not None and s.sync.active}.values())
@@ -96,16 +102,63 @@ def _num_experts(states: list) -> int:
     return max(state.shard.num_experts for state in states)
 
 
-def split_moe_param_groups(optimizer: Any) -> None:
+def split_moe_param_groups(optimizer: Any, caller: str) -> None:
     """Move the expert parameters of ``optimizer`` into param groups of their own marked for DeepSpeed
     (``'moe': True``, ``'name'``: their group name), keeping each group's options: what
-    ``split_params_into_different_moe_groups_for_optimizer`` makes."""
+    ``split_params_into_different_moe_groups_for_optimizer`` makes (groups it would leave empty are
+    dropped). ``caller`` names the public function in errors."""
     def own_group(group: dict, p: nn.Parameter) -> dict | None:
         if group.get("moe", False) or getattr(p, "allreduce", True) is not False or not hasattr(p, "group_name"):
             return None
         return {"moe": True, "name": p.group_name}
 
-    split_param_groups(optimizer, own_group)
+    split_param_groups(optimizer, own_group, caller)
+
+
+def check_moe_param_groups(param_groups: Any, caller: str) -> None:
+    """``ValueError`` naming the fix unless every param group holding expert parameters (marked by
+    :func:`prepare_deepspeed`) is one of DeepSpeed's MoE groups holding only those: DeepSpeed would
+    otherwise partition and reduce the experts as replicated parameters, or stop at its own
+    assertion that no param group is marked as MoE."""
+    for index, group in enumerate(param_groups):
+        params = group["params"] if isinstance(group, dict) else [group]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        marked = [getattr(p, "allreduce", True) is False and hasattr(p, "group_name") for p in params]
+        moe = isinstance(group, dict) and bool(group.get("moe", False))
+        if (moe and not all(marked)) or (not moe and any(marked)):
+            raise ValueError(
+                f"{caller}: param group {index} of the optimizer given to DeepSpeed "
+                f"{'mixes expert and non-expert parameters in a MoE group' if moe else 'holds expert parameters outside DeepSpeed MoE groups'}"
+                f": DeepSpeed would partition and reduce the experts, which differ on every EP rank, as "
+                f"replicated parameters. Call epmoe.prepare_deepspeed(model) first, then build the optimizer "
+                f"from deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(param_groups) "
+                f"(or name the optimizer in the DeepSpeed config; a Trainer: epmoe.prepare_trainer(trainer), "
+                f"an accelerator: epmoe.prepare_accelerator(accelerator) before accelerator.prepare)"
+            )
+
+
+def refuse_zero3(stage: Any, caller: str) -> None:
+    """``ValueError`` for DeepSpeed ZeRO stage 3."""
+    if stage == 3:
+        raise ValueError(
+            f"{caller}: DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts "
+            "included, which differ on every EP rank (DeepSpeed refuses its own MoE layers at stage 3 too): use "
+            "ZeRO stage 1 or 2, or FSDP2 by hand with fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
+        )
+
+
+def _calling_engine() -> Any:
+    """The DeepSpeed engine whose construction is on the stack (it calls ``set_deepspeed_parallelism``
+    from ``_configure_distributed_model``, see the launcher table), or ``None``."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, DeepSpeedEngine):
+            return candidate
+        frame = frame.f_back
+    return None
 
 
 @functools.cache
@@ -141,6 +194,10 @@ def _groups_class() -> type:
             if groups.mpu is not None:
                 raise ValueError("prepare_deepspeed: DeepSpeed with model (tensor / pipeline) parallelism is not "
                                  "supported on an expert-parallel model")
+            engine = _calling_engine()
+            client_optimizer = getattr(engine, "client_optimizer", None)
+            if isinstance(client_optimizer, torch.optim.Optimizer):  # before DeepSpeed's own checks of its groups
+                check_moe_param_groups(client_optimizer.param_groups, "deepspeed.initialize on an EP model")
             name = self.expert_group_name
             if name not in groups._get_expert_parallel_group_dict():
                 groups._create_expert_and_data_parallel(self.ep_size)
@@ -177,17 +234,13 @@ def _groups_class() -> type:
 
 def prepare_deepspeed_trainer(trainer: Any) -> None:
     """What :func:`epmoe.prepare_trainer` does for a Trainer running DeepSpeed (``TrainingArguments(deepspeed=...)``):
-    :func:`prepare_deepspeed` on its model, and the optimizer Trainer builds itself (no ``"optimizer"``
-    in the DeepSpeed config) given DeepSpeed's expert param groups. DeepSpeed clips (``gradient_clipping``,
-    Trainer's ``max_grad_norm``) and logs the whole model's norm itself."""
+    refuse what cannot be exact, :func:`prepare_deepspeed` on its model. The optimizer Trainer builds
+    itself (no ``"optimizer"`` in the DeepSpeed config) gets DeepSpeed's expert param groups from the
+    accelerator's ``prepare`` (:func:`epmoe.prepare_accelerator`, which ``prepare_trainer`` calls).
+    DeepSpeed clips (``gradient_clipping``, Trainer's ``max_grad_norm``) and logs the whole model's
+    norm itself."""
     plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    stage = getattr(plugin, "zero_stage", None)
-    if stage == 3:
-        raise ValueError(
-            "prepare_trainer(trainer): DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts "
-            "included, which differ on every EP rank (DeepSpeed refuses its own MoE layers at stage 3 too): use "
-            "ZeRO stage 1 or 2, or FSDP2 by hand with fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
-        )
+    refuse_zero3(getattr(plugin, "zero_stage", None), "prepare_trainer(trainer)")
     strategy = getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy)
     if strategy != "no":
         raise ValueError(
@@ -196,4 +249,3 @@ def prepare_deepspeed_trainer(trainer: Any) -> None:
             "TrainingArguments(save_strategy='no') and save with trainer.save_model() or model.save_pretrained (every rank)"
         )
     prepare_deepspeed(trainer.model)
-    split_groups_of_created_optimizer(trainer, split_moe_param_groups)

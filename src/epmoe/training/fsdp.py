@@ -62,7 +62,7 @@ def prepare_fsdp_trainer(trainer: Any) -> None:
         )
     model = trainer.accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     experts = expert_parameters(model)
-    if any(_is_dtensor(p) for p in experts):
+    if any(is_dtensor(p) for p in experts):
         raise ValueError(
             "prepare_trainer(trainer): the model is already sharded by FSDP with its expert parameters inside; "
             "call prepare_trainer before trainer.train()"
@@ -71,12 +71,12 @@ def prepare_fsdp_trainer(trainer: Any) -> None:
     split_groups_of_created_optimizer(trainer, split_expert_param_groups)
 
 
-def split_expert_param_groups(optimizer: Any) -> None:
+def split_expert_param_groups(optimizer: Any, caller: str) -> None:
     """Move the expert parameters of ``optimizer`` into param groups of their own, each group's
     options kept. Trainer builds its optimizer before accelerate shards the model and swaps the other
     parameters for FSDP2's DTensors; a group mixing them with the plain expert tensors fails in
     torch's fused / foreach kernels. Per-element updates are the same in either grouping."""
-    split_param_groups(optimizer, lambda group, p: {} if is_expert_parameter(p) else None)
+    split_param_groups(optimizer, lambda group, p: {} if is_expert_parameter(p) else None, caller)
 
 
 def keep_experts_out(plugin: Any, model: nn.Module, experts: list[nn.Parameter]) -> None:
@@ -127,7 +127,7 @@ def without_fsdp_branch(trainer: Any, method: Any, *args: Any, **kwargs: Any) ->
         trainer.is_fsdp_enabled = True
 
 
-def _is_dtensor(p: Any) -> bool:
+def is_dtensor(p: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover

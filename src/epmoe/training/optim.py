@@ -13,31 +13,36 @@ from typing import Any
 import torch
 from torch import nn
 
+from epmoe.training.launchers import remember, remembered, replace
 
-def split_groups_of_created_optimizer(trainer: Any, split: Callable[[Any], None]) -> None:
+SPLITS = "create_optimizer splits groups"
+
+
+def split_groups_of_created_optimizer(trainer: Any, split: Callable[[Any, str], None]) -> None:
     """Make ``trainer.create_optimizer`` apply ``split`` to the optimizer it creates (once per trainer)."""
-    if getattr(trainer, "_epmoe_create_optimizer", None) is not None:
+    if remembered(trainer, SPLITS):
         return
     create_optimizer = trainer.create_optimizer
 
     def create_with_split_groups(*args: Any, **kwargs: Any) -> Any:
         optimizer = create_optimizer(*args, **kwargs)
-        split(optimizer)
+        split(optimizer, "prepare_trainer")
         return optimizer
 
-    trainer._epmoe_create_optimizer = create_optimizer
-    trainer.create_optimizer = create_with_split_groups
+    replace(trainer, "create_optimizer", create_with_split_groups)
+    remember(trainer, SPLITS)
 
 
-def split_param_groups(optimizer: Any, own_group: Callable[[dict, nn.Parameter], dict | None]) -> None:
+def split_param_groups(optimizer: Any, own_group: Callable[[dict, nn.Parameter], dict | None], caller: str) -> None:
     """Move parameters of ``optimizer`` (a torch optimizer that has not stepped) into groups of their
     own: ``own_group(group, p)`` gives the options that set ``p``'s new group apart (``None``: ``p``
     stays), the original group's options kept. Anything but a torch optimizer (accelerate's
-    ``DummyOptim`` for an optimizer in the DeepSpeed config) is left alone."""
+    ``DummyOptim`` for an optimizer in the DeepSpeed config) is left alone. ``caller`` names the
+    public function in errors."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return
     if optimizer.state:
-        raise ValueError("prepare_trainer: the optimizer has already stepped; prepare the Trainer before train()")
+        raise ValueError(f"{caller}: the optimizer has already stepped; prepare before training")
     kept, added = [], []
     for group in optimizer.param_groups:
         rest, own = [], {}

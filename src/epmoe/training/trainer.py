@@ -7,18 +7,22 @@ accelerate wraps the model in ``DistributedDataParallel``, which leaves the expe
 nothing. One thing is not: Trainer clips with ``accelerator.clip_grad_norm_``, i.e.
 ``torch.nn.utils.clip_grad_norm_``, whose norm on each rank sees only that rank's experts, so every
 rank would clip by a different factor and the replicated weights drift apart. ``prepare_trainer``
-replaces that one method *of this trainer's accelerator* (the class is untouched) by
-:func:`epmoe.clip_grad_norm_`, which also makes the logged ``grad_norm`` the whole model's. And
+prepares this trainer's accelerator (:func:`epmoe.prepare_accelerator`: that one method *of this
+accelerator*, the class untouched, becomes :func:`epmoe.clip_grad_norm_`), which also makes the
+logged ``grad_norm`` the whole model's. And
 Trainer saves (``save_model``, checkpoints) from the main process only, while the experts of an EP
 model must be gathered from every rank: this trainer's ``_save`` lets the other ranks join the
 model's ``save_pretrained`` (:mod:`epmoe.checkpoint.save`) without writing. Trainer checkpoints
 (``save_strategy``) also get an ``epmoe_dcp/`` directory with the model and optimizer through
-:func:`epmoe.get_state_dict` and ``torch.distributed.checkpoint`` (Trainer's own optimizer file holds
-rank 0's experts' moments only, and is not read), and ``resume_from_checkpoint`` loads both from it
-and the scheduler from Trainer's file, so a resumed run continues exactly, at any world size.
+:func:`epmoe.get_state_dict` and ``torch.distributed.checkpoint``, written by a ``TrainerCallback``'s
+``on_save`` (Trainer's own optimizer file holds rank 0's experts' moments only, and is not read), and
+``resume_from_checkpoint`` loads both from it and the scheduler from Trainer's file, so a resumed run
+continues exactly, at any world size. Which methods of this trainer are replaced, and why: the
+launcher table, :mod:`epmoe.training.launchers`.
 
 DeepSpeed (``TrainingArguments(deepspeed=...)``): ZeRO stages 1 and 2 through DeepSpeed's own MoE
-support, see :mod:`epmoe.training.deepspeed`; there DeepSpeed clips and reduces, and Trainer
+support, see :mod:`epmoe.training.deepspeed` (the expert param groups made at the accelerator's
+``prepare``, :mod:`epmoe.training.accelerate`); there DeepSpeed clips and reduces, and Trainer
 checkpoints are refused (``save_model`` works). accelerate's FSDP2 plugin
 (``TrainingArguments(fsdp=..., fsdp_config={"version": 2})``): its ``ignored_modules`` set to the
 experts, Trainer's clip and saving routed as above, see :mod:`epmoe.training.fsdp`. ZeRO stage 3 and
@@ -28,6 +32,7 @@ FSDP1 shard every parameter, experts included: refused; so are ``save_on_each_no
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -39,12 +44,15 @@ from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
 from epmoe.checkpoint.save import SavePretrained, adapter_state_dict
 from epmoe.ep.state import ep_states
 from epmoe.integrations.peft import has_expert_lora
-from epmoe.training.clip import clip_grad_norm_
+from epmoe.training.accelerate import prepare_accelerator
 from epmoe.training.deepspeed import prepare_deepspeed_trainer
-from epmoe.training.fsdp import prepare_fsdp_trainer, without_fsdp_branch
+from epmoe.training.fsdp import is_dtensor, prepare_fsdp_trainer, without_fsdp_branch
+from epmoe.training.launchers import remember, remembered, replace
 
 DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME: the learning-rate scheduler's file
+CHECKPOINT_PREFIX = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR: checkpoint-<step>
+PREPARED = "prepare_trainer"
 
 
 def prepare_trainer(trainer: Any) -> Any:
@@ -69,7 +77,7 @@ def prepare_trainer(trainer: Any) -> Any:
         if getattr(trainer.args, option, False):
             raise ValueError(f"prepare_trainer(trainer): TrainingArguments({option}=True) is not supported on an "
                              f"expert-parallel model: {why}")
-    if getattr(trainer, "_epmoe_prepared", False):  # the trainer's own flag: prepare_accelerator marks the accelerator
+    if remembered(trainer, PREPARED):
         return trainer
     if deepspeed:  # DeepSpeed reduces, averages and clips the expert gradients itself
         prepare_deepspeed_trainer(trainer)
@@ -78,15 +86,22 @@ def prepare_trainer(trainer: Any) -> Any:
     for state in states:
         if state.sync is not None and state.sync.active and not deepspeed:
             state.sync.set_wrapper("transformers.Trainer")
-
-    def clip(parameters, max_norm, norm_type=2):
-        accelerator.unscale_gradients()  # what accelerate's own clip_grad_norm_ does first
-        return clip_grad_norm_(list(parameters), max_norm, norm_type)
-
-    if not deepspeed:
-        accelerator.clip_grad_norm_ = clip
+    prepare_accelerator(accelerator)  # its clip, or under DeepSpeed the expert groups at accelerator.prepare
+    if not deepspeed and (fsdp or any(is_dtensor(p) for p in model.parameters())):
         # plain expert tensors next to FSDP2's DTensors: Trainer clips there without the accelerator
-        trainer._mixed_mesh_grad_norm = lambda model, max_norm: clip(model.parameters(), max_norm)
+        clip = accelerator.clip_grad_norm_
+        replace(trainer, "_mixed_mesh_grad_norm", lambda model, max_norm: clip(model.parameters(), max_norm))
+
+    _save_from_every_rank(trainer, fsdp)
+    if not deepspeed:  # DeepSpeed checkpoints are refused (epmoe.training.deepspeed)
+        trainer.add_callback(_dcp_callback_class()(trainer))
+        _resume_from_dcp(trainer)
+    remember(trainer, PREPARED)
+    return trainer
+
+
+def _save_from_every_rank(trainer: Any, fsdp: bool) -> None:
+    """Trainer writes from one process only; the EP ranks must all join the experts' gather."""
 
     def save(output_dir=None, state_dict=None):
         model = _unwrapped(trainer)
@@ -95,23 +110,21 @@ def prepare_trainer(trainer: Any) -> Any:
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict) if trainer.args.should_save else None
         if trainer.args.should_save:
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict)
-        # Trainer writes from one process only; the EP ranks must all join the experts' gather
         if isinstance(getattr(model, "save_pretrained", None), SavePretrained):
             model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict,
                                   is_main_process=False)
 
-    trainer._save = save
+    replace(trainer, "_save", save)
     if fsdp:  # Trainer's FSDP branch saves this rank's experts only (or, SHARDED_STATE_DICT, nothing)
-        trainer.save_model = lambda output_dir=None, _internal_call=False: without_fsdp_branch(
-            trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call)
+        replace(trainer, "save_model", lambda output_dir=None, _internal_call=False: without_fsdp_branch(
+            trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call))
+        # the scheduler and rank 0's moments, not the plugin's files, which hold rank 0's experts
+        replace(trainer, "_save_optimizer_and_scheduler", lambda output_dir: without_fsdp_branch(
+            trainer, type(trainer)._save_optimizer_and_scheduler, trainer, output_dir))
 
-    def save_optimizer_and_scheduler(output_dir):
-        # the scheduler (and rank 0's moments); under FSDP not the plugin's files, which hold rank 0's experts
-        if fsdp:
-            without_fsdp_branch(trainer, type(trainer)._save_optimizer_and_scheduler, trainer, output_dir)
-        else:
-            type(trainer)._save_optimizer_and_scheduler(trainer, output_dir)
-        dcp.save(get_state_dict(_unwrapped(trainer), trainer.optimizer), checkpoint_id=_dcp_dir(output_dir))
+
+def _resume_from_dcp(trainer: Any) -> None:
+    """``resume_from_checkpoint``: the model and optimizer from the checkpoint's ``epmoe_dcp/``."""
 
     def load_from_checkpoint(resume_from_checkpoint, model=None):
         model = _unwrapped(trainer)
@@ -132,12 +145,34 @@ def prepare_trainer(trainer: Any) -> Any:
         dcp.load(state, checkpoint_id=_dcp_dir(checkpoint, must_exist=True))
         set_state_dict(model, trainer.optimizer, state=state)
 
-    if not deepspeed:  # DeepSpeed checkpoints are refused (epmoe.training.deepspeed)
-        trainer._save_optimizer_and_scheduler = save_optimizer_and_scheduler
-        trainer._load_from_checkpoint = load_from_checkpoint
-        trainer._load_optimizer_and_scheduler = load_optimizer_and_scheduler
-    trainer._epmoe_prepared = True
-    return trainer
+    replace(trainer, "_load_from_checkpoint", load_from_checkpoint)
+    replace(trainer, "_load_optimizer_and_scheduler", load_optimizer_and_scheduler)
+
+
+@functools.cache
+def _dcp_callback_class() -> type:
+    """:class:`DcpCheckpoint`, built on first use (transformers is an optional dependency)."""
+    from transformers import TrainerCallback
+
+    class DcpCheckpoint(TrainerCallback):
+        """Adds ``epmoe_dcp/`` (model and optimizer through :func:`epmoe.get_state_dict` and
+        ``torch.distributed.checkpoint``, every rank) to each checkpoint the Trainer has just written."""
+
+        def __init__(self, trainer: Any):
+            self.trainer = trainer
+
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if args.save_only_model:  # Trainer saves no optimizer either: such a checkpoint does not resume
+                return
+            checkpoint = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
+            if not os.path.isdir(checkpoint):
+                raise ValueError(f"prepare_trainer: the Trainer's checkpoint {checkpoint} is not where it is expected "
+                                 f"(a hyperparameter search writes elsewhere): its epmoe_dcp/ cannot be written")
+            dcp.save(get_state_dict(_unwrapped(self.trainer), self.trainer.optimizer),
+                     checkpoint_id=_dcp_dir(checkpoint))
+
+    DcpCheckpoint.__module__ = __name__
+    return DcpCheckpoint
 
 
 def _unwrapped(trainer: Any) -> nn.Module:
