@@ -346,8 +346,9 @@ def test_auto_takes_batched_only_for_small_even_groups_in_a_forward():
 
 
 def test_a_preferred_backend_runs_where_it_takes_the_call_else_auto_chooses():
-    """``prefer:NAME`` (what the experts' compute passes after choosing once): NAME where it takes
-    the operands, the usual choice where it declines them (a named backend would raise)."""
+    """``prefer:NAME`` (documented in grouped_mm; epmoe's own callers pass a BackendChoice or a
+    GmmBackend instead): NAME where it takes the operands, the usual choice where it declines them
+    (a named backend would raise)."""
     x, w = torch.randn(6, 4, dtype=torch.float64), torch.randn(2, 4, 3, dtype=torch.float64)
     expected = epmoe.grouped_mm(x, w, [2, 4], backend="loop")
     assert select_backend(x, w, backend="prefer:loop", counts=[2, 4]).name == "loop"

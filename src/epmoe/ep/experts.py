@@ -170,6 +170,8 @@ class LocalExperts:
         ``backward`` (whether the call is differentiated) let ``auto`` take a backend that wins only
         on some group sizes for this call. Called where the grouped matmuls run (inside the ops,
         never while ``torch.compile`` traces)."""
+        if not self.grouped:
+            raise ValueError("LocalExperts.gmm_backend: these experts run their own forwards, not grouped matmuls")
         if up is None:
             calls = gmm_probes(self.module)
         else:

@@ -256,8 +256,9 @@ class BackendChoice:
     question costs a comparison of :class:`Operands`: calls whose operands are the family's take
     the family's backend without asking any backend again. A call whose operands differ (another
     dtype or device, weights substituted with other strides or alignment, rows of another width,
-    strides or alignment) is judged again, with the family, once per such operands; so is every
-    call after the registry changes. ``$EPMOE_GMM_BACKEND`` and, for ``"auto"``, a backend that wins
+    strides or alignment) is judged again, once per such operands, and a backend runs it only
+    where the family's judgement accepted it too (one backend for the family wherever it can be);
+    after the registry changes, the family is judged again. ``$EPMOE_GMM_BACKEND`` and, for ``"auto"``, a backend that wins
     only on some group sizes apply per call, from the judged statuses (no backend is asked). The
     backend of a forward runs its backward too, as in :func:`grouped_mm`.
 
@@ -295,12 +296,13 @@ class BackendChoice:
             judged = (statuses, frozenset(Operands.of(*call) for call in (family or dict(enumerate(calls))).values()))
             self._judged[family_key] = judged
         statuses, operands = judged
-        differ = tuple(sorted({Operands.of(*call) for call in calls} - operands, key=repr))
-        if differ:  # judged again with the family, once per such operands
-            again = self._judged.get((family_key, differ))
+        differ = {op: call for op, call in ((Operands.of(*call), call) for call in calls) if op not in operands}
+        if differ:  # these calls are judged again (with the family's verdicts), once per such operands
+            again_key = (family_key, frozenset(differ))
+            again = self._judged.get(again_key)
             if again is None:
-                again = self._judged[(family_key, differ)] = (
-                    _both(statuses, _judge([(None, *call) for call in calls], "grouped_mm")), operands)
+                again = self._judged[again_key] = (
+                    _both(statuses, _judge([(None, *call) for call in differ.values()], "grouped_mm")), operands)
             statuses = again[0]
         return choose_backend(statuses, backend=self.requested, counts=counts, x=x, backward=backward)
 
