@@ -57,7 +57,7 @@ _KEYS = itertools.count()
 
 def register_experts(experts: object) -> int:
     """A key by which the op finds ``experts`` (a :class:`~epmoe.ep.experts.LocalExperts`, for its
-    gate): custom ops take no Python objects."""
+    gate and its grouped-matmul backend): custom ops take no Python objects."""
     key = next(_KEYS)
     _LIVE[key] = experts
     return key
@@ -70,8 +70,8 @@ def expert_mlp(x_AH: torch.Tensor, counts: Sequence[int] | torch.Tensor, up: tor
     """``(h_AN, y_AH)``: the local experts' MLP on rows grouped by local expert, ``counts[j]`` rows
     for expert ``j`` (``x_AH``, rows expert-major)::
 
-        h = matmul(x, up) (+ up_bias of each row's expert)      the up (or gate/up) projection
-        y = matmul(gate(h), down) (+ down_bias of its expert)   the down projection
+        h = projection(x, up)           matmul(x, up) (+ up_bias of each row's expert)
+        y = projection(gate(h), down)   matmul(a, down) (+ down_bias of its expert)
 
     ``up``, ``down``: the experts' weights as ``matmul`` reads them; ``gate``: the experts' gate /
     activation (:meth:`~epmoe.ep.experts.LocalExperts.gate_activation`). The one place the
@@ -79,13 +79,18 @@ def expert_mlp(x_AH: torch.Tensor, counts: Sequence[int] | torch.Tensor, up: tor
     expert_A = None
     if up_bias is not None or down_bias is not None:
         expert_A = expert_of_rows(counts, x_AH.shape[0], x_AH.device)
-    h_AN = matmul(x_AH, up)
-    if up_bias is not None:
-        h_AN = h_AN + up_bias[expert_A]
-    y_AH = matmul(gate(h_AN), down)
-    if down_bias is not None:
-        y_AH = y_AH + down_bias[expert_A]
-    return h_AN, y_AH
+    h_AN = projection(x_AH, up, up_bias, expert_A, matmul)
+    return h_AN, projection(gate(h_AN), down, down_bias, expert_A, matmul)
+
+
+def projection(x_AD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expert_A: torch.Tensor | None,
+               matmul: GroupedMatmul) -> torch.Tensor:
+    """``y_AN``: one projection of the experts' MLP (up or down), ``matmul(x, weight)`` plus each
+    row's expert's bias (``expert_A``: :func:`expert_of_rows`, needed only with a bias). The fused
+    transport runs its projections inside its ops, on the same grouped-matmul body, and takes no
+    biases (:func:`~epmoe.ep.recognize.fused_ineligible_reason`)."""
+    y_AN = matmul(x_AD, weight)
+    return y_AN if bias is None else y_AN + bias[expert_A]
 
 
 def expert_of_rows(counts: Sequence[int] | torch.Tensor, num_rows: int, device: torch.device) -> torch.Tensor:
