@@ -258,9 +258,10 @@ class BackendChoice:
     dtype or device, weights substituted with other strides or alignment, rows of another width,
     strides or alignment) is judged again, once per such operands, and a backend runs it only
     where the family's judgement accepted it too (one backend for the family wherever it can be);
-    after the registry changes, the family is judged again. ``$EPMOE_GMM_BACKEND`` and, for ``"auto"``, a backend that wins
-    only on some group sizes apply per call, from the judged statuses (no backend is asked). The
-    backend of a forward runs its backward too, as in :func:`grouped_mm`.
+    after the registry changes, the family is judged again. ``$EPMOE_GMM_BACKEND`` and, for
+    ``"auto"``, a backend that wins only on some group sizes apply per call, from the judged
+    statuses (no backend is asked). The backend of a forward runs its backward too, as in
+    :func:`grouped_mm`.
 
     The ``epmoe::grouped_mm`` op finds a choice by :attr:`key` (custom ops take no Python objects).
     """

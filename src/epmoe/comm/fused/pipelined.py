@@ -43,8 +43,8 @@ class Run:
     """One run (a forward, or a backward) besides its input rows, built by :mod:`~epmoe.comm.fused.autograd`.
 
     ``weight``: ``(e, D, N)``, or ``(e, N, D)`` with ``trans_weight``: this rank's experts as the run's
-    grouped matmuls use them; ``gmm_backend``: the backend they run on, chosen once per call. ``side``: the shared expert's job, run while the pipeline communicates.
-    With ``dw_x`` (expert-major, ``plan.rows_expert_major`` rows) the run also returns
+    grouped matmuls use them; ``gmm_backend``: the backend they run on, chosen once per call.
+    ``side``: the shared expert's job, run while the pipeline communicates. With ``dw_x`` (expert-major, ``plan.rows_expert_major`` rows) the run also returns
     ``grad_weight = dW(dw_x, the run's expert-major rows)`` in the layout ``dw_trans`` says.
     ``fused_shared``: ``(shared_x, shared_weight, trans)`` for the ``npu_fused`` kernels to compute in
     place of ``side``; only that backend is given one.
