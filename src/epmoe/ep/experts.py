@@ -119,7 +119,7 @@ class LocalExperts:
     """
 
     def __init__(self, module: nn.Module, backend: str = "auto"):
-        self.module, self.backend = module, backend
+        self.module = module
         self.packed = not isinstance(module, nn.ModuleList)
         self.default_gate = self.packed and is_default_silu_gate(module)
         self.trans_weight = not module.is_transposed if self.packed else True  # nn.Linear layout: "transposed"
