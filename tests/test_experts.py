@@ -5,9 +5,13 @@ import torch
 from custom_moe import BiasedExpert, ExpertMLP
 from torch import nn
 
+import epmoe
+from epmoe.bench.blocks import EPMOE, Shape, build_blocks
 from epmoe.ep import experts as experts_mod
 from epmoe.ep import recognize
 from epmoe.ep.experts import LocalExperts, experts_backend, experts_forward, experts_gmm_backends
+from epmoe.gmm import unregister_gmm_backend
+from epmoe.gmm.loop import LoopBackend
 from epmoe.models import build_model
 from npu_emulation import install
 
@@ -264,3 +268,96 @@ def test_backend_eligibility_is_judged_once_not_per_grouped_matmul():
         assert first == 1 and Counting.asked == first  # declined at the first probe, once
     finally:
         unregister_gmm_backend("counting")
+
+
+class JudgedBackend(LoopBackend):
+    """Eligible everywhere and first in the registry (``auto`` takes it), runs as ``loop``, and
+    counts how often its eligibility is asked and how many grouped matmuls it ran."""
+
+    name, accelerated = "judged", True
+
+    def __init__(self):
+        self.asked = self.ran = 0
+
+    def ineligible_reason(self, x, weight, *, trans_weight=False):
+        self.asked += 1
+        return None
+
+    def forward(self, x_TD, weight, counts, trans_weight):
+        self.ran += 1
+        return super().forward(x_TD, weight, counts, trans_weight)
+
+    def __enter__(self):
+        epmoe.register_gmm_backend(self, before="npu")
+        return self
+
+    def __exit__(self, *exc):
+        unregister_gmm_backend(self.name)
+
+
+def test_the_backend_is_judged_once_across_a_layers_forward_and_backward():
+    """An EP-1 block, forward + backward (the routed MLP op: two grouped matmuls in forward, three
+    in backward): the backend is judged once, on the module's two projections together, and then
+    runs every grouped matmul without being asked again, for every later step."""
+    with JudgedBackend() as judged:
+        block = build_blocks(Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=16), 0,
+                             torch.device("cpu"))[EPMOE]
+        applied = judged.asked  # apply_expert_parallel checks the configured backend once
+        block(torch.randn(1, 16, 64, requires_grad=True)).sum().backward()
+        assert judged.asked - applied == 2  # one judgement: the up and the down projection, once each
+        assert judged.ran == 4  # every grouped matmul: 2 in forward, dx of both projections in backward
+        for _ in range(3):
+            block(torch.randn(1, 16, 64, requires_grad=True)).sum().backward()
+        assert judged.asked - applied == 2
+
+
+@pytest.mark.parametrize("kind", ["packed", "module_list"])
+def test_the_plain_autograd_path_judges_once_and_again_where_the_operands_differ(kind):
+    """LocalExperts.forward (plain autograd through grouped_mm): judged once per dtype across
+    forward and backward; judged again, once, for another dtype and for weights substituted with
+    other strides (what counts as differing operands: epmoe.gmm.registry.Operands)."""
+    with JudgedBackend() as judged:
+        module = packed_experts("qwen3_moe") if kind == "packed" else _module_list(ExpertMLP, 16, 8).double()
+        experts = LocalExperts(module)
+        E = recognize.num_experts_of(module)
+        counts = [2, 0, 4] + [0] * (E - 3)
+
+        def step(dtype, sync_weights=None):
+            x = torch.randn(6, hidden_size(module), dtype=dtype, requires_grad=True)
+            experts.forward(x, counts, sync_weights=sync_weights).sum().backward()
+
+        step(torch.float64)
+        step(torch.float64)
+        assert judged.asked == 2 and judged.ran > 0
+        module.float()
+        step(torch.float32)
+        step(torch.float32)
+        assert judged.asked == 4  # another dtype: judged again, once
+        if kind == "packed":  # the same values with column-major strides: judged again, once
+
+            def restrided(weights, per_parameter=False):
+                return [w.transpose(1, 2).contiguous().transpose(1, 2) for w in weights]
+
+            step(torch.float32, restrided)
+            step(torch.float32, restrided)
+            assert judged.asked == 6
+            step(torch.float32)
+            assert judged.asked == 6
+
+
+def test_the_fused_ops_judge_once_per_call_not_per_round():
+    """alltoallv_gmm / gmm_alltoallv (group of one, three rounds): one judgement per op call covers
+    every round's grouped matmul of its forward and of its backward; a backend object passed in is
+    run as given, judged by no one."""
+    with JudgedBackend() as judged:
+        x, w1, w2 = (torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+                     for shape in ((9, 4), (3, 4, 5), (3, 5, 4)))
+        counts = [2, 3, 4]
+        y, _, _ = epmoe.alltoallv_gmm(x, w1, counts, counts, num_chunks=3)
+        z, _ = epmoe.gmm_alltoallv(torch.tanh(y), w2, counts, counts, num_chunks=3)
+        z.sum().backward()
+        assert judged.asked == 2  # one per op
+        assert judged.ran == 3 * 2 + 3 * 2  # per round: forward, and dx in backward, of each op
+        z, _ = epmoe.gmm_alltoallv(x, w1, counts, counts, num_chunks=3, gmm_backend=judged)
+        z.sum().backward()
+        assert judged.asked == 2

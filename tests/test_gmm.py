@@ -346,8 +346,9 @@ def test_auto_takes_batched_only_for_small_even_groups_in_a_forward():
 
 
 def test_a_preferred_backend_runs_where_it_takes_the_call_else_auto_chooses():
-    """``prefer:NAME`` (what the experts' compute passes after choosing once): NAME where it takes
-    the operands, the usual choice where it declines them (a named backend would raise)."""
+    """``prefer:NAME`` (documented in grouped_mm; epmoe's own callers pass a BackendChoice or a
+    GmmBackend instead): NAME where it takes the operands, the usual choice where it declines them
+    (a named backend would raise)."""
     x, w = torch.randn(6, 4, dtype=torch.float64), torch.randn(2, 4, 3, dtype=torch.float64)
     expected = epmoe.grouped_mm(x, w, [2, 4], backend="loop")
     assert select_backend(x, w, backend="prefer:loop", counts=[2, 4]).name == "loop"
@@ -361,3 +362,30 @@ def test_zero_groups_on_auto():
     """No groups at all (an empty weight stack): every backend's answer is the empty (0, N) output."""
     out = epmoe.grouped_mm(torch.zeros(0, 16), torch.zeros(0, 16, 8), [])
     assert out.shape == (0, 8)
+
+
+def test_a_backend_choice_judges_again_only_where_the_operands_differ(monkeypatch):
+    """grouped_mm(backend=BackendChoice): judged once for its operands (forward and backward, any row
+    count), again once for operands that differ (here: a data pointer off the 16-byte grid)."""
+    asked = []
+    torch_backend = next(b for b in registry._registry if b.name == "torch")
+    judge = torch_backend.ineligible_reason
+
+    def counted(x, w, *, trans_weight=False):
+        asked.append(x.shape)
+        return judge(x, w, trans_weight=trans_weight)
+
+    monkeypatch.setattr(torch_backend, "ineligible_reason", counted)
+    choice = registry.BackendChoice("auto")
+    x, w = torch.randn(6, 8, requires_grad=True), torch.randn(2, 8, 4, requires_grad=True)
+    epmoe.grouped_mm(x, w, [2, 4], backend=choice).sum().backward()
+    epmoe.grouped_mm(torch.randn(5, 8), w, torch.tensor([1, 4]), backend=choice)
+    assert len(asked) == 1
+    shifted = torch.randn(6 * 8 + 1)[1:].view(6, 8)
+    assert registry.Operands.of(shifted, w, False) != registry.Operands.of(x, w, False)
+    y = epmoe.grouped_mm(shifted, w, [2, 4], backend=choice)
+    epmoe.grouped_mm(shifted, w, [3, 3], backend=choice)
+    assert len(asked) == 2
+    torch.testing.assert_close(y, epmoe.grouped_mm(shifted.clone(), w, [2, 4], backend="loop"))
+    with pytest.raises(TypeError, match=r"grouped_mm\(backend\): expected a str or a BackendChoice"):
+        epmoe.grouped_mm(x, w, [2, 4], backend=torch_backend)

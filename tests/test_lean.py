@@ -135,7 +135,7 @@ def test_routed_mlp_opcheck():
     H = module.down_proj.shape[2 if module.is_transposed else 1]
     args = (torch.randn(R, H, requires_grad=True), torch.rand(R, K, requires_grad=True), pairs.slot_P, pairs.pair_RK,
             pairs.counts_e, None, module.gate_up_proj, module.down_proj, module.gate_up_proj_bias,
-            module.down_proj_bias, not module.is_transposed, "auto", experts.key, True)
+            module.down_proj_bias, not module.is_transposed, experts.key, True)
     torch.library.opcheck(torch.ops.epmoe.routed_mlp.default, args)
 
 

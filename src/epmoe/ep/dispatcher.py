@@ -157,7 +157,7 @@ class FusedDispatcher(Dispatcher):
         experts = state.local_experts
         self.trans_weight = not experts.is_transposed
         self.up_proj, self.down_proj = state.sync_weights([getattr(experts, n) for n in packed_weight_names(experts)])
-        self.options = dict(num_chunks=state.config.num_chunks, gmm_backend=state.config.gmm_backend,
+        self.options = dict(num_chunks=state.config.num_chunks, gmm_backend=state.experts.gmm_backend(),
                             check=False)  # the counts were exchanged (and agreed) by exchange_layer_counts
         self.shared_gate_up: torch.Tensor | None = None
 

@@ -5,7 +5,7 @@ expand to (:mod:`epmoe.ep.routing`): ``epmoe::routed_mlp`` (:mod:`epmoe.ep.mlp`)
 weights and sums by index and keeps little for backward, for packed experts without a post-expert
 norm and Linear triples; the others go through :meth:`LocalExperts.forward` and plain autograd.
 :meth:`LocalExperts.forward` (and :func:`experts_forward`) run the MLP on rows already sorted by
-local expert::
+local expert; both run :func:`epmoe.ep.mlp.expert_mlp`, the one place the MLP is written::
 
     x_em (rows expert-major, counts[j] rows for local expert j)
       -> gate_up projection   grouped_mm(x_em, gate_up_proj)  (+ bias of each row's expert)
@@ -21,9 +21,12 @@ expert module is called on its own rows (idle experts on zero rows).
 
 :class:`LocalExperts` holds what is decided once per experts module, when EP is applied: which kind
 it is (packed, Linear triples run grouped, or experts run by their own forward), whether its gate is
-transformers' default, and each backend's eligibility on every grouped matmul it issues
-(:func:`gmm_probes`, judged again only when the weights change device or dtype). Each forward then
-chooses its grouped-matmul backend once, for both projections, and its backward reuses that choice.
+transformers' default, and its grouped-matmul backend (:meth:`LocalExperts.gmm_backend`): an
+:class:`~epmoe.gmm.BackendChoice` that every backend judges on all the grouped matmuls the module
+issues (:func:`gmm_probes`) once per device and dtype, judged again only for operands that differ
+from those (:class:`~epmoe.gmm.registry.Operands`). Every grouped matmul of a forward and its
+backward (the routed MLP op's, the plain path's, the fused ops') runs that one backend, asked for
+where the matmuls run, so nothing of the choice is traced by ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -36,12 +39,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from epmoe import errors, platform
-from epmoe.ep.mlp import register_experts, routed_mlp, routed_mlp_autograd
+from epmoe.ep.mlp import expert_mlp, register_experts, routed_mlp, routed_mlp_autograd
 from epmoe.ep.recognize import is_default_silu_gate, is_silu, linear_triples, num_experts_of
 from epmoe.ep.routing import RowPairs
-from epmoe.gmm import BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
+from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
-from epmoe.gmm.registry import PREFERRED
 
 
 def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
@@ -68,6 +70,13 @@ def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor,
         up_name = "gate_up_proj" if module.has_gate else "up_proj"
         weights = {up_name: getattr(module, up_name), "down_proj": module.down_proj}
         trans_weight = not module.is_transposed
+    return projection_calls(weights, trans_weight)
+
+
+def projection_calls(weights: dict[str, torch.Tensor], trans_weight: bool
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
+    """The grouped matmuls on ``weights`` (by projection name) as ``(x, weight, trans_weight)``, ``x``
+    an empty ``(0, K)`` tensor like the rows each one multiplies (contiguous, freshly allocated)."""
     k_dim = 2 if trans_weight else 1
     return {name: (w.new_empty(0, w.shape[k_dim]), w, trans_weight) for name, w in weights.items()}
 
@@ -110,19 +119,23 @@ class LocalExperts:
     """
 
     def __init__(self, module: nn.Module, backend: str = "auto"):
-        self.module, self.backend = module, backend
+        self.module = module
         self.packed = not isinstance(module, nn.ModuleList)
         self.default_gate = self.packed and is_default_silu_gate(module)
+        self.trans_weight = not module.is_transposed if self.packed else True  # nn.Linear layout: "transposed"
         self._triples = None if self.packed else linear_triples(module)
         self._children = self._layers()
-        self._statuses: dict[tuple[torch.device, torch.dtype], list[BackendStatus]] = {}
-        self.key = register_experts(self)  # how epmoe::routed_mlp finds this object's gate
+        self.gmm = BackendChoice(backend, self._gmm_family)  # the grouped matmuls' backend, chosen once
+        self.key = register_experts(self)  # how epmoe::routed_mlp finds this object's gate and backend
 
     def __setstate__(self, state: dict) -> None:
-        """A copy (``copy.deepcopy`` of the model) registers itself: the op must find the copy's gate,
-        not the original's, which may be gone."""
+        """A copy (``copy.deepcopy`` of the model) registers itself: the op must find the copy's gate
+        and backend choice, not the original's, which may be gone."""
         self.__dict__.update(state)
         self.key = register_experts(self)
+
+    def _gmm_family(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
+        return gmm_probes(self.module)
 
     def _layers(self) -> list[tuple[nn.Module, ...]]:
         return [] if self.packed else [tuple(expert.children()) for expert in self.module]
@@ -143,33 +156,27 @@ class LocalExperts:
         rows by counts read to the host."""
         return self.packed or self.triples is not None
 
-    def gmm_statuses(self) -> list[BackendStatus]:
-        """Every backend's eligibility for this module's grouped matmuls (:func:`experts_gmm_backends`),
-        judged once per device and dtype of the weights."""
-        weight = next(self.module.parameters())
-        key = (weight.device, weight.dtype)
-        statuses = self._statuses.get(key)
-        if statuses is None:
-            statuses = self._statuses[key] = experts_gmm_backends(self.module)
-        return statuses
+    def gmm_backend(self, up: torch.Tensor | None = None, down: torch.Tensor | None = None, *,
+                    counts: list[int] | None = None, backward: bool = True) -> GmmBackend:
+        """The backend every grouped matmul of this module's MLP runs on (both projections, forward
+        and backward; :attr:`grouped` experts only), for weights ``up`` / ``down`` as a forward uses
+        them (default: the module's own) on rows like the ones the ops gather (contiguous, fresh).
 
-    def choose_backend(self, counts: list[int] | torch.Tensor, x_em: torch.Tensor) -> str:
-        """The backend this forward's grouped matmuls (and their backward) run on: chosen once, from
-        :meth:`gmm_statuses` and, for ``auto``, host counts (a backend that wins only on some group
-        sizes is taken only where the counts are a host list: a counts tensor is never read here). Under
-        ``torch.compile`` the configured name goes to the op, which chooses when it runs (nothing of the
-        choice is traced)."""
-        if torch.compiler.is_compiling():
-            return self.backend
-        if isinstance(counts, torch.Tensor):
-            counts = None  # not read: the op reads it only for a backend that needs host counts
-        differentiable = torch.is_grad_enabled() and (x_em.requires_grad or any(
-            p.requires_grad for p in self.module.parameters()))
-        chosen = choose_backend(self.gmm_statuses(), backend=self.backend, counts=counts, x=x_em,
-                                backward=differentiable).name
-        # a named backend is held to it; auto's choice was made on probes of these operands: if the
-        # real ones differ where a backend looks (alignment), the op falls back as auto would
-        return chosen if self.backend != "auto" else PREFERRED + chosen
+        Chosen once per device and dtype by :attr:`gmm` (an :class:`~epmoe.gmm.BackendChoice` over
+        :func:`gmm_probes`): every registered backend judges both projections together the first
+        time, and later calls only compare operands (:class:`~epmoe.gmm.registry.Operands`): weights
+        with other strides or alignment than the module's (a substitute from the gradient policy, a
+        PEFT wrapper) are judged again, once per such operands. ``counts`` (host counts) and
+        ``backward`` (whether the call is differentiated) let ``auto`` take a backend that wins only
+        on some group sizes for this call. Called where the grouped matmuls run (inside the ops,
+        never while ``torch.compile`` traces)."""
+        if not self.grouped:
+            raise ValueError("LocalExperts.gmm_backend: these experts run their own forwards, not grouped matmuls")
+        if up is None:
+            calls = gmm_probes(self.module)
+        else:
+            calls = projection_calls({"up": up, "down": down}, self.trans_weight)
+        return self.gmm.backend_for(list(calls.values()), counts=counts, backward=backward)
 
     def forward(self, x_em: torch.Tensor, counts: Sequence[int] | torch.Tensor, *,
                 sync_weights: WeightsHook | None = None) -> torch.Tensor:
@@ -248,18 +255,22 @@ class LocalExperts:
         if not self.lean:
             return routed_mlp_autograd(
                 lambda x_PH, counts: self.forward(x_PH, counts, sync_weights=sync_weights), x_RH, weights_RK, pairs)
-        backend = self.choose_backend(pairs.counts, x_RH)
-        if self.packed:
-            module = self.module
-            up, down, *biases = sync_weights([getattr(module, name) for name in packed_weight_names(module)])
-            up_bias, down_bias = biases if biases else (None, None)
-            trans_weight = not module.is_transposed
-        else:
-            up, down = sync_weights(self._stacked_triples())
-            up_bias = down_bias = None
-            trans_weight = True
+        up, down, up_bias, down_bias = self.weights(sync_weights)
         return routed_mlp(self.key, x_RH, weights_RK, pairs, up, down, up_bias, down_bias,
-                          trans_weight=trans_weight, backend=backend)
+                          trans_weight=self.trans_weight)
+
+    def weights(self, sync_weights: WeightsHook | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(up, down, up_bias, down_bias)`` as a forward of :attr:`grouped` experts uses them
+        (through ``sync_weights``), read with :attr:`trans_weight`: packed experts' own tensors
+        (biases ``None`` without ``has_bias``), or a ``ModuleList``'s Linear triples stacked."""
+        sync_weights = sync_weights or _as_is
+        if not self.packed:
+            up, down = sync_weights(self._stacked_triples())
+            return up, down, None, None
+        up, down, *biases = sync_weights([getattr(self.module, name) for name in packed_weight_names(self.module)])
+        up_bias, down_bias = biases if biases else (None, None)
+        return up, down, up_bias, down_bias
 
     def _stacked_triples(self) -> list[torch.Tensor]:
         """A ``ModuleList``'s Linear triples as ``[gate_up (e, 2I, H), down (e, H, I)]`` (nn.Linear layout)."""
@@ -272,29 +283,25 @@ class LocalExperts:
     def _packed_forward(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
                         ) -> torch.Tensor:
         module = self.module
-        trans_weight = not module.is_transposed  # nn.Linear layout (E, out, in) is our "transposed"
-        num_rows = x_em.shape[0]
-        backend = self.choose_backend(counts, x_em)
-        up, down, *biases = sync_weights([getattr(module, name) for name in packed_weight_names(module)])
-        h = grouped_mm(x_em, up, counts, trans_weight=trans_weight, backend=backend)
-        if module.has_bias:
-            h = h + _row_bias(biases[0], counts, num_rows)
-        h = self.gate_activation(h)
-        y = grouped_mm(h, down, counts, trans_weight=trans_weight, backend=backend)
-        if module.has_bias:
-            y = y + _row_bias(biases[1], counts, num_rows)
+        _, y = self._grouped_mlp(x_em, counts, sync_weights)
         if getattr(module, "has_post_expert_norm", False):
             y = module.post_expert_norm(y)
         return y
 
+    def _grouped_mlp(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~epmoe.ep.mlp.expert_mlp` through :func:`epmoe.grouped_mm` (plain autograd), on
+        the backend :attr:`gmm` chose (asked inside the op: nothing of the choice is traced)."""
+        up, down, up_bias, down_bias = self.weights(sync_weights)
+        trans_weight, choice = self.trans_weight, self.gmm
+        return expert_mlp(x_em, counts, up, down, up_bias, down_bias, self.gate_activation,
+                          lambda x, w: grouped_mm(x, w, counts, trans_weight=trans_weight, backend=choice))
+
     def _module_list_forward(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
                              ) -> torch.Tensor:
-        experts, triples = self.module, self.triples
-        if triples is not None:
-            backend = self.choose_backend(counts, x_em)
-            gate_up_w, down_w = sync_weights(self._stacked_triples())  # (e, 2I, H), (e, H, I)
-            h = self.gate_reference(grouped_mm(x_em, gate_up_w, counts, trans_weight=True, backend=backend))
-            return grouped_mm(h, down_w, counts, trans_weight=True, backend=backend)
+        experts = self.module
+        if self.triples is not None:
+            return self._grouped_mlp(x_em, counts, sync_weights)[1]
         sync_weights(list(experts.parameters()), per_parameter=True)
         if isinstance(counts, torch.Tensor):
             counts = errors.int_list("experts_forward(counts)", counts)
@@ -311,15 +318,6 @@ class WeightsHook(Protocol):
 
 def _as_is(weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
     return weights
-
-
-def _row_bias(bias_EN: torch.Tensor, counts: list[int] | torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``(A, N)``: each row's expert bias (an index gather; its backward is index_put). Built where
-    the counts are (host counts: on the host, then copied)."""
-    counts_E = torch.as_tensor(counts)
-    experts = torch.arange(len(counts), device=counts_E.device)
-    expert_of_row = torch.repeat_interleave(experts, counts_E, output_size=num_rows)
-    return bias_EN[platform.host_to_device(expert_of_row, bias_EN.device)]
 
 
 def packed_weight_names(module: nn.Module) -> list[str]:

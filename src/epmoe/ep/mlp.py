@@ -17,6 +17,16 @@ gradient) or elementwise (the gate); the routing weights' gradient needs no expe
 and ``d out_r @ Wd^T`` is the down projection's input gradient before weighting, which backward
 computes anyway: no matmul is added. The sums are in a fixed order (deterministic run to run).
 
+What an expert computes on its rows, up -> gate -> down (+ biases), is written once,
+:func:`expert_mlp`, over a grouped-matmul callable: the op runs it on the one grouped-matmul body of
+:mod:`epmoe.gmm.registry`, and the plain-autograd path (:meth:`~epmoe.ep.experts.LocalExperts.forward`)
+on :func:`epmoe.grouped_mm`. The fused transport splits the same pieces across its two ops: the up
+projection inside ``alltoallv_gmm``, :meth:`~epmoe.ep.experts.LocalExperts.gate_activation` between
+them, the down projection inside ``gmm_alltoallv``, both on the same grouped-matmul body (the fused
+ops take no biases). All of them run the backend the experts module chose once
+(:meth:`~epmoe.ep.experts.LocalExperts.gmm_backend`); the op asks its experts module for it when it
+runs, so ``torch.compile`` traces nothing of the choice.
+
 The op is a ``torch.library`` custom op with a custom backward op: ``torch.compile`` traces it as one
 call. The gate is recomputed in backward (:meth:`~epmoe.ep.experts.LocalExperts.gate_vjp`: a SiLU
 gate's derivative written out, any other gate of the experts' own, transformers' ``_apply_gate`` /
@@ -29,12 +39,17 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable, Sequence
 
 import torch
 
+from epmoe import platform
 from epmoe.errors import refuse_double_backward
 from epmoe.ep.routing import RowPairs, accumulation_dtype
-from epmoe.gmm.registry import host_counts_once, run_grouped_mm, run_grouped_mm_backward
+from epmoe.gmm.registry import backend_counts, host_counts_once, run_grouped_mm, run_grouped_mm_backward
+
+# a grouped matmul with its counts and backend bound: (x_AD rows grouped by local expert, weight) -> y_AN
+GroupedMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _LIVE: weakref.WeakValueDictionary[int, object] = weakref.WeakValueDictionary()  # key -> LocalExperts
 _KEYS = itertools.count()
@@ -42,15 +57,49 @@ _KEYS = itertools.count()
 
 def register_experts(experts: object) -> int:
     """A key by which the op finds ``experts`` (a :class:`~epmoe.ep.experts.LocalExperts`, for its
-    gate): custom ops take no Python objects."""
+    gate and its grouped-matmul backend): custom ops take no Python objects."""
     key = next(_KEYS)
     _LIVE[key] = experts
     return key
 
 
-def _expert_of_pair(counts_e: torch.Tensor, num_pairs: int) -> torch.Tensor:
-    return torch.repeat_interleave(torch.arange(counts_e.numel(), device=counts_e.device), counts_e,
-                                   output_size=num_pairs)
+def expert_mlp(x_AH: torch.Tensor, counts: Sequence[int] | torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+               up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+               gate: Callable[[torch.Tensor], torch.Tensor], matmul: GroupedMatmul
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h_AN, y_AH)``: the local experts' MLP on rows grouped by local expert, ``counts[j]`` rows
+    for expert ``j`` (``x_AH``, rows expert-major)::
+
+        h = projection(x, up)           matmul(x, up) (+ up_bias of each row's expert)
+        y = projection(gate(h), down)   matmul(a, down) (+ down_bias of its expert)
+
+    ``up``, ``down``: the experts' weights as ``matmul`` reads them; ``gate``: the experts' gate /
+    activation (:meth:`~epmoe.ep.experts.LocalExperts.gate_activation`). The one place the
+    experts' MLP is written (see the module docstring)."""
+    expert_A = None
+    if up_bias is not None or down_bias is not None:
+        expert_A = expert_of_rows(counts, x_AH.shape[0], x_AH.device)
+    h_AN = projection(x_AH, up, up_bias, expert_A, matmul)
+    return h_AN, projection(gate(h_AN), down, down_bias, expert_A, matmul)
+
+
+def projection(x_AD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expert_A: torch.Tensor | None,
+               matmul: GroupedMatmul) -> torch.Tensor:
+    """``y_AN``: one projection of the experts' MLP (up or down), ``matmul(x, weight)`` plus each
+    row's expert's bias (``expert_A``: :func:`expert_of_rows`, needed only with a bias). The fused
+    transport runs its projections inside its ops, on the same grouped-matmul body, and takes no
+    biases (:func:`~epmoe.ep.recognize.fused_ineligible_reason`)."""
+    y_AN = matmul(x_AD, weight)
+    return y_AN if bias is None else y_AN + bias[expert_A]
+
+
+def expert_of_rows(counts: Sequence[int] | torch.Tensor, num_rows: int, device: torch.device) -> torch.Tensor:
+    """``(A,)``: each row's local expert, for rows grouped by expert (``counts[j]`` rows for expert
+    ``j``); built where the counts are (host counts: on the host, then copied), its gather's
+    backward an index_put."""
+    counts_e = torch.as_tensor(counts)
+    experts = torch.arange(counts_e.numel(), device=counts_e.device)
+    return platform.host_to_device(torch.repeat_interleave(experts, counts_e, output_size=num_rows), device)
 
 
 def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: torch.Tensor, out_dtype: torch.dtype
@@ -84,26 +133,22 @@ def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: t
 def _routed_mlp_op(
     x_RH: torch.Tensor, weights_RK: torch.Tensor, slot_P: torch.Tensor, pair_RK: torch.Tensor, counts_e: torch.Tensor,
     host_counts: list[int] | None, up: torch.Tensor, down: torch.Tensor, up_bias: torch.Tensor | None,
-    down_bias: torch.Tensor | None, trans_weight: bool, backend: str, experts_key: int, differentiable: bool,
+    down_bias: torch.Tensor | None, trans_weight: bool, experts_key: int, differentiable: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_RH, h_PN)``: the rows' routed MLP and the up projection's output (kept for backward)."""
-    K, P = weights_RK.shape[1], slot_P.numel()
+    K = weights_RK.shape[1]
     experts = _LIVE[experts_key]
-    x_PH = x_RH[slot_P // K]
-    host_counts = host_counts_once(x_PH, up, counts_e, host_counts, trans_weight, backend)
-    h_PN = run_grouped_mm(x_PH, up, counts_e, host_counts, trans_weight, backend, differentiable)
-    if up_bias is not None:
-        h_PN = h_PN + up_bias[_expert_of_pair(counts_e, P)]
-    a_PI = experts.gate_activation(h_PN)
-    y_PH = run_grouped_mm(a_PI.contiguous(), down, counts_e, host_counts, trans_weight, backend, differentiable)
-    if down_bias is not None:
-        y_PH = y_PH + down_bias[_expert_of_pair(counts_e, P)]
+    backend = experts.gmm_backend(up, down, counts=host_counts, backward=differentiable)
+    counts = backend_counts(backend, counts_e, host_counts_once(backend, counts_e, host_counts, up.shape[0]), x_RH,
+                            up.shape[0])
+    h_PN, y_PH = expert_mlp(x_RH[slot_P // K], counts_e, up, down, up_bias, down_bias, experts.gate_activation,
+                            lambda x, w: run_grouped_mm(x, w, counts, trans_weight, backend))
     return weighted_sum(y_PH, weights_RK, pair_RK, x_RH.dtype), h_PN
 
 
 @_routed_mlp_op.register_fake
 def _routed_mlp_fake(x_RH, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias, down_bias,
-                     trans_weight, backend, experts_key, differentiable):
+                     trans_weight, experts_key, differentiable):
     return torch.empty_like(x_RH), x_RH.new_empty(slot_P.shape[0], up.shape[1 if trans_weight else 2])
 
 
@@ -112,36 +157,36 @@ def _routed_mlp_backward_op(
     dout_RH: torch.Tensor, x_RH: torch.Tensor, h_PN: torch.Tensor, weights_RK: torch.Tensor, slot_P: torch.Tensor,
     pair_RK: torch.Tensor, counts_e: torch.Tensor, host_counts: list[int] | None, up: torch.Tensor,
     down: torch.Tensor, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, trans_weight: bool,
-    backend: str, experts_key: int,
+    experts_key: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx_RH, dweights_RK, d_up, d_down, d_up_bias, d_down_bias)`` (empty where there is no bias)."""
     K, P = weights_RK.shape[1], slot_P.numel()
     experts = _LIVE[experts_key]
     row_P = slot_P // K
-    host_counts = host_counts_once(x_RH[:0], up, counts_e, host_counts, trans_weight, backend)
-    expert_P = _expert_of_pair(counts_e, P) if up_bias is not None else None
+    backend = experts.gmm_backend(up, down, counts=host_counts, backward=True)  # the forward's
+    counts = backend_counts(backend, counts_e, host_counts_once(backend, counts_e, host_counts, up.shape[0]), dout_RH,
+                            up.shape[0])
+    expert_P = expert_of_rows(counts_e, P, dout_RH.device) if up_bias is not None else None
     a_PI, gate_vjp = experts.gate_vjp(h_PN)  # the gate recomputed from h (elementwise), and its vjp
     dout_PH = dout_RH[row_P]
     w_P = weights_RK.reshape(-1)[slot_P]
     # down projection: u = d out @ Wd^T (the input gradient before weighting) serves both the
     # activation's gradient (w * u) and the routing weight's (<u, a>)
     no_x = a_PI.new_empty(0, a_PI.shape[1])
-    u_PI, _ = run_grouped_mm_backward(dout_PH, no_x, down, counts_e, host_counts, trans_weight, backend, True, False)
+    u_PI, _ = run_grouped_mm_backward(dout_PH, no_x, down, counts, trans_weight, backend, True, False)
     sum_dtype = accumulation_dtype(torch.promote_types(dout_RH.dtype, weights_RK.dtype))
     dw_P = _row_dots(u_PI, a_PI, sum_dtype)
     if down_bias is not None:
         dw_P = dw_P + _row_dots(dout_PH, down_bias[expert_P], sum_dtype)
     dy_PH = dout_PH.mul_(w_P.unsqueeze(1))  # the down projection's output gradient, in dout_PH's storage
-    _, d_down = run_grouped_mm_backward(dy_PH, a_PI.contiguous(), down, counts_e, host_counts, trans_weight, backend,
-                                        False, True)
+    _, d_down = run_grouped_mm_backward(dy_PH, a_PI.contiguous(), down, counts, trans_weight, backend, False, True)
     d_down_bias, d_up_bias = x_RH.new_empty(0), x_RH.new_empty(0)
     if down_bias is not None:
         d_down_bias = torch.zeros_like(down_bias).index_put_((expert_P,), dy_PH, accumulate=True)
     dh_PN = gate_vjp(u_PI.mul_(w_P.unsqueeze(1))).contiguous()  # d a = w * u, in u's storage
     if up_bias is not None:
         d_up_bias = torch.zeros_like(up_bias).index_put_((expert_P,), dh_PN, accumulate=True)
-    dx_PH, d_up = run_grouped_mm_backward(dh_PN, x_RH[row_P], up, counts_e, host_counts, trans_weight, backend,
-                                          True, True)
+    dx_PH, d_up = run_grouped_mm_backward(dh_PN, x_RH[row_P], up, counts, trans_weight, backend, True, True)
     dx_RH = weighted_sum(dx_PH, None, pair_RK, x_RH.dtype)
     dweights_RK = torch.zeros(weights_RK.numel(), dtype=weights_RK.dtype, device=weights_RK.device)
     dweights_RK.index_copy_(0, slot_P, dw_P.to(weights_RK.dtype))
@@ -158,7 +203,7 @@ def _row_dots(a_PN: torch.Tensor, b_PN: torch.Tensor, dtype: torch.dtype) -> tor
 
 @_routed_mlp_backward_op.register_fake
 def _routed_mlp_backward_fake(dout_RH, x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down,
-                              up_bias, down_bias, trans_weight, backend, experts_key):
+                              up_bias, down_bias, trans_weight, experts_key):
     empty = x_RH.new_empty(0)
     return (torch.empty_like(x_RH), torch.empty_like(weights_RK), torch.empty_like(up), torch.empty_like(down),
             empty if up_bias is None else torch.empty_like(up_bias),
@@ -166,23 +211,23 @@ def _routed_mlp_backward_fake(dout_RH, x_RH, h_PN, weights_RK, slot_P, pair_RK, 
 
 
 def _setup_context(ctx, inputs, output):
-    (x_RH, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias, down_bias, trans_weight, backend,
+    (x_RH, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias, down_bias, trans_weight,
      experts_key, _) = inputs
     ctx.save_for_backward(x_RH, output[1], weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias)
-    ctx.options = (host_counts, trans_weight, backend, experts_key)
+    ctx.options = (host_counts, trans_weight, experts_key)
 
 
 def _backward(ctx, dout_RH, _dh):
     refuse_double_backward("routed_mlp")
     x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias = ctx.saved_tensors
-    host_counts, trans_weight, backend, experts_key = ctx.options
+    host_counts, trans_weight, experts_key = ctx.options
     dx, dweights, d_up, d_down, d_up_bias, d_down_bias = torch.ops.epmoe.routed_mlp_backward(
         dout_RH.contiguous(), x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias,
-        down_bias, trans_weight, backend, experts_key)
+        down_bias, trans_weight, experts_key)
     needs = ctx.needs_input_grad
     return (dx if needs[0] else None, dweights if needs[1] else None, None, None, None, None,
             d_up if needs[6] else None, d_down if needs[7] else None,
-            d_up_bias if needs[8] else None, d_down_bias if needs[9] else None, None, None, None, None)
+            d_up_bias if needs[8] else None, d_down_bias if needs[9] else None, None, None, None)
 
 
 _routed_mlp_op.register_autograd(_backward, setup_context=_setup_context)
@@ -190,15 +235,16 @@ _routed_mlp_op.register_autograd(_backward, setup_context=_setup_context)
 
 def routed_mlp(experts_key: int, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs, up: torch.Tensor,
                down: torch.Tensor, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, *,
-               trans_weight: bool, backend: str) -> torch.Tensor:
+               trans_weight: bool) -> torch.Tensor:
     """``(R, H)``: the rows' routed MLP through ``epmoe::routed_mlp`` (see the module docstring);
-    ``experts_key``: from :func:`register_experts`."""
+    ``experts_key``: from :func:`register_experts` (the op asks that experts module for its gate and
+    its grouped-matmul backend)."""
     differentiable = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x_RH, weights_RK, up, down, up_bias, down_bias))
     host_counts = None if torch.compiler.is_compiling() else pairs.host_counts_e
     out_RH, _ = torch.ops.epmoe.routed_mlp(
         x_RH, weights_RK, pairs.slot_P, pairs.pair_RK, pairs.counts_e, host_counts, up, down, up_bias, down_bias,
-        trans_weight, backend, experts_key, differentiable)
+        trans_weight, experts_key, differentiable)
     return out_RH
 
 

@@ -3,6 +3,7 @@
 from epmoe.gmm.backend import BackendStatus, GmmBackend
 from epmoe.gmm.registry import (
     ENV_BACKEND,
+    BackendChoice,
     choose_backend,
     gmm_backends,
     gmm_backends_for,
@@ -14,6 +15,7 @@ from epmoe.gmm.registry import (
 
 __all__ = [
     "ENV_BACKEND",
+    "BackendChoice",
     "BackendStatus",
     "GmmBackend",
     "choose_backend",

@@ -58,7 +58,10 @@ class GmmBackend:
     device_counts: bool = False
 
     def ineligible_reason(self, x: torch.Tensor, weight: torch.Tensor, *, trans_weight: bool = False) -> str | None:
-        """``None`` when this backend can run ``grouped_mm(x, weight, ...)``, else a short reason."""
+        """``None`` when this backend can run ``grouped_mm(x, weight, ...)``, else a short reason.
+
+        Decided from what :class:`epmoe.gmm.registry.Operands` records of the operands (not the row
+        count, not the values): a :class:`~epmoe.gmm.BackendChoice` asks once per such operands."""
         raise NotImplementedError
 
     def counts_reason(self, counts: list[int], x: torch.Tensor, *, backward: bool) -> str | None:

@@ -2,34 +2,42 @@
 
     grouped_mm(x_TD, weight, counts)            validate shapes and dtypes (traceable)
       -> epmoe::grouped_mm (custom op)          choose: $EPMOE_GMM_BACKEND, else backend=, else
-         |                                      ("auto") the first eligible backend; counts as it
-         |                                      takes them: a device tensor, unread, for a backend
-         |                                      with device_counts (torch), else read to the host
-         |                                      once and validated (host lists: validated first)
-         |--forward-->  backend.forward(x, W)             -> y_TN
-         <-backward--   epmoe::grouped_mm_backward: the same choice (a named backend is judged
-                        alone: callers that issue several grouped matmuls, such as the experts'
-                        forward, choose once and name it to each call and its backward),
+         |                                      ("auto") the first eligible backend (or ask the
+         |                                      caller's BackendChoice); counts as it takes them: a
+         |                                      device tensor, unread, for a backend with
+         |                                      device_counts (torch), else read to the host once
+         |                                      and validated (host lists: validated first)
+         |--forward-->  run_grouped_mm: backend.forward(x, W)             -> y_TN
+         <-backward--   epmoe::grouped_mm_backward: the same choice, then run_grouped_mm_backward:
                         backend.forward(dy, W, transposed) -> dx_TD
                         backend.grad_weight(x, dy)         -> dW (zero for empty groups)
 
 Both ops are ``torch.library`` custom ops with fake kernels (output shapes from the operands alone)
 and registered autograd, so ``torch.compile`` traces a grouped matmul as one opaque call, in any
 dtype, and never the backend choice, its logging or the host read of the counts.
+:func:`run_grouped_mm` and :func:`run_grouped_mm_backward` are the one body of those ops: the other
+ops that run grouped matmuls inside (``epmoe::routed_mlp``, the fused ``alltoallv_gmm`` /
+``gmm_alltoallv``) call them with the backend object they were given.
 
 Registry order is the order of preference: ``npu``, ``batched`` (which ``auto`` takes only where its
 cost rule accepts the call's counts: small, even groups), ``torch``, then ``loop``, which always
 accepts and stays last. The first time an accelerated backend runs, one INFO line says so; the first time the
 dispatcher falls back past accelerated backends, one WARNING names each one that declined and why.
-A caller that issues several grouped matmuls (the experts' up and down projections) judges them
-together with :func:`gmm_backends_for` and picks one backend for all with :func:`choose_backend`.
+
+A caller that issues several grouped matmuls on the same weights (an experts module's up and down
+projections, in forward and backward) holds one :class:`BackendChoice`: the registered backends
+judge the family of calls together, once per device and dtype, and one backend runs them all; the
+calls are judged again only where their :class:`Operands` differ from the ones judged.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -44,12 +52,14 @@ from epmoe.gmm.torch_gmm import TorchBackend
 logger = logging.getLogger(__name__)
 
 ENV_BACKEND = "EPMOE_GMM_BACKEND"
-PREFERRED = "prefer:"  # backend="prefer:NAME": NAME where it takes the call, else as "auto"
+PREFERRED = "prefer:"  # grouped_mm(backend="prefer:NAME"): NAME where it takes the call, else as "auto"
 # the names a backend's multiplications carry in profiles, wherever they run (the grouped_mm ops, or
 # inside epmoe::routed_mlp)
 PROFILED_FORWARD, PROFILED_BACKWARD = "epmoe.gmm.forward", "epmoe.gmm.backward"
 
 _registry: list[GmmBackend] = [NpuBackend(), BatchedBackend(), TorchBackend(), LoopBackend()]
+_generation = itertools.count()  # changes with the registry: a BackendChoice's judgements are of one registry
+_registry_version = next(_generation)
 
 
 def register_gmm_backend(backend: GmmBackend, *, before: str | None = None) -> None:
@@ -68,6 +78,7 @@ def register_gmm_backend(backend: GmmBackend, *, before: str | None = None) -> N
         raise ValueError(f"register_gmm_backend(before): no backend named {anchor!r}; registered: {names}")
     _registry[:] = [b for b in _registry if b.name != backend.name]
     _registry.insert(names.index(anchor), backend)
+    _registry_changed()
 
 
 def unregister_gmm_backend(name: str) -> None:
@@ -75,6 +86,12 @@ def unregister_gmm_backend(name: str) -> None:
     if name == "loop":
         raise ValueError("unregister_gmm_backend(name): the loop backend cannot be removed")
     _registry[:] = [b for b in _registry if b.name != name]
+    _registry_changed()
+
+
+def _registry_changed() -> None:
+    global _registry_version
+    _registry_version = next(_generation)
 
 
 def gmm_backends(
@@ -189,6 +206,118 @@ def _judge(calls: list[tuple[str | None, object, object, object]], caller: str, 
     return statuses
 
 
+@dataclass(frozen=True)
+class Operands:
+    """What a backend's eligibility reads from one grouped matmul ``x @ weight`` (``x`` as the op
+    passes it, contiguous): two calls with equal ``Operands`` get the same answer from every built-in
+    backend, and a registered backend must decide from these properties alone.
+
+    The device and dtypes, ``trans_weight``, ``x``'s width and strides (not its row count), the
+    weight's shape and strides, and whether each data pointer is a multiple of 16 bytes (meta
+    tensors count as aligned).
+    """
+
+    device: torch.device
+    dtype: torch.dtype
+    weight_dtype: torch.dtype
+    trans_weight: bool
+    x_width: int
+    x_stride: tuple[int, ...]
+    x_aligned: bool
+    weight_shape: tuple[int, ...]
+    weight_stride: tuple[int, ...]
+    weight_aligned: bool
+
+    @classmethod
+    def of(cls, x: torch.Tensor, weight: torch.Tensor, trans_weight: bool) -> Operands:
+        return cls(x.device, x.dtype, weight.dtype, trans_weight, x.shape[-1], x.stride(), _aligned(x),
+                   tuple(weight.shape), weight.stride(), _aligned(weight))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.device.type == "meta" or t.data_ptr() % 16 == 0
+
+
+Call = tuple[torch.Tensor, torch.Tensor, bool]  # one grouped matmul's (x, weight, trans_weight)
+_CHOICES: weakref.WeakValueDictionary[int, BackendChoice] = weakref.WeakValueDictionary()
+_CHOICE_KEYS = itertools.count()
+
+
+class BackendChoice:
+    """The one grouped-matmul backend of a family of grouped matmuls (an experts module's up and
+    down projections, forward and backward), chosen once per device and dtype.
+
+    ``requested``: ``"auto"`` or a registered backend name (``ExpertParallelConfig.gmm_backend``).
+    ``family()``: the family's forward calls by label, ``(x, weight, trans_weight)`` with ``x`` an
+    empty ``(0, D)`` tensor like the real rows (contiguous, fresh) and the weights as they are now.
+
+    :meth:`backend_for` judges the family with every registered backend the first time it is asked
+    on a device and dtype (:func:`gmm_backends_for`: eligible only where every call is); each later
+    question costs a comparison of :class:`Operands`: calls whose operands are the family's take
+    the family's backend without asking any backend again. A call whose operands differ (another
+    dtype or device, weights substituted with other strides or alignment, rows of another width,
+    strides or alignment) is judged again, once per such operands, and a backend runs it only
+    where the family's judgement accepted it too (one backend for the family wherever it can be);
+    after the registry changes, the family is judged again. ``$EPMOE_GMM_BACKEND`` and, for
+    ``"auto"``, a backend that wins only on some group sizes apply per call, from the judged
+    statuses (no backend is asked). The backend of a forward runs its backward too, as in
+    :func:`grouped_mm`.
+
+    The ``epmoe::grouped_mm`` op finds a choice by :attr:`key` (custom ops take no Python objects).
+    """
+
+    def __init__(self, requested: str = "auto", family: Callable[[], Mapping[str, Call]] = dict):
+        if not isinstance(requested, str):
+            raise TypeError(f"BackendChoice(requested): expected a str, got {type(requested).__name__}")
+        self.requested, self.family = requested, family
+        self._judged: dict[tuple, tuple[list[BackendStatus], frozenset[Operands]]] = {}
+        self.key = self._register()
+
+    def _register(self) -> int:
+        key = next(_CHOICE_KEYS)
+        _CHOICES[key] = self
+        return key
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy (``copy.deepcopy`` of a model) registers itself under its own key."""
+        self.__dict__.update(state)
+        self.key = self._register()
+
+    def backend_for(self, calls: Sequence[Call], *, counts: list[int] | None = None, backward: bool = True
+                    ) -> GmmBackend:
+        """The backend for ``calls`` (``(x, weight, trans_weight)`` each, on one device and dtype;
+        ``counts``: the groups' rows where the caller has them on the host, ``backward``: whether the
+        calls will be differentiated), judged as the class docstring says."""
+        x, weight, _ = calls[0]
+        family_key = (_registry_version, weight.device, weight.dtype)
+        judged = self._judged.get(family_key)
+        if judged is None:
+            family = self.family()
+            statuses = gmm_backends_for(family) if family else _judge([(None, *call) for call in calls], "grouped_mm")
+            judged = (statuses, frozenset(Operands.of(*call) for call in (family or dict(enumerate(calls))).values()))
+            self._judged[family_key] = judged
+        statuses, operands = judged
+        differ = {op: call for op, call in ((Operands.of(*call), call) for call in calls) if op not in operands}
+        if differ:  # these calls are judged again (with the family's verdicts), once per such operands
+            again_key = (family_key, frozenset(differ))
+            again = self._judged.get(again_key)
+            if again is None:
+                again = self._judged[again_key] = (
+                    _both(statuses, _judge([(None, *call) for call in differ.values()], "grouped_mm")), operands)
+            statuses = again[0]
+        return choose_backend(statuses, backend=self.requested, counts=counts, x=x, backward=backward)
+
+
+def _both(first: list[BackendStatus], second: list[BackendStatus]) -> list[BackendStatus]:
+    """Each backend eligible only where it is in both lists (of one registry, in its order)."""
+    return [BackendStatus(a.name, a.eligible and b.eligible, a.reason or b.reason) for a, b in zip(first, second)]
+
+
+def choice_of(key: int) -> BackendChoice:
+    """The live :class:`BackendChoice` with :attr:`~BackendChoice.key` ``key``."""
+    return _CHOICES[key]
+
+
 def _log_first_use(backend: GmmBackend) -> None:
     if backend.accelerated:
         errors.log_once(logger, logging.INFO, ("gmm info", backend.name), "epmoe grouped_mm: using the %r backend",
@@ -253,100 +382,108 @@ def backend_counts(backend: GmmBackend, counts_G: torch.Tensor, host_counts: lis
     return _counts_list(counts_G, num_groups, x_TD.shape[0])
 
 
-def host_counts_once(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
-                     trans_weight: bool, backend: str) -> list[int] | None:
-    """For an op that issues several grouped matmuls on the same counts (``x_TD``: the first one's
-    input, or a ``(0, D)`` probe like it): ``host_counts`` where the caller has them, else ``counts_G``
-    read to the host once if ``backend`` resolves to a backend that needs host counts (then every call
-    gets the list), else ``None`` (nothing read)."""
-    if host_counts is not None:
+def host_counts_once(backend: GmmBackend, counts_G: torch.Tensor, host_counts: list[int] | None, num_groups: int
+                     ) -> list[int] | None:
+    """For an op that issues several grouped matmuls on the same counts on ``backend``:
+    ``host_counts`` where the caller has them, else ``counts_G`` read to the host once if the backend
+    needs host counts (then every call gets the list), else ``None`` (nothing read)."""
+    if host_counts is not None or backend.device_counts:
         return host_counts
-    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend)
-    if chosen.device_counts:
-        return None
     values = errors.int_list("grouped_mm(counts)", counts_G)
-    _counts_list(values, weight.shape[0], sum(values))  # the rows are the caller's: validated there
+    _counts_list(values, num_groups, sum(values))  # the rows are the caller's: validated there
     return values
 
 
-def run_grouped_mm(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
-                   trans_weight: bool, backend: str, differentiable: bool) -> torch.Tensor:
-    """The body of the ``epmoe::grouped_mm`` op, for other ops that run grouped matmuls inside
-    (operands validated, ``x_TD`` contiguous; ``host_counts``: the counts as a validated host list,
-    or ``None``)."""
-    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts,
-                            backward=differentiable)
-    counts = backend_counts(chosen, counts_G, host_counts, x_TD, weight.shape[0])
+def run_grouped_mm(x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, trans_weight: bool,
+                   backend: GmmBackend) -> torch.Tensor:
+    """``y_TN``: the one body of every grouped matmul epmoe runs (the ``epmoe::grouped_mm`` op, and
+    the ops that run grouped matmuls inside): rows of group ``g`` of ``x_TD`` times ``weight[g]``
+    (transposed with ``trans_weight``) on ``backend``, as it was chosen (not judged here).
+    ``counts``: as the backend takes them (:func:`backend_counts`); operands validated."""
     if x_TD.shape[0] == 0:
         return x_TD.new_zeros(0, weight.shape[1 if trans_weight else 2])
     with torch.profiler.record_function(PROFILED_FORWARD):
-        return chosen.forward(x_TD, weight, counts, trans_weight)
+        return backend.forward(x_TD.contiguous(), weight, counts, trans_weight)
 
 
-def run_grouped_mm_backward(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor,
-                            host_counts: list[int] | None, trans_weight: bool, backend: str, need_dx: bool,
-                            need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The body of the ``epmoe::grouped_mm_backward`` op: ``(dx_TD, dW)``, an empty tensor for a
-    gradient not needed (``x_TD`` may be an empty ``(0, D)`` probe when only ``dx`` is)."""
-    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts,
-                            backward=True)
-    num_rows = dy_TN.shape[0]
-    counts = backend_counts(chosen, counts_G, host_counts, dy_TN, weight.shape[0])
+def run_grouped_mm_backward(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: torch.Tensor,
+                            counts: list[int] | torch.Tensor, trans_weight: bool, backend: GmmBackend,
+                            need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx_TD, dW)`` of :func:`run_grouped_mm` on the same backend: ``dx = dy @ W^T`` per group and
+    ``dW`` in the weight's layout (zero for an empty group); an empty tensor for a gradient not
+    needed (``x_TD`` may be an empty ``(0, D)`` probe when only ``dx`` is)."""
     dx = dw = dy_TN.new_empty(0)
-    if num_rows == 0:
+    if dy_TN.shape[0] == 0:
         dx_shape = (0, weight.shape[2 if trans_weight else 1])
         return (dy_TN.new_zeros(dx_shape) if need_dx else dx), (torch.zeros_like(weight) if need_dw else dw)
     dy_TN = dy_TN.contiguous()
     with torch.profiler.record_function(PROFILED_BACKWARD):
         if need_dx:
-            dx = chosen.forward(dy_TN, weight, counts, not trans_weight)
+            dx = backend.forward(dy_TN, weight, counts, not trans_weight)
         if need_dw:
-            dw = chosen.grad_weight(x_TD, dy_TN, counts, trans_weight)
+            dw = backend.grad_weight(x_TD.contiguous(), dy_TN, counts, trans_weight)
     return dx, dw
+
+
+def _op_backend(x_TD: torch.Tensor, weight: torch.Tensor, trans_weight: bool, backend: str, choice: int,
+                host_counts: list[int] | None, backward: bool) -> GmmBackend:
+    """The backend of one ``epmoe::grouped_mm`` call: its caller's :class:`BackendChoice` (``choice``
+    >= 0), else chosen here from ``backend`` (:func:`select_backend`)."""
+    if choice >= 0:
+        return choice_of(choice).backend_for([(x_TD, weight, trans_weight)], counts=host_counts, backward=backward)
+    return select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts,
+                          backward=backward)
 
 
 @torch.library.custom_op("epmoe::grouped_mm", mutates_args=())
 def _grouped_mm_op(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
-                   trans_weight: bool, backend: str, differentiable: bool) -> torch.Tensor:
+                   trans_weight: bool, backend: str, choice: int, differentiable: bool) -> torch.Tensor:
     """The op behind :func:`grouped_mm`: the backend chosen here and the counts read to the host
     here where it needs them (once), so that ``torch.compile`` traces neither (only
     :func:`_grouped_mm_fake`)."""
-    return run_grouped_mm(x_TD, weight, counts_G, host_counts, trans_weight, backend, differentiable)
+    chosen = _op_backend(x_TD, weight, trans_weight, backend, choice, host_counts, differentiable)
+    counts = backend_counts(chosen, counts_G, host_counts, x_TD, weight.shape[0])
+    return run_grouped_mm(x_TD, weight, counts, trans_weight, chosen)
 
 
 @_grouped_mm_op.register_fake
-def _grouped_mm_fake(x_TD, weight, counts_G, host_counts, trans_weight, backend, differentiable):
+def _grouped_mm_fake(x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, differentiable):
     return x_TD.new_empty(x_TD.shape[0], weight.shape[1 if trans_weight else 2])
 
 
 @torch.library.custom_op("epmoe::grouped_mm_backward", mutates_args=())
 def _grouped_mm_backward_op(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor,
-                            host_counts: list[int] | None, trans_weight: bool, backend: str, need_dx: bool,
-                            need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx_TD, dW)`` on the backend the forward ran (chosen again from the same operands: the
-    choice depends on nothing else); a gradient not needed is an empty tensor."""
-    return run_grouped_mm_backward(dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, need_dx, need_dw)
+                            host_counts: list[int] | None, trans_weight: bool, backend: str, choice: int,
+                            need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx_TD, dW)`` on the backend the forward ran (chosen again from the same operands, which
+    a :class:`BackendChoice` answers without judging; the choice depends on nothing else); a
+    gradient not needed is an empty tensor."""
+    chosen = _op_backend(x_TD, weight, trans_weight, backend, choice, host_counts, True)
+    counts = backend_counts(chosen, counts_G, host_counts, dy_TN, weight.shape[0])
+    return run_grouped_mm_backward(dy_TN, x_TD, weight, counts, trans_weight, chosen, need_dx, need_dw)
 
 
 @_grouped_mm_backward_op.register_fake
-def _grouped_mm_backward_fake(dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, need_dx, need_dw):
+def _grouped_mm_backward_fake(dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, need_dx,
+                              need_dw):
     empty = x_TD.new_empty(0)
     return (torch.empty_like(x_TD) if need_dx else empty), (torch.empty_like(weight) if need_dw else empty)
 
 
 def _setup_context(ctx, inputs, output):
-    x_TD, weight, counts_G, host_counts, trans_weight, backend, _ = inputs
+    x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, _ = inputs
     ctx.save_for_backward(x_TD, weight, counts_G)
-    ctx.host_counts, ctx.trans_weight, ctx.backend = host_counts, trans_weight, backend
+    ctx.options = (host_counts, trans_weight, backend, choice)
 
 
 def _backward(ctx, dy_TN):
     refuse_double_backward("grouped_mm")
     x_TD, weight, counts_G = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
-    dx, dw = torch.ops.epmoe.grouped_mm_backward(dy_TN, x_TD, weight, counts_G, ctx.host_counts, ctx.trans_weight,
-                                                 ctx.backend, need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None, None
+    host_counts, trans_weight, backend, choice = ctx.options
+    dx, dw = torch.ops.epmoe.grouped_mm_backward(dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend,
+                                                 choice, need_dx, need_dw)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None, None, None
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -358,7 +495,7 @@ def grouped_mm(
     counts: Sequence[int] | torch.Tensor,
     *,
     trans_weight: bool = False,
-    backend: str = "auto",
+    backend: str | BackendChoice = "auto",
 ) -> torch.Tensor:
     """Grouped matmul: rows ``[sum(counts[:g]), sum(counts[:g+1]))`` of ``x`` times ``weight[g]``.
 
@@ -371,16 +508,19 @@ def grouped_mm(
             (its values are trusted, not validated); for the others the op reads it to the host once.
             Under ``torch.compile`` a device tensor costs no graph break either way.
         trans_weight: whether ``weight`` is ``(G, N, D)``.
-        backend: ``"auto"``, a registered backend name, or ``"prefer:NAME"`` (``NAME`` where it takes
-            the call, else as ``"auto"``: what a caller that chose once for several calls passes);
-            ``$EPMOE_GMM_BACKEND`` overrides it.
+        backend: ``"auto"``, a registered backend name, ``"prefer:NAME"`` (``NAME`` where it takes
+            the call, else as ``"auto"``), or a :class:`BackendChoice` (the backend it chose for the
+            family of grouped matmuls this call belongs to); ``$EPMOE_GMM_BACKEND`` overrides it.
 
     Returns:
         ``(T, N)`` in ``x``'s dtype; differentiable in ``x`` and ``weight``.
     """
     check_operands(x, weight, trans_weight)
+    choice = -1
+    if isinstance(backend, BackendChoice):
+        backend, choice = backend.requested, backend.key
     if not isinstance(backend, str):
-        raise TypeError(f"grouped_mm(backend): expected a str, got {type(backend).__name__}")
+        raise TypeError(f"grouped_mm(backend): expected a str or a BackendChoice, got {type(backend).__name__}")
     host_counts = None
     if isinstance(counts, torch.Tensor):
         errors.check_counts_tensor("grouped_mm(counts)", counts)  # the op reads the values where it must
@@ -391,5 +531,5 @@ def grouped_mm(
         if torch.compiler.is_compiling():
             host_counts = None  # a traced list would be a constant of the graph
     differentiable = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return torch.ops.epmoe.grouped_mm(x.contiguous(), weight, counts_G, host_counts, trans_weight, backend,
+    return torch.ops.epmoe.grouped_mm(x.contiguous(), weight, counts_G, host_counts, trans_weight, backend, choice,
                                       differentiable)

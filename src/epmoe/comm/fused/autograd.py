@@ -23,11 +23,12 @@ from typing import Any
 import torch
 
 from epmoe.comm.fused import npu
-from epmoe.comm.fused.compute import gmm_grad_weight, shared_backward, shared_forward
+from epmoe.comm.fused.compute import shared_backward, shared_forward
 from epmoe.comm.fused.backends import FusedBackend, choose_fused_backend
-from epmoe.comm.fused.pipelined import Result, Run
+from epmoe.comm.fused.pipelined import Result, Run, grad_weight
 from epmoe.comm.layout import RowLayout
 from epmoe.errors import refuse_double_backward
+from epmoe.gmm.backend import GmmBackend
 
 
 
@@ -42,7 +43,7 @@ class Call:
     trans_shared_weight: bool
     return_permuted: bool
     impl: str  # "auto" | "npu_fused" | "pipelined"
-    gmm_backend: str
+    gmm_backend: GmmBackend  # chosen once per call: every grouped matmul of its forward and backward
 
 
 def _start_forward(
@@ -126,7 +127,7 @@ class AlltoallvGmm(torch.autograd.Function):
             return _finish_backward(ctx, result.y, result.grad_weight, result.side)
         dw = None  # no input gradient: dW is local, no communication
         if run.dw_x is not None:  # the saved permuted rows
-            dw = gmm_grad_weight(
+            dw = grad_weight(
                 run.dw_x, dy_expert_major, run.weight, run.plan.rows_per_expert_e, run.dw_trans, run.gmm_backend
             )
         return _finish_backward(ctx, None, dw, _side_inline(run))

@@ -1,9 +1,10 @@
-"""The compute the fused ops interleave with communication: grouped matmuls and shared-expert matmuls.
+"""The shared-expert compute the fused ops interleave with communication.
 
-Grouped matmuls go through epmoe's backend registry (:func:`epmoe.gmm.select_backend`), called on
-the backend object directly because the fused ops carry their own autograd. Shared-expert work is a
-list of plain products ``a @ b`` whose outputs are allocated on the current stream before the
-products run (on a side stream where there is one), so the outputs belong to the current stream.
+(Their grouped matmuls run the one grouped-matmul body, :func:`epmoe.gmm.registry.run_grouped_mm`
+and :func:`~epmoe.gmm.registry.run_grouped_mm_backward`, on the backend object each call carries.)
+Shared-expert work is a list of plain products ``a @ b`` whose outputs are allocated on the current
+stream before the products run (on a side stream where there is one), so the outputs belong to the
+current stream.
 """
 
 from __future__ import annotations
@@ -14,32 +15,10 @@ from typing import Any
 import torch
 
 from epmoe import platform
-from epmoe.gmm import select_backend
 
 # Launches its products on the given side stream (inline for None) and returns their outputs; the
 # caller makes the current stream wait for the side stream (platform.wait_stream) before using them.
 SideJob = Callable[[Any], list[torch.Tensor]]
-
-
-def gmm(x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool, backend: str) -> torch.Tensor:
-    """``y_TN``: rows of group ``g`` of ``x_TD`` times ``weight[g]`` (transposed with ``trans_weight``)."""
-    n = weight.shape[1] if trans_weight else weight.shape[2]
-    if x_TD.shape[0] == 0:
-        return x_TD.new_zeros(0, n)
-    x_TD = x_TD.contiguous()
-    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend)
-    return chosen.forward(x_TD, weight, counts, trans_weight)
-
-
-def gmm_grad_weight(
-    x_TD: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool, backend: str
-) -> torch.Tensor:
-    """``dW`` shaped like ``weight``: ``x_g^T dy_g`` per group (``dy_g^T x_g`` with ``trans_weight``); zero if empty."""
-    if x_TD.shape[0] == 0:
-        return torch.zeros_like(weight, memory_format=torch.contiguous_format)
-    x_TD = x_TD.contiguous()
-    chosen = select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend)
-    return chosen.grad_weight(x_TD, dy_TN.contiguous(), counts, trans_weight)
 
 
 def dense_products(products: list[tuple[torch.Tensor, torch.Tensor]]) -> SideJob:

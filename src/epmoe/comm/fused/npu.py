@@ -37,9 +37,8 @@ import torch
 import torch.distributed as dist
 
 from epmoe import platform
-from epmoe.comm.fused.compute import gmm_grad_weight
 from epmoe.comm.layout import RowLayout
-from epmoe.comm.fused.pipelined import Result, Run
+from epmoe.comm.fused.pipelined import Result, Run, grad_weight
 
 A3_DEVICE_PREFIX = "Ascend910_93"
 SUPPORTED_EP_SIZES = (8, 16, 32, 64)
@@ -189,7 +188,7 @@ def _finish(
     platform.wait_stream(stream)
     dw = None
     if run.dw_x is not None:
-        dw = gmm_grad_weight(
+        dw = grad_weight(
             run.dw_x, x_expert_major, run.weight, run.plan.rows_per_expert_e, run.dw_trans, run.gmm_backend
         )
     return ([mm_y] if run.fused_shared is not None else side_out), dw

@@ -27,7 +27,8 @@ from epmoe.comm.fused import reference
 from epmoe.comm.fused.autograd import AlltoallvGmm, Call, GmmAlltoallv
 from epmoe.comm.layout import RowLayout, round_bounds
 from epmoe.comm.steps import AGREE, MODEL_WIDE, Position, StepChannel, dtype_code, dtype_name, world_size
-from epmoe.gmm.registry import check_operands
+from epmoe.gmm.backend import GmmBackend
+from epmoe.gmm.registry import check_operands, select_backend
 
 IMPLS = ("auto", "npu_fused", "pipelined", "reference")
 # num_chunks="auto": measured on 2 gloo ranks of a 2-core CPU (benchmarks/fused_cpu.md), rounds do
@@ -51,7 +52,7 @@ def alltoallv_gmm(
     return_permuted: bool = False,
     num_chunks: int | str = 1,
     impl: str = "auto",
-    gmm_backend: str = "auto",
+    gmm_backend: str | GmmBackend = "auto",
     check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Dispatch: all-to-all-v, permute to expert-major, grouped matmul (``torch_npu.npu_alltoallv_gmm``).
@@ -72,7 +73,10 @@ def alltoallv_gmm(
             ``"auto"``); the same on every rank; results do not depend on it.
         impl: ``"auto"`` (``npu_fused`` where eligible, else ``pipelined``), ``"npu_fused"``,
             ``"pipelined"`` or ``"reference"``.
-        gmm_backend: the grouped-matmul backend (see :func:`epmoe.grouped_mm`).
+        gmm_backend: the grouped-matmul backend: ``"auto"`` or a registered name (see
+            :func:`epmoe.grouped_mm`), chosen once for every grouped matmul of the call, forward and
+            backward, on the rows it multiplies (the received rows: fresh, contiguous) and
+            ``weight``; or a :class:`~epmoe.gmm.GmmBackend` the caller chose (run as given).
         check: agree with the peers first (see the module docstring; one small collective). Unsafe
             to turn off unless the counts come straight from :func:`epmoe.exchange_counts` and every
             rank passes the same dtype, width and ``num_chunks``: a mismatch then aborts a process
@@ -90,7 +94,7 @@ def alltoallv_gmm(
     if impl == "reference":
         return reference.dispatch(
             call.plan, x, weight, trans_weight, group, shared=shared, return_permuted=return_permuted,
-            gmm_backend=gmm_backend,
+            gmm_backend=call.gmm_backend.name,
         )
     return AlltoallvGmm.apply(x, weight, shared_x, shared_weight, call)
 
@@ -108,7 +112,7 @@ def gmm_alltoallv(
     trans_shared_weight: bool = False,
     num_chunks: int | str = 1,
     impl: str = "auto",
-    gmm_backend: str = "auto",
+    gmm_backend: str | GmmBackend = "auto",
     check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Combine: grouped matmul, unpermute, all-to-all-v back (``torch_npu.npu_gmm_alltoallv``).
@@ -135,7 +139,8 @@ def gmm_alltoallv(
         trans_shared_weight, False, num_chunks, impl, gmm_backend, check,
     )
     if impl == "reference":
-        return reference.combine(call.plan, x, weight, trans_weight, group, shared=shared, gmm_backend=gmm_backend)
+        return reference.combine(call.plan, x, weight, trans_weight, group, shared=shared,
+                                 gmm_backend=call.gmm_backend.name)
     return GmmAlltoallv.apply(x, weight, shared_x, shared_weight, call)
 
 
@@ -174,9 +179,12 @@ def _validate(
             raise TypeError(f"{op}({name}): expected a bool, got {type(flag).__name__}")
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"{op}(impl): expected one of {IMPLS}, got {impl!r}")
-    if not isinstance(gmm_backend, str):
-        raise TypeError(f"{op}(gmm_backend): expected a str, got {type(gmm_backend).__name__}")
+    if not isinstance(gmm_backend, (str, GmmBackend)):
+        raise TypeError(f"{op}(gmm_backend): expected a str or a GmmBackend, got {type(gmm_backend).__name__}")
     _check_routed(op, x, weight, trans_weight)
+    if isinstance(gmm_backend, str):  # chosen once, for the grouped matmuls of the forward and the backward
+        rows = x.new_empty(0, x.shape[1]) if op == "alltoallv_gmm" else x  # the dispatch multiplies received rows
+        gmm_backend = select_backend(rows, weight, trans_weight=trans_weight, backend=gmm_backend)
     shared = _check_shared(op, x, shared_x, shared_weight, trans_shared_weight)
     e = weight.shape[0]
     send = _counts(op, "send_counts", send_counts, ep_size, e)

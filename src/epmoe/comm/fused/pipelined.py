@@ -32,8 +32,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from epmoe.comm.fused.compute import SideJob, gmm, gmm_grad_weight
+from epmoe.comm.fused.compute import SideJob
 from epmoe.comm.layout import RowLayout, gather_rows, prefix
+from epmoe.gmm.backend import GmmBackend
+from epmoe.gmm.registry import run_grouped_mm, run_grouped_mm_backward
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,8 +43,8 @@ class Run:
     """One run (a forward, or a backward) besides its input rows, built by :mod:`~epmoe.comm.fused.autograd`.
 
     ``weight``: ``(e, D, N)``, or ``(e, N, D)`` with ``trans_weight``: this rank's experts as the run's
-    grouped matmuls use them. ``side``: the shared expert's job, run while the pipeline communicates.
-    With ``dw_x`` (expert-major, ``plan.rows_expert_major`` rows) the run also returns
+    grouped matmuls use them; ``gmm_backend``: the backend they run on, chosen once per call.
+    ``side``: the shared expert's job, run while the pipeline communicates. With ``dw_x`` (expert-major, ``plan.rows_expert_major`` rows) the run also returns
     ``grad_weight = dW(dw_x, the run's expert-major rows)`` in the layout ``dw_trans`` says.
     ``fused_shared``: ``(shared_x, shared_weight, trans)`` for the ``npu_fused`` kernels to compute in
     place of ``side``; only that backend is given one.
@@ -52,7 +54,7 @@ class Run:
     weight: torch.Tensor
     trans_weight: bool
     group: Any
-    gmm_backend: str
+    gmm_backend: GmmBackend
     side: SideJob | None = None
     dw_x: torch.Tensor | None = None
     dw_trans: bool = False
@@ -88,6 +90,13 @@ class _Exchange:
         return self.received
 
 
+def grad_weight(x_TD: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool,
+                backend: GmmBackend) -> torch.Tensor:
+    """``dW`` shaped like ``weight``: ``x_g^T dy_g`` per group (``dy_g^T x_g`` with ``trans_weight``),
+    zero for an empty group (the grouped-matmul body's weight gradient)."""
+    return run_grouped_mm_backward(dy_TN, x_TD, weight, counts, trans_weight, backend, False, True)[1]
+
+
 def _fresh(pieces: list[torch.Tensor], base: torch.Tensor) -> torch.Tensor:
     """The pieces concatenated, never a view of ``base`` (an autograd input)."""
     if len(pieces) == 1 and pieces[0]._base is None and pieces[0] is not base:
@@ -120,12 +129,12 @@ def dispatch(run: Run, x_rank_major: torch.Tensor, *, want_permuted: bool = Fals
         permuted = gather_rows(received, plan.to_expert_major(j0, j1)) if plan.needs_permute(j0, j1) else received
         sizes = plan.rows_per_expert_e[j0:j1]
         if compute_y:
-            ys.append(gmm(permuted, weight[j0:j1], sizes, run.trans_weight, backend))
+            ys.append(run_grouped_mm(permuted, weight[j0:j1], sizes, run.trans_weight, backend))
         if want_permuted:
             permuted_rounds.append(permuted)
         if dw_x is not None:
             start, end = plan.expert_rows(j0, j1)
-            dws.append(gmm_grad_weight(dw_x[start:end], permuted, weight[j0:j1], sizes, run.dw_trans, backend))
+            dws.append(grad_weight(dw_x[start:end], permuted, weight[j0:j1], sizes, run.dw_trans, backend))
     return Result(
         y=_fresh(ys, x_rank_major) if compute_y else None,
         permuted=_fresh(permuted_rounds, x_rank_major) if want_permuted else None,
@@ -147,7 +156,7 @@ def combine(run: Run, x_expert_major: torch.Tensor, *, addend: torch.Tensor | No
         start, end = plan.expert_rows(j0, j1)
         x_round = x_expert_major[start:end]
         sizes = plan.rows_per_expert_e[j0:j1]
-        y_round = gmm(x_round, weight[j0:j1], sizes, run.trans_weight, backend)
+        y_round = run_grouped_mm(x_round, weight[j0:j1], sizes, run.trans_weight, backend)
         if addend is not None:
             y_round = y_round + addend[start:end]
         send = gather_rows(y_round, plan.to_source_major(j0, j1)) if plan.needs_permute(j0, j1) else y_round
@@ -155,7 +164,7 @@ def combine(run: Run, x_expert_major: torch.Tensor, *, addend: torch.Tensor | No
         rank_major_splits.append(splits)
         exchanges.append(_Exchange(send, splits, plan.expert_major_splits(j0, j1), run.group, plan.ep_size))
         if dw_x is not None:
-            dws.append(gmm_grad_weight(dw_x[start:end], x_round, weight[j0:j1], sizes, run.dw_trans, backend))
+            dws.append(grad_weight(dw_x[start:end], x_round, weight[j0:j1], sizes, run.dw_trans, backend))
     side_out = run.side(None) if run.side is not None else None
 
     received = [exchange.wait() for exchange in exchanges]
