@@ -152,6 +152,37 @@ def test_fused_dispatch_choice_and_fallback(caplog):
     assert all(m.experts._epmoe.transport.name == "fused" for m in blocks)
 
 
+def test_fused_keeps_a_block_forward_set_on_the_instance():
+    """A block whose forward was set on the instance (a hook library's wrapper) keeps it under
+    dispatch="fused": the overlapped block forward would drop the wrapper (the experts still take
+    the fused transport through their own forward); outputs equal the unsharded model's."""
+    import copy
+    import types
+
+    import torch
+
+    import epmoe
+    from epmoe.models import build_model
+
+    reference = build_model("qwen3_5_moe")
+    model = copy.deepcopy(reference)
+    blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3_5MoeSparseMoeBlock"]
+    calls = []
+
+    def wrapped(block, hidden_states):
+        calls.append(block)
+        return type(block).forward(block, hidden_states)
+
+    blocks[0].forward = types.MethodType(wrapped, blocks[0])
+    epmoe.apply_expert_parallel(model, config={"dispatch": "fused"})
+    assert blocks[0].forward.__func__ is wrapped
+    assert all(m.forward.__func__.__name__ == "shared_block_forward" for m in blocks[1:])
+    assert all(m.experts._epmoe.transport.name == "fused" for m in blocks)
+    ids = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+    assert calls
+
+
 def test_named_backend_that_declines_leaves_model_untouched():
     import torch
 

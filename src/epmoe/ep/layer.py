@@ -73,4 +73,5 @@ def expert_parallel_forward(
 ) -> torch.Tensor:
     """Drop-in for a packed experts module's ``forward(hidden [T,H], top_k_index [T,K], top_k_weights [T,K])``."""
     shape = hidden_states.shape
-    return routed_experts(state_of(module), hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights).view(shape)
+    out_TH = routed_experts(state_of(module), hidden_states.reshape(-1, shape[-1]), top_k_index, top_k_weights)
+    return out_TH.view(shape)

@@ -28,7 +28,16 @@ import torch
 from epmoe.comm import all_to_all_v
 from epmoe.ep.config import DROPPED_COUNTER
 from epmoe.ep.dispatch.base import Dispatcher, LayerCounts, SharedExpert, exchange_layer_counts
-from epmoe.ep.routing import RowPairs, TokenRows, destinations_TW, gather_rows, keep_first, pair_rows, sum_rows, token_rows
+from epmoe.ep.routing import (
+    RowPairs,
+    TokenRows,
+    destinations_TW,
+    gather_rows,
+    keep_first,
+    pair_rows,
+    sum_rows,
+    token_rows,
+)
 from epmoe.ep.state import ExpertParallelState
 
 

@@ -125,6 +125,7 @@ def exchange_layer_counts(state: ExpertParallelState, hidden_TH: torch.Tensor, t
             sum(exchanged.slots_by_rank), [row[0] for row in exchanged.extras_sent],
             [row[0] for row in exchanged.extras_received])
         if guarded:
-            check_guard([row[1:] for row in exchanged.extras_received], state.position(FORWARD).describe(channel.layer_names))
+            check_guard([row[1:] for row in exchanged.extras_received],
+                        state.position(FORWARD).describe(channel.layer_names))
     state.count_load(counts.local_counts_e)
     return counts
