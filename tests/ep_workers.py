@@ -49,7 +49,7 @@ def model_parity(rank, world, family, dtype_name, lengths, scenario):
     config = {"dispatch": "fused", "num_chunks": 2} if scenario == "fused" else None
     shards = epmoe.apply_expert_parallel(model, config=config)
     if scenario == "fused":
-        assert all(model.get_submodule(s.module_name)._epmoe.transport == "fused" for s in shards)
+        assert all(model.get_submodule(s.module_name)._epmoe.transport.name == "fused" for s in shards)
     errors = {}
 
     ids = batch_of(rank, lengths)

@@ -118,7 +118,8 @@ def test_parity_module_list_experts(expert_kind, world):
 
 def test_fused_dispatch_choice_and_fallback(caplog):
     """GPT-OSS's biased experts decline the fused path once per model, with the reason; "auto" is
-    all-to-all-v on CPU; known shared-expert blocks get the overlapped block forward."""
+    resolved to all-to-all-v when EP is applied and leaves every block's forward its own; known
+    shared-expert blocks get the overlapped block forward only where the transport is fused."""
     import copy
     import logging
 
@@ -132,21 +133,54 @@ def test_fused_dispatch_choice_and_fallback(caplog):
         epmoe.apply_expert_parallel(gpt, config={"dispatch": "fused"})
     warnings = [r.getMessage() for r in caplog.records if r.name == "epmoe.compose.apply"]
     assert len(warnings) == 1 and "2 experts modules" in warnings[0] and "bias" in warnings[0]
-    assert all(m._epmoe.transport == "alltoallv" for m in gpt.modules() if hasattr(m, "_epmoe"))
+    assert all(m._epmoe.transport.name == "alltoallv" for m in gpt.modules() if hasattr(m, "_epmoe"))
 
     reference = build_model("qwen3_5_moe")
     auto = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(auto)  # "auto": all-to-all-v (each token once per rank) on every device
     states = [m._epmoe for m in auto.modules() if hasattr(m, "_epmoe")]
-    assert states and all(s.transport == "auto" for s in states)
-    assert all(s.transport_on(torch.device(d)) == "alltoallv" for s in states for d in ("cpu", "cuda"))
-    ids = torch.randint(0, 64, (2, 9))  # on CPU the shared-expert blocks run their own forward
+    assert states and all(s.transport.name == "alltoallv" for s in states)
+    auto_blocks = [m for m in auto.modules() if type(m).__name__ == "Qwen3_5MoeSparseMoeBlock"]
+    assert auto_blocks and all("forward" not in vars(m) for m in auto_blocks)  # their own forward, not replaced
+    ids = torch.randint(0, 64, (2, 9))
     torch.testing.assert_close(auto(ids).logits, reference(ids).logits)
 
     fused = build_model("qwen3_5_moe")
     epmoe.apply_expert_parallel(fused, config={"dispatch": "fused"})
     blocks = [m for m in fused.modules() if type(m).__name__ == "Qwen3_5MoeSparseMoeBlock"]
     assert blocks and all(m.forward.__func__.__name__ == "shared_block_forward" for m in blocks)
+    assert all(m.experts._epmoe.transport.name == "fused" for m in blocks)
+
+
+def test_fused_keeps_a_block_forward_set_on_the_instance():
+    """A block whose forward was set on the instance (a hook library's wrapper) keeps it under
+    dispatch="fused": the overlapped block forward would drop the wrapper (the experts still take
+    the fused transport through their own forward); outputs equal the unsharded model's."""
+    import copy
+    import types
+
+    import torch
+
+    import epmoe
+    from epmoe.models import build_model
+
+    reference = build_model("qwen3_5_moe")
+    model = copy.deepcopy(reference)
+    blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3_5MoeSparseMoeBlock"]
+    calls = []
+
+    def wrapped(block, hidden_states):
+        calls.append(block)
+        return type(block).forward(block, hidden_states)
+
+    blocks[0].forward = types.MethodType(wrapped, blocks[0])
+    epmoe.apply_expert_parallel(model, config={"dispatch": "fused"})
+    assert blocks[0].forward.__func__ is wrapped
+    assert all(m.forward.__func__.__name__ == "shared_block_forward" for m in blocks[1:])
+    assert all(m.experts._epmoe.transport.name == "fused" for m in blocks)
+    ids = torch.randint(0, 64, (2, 9))
+    torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+    assert calls
 
 
 def test_named_backend_that_declines_leaves_model_untouched():

@@ -3,10 +3,10 @@
 The data path of one MoE layer, and where each step lives::
 
     router (the model's own)                 untouched
-      -> sort + counts exchange              epmoe.ep.routing       on epmoe.comm.counts
-      -> dispatch (all-to-all-v + permute)   epmoe.ep.dispatcher    / epmoe.comm.fused alltoallv_gmm
+      -> counts exchange                     epmoe.ep.dispatch.base on epmoe.comm.counts
+      -> dispatch (rows + all-to-all-v)      epmoe.ep.dispatch      (.alltoallv; .fused: alltoallv_gmm)
       -> grouped experts                     epmoe.ep.experts       on epmoe.gmm.grouped_mm
-      -> combine (unpermute + all-to-all-v)  epmoe.ep.dispatcher    / epmoe.comm.fused gmm_alltoallv
+      -> combine (all-to-all-v + sum)        epmoe.ep.dispatch      (.alltoallv; .fused: gmm_alltoallv)
     (the whole layer: epmoe.ep.layer.routed_experts; the floors of the package: README.md)
 
 The collectives of a training step on a model's EP groups carry or follow step headers

@@ -425,7 +425,7 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     errors: dict[str, str] = {}
     model = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(model)
-    dispatch = sorted({state.transport_on(ids.device) for _, _, state in ep_states(model)})
+    dispatch = sorted({state.transport.name for _, _, state in ep_states(model)})
     steps[EPMOE_DDP] = model_step(DDP(model), ids)
     unchecked = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(unchecked, config={"check_steps": False})

@@ -12,7 +12,11 @@ The expert weights stay plain ``nn.Parameter``s under their own names, sliced to
 local experts keep their global index in their names). Routers, shared experts and everything else
 are untouched. A packed experts module's forward becomes :func:`~epmoe.ep.layer.expert_parallel_forward`;
 for ``nn.ModuleList`` experts the enclosing block's forward becomes
-:func:`~epmoe.integrations.blocks.expert_parallel_block_forward`.
+:func:`~epmoe.integrations.blocks.expert_parallel_block_forward`. Each experts module's transport is
+decided here, once (``config.dispatch``, ``"auto"`` resolved: :mod:`epmoe.ep.dispatch`), and its
+dispatcher built; where it is ``"fused"`` and the block is a known shared-expert block, the block's
+forward becomes :func:`~epmoe.integrations.blocks.shared_block_forward` (the shared expert rides in
+the fused ops' gaps).
 
 With experts sharded (EP size > 1) the model also gets, as instance attributes: the names DDP must
 ignore (:mod:`epmoe.ep.params`), a ``generate`` that keeps every rank stepping
@@ -41,6 +45,7 @@ from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe import platform
 from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
+from epmoe.ep.dispatch import make_dispatcher
 from epmoe.ep.experts import LocalExperts, experts_backend, experts_gmm_backends
 from epmoe.ep.grads import GradSync
 from epmoe.ep.layer import expert_parallel_forward
@@ -148,7 +153,8 @@ def apply_expert_parallel(
     for layer, ((name, module, owner), shard, transport, returns_logits) in enumerate(zip(
         found, shards, checked.transport, checked.returns_logits
     )):
-        common = dict(sync=sync, ancestors=_ancestors(modules, name), channel=ep_channel, layer=layer)
+        common = dict(sync=sync, ancestors=_ancestors(modules, name), channel=ep_channel, layer=layer,
+                      transport=make_dispatcher(transport, module, config))
         if isinstance(module, nn.ModuleList):
             local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend)
             attach_state(owner, ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits,
@@ -157,15 +163,14 @@ def apply_expert_parallel(
         else:
             sharded = _shard_parameters(module, shard)
             attach_state(module, ExpertParallelState(shard, config, group, LocalExperts(module, config.gmm_backend),
-                                                     transport=transport, sharded_names=sharded, **common))
+                                                     sharded_names=sharded, **common))
             module.forward = types.MethodType(expert_parallel_forward, module)
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if sharded:
                 warn_on_bare_state_dict(module)
                 if block is not None:  # LoRA factors peft makes for all E experts: narrowed before use
                     install_settle_hook(block, name.rsplit(".", 1)[1])
-            if transport != "alltoallv" and block is not None and is_shared_expert_block(block, module):
-                block._epmoe_block_forward = block.forward  # what shared_block_forward falls back to
+            if transport == "fused" and block is not None and is_shared_expert_block(block, module):
                 block.forward = types.MethodType(shared_block_forward, block)
     if sync.active:
         expert_parameters(model)  # marks them
@@ -207,7 +212,7 @@ class _Checked:
     """What :func:`_validate` decided, per experts module where a list."""
 
     shards: list[ExpertShard]
-    transport: list[str]  # ExpertParallelState.transport per module
+    transport: list[str]  # the transport per module (epmoe.ep.dispatch.DISPATCHERS key)
     returns_logits: list[bool]  # ModuleList blocks: whether the block's own forward returns router logits
     backend: Any  # the grouped-matmul backend the experts run (None for meta weights: chosen per forward)
     declined_backends: list[str]
@@ -316,15 +321,13 @@ def _parameter_layout(module: nn.Module) -> list[tuple[str, tuple[int, ...], tor
 
 
 def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
-    """``(ExpertParallelState.transport, why a requested fused transport was declined or None)`` for
-    one module: the configured ``dispatch`` where the fused ops can run these experts (see
-    :meth:`~epmoe.ep.state.ExpertParallelState.fused_on`), else ``"alltoallv"``."""
-    if config.dispatch == "alltoallv" or config.capacity_factor is not None:  # capacity: see the config
+    """``(transport, why a requested fused transport was declined or None)`` for one module:
+    ``"fused"`` where ``dispatch="fused"`` asked for it and the fused ops can run these experts, else
+    ``"alltoallv"``; ``"auto"`` is ``"alltoallv"`` on every device (why: :mod:`epmoe.ep.dispatch`)."""
+    if config.dispatch != "fused" or config.capacity_factor is not None:  # capacity: see the config
         return "alltoallv", None
     reason = fused_ineligible_reason(experts)
-    if reason is None:
-        return config.dispatch, None
-    return "alltoallv", reason if config.dispatch == "fused" else None
+    return ("fused", None) if reason is None else ("alltoallv", reason)
 
 
 def _shard_parameters(module: nn.Module, shard: ExpertShard) -> tuple[str, ...]:

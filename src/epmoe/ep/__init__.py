@@ -3,8 +3,8 @@
 * :mod:`~epmoe.ep.config`: ``ExpertParallelConfig``, ``ExpertShard``.
 * :mod:`~epmoe.ep.recognize`: which modules are experts (packed, Linear triples), PEFT wrappers.
 * :mod:`~epmoe.ep.state`: what a model made expert-parallel keeps, and the queries over it.
-* :mod:`~epmoe.ep.routing`: the sort of a layer's slots by expert, and its counts exchange.
-* :mod:`~epmoe.ep.dispatcher`: dispatch and combine, one class per transport.
+* :mod:`~epmoe.ep.routing`: a layer's rows and pairs (the all-to-all-v transport's indices).
+* :mod:`~epmoe.ep.dispatch`: the counts exchange, dispatch and combine, one module per transport.
 * :mod:`~epmoe.ep.experts`: the local experts' compute on grouped matmuls.
 * :mod:`~epmoe.ep.layer`: ``routed_experts``, the whole routed path of one layer.
 * :mod:`~epmoe.ep.grads`, :mod:`~epmoe.ep.params`: the expert-gradient contract (``"dp"``

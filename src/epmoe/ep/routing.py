@@ -1,8 +1,8 @@
 """A layer's routing as index tensors built on the device: which rows travel, which pairs run.
 
 The model's router gives each token ``K`` routing choices (``top_k_index_TK``, ``top_k_weights_TK``);
-one choice is a *slot* (``S = T * K``, slot ``s = t*K + k``). A layer moves *rows* and its experts
-run *pairs*:
+one choice is a *slot* (``S = T * K``, slot ``s = t*K + k``). The all-to-all-v transport
+(:mod:`epmoe.ep.dispatch.alltoallv`) moves *rows* and its experts run *pairs*:
 
 * **rows** (``R``): what travels. On one rank the rows are the tokens themselves (``R = T``). Over
   ``W`` ranks each token travels once to each rank holding one of its experts (:class:`TokenRows`):
@@ -18,23 +18,25 @@ run *pairs*:
     rank 1 expands its row t0 to the pair (t0, k=1) of local expert 1, returns w1 * e3(t0)
     rank 0 sums what came back: out[t0] = w0 * e0(t0) + w1 * e3(t0)
 
-:func:`exchange_layer_counts` is the layer's counts exchange (the one host read of an EP layer, its
-step header riding along: :mod:`epmoe.comm.steps`): every rank learns how many rows it sends and
-receives, and how many pairs each of its local experts runs. The fused transport keeps the vendor's
-per-slot layout instead (:class:`SlotOrder`: one row per slot, weighted on the sender).
+    sender (rank-major rows)        receiver (source-major rows)      pairs (expert-major)
+    +-----------+                   +-----------+                     +----------------+
+    | ->r0  t0  |  --all-to-all-v-> | s0  t0    |  --expand by k-->   | j0 <- (s0 t0)  |
+    | ->r0  t2  |                   | s0  t2    |                     | j0 <- (s1 t1)  |
+    | ->r1  t0  |                   | s1  t1    |                     | j1 <- (s0 t2)  |
+    +-----------+                   +-----------+                     +----------------+
+
+The counts a layer needs for this (rows per rank, pairs per local expert) come from its counts
+exchange (:func:`epmoe.ep.dispatch.base.exchange_layer_counts`). The fused transport keeps the
+vendor's per-slot layout instead (:mod:`epmoe.ep.dispatch.fused`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from epmoe import platform
-from epmoe.comm.counts import exchange_counts_on
-from epmoe.comm.layout import RowLayout, inverse_permutation
-from epmoe.comm.steps import Position, StepChannel
 
 
 @dataclass
@@ -87,13 +89,9 @@ def keep_first(pairs: RowPairs, capacity: int, host_counts_e: list[int]) -> tupl
     return RowPairs(slot_P, pair_S.view(R, K), counts_e, kept_e), dropped
 
 
-def rows_per_rank(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
-    """``(W,)`` int64 on the device: how many rows go to each rank (tokens with an expert there)."""
-    sends_TW = _sends_TW(top_k_index_TK, experts_per_rank, ep_size)
-    return sends_TW.sum(0)
-
-
-def _sends_TW(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
+def destinations_TW(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int) -> torch.Tensor:
+    """``(T, W)`` int64 on the device: 1 where token ``t`` has an expert on rank ``w`` (a row goes
+    there); summed over tokens, the rows each rank receives from this one."""
     rank_TK = torch.div(top_k_index_TK.long(), experts_per_rank, rounding_mode="floor")
     sends_TW = torch.zeros(top_k_index_TK.shape[0], ep_size, dtype=torch.int64, device=top_k_index_TK.device)
     return sends_TW.scatter_(1, rank_TK, 1)
@@ -112,7 +110,7 @@ def token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int
     exchange); built from index arithmetic and one stable sort, no per-rank loop."""
     T, K = top_k_index_TK.shape
     device = top_k_index_TK.device
-    sends_WT = _sends_TW(top_k_index_TK, experts_per_rank, ep_size).t().reshape(-1)
+    sends_WT = destinations_TW(top_k_index_TK, experts_per_rank, ep_size).t().reshape(-1)
     order_R = torch.sort(1 - sends_WT, stable=True).indices[:num_rows]  # rank-major, then token
     row_WT = torch.full((ep_size * T,), num_rows, dtype=torch.int64, device=device)
     row_WT.index_copy_(0, order_R, torch.arange(num_rows, device=device))
@@ -121,31 +119,37 @@ def token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int
 
 
 class _GatherRows(torch.autograd.Function):
-    """``x_TH[token_R]``; backward: each token's rows' gradients summed in rank order."""
+    """``gather_rows(x_TH, rows)``: ``(R, H)``, each token's hidden state once per destination rank;
+    backward: each token's rows' gradients summed in rank order."""
 
     @staticmethod
-    def forward(ctx, x_TH, token_R, row_TD):
-        ctx.save_for_backward(row_TD)
-        return x_TH[token_R]
+    def forward(ctx, x_TH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+        ctx.save_for_backward(rows.row_TD)
+        return x_TH[rows.token_R]
 
     @staticmethod
     def backward(ctx, dx_RH):
         (row_TD,) = ctx.saved_tensors
-        return _sum_by_token(dx_RH, row_TD), None, None
+        return _sum_by_token(dx_RH, row_TD), None
 
 
 class _SumRows(torch.autograd.Function):
-    """Each token's rows summed in rank order; backward: the token's gradient to each of its rows."""
+    """``sum_rows(y_RH, rows)``: ``(T, H)``, the rows each token got back, summed in rank order;
+    backward: the token's gradient to each of its rows."""
 
     @staticmethod
-    def forward(ctx, y_RH, token_R, row_TD):
-        ctx.save_for_backward(token_R)
-        return _sum_by_token(y_RH, row_TD)
+    def forward(ctx, y_RH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+        ctx.save_for_backward(rows.token_R)
+        return _sum_by_token(y_RH, rows.row_TD)
 
     @staticmethod
     def backward(ctx, dout_TH):
         (token_R,) = ctx.saved_tensors
-        return dout_TH[token_R], None, None
+        return dout_TH[token_R], None
+
+
+gather_rows = _GatherRows.apply  # (x_TH, rows: TokenRows) -> (R, H), differentiable
+sum_rows = _SumRows.apply  # (y_RH, rows: TokenRows) -> (T, H), differentiable
 
 
 def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
@@ -162,121 +166,3 @@ def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where sums of rows of ``dtype`` accumulate: float32 for 16-bit floats (as ``torch.sum`` does)."""
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
-
-
-def gather_rows(x_TH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
-    """``(R, H)``: each token's hidden state once per destination rank (differentiable)."""
-    return _GatherRows.apply(x_TH, rows.token_R, rows.row_TD)
-
-
-def sum_rows(y_RH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
-    """``(T, H)``: the rows each token got back, summed in rank order (differentiable)."""
-    return _SumRows.apply(y_RH, rows.token_R, rows.row_TD)
-
-
-@dataclass
-class LayerCounts:
-    """What one layer forward's counts exchange told this rank, on the host; dispatch, combine and
-    their backward all read it."""
-
-    send_counts_WE: list[int]  # (W*e,) slots this rank sends to expert (r, j), rank-major
-    recv_counts_WE: list[int]  # (W*e,) slots this rank receives from rank s for local expert j, (s, j)
-    ep_size: int  # W
-    group: dist.ProcessGroup | None
-    global_slots: int  # slots of every rank of the EP group in this forward (T_global * K)
-    send_rows_W: list[int] = field(default_factory=list)  # (W,) rows this rank sends to each rank
-    recv_rows_W: list[int] = field(default_factory=list)  # (W,) rows this rank receives from each rank
-    guards: list[list[int]] = field(default_factory=list)  # each EP rank's epmoe.ep.guard values
-    layout: RowLayout = field(init=False)  # the slots' layout, as one round over all local experts
-
-    def __post_init__(self):
-        e = len(self.send_counts_WE) // self.ep_size
-        self.layout = RowLayout.one_round(self.ep_size, e, self.send_counts_WE, self.recv_counts_WE)
-
-    @property
-    def local_counts_e(self) -> list[int]:
-        """Pairs (slots) per local expert ``j``, summed over source ranks: the grouped matmul's counts."""
-        return self.layout.rows_per_expert_e
-
-
-def exchange_layer_counts(tokens_per_expert_E: torch.Tensor, rows_W: torch.Tensor | None, channel: StepChannel | None,
-                          position: Position, rows_dtype: torch.dtype, guard: torch.Tensor | None = None
-                          ) -> LayerCounts:
-    """The counts exchange of this rank's slots per global expert (``tokens_per_expert_E``, on the
-    device) and rows per destination rank (``rows_W``) with the EP group at ``position`` (``channel``:
-    the model's EP step channel, ``None`` on a single rank; one host read either way); the ranks also
-    agree that their rows travel in ``rows_dtype``. ``guard``: this rank's :mod:`epmoe.ep.guard` values
-    (``(2,)`` int64), riding along; every rank's come back in ``LayerCounts.guards``."""
-    if channel is None:
-        counts = tokens_per_expert_E.tolist()
-        return LayerCounts(counts, counts, 1, None, sum(counts))
-    W = channel.size
-    if guard is None:
-        guard = tokens_per_expert_E.new_zeros(2)
-    extra = torch.cat([rows_W.view(W, 1), guard.view(1, -1).expand(W, -1)], dim=1)
-    exchanged = exchange_counts_on(channel, position, tokens_per_expert_E, rows_dtype, extra)
-    return LayerCounts(
-        exchanged.send_counts, exchanged.recv_counts, W, channel.group, sum(exchanged.slots_by_rank),
-        send_rows_W=[row[0] for row in exchanged.extras_sent], recv_rows_W=[row[0] for row in exchanged.extras_received],
-        guards=[row[1:] for row in exchanged.extras_received],
-    )
-
-
-@dataclass
-class SlotOrder:
-    """This rank's slots sorted by global expert, on the device: the fused transport's per-slot
-    rows (no host read: ``torch.compile`` traces :func:`sort_slots`)."""
-
-    sort_S: torch.Tensor  # slot ids in rank-major order (sorted by global expert, stable)
-    unsort_S: torch.Tensor  # inverse of sort_S
-
-
-def slots_per_expert(top_k_index_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """``(E,)`` int64 on the device: this rank's slots per global expert."""
-    expert_S = top_k_index_TK.reshape(-1)
-    tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_S.device)
-    return tokens_per_expert_E.scatter_add_(0, expert_S.long(), torch.ones_like(expert_S, dtype=torch.int64))
-
-
-def sort_slots(top_k_index_TK: torch.Tensor) -> SlotOrder:
-    """This rank's slots sorted by global expert (stable)."""
-    sort_S = torch.sort(top_k_index_TK.reshape(-1), stable=True).indices
-    return SlotOrder(sort_S, inverse_permutation(sort_S))
-
-
-class _PermuteRows(torch.autograd.Function):
-    """``x[index]`` for a permutation ``index`` whose inverse is known: the backward is a gather too,
-    not an accumulating scatter into a zero tensor."""
-
-    @staticmethod
-    def forward(ctx, x, index, inverse):
-        ctx.save_for_backward(inverse)
-        return x[index]
-
-    @staticmethod
-    def backward(ctx, dy):
-        (inverse,) = ctx.saved_tensors
-        return dy[inverse], None, None
-
-
-def permute_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-    """Rows of ``x`` in the order ``index`` (a permutation with inverse ``inverse``), differentiable."""
-    return _PermuteRows.apply(x, index, inverse)
-
-
-def permute_tokens(hidden_TH: torch.Tensor, slots: SlotOrder, top_k: int) -> torch.Tensor:
-    """``(S, H)`` rank-major rows: each token repeated once per routing choice, sorted by expert
-    (``x[idx]``, whose backward is index_put)."""
-    return hidden_TH[slots.sort_S // top_k]
-
-
-def unpermute_and_combine(
-    y_rank_major: torch.Tensor, top_k_weights_TK: torch.Tensor, slots: SlotOrder, out_dtype: torch.dtype
-) -> torch.Tensor:
-    """Weight each returned row by its routing weight (on the sender, so the router gets its gradient),
-    restore slot order and sum each token's ``K`` rows (a fixed-order reduction: deterministic)."""
-    T, K = top_k_weights_TK.shape
-    weights_S = permute_rows(top_k_weights_TK.reshape(-1, 1), slots.sort_S, slots.unsort_S).squeeze(1)
-    weighted_S = y_rank_major * weights_S.unsqueeze(-1)  # in the wider dtype, as transformers does
-    weighted_slots = permute_rows(weighted_S, slots.unsort_S, slots.sort_S)
-    return weighted_slots.view(T, K, y_rank_major.shape[-1]).sum(dim=1).to(out_dtype)

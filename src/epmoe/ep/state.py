@@ -16,6 +16,7 @@ import copy
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ class ExpertParallelState:
     config: ExpertParallelConfig
     group: dist.ProcessGroup | None
     experts: LocalExperts  # the local experts and how they compute (decided when EP was applied)
-    transport: str = "alltoallv"  # "alltoallv", or "fused" / "auto" where the fused ops can run these experts
+    transport: Any = None  # the layer's Dispatcher (epmoe.ep.dispatch): how its tokens move, built when EP was applied
     returns_router_logits: bool = False  # ModuleList blocks only: the block's own return convention
     sync: GradSync | None = None  # how the expert gradients are finished (shared by the model's experts)
     ancestors: tuple[nn.Module, ...] = ()  # the model's root down to the experts module (wrapper checks)
@@ -101,18 +102,6 @@ class ExpertParallelState:
         if self.channel is None or not checks_on(self.config.check_steps, y_rank_major.device):
             return y_rank_major
         return header_in_backward(y_rank_major, self.channel, self.position(BACKWARD))
-
-    def fused_on(self, device: torch.device) -> bool:
-        """Whether a call on ``device`` takes the fused transport: only where ``dispatch="fused"``
-        asked for it. ``"auto"`` takes all-to-all-v on every device: it sends each token once per rank
-        holding its experts, where the fused ops' per-slot layout sends it once per expert
-        (:mod:`epmoe.ep.dispatcher`); on CPU ``benchmarks/fused_cpu.md`` also measured no gain from
-        the fused ops' rounds. (Not measured on an accelerator.)"""
-        return self.transport == "fused"
-
-    def transport_on(self, device: torch.device) -> str:
-        """``"fused"`` or ``"alltoallv"``: the transport a call on ``device`` takes."""
-        return "fused" if self.fused_on(device) else "alltoallv"
 
     def sharded_params(self, owner: nn.Module) -> list[nn.Parameter]:
         """The parameters that differ per EP rank (``owner``: the module this state is on): the packed

@@ -7,13 +7,14 @@
   (router jitter noise in training is refused: it cannot be reproduced), one returning
   ``(logits, weights, index)`` is used as is. Shared experts (``shared_expert`` with an optional
   sigmoid ``shared_expert_gate``, or ``shared_experts``) are added as in Qwen2-MoE / DeepSeek.
-* A block whose shared expert can ride along the fused transport: with ``dispatch="fused"`` the
-  experts' MLP is split across ``alltoallv_gmm`` / ``gmm_alltoallv``
-  (:class:`epmoe.ep.dispatcher.FusedDispatcher`), and a shared expert can fill their communication gaps
-  where the block's forward is known and its MLP is three bias-free ``nn.Linear`` layers:
-  Qwen2-MoE / Qwen3.5-MoE / Qwen3-Next blocks (``shared_expert`` and a sigmoid
-  ``shared_expert_gate``) and DeepSeek blocks (``shared_experts``). :func:`shared_block_forward`
-  then replaces their forward (calls on the all-to-all-v transport run the block's own).
+* A block whose shared expert can ride along the fused transport: where a layer's transport is
+  ``"fused"`` (``dispatch="fused"``, decided when EP is applied) the experts' MLP is split across
+  ``alltoallv_gmm`` / ``gmm_alltoallv`` (:class:`epmoe.ep.dispatch.fused.FusedDispatcher`), and a
+  shared expert can fill their communication gaps where the block's forward is known and its MLP is
+  three bias-free ``nn.Linear`` layers: Qwen2-MoE / Qwen3.5-MoE / Qwen3-Next blocks
+  (``shared_expert`` and a sigmoid ``shared_expert_gate``) and DeepSeek blocks (``shared_experts``).
+  :func:`shared_block_forward` then replaces their forward; on every other transport the block keeps
+  its own.
 
 Both hand the routed experts to :func:`epmoe.ep.layer.routed_experts`.
 """
@@ -26,7 +27,7 @@ import importlib
 import torch
 from torch import nn
 
-from epmoe.ep.dispatcher import SharedMLP
+from epmoe.ep.dispatch import SharedExpert
 from epmoe.ep.layer import routed_experts
 from epmoe.ep.state import ExpertParallelState, state_of
 
@@ -78,7 +79,7 @@ def expert_parallel_block_forward(block: nn.Module, hidden_states: torch.Tensor,
     shape = hidden_states.shape
     hidden_TH = hidden_states.reshape(-1, shape[-1])
     logits, weights, index = route(block, hidden_TH)
-    out_TH, _ = routed_experts(state, hidden_TH, index, weights)
+    out_TH = routed_experts(state, hidden_TH, index, weights)
     shared = shared_experts_output(block, hidden_TH)
     if shared is not None:
         out_TH = out_TH + shared
@@ -109,9 +110,11 @@ def _shared_expert_forwards() -> frozenset:
 
 
 def is_shared_expert_block(block: nn.Module, experts: nn.Module) -> bool:
-    """A known block around ``experts`` whose shared expert can ride along the fused ops."""
+    """A known block around ``experts`` whose shared expert can ride along the fused ops (its forward
+    the class's own: none set on the instance)."""
     return (
         type(block).forward in _shared_expert_forwards()
+        and "forward" not in vars(block)
         and getattr(block, "experts", None) is experts
         and shared_mlp(block) is not None
     )
@@ -129,22 +132,20 @@ def shared_mlp(block: nn.Module) -> nn.Module | None:
 
 
 def shared_block_forward(block: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Drop-in forward of a Qwen2-MoE-style or DeepSeek-style block: where the call takes the fused
-    transport, its router, then the routed experts with the shared expert handed to the transport to
-    overlap.
+    """Drop-in forward of a Qwen2-MoE-style or DeepSeek-style block whose experts take the fused
+    transport: its router, then the routed experts with the shared expert (and its gate) handed to
+    the transport to overlap.
 
-    Runs the block's own forward instead (its experts still expert-parallel, through their own
-    module call and its hooks) when this call takes the all-to-all-v transport, or when the experts or
-    the shared expert were wrapped after :func:`epmoe.apply_expert_parallel` (e.g. PEFT LoRA):
-    calling around a wrapper would drop what it adds.
+    Runs the block's class forward instead (its experts still expert-parallel, through their own
+    module call and its hooks) when the experts or the shared expert were wrapped after
+    :func:`epmoe.apply_expert_parallel` (e.g. PEFT LoRA): calling around a wrapper would drop what it
+    adds.
     """
     state, shared = state_of(block.experts), shared_mlp(block)
-    if state is None or shared is None or not state.fused_on(hidden_states.device):
-        return block._epmoe_block_forward(hidden_states)
+    if state is None or shared is None:
+        return type(block).forward(block, hidden_states)
     shape = hidden_states.shape
     hidden_TH = hidden_states.reshape(-1, shape[-1])
     _, top_k_weights, top_k_index = block.gate(hidden_TH)
-    routed, shared_out = routed_experts(state, hidden_TH, top_k_index, top_k_weights, SharedMLP(shared, hidden_TH))
-    if hasattr(block, "shared_expert_gate"):
-        shared_out = torch.sigmoid(block.shared_expert_gate(hidden_TH)) * shared_out
-    return (routed + shared_out).view(shape)
+    shared_expert = SharedExpert(shared, getattr(block, "shared_expert_gate", None))
+    return routed_experts(state, hidden_TH, top_k_index, top_k_weights, shared_expert).view(shape)

@@ -1,0 +1,99 @@
+"""The functions of epmoe one training step of an EP model passes through: the data path, measured.
+
+    python benchmarks/data_path.py [--json]
+
+Builds the small Qwen3-MoE (``epmoe.models.build_model("qwen3_moe")``), makes it expert-parallel over
+2 gloo ranks (``epmoe.launch.run_ranks``), runs one warm-up forward + backward, then one more under
+``sys.setprofile``, and records every distinct function of the ``epmoe`` package called in it
+(comprehensions and lambdas aside: they are parts of the function that holds them). Prints how many
+functions and files, then each function with its length in lines (``!`` marks one over
+:data:`MAX_FUNCTION_LINES`). ``--json`` prints the same as one JSON object (the test reads it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import epmoe
+from epmoe.launch import run_ranks
+from epmoe.models import build_model
+
+EP_SIZE = 2
+MAX_FUNCTION_LINES = 60  # the goal: no function on the path longer than this
+PACKAGE_DIR = str(Path(epmoe.__file__).resolve().parent)
+SKIPPED = {"<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>", "<lambda>"}
+
+
+def _lines(code) -> int:
+    """A function's length in source lines (decorators included)."""
+    try:
+        return len(inspect.getsourcelines(code)[0])
+    except (OSError, TypeError):
+        return 0
+
+
+def _step_functions(rank: int, world: int) -> list[tuple[str, str, int, int]]:
+    """``(file, qualified name, first line, length)`` of every epmoe function one forward + backward
+    of the EP model on this rank calls (after one warm-up step)."""
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe")
+    epmoe.apply_expert_parallel(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model(ids, labels=ids).loss.backward()  # warm-up: backends chosen, caches filled
+    model.zero_grad(set_to_none=True)
+    seen = {}
+
+    def profile(frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            if code.co_filename.startswith(PACKAGE_DIR) and code.co_name not in SKIPPED:
+                seen.setdefault((code.co_filename, code.co_firstlineno), code)
+
+    sys.setprofile(profile)
+    try:
+        model(ids, labels=ids).loss.backward()
+    finally:
+        sys.setprofile(None)
+    return sorted((str(Path(file).relative_to(PACKAGE_DIR)), code.co_qualname, line, _lines(code))
+                  for (file, line), code in seen.items())
+
+
+def measure() -> dict:
+    """The union over the ranks of :func:`_step_functions`: ``{"functions": [...], "files": [...],
+    "over": [...]}``, each function as ``[file, name, first line, lines]``."""
+    per_rank = run_ranks(_step_functions, EP_SIZE, timeout=600)
+    functions = sorted({tuple(f) for rank in per_rank for f in rank})
+    return {
+        "functions": [list(f) for f in functions],
+        "files": sorted({f[0] for f in functions}),
+        "over": [list(f) for f in functions if f[3] > MAX_FUNCTION_LINES],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    args = parser.parse_args(argv)
+    result = measure()
+    if args.json:
+        print(json.dumps(result))
+        return
+    functions, files = result["functions"], result["files"]
+    print(f"{len(functions)} functions in {len(files)} files "
+          f"({len(result['over'])} over {MAX_FUNCTION_LINES} lines); one forward + backward, "
+          f"qwen3_moe at EP {EP_SIZE}")
+    for file in files:
+        print(f"\n{file}")
+        for _, name, line, length in (f for f in functions if f[0] == file):
+            flag = "!" if length > MAX_FUNCTION_LINES else " "
+            print(f"  {flag} {length:4d}  {name} (line {line})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""``benchmarks/data_path.py``: the functions of epmoe one forward + backward of the small Qwen3-MoE at
+EP 2 passes through. The measure runs, sees the layer's path, and the path stays within the bound it
+was brought to (103 functions in 18 files before the dispatcher took one shape), none of its
+functions longer than 60 lines."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_FUNCTIONS = 91  # the whole path
+MAX_DISPATCH_FUNCTIONS = 18  # of which the layer, its dispatcher and the routing indices
+DISPATCH_FILES = ("ep/layer.py", "ep/routing.py", "ep/dispatch/")
+
+
+@pytest.mark.multirank
+def test_data_path_stays_within_its_bound():
+    pytest.importorskip("transformers")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "data_path.py"), "--json"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    functions = [tuple(f) for f in result["functions"]]
+    names = {(file, name) for file, name, _, _ in functions}
+    for step in [("ep/layer.py", "routed_experts"), ("ep/dispatch/base.py", "exchange_layer_counts"),
+                 ("ep/dispatch/alltoallv.py", "AllToAllVDispatcher.dispatch"),
+                 ("ep/dispatch/alltoallv.py", "AllToAllVDispatcher.combine"), ("ep/mlp.py", "_routed_mlp_backward_op")]:
+        assert step in names, f"the measure missed {step}: it no longer sees the forward and backward"
+    assert result["files"] == sorted({file for file, _, _, _ in functions})
+    assert len(functions) <= MAX_FUNCTIONS, "\n".join(f"{file} {name}" for file, name, _, _ in functions)
+    dispatch = [f"{file} {name}" for file, name, _, _ in functions if file.startswith(DISPATCH_FILES)]
+    assert len(dispatch) <= MAX_DISPATCH_FUNCTIONS, "\n".join(dispatch)
+    assert result["over"] == [], result["over"]
