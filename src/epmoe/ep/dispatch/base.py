@@ -2,9 +2,10 @@
 
 A :class:`Dispatcher` moves one layer's tokens to the ranks of their experts and their outputs back
 (one subclass per transport, :mod:`epmoe.ep.dispatch`). It is built once per layer, when EP is
-applied, and kept as its state's ``transport``; it holds only what was decided then. Each call
-passes the layer's :class:`~epmoe.ep.state.ExpertParallelState` and gets back everything of that
-call in a frozen *meta* record of the transport's own, which ``experts`` and ``combine`` read::
+applied, and kept as its state's ``transport``; it holds only what was decided then (nothing that
+points back at the layer: a deep copy of the model copies it as a value). Each call passes the
+layer's :class:`~epmoe.ep.state.ExpertParallelState` and gets back everything of that call in a
+frozen *meta* record of the transport's own, which ``experts`` and ``combine`` read::
 
     rows, meta = dispatch(state, hidden_TH, top_k_index_TK, top_k_weights_TK)
     out_rows   = experts(state, rows, meta)         the local experts' MLP on the rows
