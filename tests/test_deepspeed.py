@@ -1,11 +1,11 @@
 """DeepSpeed ZeRO on an EP model (2 gloo ranks, CPU, one spawn for every case): ZeRO 1 and 2 through
 ``deepspeed.initialize`` (``epmoe.prepare_deepspeed``), through ``Trainer(TrainingArguments(deepspeed=...))``
 (``epmoe.prepare_trainer``) and through accelerate's DeepSpeed plugin (``epmoe.prepare_accelerator``) equal
-the same recipe without EP (every rank holding all experts, DeepSpeed's
-plain data parallelism): losses, gradient norms (clipping active at every step), every parameter after 3
-steps (experts: the reference's slice for the rank), and ``trainer.save_model``'s file. Without the
-preparation, DeepSpeed is refused at the first forward; an optimizer whose param groups were not split into
-DeepSpeed's MoE groups raises epmoe's error naming the fix; ZeRO 3 is refused.
+the same recipe without EP (every rank holding all experts, DeepSpeed's plain data parallelism): losses,
+gradient norms (clipping active at every step), every parameter after 3 steps (experts: the reference's slice
+for the rank), and ``trainer.save_model``'s file. Without the preparation, DeepSpeed is refused at the first
+forward; an optimizer whose param groups were not split into DeepSpeed's MoE groups raises epmoe's error
+naming the fix; ZeRO 3, and prepare_accelerator after accelerator.prepare, are refused.
 
 Tolerances: the model is float64, but ZeRO 1/2 keep float32 master weights, optimizer state and gradient
 partitions and compute the norm in float32, and transformers computes the loss from float32-upcast logits.
