@@ -73,9 +73,9 @@ def _through_experts(state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_
                      top_k_weights_TK: torch.Tensor, shared: SharedMLP | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Counts exchange, dispatch, experts, combine, run eagerly under ``torch.compile``."""
     state.calls += 1
-    shard, channel, sync = state.shard, state.channel, state.sync
-    guarded = state.layer == 0 and sync is not None and sync.guarded
-    guard = sync.guard.payload(sync.root, hidden_TH.device) if guarded else None
+    shard, channel, model = state.shard, state.channel, state.model
+    guarded = state.layer == 0 and model.guarded
+    guard = model.guard_payload(hidden_TH.device) if guarded else None
     rows_W = None if channel is None else rows_per_rank(top_k_index_TK, shard.num_local_experts, channel.size)
     counts = exchange_layer_counts(slots_per_expert(top_k_index_TK, shard.num_experts), rows_W, channel,
                                    state.position(FORWARD), hidden_TH.dtype, guard)
