@@ -540,3 +540,51 @@ def load_unsharded_adapter(rank, world):
     pairs = _expert_factor_slices(model, ref, shard, names)
     assert len(pairs) == len(names), "nothing compared"
     return len(pairs), sum(not torch.equal(a, b) for a, b in pairs.values()), logits_err
+
+
+def copies_own_ep_model(rank, world):
+    """Copies of an EP model (``copy.deepcopy``, ``AveragedModel``, TRL's ``create_reference_model``), of
+    the bare model and of a PeftModel with LoRA on the experts: per copy, ``{check: value}``. Each copy
+    has its own EPModel (rooted at the copy, found from its modules and every parameter), and
+    ``is_expert_parameter`` agrees with ``expert_parameters`` on it, asked before anything else."""
+    from torch.optim.swa_utils import AveragedModel
+    from trl import create_reference_model
+    from peft import get_peft_model
+
+    bare = _ep_model_of_seed()
+    peft = get_peft_model(_ep_model_of_seed(), lora_config(experts=True))
+    epmoe.expert_parameters(peft)  # what a user's optimizer / FSDP2 set-up does: marks the expert LoRA factors
+    ids = batch_of(rank, [5, 7])
+    out = {}
+    for name, model, inner in (("bare", bare, lambda m: m), ("peft", peft, lambda m: m.base_model.model)):
+        original = epmoe.ep_model(model)
+        copies = {
+            "deepcopy": (copy.deepcopy(model), lambda c: c),
+            "averaged": (AveragedModel(model), lambda c: c.module),
+            "reference": (create_reference_model(model), lambda c: c),
+        }
+        for kind, (made, root_of) in copies.items():
+            flags = [epmoe.is_expert_parameter(p) for p in made.parameters()]  # before anything marks them
+            experts = {id(p) for p in epmoe.expert_parameters(made)}
+            own = epmoe.ep_model(made)
+            made(ids)  # a forward with gradients enabled: the copy's hooks and records run on its EPModel
+            out[f"{name} {kind}"] = {
+                "agree": flags == [id(p) in experts for p in made.parameters()],
+                "experts": len(experts),
+                "original_experts": len(epmoe.expert_parameters(model)),
+                "own": own is not None and own is not original,
+                "root_is_copy": own is not None and own.root is inner(root_of(made)),
+                "found_from_every_parameter": all(epmoe.ep_model(p) is own for p in made.parameters()),
+                "found_from_its_modules": all(epmoe.ep_model(m) is own for m in made.modules()),
+                "own_policy_and_guard": own.policy is not original.policy and own.guard is not original.guard,
+                "shares_channels": own.channel is original.channel and own.group is original.group,
+                "forward_ran_on_own": own.started and not original.started,
+            }
+    return out
+
+
+def _ep_model_of_seed():
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe")
+    epmoe.apply_expert_parallel(model)
+    return model

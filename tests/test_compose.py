@@ -21,7 +21,7 @@ import functools
 
 import pytest
 
-from compose_workers import compose_checks
+from compose_workers import compose_checks, copies_own_ep_model
 from epmoe.launch import run_ranks
 
 pytest.importorskip("transformers")
@@ -137,3 +137,18 @@ def test_unsharded_adapter_loads_into_ep_model():
     for rank, (compared, unequal, logits_err) in enumerate(results_of("lora_load_unsharded")):
         assert compared == 16 and unequal == 0, f"rank {rank}: {compared} compared, {unequal} unequal"
         assert logits_err <= TOL, f"rank {rank}: logits relative error {logits_err:.3g}"
+
+
+def test_copies_have_their_own_ep_model():
+    """copy.deepcopy, AveragedModel and TRL's create_reference_model of an EP model and of a PeftModel
+    with LoRA on the experts: each copy has its own EPModel (rooted at the copy, found from every module
+    and parameter, sharing the process groups and step channels), is_expert_parameter agrees with
+    expert_parameters on it (asked first), and its forward runs on its own EPModel."""
+    _needs_peft()
+    pytest.importorskip("trl")
+    for rank, by_copy in enumerate(run_ranks(copies_own_ep_model, 2, timeout=600)):
+        assert set(by_copy) == {f"{m} {k}" for m in ("bare", "peft") for k in ("deepcopy", "averaged", "reference")}
+        for kind, checks in by_copy.items():
+            experts, original_experts = checks.pop("experts"), checks.pop("original_experts")
+            assert experts == original_experts > 0, f"rank {rank}, {kind}: {experts} vs {original_experts}"
+            assert all(checks.values()), f"rank {rank}, {kind}: {checks}"

@@ -23,7 +23,9 @@ from epmoe.comm.steps import OutOfStepError
 from epmoe.compose import apply_expert_parallel, from_pretrained
 from epmoe.ep import ExpertParallelConfig, ExpertShard
 from epmoe.ep.load import expert_load, load_summary, reset_expert_load
+from epmoe.ep.model import EPModel
 from epmoe.ep.params import expert_parameters, is_expert_parameter, parameter_counts
+from epmoe.ep.state import ep_model
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
 from epmoe.training import LoadBalancer, clip_grad_norm_, prepare_accelerator, prepare_deepspeed, prepare_trainer
 
@@ -37,6 +39,8 @@ __all__ = [
     "alltoallv_gmm",
     "apply_expert_parallel",
     "clip_grad_norm_",
+    "ep_model",
+    "EPModel",
     "exchange_counts",
     "expert_load",
     "expert_parameters",

@@ -133,7 +133,7 @@ def expert_dtensor(local: torch.Tensor, state: ExpertParallelState, meshes: dict
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    group = state.group if state.group is not None else torch.distributed.group.WORLD
+    group = state.model.group if state.model.group is not None else torch.distributed.group.WORLD
     mesh = meshes.get(id(group))
     if mesh is None:
         device = platform.device_type() if local.device.type == "meta" else platform.device_type(local)

@@ -132,9 +132,9 @@ def _written(model: nn.Module) -> None:
     if state is None:
         return
     dp_channel = state.sync.dp_channel if state.sync is not None else None
-    channels = [channel for channel in (state.channel, dp_channel) if channel is not None]
+    channels = [channel for channel in (state.model.channel, dp_channel) if channel is not None]
     holds = any(WRITER in dist.get_process_group_ranks(channel.group) for channel in channels)
-    ep, device = state.channel, platform.group_device(state.channel.group)
+    ep, device = state.model.channel, platform.group_device(state.model.channel.group)
     payload_W1 = platform.host_to_device(torch.full((ep.size, 1), int(holds), dtype=torch.int64), device)
     received, _ = ep.exchange(ep.next_call(SAVE), payload_W1)
     if dp_channel is not None:
@@ -271,7 +271,7 @@ def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], ga
     ``state_dict=`` passed to ``save_pretrained`` must hold the same keys on every rank)."""
     full, units = dict(state_dict), []
     for module_name, module, state in sharded_experts(model):
-        if not gathers.joins(state.channel):  # a "dp" replica of the writer's EP group: same experts
+        if not gathers.joins(state.model.channel):  # a "dp" replica of the writer's EP group: same experts
             continue
         if isinstance(state.local_experts, nn.ModuleList):  # the state is on the block: use the list's name
             unit = _ModuleListUnit(state, f"{state.shard.module_name}.", gathers)
@@ -298,7 +298,7 @@ class _PackedUnit:
     def __init__(self, key: str, local: torch.Tensor, dtype: torch.dtype, state: ExpertParallelState,
                  gathers: _WriterGathers):
         self.key, self.local, self.dtype, self.gathers = key, local.contiguous(), dtype, gathers
-        self.channel, self.parts = state.channel, state.shard.ep_size
+        self.channel, self.parts = state.model.channel, state.shard.ep_size
         self.full = {key: torch.empty((state.shard.num_experts, *local.shape[1:]), dtype=dtype, device="meta")}
         self.keys: list[str] = []  # the planned keys, in the order pieces() gives them
         self.renumber: Callable[[int, str], str] | None = None
@@ -364,7 +364,7 @@ class _ModuleListUnit:
 
     def __init__(self, state: ExpertParallelState, prefix: str, gathers: _WriterGathers):
         shard = state.shard
-        self.channel, self.gathers = state.channel, gathers
+        self.channel, self.gathers = state.model.channel, gathers
         self.local = {f"{prefix}{shard.local_start + j}.{k}": v.detach()
                       for j, expert in enumerate(state.local_experts) for k, v in expert.state_dict().items()}
         first = state.local_experts[0].state_dict()
@@ -510,10 +510,10 @@ def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
            for key, value in out.items()}
     gathers = _WriterGathers()
     for name, module, state in expert_lora_wrappers(peft_model):
-        if not gathers.joins(state.channel):
+        if not gathers.joins(state.model.channel):
             continue
         for factor, adapter, linear in factor_weights(module):
-            parts = gathers.gather(state.channel, linear.weight.detach().contiguous())
+            parts = gathers.gather(state.model.channel, linear.weight.detach().contiguous())
             if parts is not None:
                 out[f"{name}.{factor}.{adapter}.weight"] = cat_factor(factor, parts, module.num_experts)
     return out

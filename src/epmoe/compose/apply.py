@@ -17,6 +17,9 @@ decided here, once (``config.dispatch``, ``"auto"`` resolved: :mod:`epmoe.ep.dis
 dispatcher built; where it is ``"fused"`` and the block is a known shared-expert block, the block's
 forward becomes :func:`~epmoe.integrations.blocks.shared_block_forward` (the shared expert rides in
 the fused ops' gaps).
+What EP keeps is one :class:`~epmoe.ep.model.EPModel` for the model (groups, step channels,
+gradient policy, step guard, the experts modules in order; ``epmoe.ep_model(model)``) and one
+:class:`~epmoe.ep.state.ExpertParallelState` record per module whose forward was replaced.
 
 With experts sharded (EP size > 1) the model also gets, as instance attributes: the names DDP must
 ignore (:mod:`epmoe.ep.params`), a ``generate`` that keeps every rank stepping
@@ -47,9 +50,9 @@ from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_gr
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatch import make_dispatcher
 from epmoe.ep.experts import LocalExperts, experts_backend, experts_gmm_backends
-from epmoe.ep.grads import GradSync
 from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
+from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
 from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
@@ -149,21 +152,21 @@ def apply_expert_parallel(
 
     modules = dict(model.named_modules())
     ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, shards)
-    sync = GradSync(config.expert_grad, ep_channel, ep_size, dp_channel, dp_size, config.check_steps)
+    ep_model = EPModel(model, config, group, ep_size, ep_channel, dp_channel, dp_size,
+                       [_ancestors(modules, name) for name, _, _ in found])
     for layer, ((name, module, owner), shard, transport, returns_logits) in enumerate(zip(
         found, shards, checked.transport, checked.returns_logits
     )):
-        common = dict(sync=sync, ancestors=_ancestors(modules, name), channel=ep_channel, layer=layer,
-                      transport=make_dispatcher(transport, module, config))
+        dispatcher = make_dispatcher(transport, module, config)
         if isinstance(module, nn.ModuleList):
             local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend)
-            attach_state(owner, ExpertParallelState(shard, config, group, local, returns_router_logits=returns_logits,
-                                                    **common))
+            attach_state(owner, ExpertParallelState(shard, ep_model, local, transport=dispatcher,
+                                                    returns_router_logits=returns_logits, layer=layer))
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
             sharded = _shard_parameters(module, shard)
-            attach_state(module, ExpertParallelState(shard, config, group, LocalExperts(module, config.gmm_backend),
-                                                     sharded_names=sharded, **common))
+            attach_state(module, ExpertParallelState(shard, ep_model, LocalExperts(module, config.gmm_backend),
+                                                     transport=dispatcher, sharded_names=sharded, layer=layer))
             module.forward = types.MethodType(expert_parallel_forward, module)
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if sharded:
@@ -172,7 +175,7 @@ def apply_expert_parallel(
                     install_settle_hook(block, name.rsplit(".", 1)[1])
             if transport == "fused" and block is not None and is_shared_expert_block(block, module):
                 block.forward = types.MethodType(shared_block_forward, block)
-    if sync.active:
+    if ep_model.sharded:
         expert_parameters(model)  # marks them
         mark_full_shapes(model)  # peft's LoRA factors start as the unsharded model's (epmoe.ep.lora)
         # what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets, named when DDP reads it

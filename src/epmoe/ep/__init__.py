@@ -2,13 +2,16 @@
 
 * :mod:`~epmoe.ep.config`: ``ExpertParallelConfig``, ``ExpertShard``.
 * :mod:`~epmoe.ep.recognize`: which modules are experts (packed, Linear triples), PEFT wrappers.
-* :mod:`~epmoe.ep.state`: what a model made expert-parallel keeps, and the queries over it.
+* :mod:`~epmoe.ep.model`: ``EPModel``, one model's expert parallelism (groups, step channels, gradient
+  policy, step guard, the experts modules in order), and which wrapper runs the model.
+* :mod:`~epmoe.ep.state`: the per-layer record pointing to it, and the queries (``ep_model``, ``ep_states``).
 * :mod:`~epmoe.ep.routing`: a layer's rows and pairs (the all-to-all-v transport's indices).
 * :mod:`~epmoe.ep.dispatch`: the counts exchange, dispatch and combine, one module per transport.
 * :mod:`~epmoe.ep.experts`: the local experts' compute on grouped matmuls.
 * :mod:`~epmoe.ep.layer`: ``routed_experts``, the whole routed path of one layer.
-* :mod:`~epmoe.ep.grads`, :mod:`~epmoe.ep.params`: the expert-gradient contract (``"dp"``
+* :mod:`~epmoe.ep.grads`, :mod:`~epmoe.ep.params`: the expert-gradient policy (``"dp"``
   reduction, sum / mean) and which parameters are expert-parallel.
+* :mod:`~epmoe.ep.guard`: the step guard (a clip epmoe did not do, replicas that drifted).
 * :mod:`~epmoe.ep.load`: expert-load telemetry.
 * :mod:`~epmoe.ep.lora`: PEFT LoRA factors on sharded experts start as the unsharded model's.
 

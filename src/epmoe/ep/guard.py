@@ -24,11 +24,14 @@ collective of its own):
   hash of the bits of up to 64 evenly spaced elements of each. Ranks whose replicas differ raise,
   whatever made them differ.
 
-Both run only once the model runs under a data-parallel wrapper (``GradSync.wrapper``: DDP, FSDP2,
-a prepared Trainer or accelerator), where replicas must agree and clipping is the usual idiom.
+Both run only once the model runs under a data-parallel wrapper (the gradient policy's ``wrapper``:
+DDP, FSDP2, a prepared Trainer or accelerator), where replicas must agree and clipping is the usual
+idiom. Each model's :class:`~epmoe.ep.model.EPModel` holds one guard and says when it checks.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -42,16 +45,15 @@ FIX = ("clip with epmoe.clip_grad_norm_(model, max_norm) (the whole model's norm
 
 
 class StepGuard:
-    """The guard of one model (shared by its experts modules, like its ``GradSync``)."""
+    """The guard of one model (held by its :class:`~epmoe.ep.model.EPModel`). ``is_expert``: whether
+    a parameter is one of the model's expert parameters (the rest are the replicated ones)."""
 
-    def __init__(self):
+    def __init__(self, is_expert: Callable[[torch.Tensor], bool]):
+        self._is_expert = is_expert
         self._records: list[list] = []  # [grad, version at the end of its backward]
         self._armed = False  # whether this backward's _record is queued
         self._versions: int | None = None  # the replicated parameters' version counters, summed
         self._fingerprint: torch.Tensor | None = None
-
-    def __deepcopy__(self, memo: dict) -> StepGuard:
-        return StepGuard()
 
     # ---- the backward side
 
@@ -65,7 +67,7 @@ class StepGuard:
     def _record(self, root: nn.Module) -> None:
         self._armed = False
         self._records = [[p.grad, p.grad._version] for p in root.parameters()
-                         if getattr(p, "_epmoe_expert", None) is not None and p.grad is not None]
+                         if p.grad is not None and self._is_expert(p)]
 
     def bless(self) -> None:
         """epmoe's own clip changed the recorded gradients: that change is the right one."""
@@ -90,7 +92,7 @@ class StepGuard:
     def fingerprint(self, root: nn.Module, device: torch.device) -> torch.Tensor:
         """A hash (0-d int64, never 0) of the replicated parameters' sampled bits, cached until one of
         them changes in place."""
-        params = [p for p in root.parameters() if getattr(p, "_epmoe_expert", None) is None and _plain(p)]
+        params = [p for p in root.parameters() if not self._is_expert(p) and _plain(p)]
         versions = sum(p._version for p in params) + len(params)
         if self._fingerprint is None or versions != self._versions or self._fingerprint.device != device:
             self._fingerprint = _fingerprint(params, device) if params else torch.ones((), dtype=torch.int64,

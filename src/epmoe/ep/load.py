@@ -31,7 +31,7 @@ def global_load(state: ExpertParallelState, counter: str) -> torch.Tensor:
     """``(E,)`` int64: the slots each global expert received in ``counter`` of one layer, summed over
     the EP group (one header exchange; none on a single rank)."""
     local = state.loads[counter].tolist()
-    channel = state.channel
+    channel = state.model.channel
     if channel is None:
         return torch.tensor(local, dtype=torch.int64)
     device = next(state.local_experts.parameters()).device
@@ -43,8 +43,7 @@ def global_load(state: ExpertParallelState, counter: str) -> torch.Tensor:
 def replicas_load(state: ExpertParallelState, load_E: torch.Tensor) -> torch.Tensor:
     """``load_E`` (one EP group's) summed over the ``"dp"`` replicas of an EP x DP mesh too (a header
     exchange then an all-reduce over ``"dp"``; nothing without replicas): every rank's batches."""
-    sync = state.sync
-    channel = sync.dp_channel if sync is not None else None
+    channel = state.model.dp_channel
     if channel is None:
         return load_E
     total = load_E.to(next(state.local_experts.parameters()).device)

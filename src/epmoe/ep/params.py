@@ -2,10 +2,13 @@
 
 An expert parameter is one that differs per EP rank: the sharded weights and biases of packed
 experts, the local ``nn.ModuleList`` experts' parameters, and the LoRA factors PEFT adds on them
-after :func:`epmoe.apply_expert_parallel`. Every one is marked (``is_expert_parameter``) when EP
-shards it, when a structural walk finds it (:func:`expert_parameters`, DDP's start-up) and at
-every training forward (the experts' weights' autograd leaves), so the mark survives wrappers that
-rename parameters (PEFT's ``base_layer``, FSDP2's FQNs).
+after :func:`epmoe.apply_expert_parallel`. Every one is marked with its model's
+:class:`~epmoe.ep.model.EPModel` (``is_expert_parameter``) when EP shards it, when a structural walk
+finds it (:func:`expert_parameters`, DDP's start-up) and at every training forward (the experts'
+weights' autograd leaves), so the mark survives wrappers that rename parameters (PEFT's
+``base_layer``, FSDP2's FQNs); a copy of the model (``copy.deepcopy``, ``AveragedModel``, TRL's
+reference model) has its copies marked with its own ``EPModel`` (:mod:`epmoe.ep.model`), so
+``is_expert_parameter`` and ``expert_parameters`` agree on it too.
 
 DDP: :func:`epmoe.apply_expert_parallel` sets the model's ``_ddp_params_and_buffers_to_ignore``
 (what ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` sets) to an
@@ -22,8 +25,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from epmoe.ep.grads import GradSync
 from epmoe.ep.lora import settle_expert_lora
+from epmoe.ep.model import EPModel, expert_owner
 from epmoe.ep.recognize import peft_base
 from epmoe.ep.state import sharded_parameters, state_of
 
@@ -35,13 +38,8 @@ def is_expert_parameter(param: torch.Tensor) -> bool:
     """Whether ``param`` is expert-parallel (held by one EP rank, different on every EP rank)."""
     if not isinstance(param, torch.Tensor):
         raise TypeError(f"is_expert_parameter(param): expected a Tensor, got {type(param).__name__}")
-    sync = grad_sync_of(param)
-    return sync is not None and sync.active
-
-
-def grad_sync_of(param: torch.Tensor) -> GradSync | None:
-    """The :class:`~epmoe.ep.grads.GradSync` of the model whose expert ``param`` is, or ``None``."""
-    return getattr(param, "_epmoe_expert", None)
+    owner = expert_owner(param)
+    return owner is not None and owner.sharded
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -54,31 +52,30 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"expert_parameters(model): expected an nn.Module, got {type(model).__name__}")
     settle_expert_lora(model)
-    found = {id(p): sync for p, sync in _walk(model)}
+    found = {id(p): owner for p, owner in _walk(model)}
     params = []
     for p in model.parameters():
-        sync = found.get(id(p))
-        if sync is not None:
-            p._epmoe_expert = sync
+        owner = found.get(id(p))
+        if owner is not None:
+            owner.mark([p])
         if is_expert_parameter(p):
             params.append(p)
     return params
 
 
-def _walk(model: nn.Module) -> Iterator[tuple[nn.Parameter, object]]:
-    """``(parameter, its GradSync)`` for every expert parameter reachable by structure."""
+def _walk(model: nn.Module) -> Iterator[tuple[nn.Parameter, EPModel]]:
+    """``(parameter, its model's EPModel)`` for every expert parameter reachable by structure."""
     for p, state in sharded_parameters(model):
-        yield p, state.sync
+        yield p, state.model
     for module in model.modules():
         base = peft_base(module)
         if base is not None:  # a PEFT wrapper around an experts module: its own factors are per expert
             base_state = state_of(base)
-            if base_state is not None and base_state.sync.active:
+            if base_state is not None and base_state.model.sharded:
                 base_ids = {id(p) for p in base.parameters()}
                 for p in module.parameters():
                     if id(p) not in base_ids:
-                        yield p, base_state.sync
-
+                        yield p, base_state.model
 
 
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
@@ -90,7 +87,7 @@ def parameter_counts(model: nn.Module) -> tuple[int, int]:
     experts = {id(p) for p in expert_parameters(model)}
     trainable = total = 0
     for p in model.parameters():
-        n = p.numel() * (grad_sync_of(p).ep_size if id(p) in experts else 1)
+        n = p.numel() * (expert_owner(p).ep_size if id(p) in experts else 1)
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total

@@ -1,19 +1,29 @@
 """What epmoe keeps on a model it made expert-parallel, and the queries over it.
 
-:func:`epmoe.apply_expert_parallel` attaches one :class:`ExpertParallelState` to each module whose
-forward it replaced (a packed experts module, or the block around ``nn.ModuleList`` experts). Every
-other part of epmoe reads it through this module, never through the attribute::
+:func:`epmoe.apply_expert_parallel` makes one :class:`~epmoe.ep.model.EPModel` for the model (its
+groups and step channels, the gradient policy, the step guard, the root and its experts modules in
+order: :mod:`epmoe.ep.model`) and attaches to each module whose forward it replaced (a packed
+experts module, or the block around ``nn.ModuleList`` experts) one :class:`ExpertParallelState`,
+the slim record of that layer::
 
-    state_of(module)          the module's state, or None
-    ep_states(model)          (name, module, state) of every experts module, any EP size
-    sharded_experts(model)    the same, only where the experts are sharded over more than one rank
-    sharded_parameters(model) every parameter that differs per EP rank (PEFT factors not included)
+    ExpertParallelState   shard        which experts this rank holds (ExpertShard)
+                          experts      the local experts and how they compute (LocalExperts)
+                          transport    how its tokens travel (fused_on / transport_on)
+                          loads        its routed-load counters
+                          layer, calls its index among the model's experts modules, its forwards so far
+                          model        -> the EPModel (config, group, channel, policy, guard, root)
+
+Every other part of epmoe reads them through this module, never through the attribute::
+
+    ep_model(module_or_parameter)  the EPModel of a model (or of a copy of one), or None
+    state_of(module)               the module's record, or None
+    ep_states(model)               (name, module, record) of every experts module, any EP size
+    sharded_experts(model)         the same, only where the experts are sharded over more than one rank
+    sharded_parameters(model)      every parameter that differs per EP rank (PEFT factors not included)
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,28 +32,26 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from epmoe.comm.steps import BACKWARD, GRAD_REDUCE, Position, StepChannel, checks_on, header_in_backward
-from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER, ExpertParallelConfig, ExpertShard
+from epmoe.comm.steps import BACKWARD, GRAD_REDUCE, Position, checks_on, header_in_backward
+from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER, ExpertShard
 from epmoe.ep.experts import LocalExperts
-from epmoe.ep.grads import GradSync, register_param_hooks, sync_expert_weights
+from epmoe.ep.model import EPModel, expert_owner, live_models
 
-_ATTRIBUTE = "_epmoe"  # where a module keeps its state: read it through state_of
+_ATTRIBUTE = "_epmoe"  # where a module keeps its record: read it through state_of
 
 
 @dataclass
 class ExpertParallelState:
-    """One experts module's EP state: what it holds, how it runs, where it is in the step."""
+    """One experts module's record: what it holds, how it runs, where it is in the step; the rest is
+    its model's (:attr:`model`). ``copy.deepcopy`` of the model copies it with the model's
+    :class:`~epmoe.ep.model.EPModel` (its own counters and position, the copy's ``EPModel``)."""
 
     shard: ExpertShard
-    config: ExpertParallelConfig
-    group: dist.ProcessGroup | None
+    model: EPModel  # the model's expert parallelism (shared by the model's experts modules)
     experts: LocalExperts  # the local experts and how they compute (decided when EP was applied)
     transport: Any = None  # the layer's Dispatcher (epmoe.ep.dispatch): how its tokens move, built when EP was applied
     returns_router_logits: bool = False  # ModuleList blocks only: the block's own return convention
-    sync: GradSync | None = None  # how the expert gradients are finished (shared by the model's experts)
-    ancestors: tuple[nn.Module, ...] = ()  # the model's root down to the experts module (wrapper checks)
     sharded_names: tuple[str, ...] = ()  # packed experts: the per-expert parameters EP sliced
-    channel: StepChannel | None = None  # the model's EP step channel (None on a single rank)
     layer: int = 0  # this experts module's index among the model's (step headers name it)
     calls: int = 0  # forwards that read their counts so far (step headers name them)
     loads: dict[str, torch.Tensor] = field(default_factory=dict)  # counter -> (e,) int64 slots per local expert, host
@@ -52,13 +60,6 @@ class ExpertParallelState:
     def __post_init__(self):
         for counter in (*self.load_counters, DROPPED_COUNTER):
             self.add_counter(counter)
-
-    def __deepcopy__(self, memo: dict) -> ExpertParallelState:
-        """The state of a deep copy of the model (``copy.deepcopy``: EMA and reference models): its
-        own experts, counters and position, the same process group and step channel."""
-        copied = {f.name: getattr(self, f.name) if f.name in ("group", "channel")
-                  else copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(self)}
-        return type(self)(**copied)
 
     @property
     def local_experts(self) -> nn.Module:
@@ -99,9 +100,10 @@ class ExpertParallelState:
     def backward_header(self, y_rank_major: torch.Tensor) -> torch.Tensor:
         """``y_rank_major`` (the output of the layer's combine), its backward checked to start at this
         layer's position, where ``config.check_steps`` asks for it."""
-        if self.channel is None or not checks_on(self.config.check_steps, y_rank_major.device):
+        channel = self.model.channel
+        if channel is None or not checks_on(self.model.config.check_steps, y_rank_major.device):
             return y_rank_major
-        return header_in_backward(y_rank_major, self.channel, self.position(BACKWARD))
+        return header_in_backward(y_rank_major, channel, self.position(BACKWARD))
 
     def sharded_params(self, owner: nn.Module) -> list[nn.Parameter]:
         """The parameters that differ per EP rank (``owner``: the module this state is on): the packed
@@ -111,13 +113,11 @@ class ExpertParallelState:
         return [getattr(owner, name) for name in self.sharded_names]
 
     def sync_weights(self, weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
-        """The experts' weights as this forward uses them, gradients finished by :attr:`sync` (this
-        method is the :class:`~epmoe.ep.experts.WeightsHook` the experts' compute takes)."""
-        if per_parameter and self.sync is not None and self.sync.active:
-            self.sync.observe(self.ancestors, weights)
-            register_param_hooks(self.sync, weights, lambda: self.position(GRAD_REDUCE))
-            return weights
-        return sync_expert_weights(self.sync, self.ancestors, weights, self.position(GRAD_REDUCE))
+        """The experts' weights as this forward uses them, gradients finished by the model's policy
+        (:meth:`~epmoe.ep.model.EPModel.use_weights`; this method is the
+        :class:`~epmoe.ep.experts.WeightsHook` the experts' compute takes)."""
+        return self.model.use_weights(self.layer, weights, lambda: self.position(GRAD_REDUCE),
+                                      per_parameter=per_parameter)
 
 
 def attach_state(module: nn.Module, state: ExpertParallelState) -> None:
@@ -126,12 +126,30 @@ def attach_state(module: nn.Module, state: ExpertParallelState) -> None:
 
 
 def state_of(module: nn.Module | None) -> ExpertParallelState | None:
-    """The EP state kept on ``module``, or ``None``."""
+    """The EP record kept on ``module``, or ``None``."""
     return getattr(module, _ATTRIBUTE, None) if module is not None else None
 
 
+def ep_model(obj: nn.Module | torch.Tensor) -> EPModel | None:
+    """The :class:`~epmoe.ep.model.EPModel` that :func:`epmoe.apply_expert_parallel` (or
+    :func:`epmoe.from_pretrained`) made for the model ``obj`` belongs to, or ``None``.
+
+    ``obj``: any module of the model, a module holding it (a wrapper: DDP, a PeftModel, an
+    ``AveragedModel``...), or any of its parameters. A copy of the model (``copy.deepcopy``,
+    ``AveragedModel``, TRL's ``create_reference_model``) has its own. An expert parameter or a module
+    holding experts answers at once; any other is looked for in every EP model alive (a walk).
+    """
+    if isinstance(obj, torch.Tensor):
+        owner = expert_owner(obj)
+    elif isinstance(obj, nn.Module):
+        owner = next((state.model for _, _, state in ep_states(obj)), None)
+    else:
+        raise TypeError(f"ep_model(obj): expected an nn.Module or a parameter, got {type(obj).__name__}")
+    return owner if owner is not None else next((m for m in live_models() if m.holding(obj)), None)
+
+
 def ep_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertParallelState]]:
-    """``(name, module, state)`` of every module of ``model`` holding EP state, in ``named_modules()``
+    """``(name, module, record)`` of every module of ``model`` holding an EP record, in ``named_modules()``
     order (any EP size)."""
     for name, module in model.named_modules():
         state = state_of(module)
@@ -171,4 +189,5 @@ def require_ep_states(model: nn.Module, caller: str) -> list[tuple[str, ExpertPa
 
 def ep_group_of(model: nn.Module) -> dist.ProcessGroup | None:
     """The EP process group of ``model``'s experts (``None``: the default group, or not EP)."""
-    return next((state.group for _, _, state in ep_states(model)), None)
+    found = ep_model(model)
+    return found.group if found is not None else None

@@ -45,7 +45,7 @@ class LoadBalancer:
         self.update_rate = float(update_rate)
         self.bias: dict[str, torch.Tensor] = {}
         self._states = require_ep_states(model, "LoadBalancer")
-        routers = [(name, block_router(state.ancestors[-2])) for name, state in self._states]
+        routers = [(name, block_router(state.model.paths[state.layer][-2])) for name, state in self._states]
         for (name, router), (_, state) in zip(routers, self._states):
             if remembered(router, _BALANCED):
                 raise ValueError(f"LoadBalancer: {name} already has a LoadBalancer (one per model)")

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.comm.steps import CLIP, StepChannel
-from epmoe.ep.params import expert_parameters, grad_sync_of, is_expert_parameter
+from epmoe.ep.model import expert_owner
+from epmoe.ep.params import expert_parameters, is_expert_parameter
 
 
 def clip_grad_norm_(
@@ -70,8 +71,8 @@ def clip_grad_norm_(
         by_kind.setdefault((local.device, local.dtype), []).append(local)
     for (grad_device, _), tensors in by_kind.items():
         torch._foreach_mul_(tensors, coef.to(grad_device))
-    for sync in {id(s): s for s in map(grad_sync_of, params) if s is not None}.values():
-        sync.guard.bless()  # this change of the expert gradients is the right one (epmoe.ep.guard)
+    for owner in {id(m): m for m in map(expert_owner, params) if m is not None}.values():
+        owner.guard.bless()  # this change of the expert gradients is the right one (epmoe.ep.guard)
     return total
 
 
@@ -118,7 +119,7 @@ def _parts(params: list[torch.Tensor]) -> dict[tuple, _Part]:
 def _reduction_groups(p: torch.Tensor) -> tuple:
     """The process groups (or EP step channel) over which ``p``'s gradient is split into different pieces."""
     if is_expert_parameter(p):
-        return (grad_sync_of(p).ep_channel,)
+        return (expert_owner(p).channel,)
     dtensor = _dtensor_type()
     if dtensor is not None and isinstance(p, dtensor):
         groups = []

@@ -16,7 +16,7 @@ calling each such layer's ``set_deepspeed_parallelism``. :func:`prepare_deepspee
   ``deepspeed.utils.groups._create_expert_and_data_parallel`` (what DeepSpeed's ``MoE`` layers call),
   checks that they are epmoe's (the EP group; the ``"dp"`` replicas of this rank's experts, a group
   of one without an EP x DP mesh) and hands the expert gradients' reduction to DeepSpeed
-  (:meth:`epmoe.ep.grads.GradSync.hand_over`). There too, before DeepSpeed looks at the optimizer it
+  (:meth:`epmoe.ep.grads.ExpertGradPolicy.hand_over`). There too, before DeepSpeed looks at the optimizer it
   was given, that optimizer's param groups are checked (:func:`check_moe_param_groups`): expert
   parameters outside DeepSpeed's MoE groups raise ``ValueError`` naming the fix, in place of
   DeepSpeed's own assertion (or, with some groups split, its silently wrong reduction).
@@ -68,13 +68,13 @@ def prepare_deepspeed(model: nn.Module) -> nn.Module:
     optimizer raises ``ValueError`` inside ``deepspeed.initialize``, naming this fix).
     """
     states = [state for _, state in require_ep_states(model, "prepare_deepspeed")]
-    syncs = list({id(s.sync): s.sync for s in states if s.sync is not None and s.sync.active}.values())
-    if not syncs:
+    ep_models = list({id(s.model): s.model for s in states if s.model.sharded}.values())
+    if not ep_models:
         return model  # EP size 1: nothing is sharded, DeepSpeed's data parallelism is right as it is
-    if len(syncs) > 1:
+    if len(ep_models) > 1:
         raise ValueError("prepare_deepspeed(model): the model holds experts of more than one expert-parallel "
                          "application; apply_expert_parallel once to the whole model")
-    sync = syncs[0]
+    sync = ep_models[0].policy
     if sync.mode == "sum":
         raise ValueError(
             "prepare_deepspeed(model): DeepSpeed divides every gradient by the data-parallel size, expert "
@@ -201,10 +201,11 @@ def _groups_class() -> type:
             name = self.expert_group_name
             if name not in groups._get_expert_parallel_group_dict():
                 groups._create_expert_and_data_parallel(self.ep_size)
-            syncs = {id(s.sync): s for _, _, s in ep_states(self._root) if s.sync is not None and s.sync.active}
-            for state in syncs.values():
-                sync = state.sync
-                ours_ep = dist.get_process_group_ranks(state.group if state.group is not None else dist.group.WORLD)
+            ep_models = {id(s.model): s.model for _, _, s in ep_states(self._root) if s.model.sharded}
+            for ep_model in ep_models.values():
+                sync = ep_model.policy
+                ours_ep = dist.get_process_group_ranks(ep_model.group if ep_model.group is not None
+                                                       else dist.group.WORLD)
                 ours_dp = (dist.get_process_group_ranks(sync.dp_channel.group) if sync.dp_channel is not None
                            else [dist.get_rank()])
                 theirs_ep = dist.get_process_group_ranks(groups._get_expert_parallel_group(name))

@@ -83,9 +83,8 @@ def prepare_trainer(trainer: Any) -> Any:
         prepare_deepspeed_trainer(trainer)
     if fsdp:  # FSDP2 told to leave the experts alone (epmoe.training.fsdp); FSDP1 refused there
         prepare_fsdp_trainer(trainer)
-    for state in states:
-        if state.sync is not None and state.sync.active and not deepspeed:
-            state.sync.set_wrapper("transformers.Trainer")
+    if states[0].model.sharded and not deepspeed:  # one EPModel: every experts module's
+        states[0].model.policy.set_wrapper("transformers.Trainer")
     prepare_accelerator(accelerator)  # its clip, or under DeepSpeed the expert groups at accelerator.prepare
     if not deepspeed and (fsdp or any(is_dtensor(p) for p in model.parameters())):
         # plain expert tensors next to FSDP2's DTensors: Trainer clips there without the accelerator

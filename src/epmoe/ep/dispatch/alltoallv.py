@@ -61,7 +61,7 @@ class AllToAllVDispatcher(Dispatcher):
     def traced_whole(self, state: ExpertParallelState) -> bool:
         """A group of one, dropless, experts that run through grouped matmuls only (which take the
         counts as a tensor)."""
-        return state.channel is None and state.config.capacity_factor is None and state.experts.grouped
+        return state.model.channel is None and state.model.config.capacity_factor is None and state.experts.grouped
 
     def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
                  top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None
@@ -73,7 +73,7 @@ class AllToAllVDispatcher(Dispatcher):
             state.count_load(pairs.counts_e)
             return hidden_TH, AllToAllVMeta(None, None, top_k_weights_TK, pairs)
         e, K = shard.num_local_experts, top_k_index_TK.shape[1]
-        W = 1 if state.channel is None else state.channel.size
+        W = 1 if state.model.channel is None else state.model.channel.size
         rows_W = None if W == 1 else destinations_TW(top_k_index_TK, e, W).sum(0)
         counts = exchange_layer_counts(state, hidden_TH, top_k_index_TK, rows_W)
         if W == 1:
@@ -91,7 +91,7 @@ class AllToAllVDispatcher(Dispatcher):
             weights_RK = route_RK2[:, K:].to(top_k_weights_TK.dtype)
         host_counts = counts.local_counts_e
         pairs = pair_rows(local_expert_RK, e, sum(host_counts), host_counts)
-        factor = state.config.capacity_factor
+        factor = state.model.config.capacity_factor
         if factor is not None:
             pairs, dropped = keep_first(pairs, math.ceil(factor * counts.global_slots / shard.num_experts),
                                         host_counts)

@@ -105,9 +105,9 @@ def exchange_layer_counts(state: ExpertParallelState, hidden_TH: torch.Tensor, t
     also agree that their rows travel in ``hidden_TH``'s dtype). Adds the local experts' slots to the
     layer's load counters."""
     state.calls += 1
-    shard, channel, sync = state.shard, state.channel, state.sync
-    guarded = state.layer == 0 and sync is not None and sync.guarded
-    guard = sync.guard.payload(sync.root, hidden_TH.device) if guarded else None
+    shard, channel, model = state.shard, state.model.channel, state.model
+    guarded = state.layer == 0 and model.guarded
+    guard = model.guard_payload(hidden_TH.device) if guarded else None
     expert_S = top_k_index_TK.reshape(-1).long()
     slots_E = torch.zeros(shard.num_experts, dtype=torch.int64, device=expert_S.device)
     slots_E.scatter_add_(0, expert_S, torch.ones_like(expert_S))

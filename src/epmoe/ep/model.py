@@ -1,0 +1,259 @@
+"""One model's expert parallelism: :class:`EPModel`.
+
+:func:`epmoe.apply_expert_parallel` (and :func:`epmoe.from_pretrained`) makes one ``EPModel`` per
+model, shared by the per-layer records of its experts modules (:mod:`epmoe.ep.state`)::
+
+    EPModel                              the model's
+      root                               the module EP was applied to
+      paths                              per experts module, in order: the modules from the root down to it
+      config                             ExpertParallelConfig
+      group, channel                     the EP process group and its step channel (None on one rank)
+      dp_channel                         the "dp" replicas' step channel (None without an EP x DP mesh)
+      policy                             ExpertGradPolicy: sum / mean, the "dp" reduction (epmoe.ep.grads)
+      guard                              StepGuard: a clip epmoe did not do, drifted replicas (epmoe.ep.guard)
+    ExpertParallelState (one per layer)  shard, compute, transport, load counters -> its EPModel
+
+What runs the model is looked at once per forward of the root (a forward pre-hook, with experts
+sharded only): an active ``DistributedDataParallel`` (which must not reduce expert parameters),
+``fully_shard`` on a module of a path (FSDP2), a DeepSpeed engine's hooks. A wrapper seen makes the
+policy's ``expert_grad="auto"`` mean ``"mean"`` (sticky, logged once). Each layer then hands the
+weights it is about to use to :meth:`EPModel.use_weights`, which refuses leaves such a wrapper
+manages (ZeRO's partitions, FSDP2's shards), marks them as the model's expert parameters and wraps
+them so the policy finishes their gradients.
+
+An expert parameter carries its ``EPModel`` (:func:`expert_owner`); the ``EPModel`` keeps its
+expert parameters too, weakly, so that a copy of the model (``copy.deepcopy``,
+``torch.optim.swa_utils.AveragedModel``, TRL's ``create_reference_model``) gets its own ``EPModel``
+(the same groups and step channels; its own policy state, guard and counters; its root the copy)
+whose expert parameters are the copies of the original's: ``nn.Parameter`` copies drop attributes.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from epmoe.comm.steps import Position, StepChannel
+from epmoe.ep.config import ExpertParallelConfig
+from epmoe.ep.grads import ExpertGradPolicy, finish_weights, register_param_hooks
+from epmoe.ep.guard import StepGuard
+
+_MARK = "_epmoe_expert"  # on an expert parameter: the EPModel whose expert it is (read it through expert_owner)
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # every EPModel alive (EPModel.holding)
+
+
+class EPModel:
+    """The expert parallelism of one model (see the module docstring).
+
+    ``root``: the module EP was applied to; ``config``: its :class:`ExpertParallelConfig`; ``group``
+    / ``ep_size``: the EP process group (``None``: the default group) and its size; ``channel``: its
+    step channel (``None`` on a single rank); ``dp_channel`` / ``dp_size``: those of the ``"dp"``
+    replicas of this rank's experts (``None`` / 1 without an EP x DP mesh); ``paths``: per experts
+    module, in ``named_modules()`` order, the modules from ``root`` down to it.
+    """
+
+    def __init__(self, root: nn.Module, config: ExpertParallelConfig, group: dist.ProcessGroup | None,
+                 ep_size: int, channel: StepChannel | None, dp_channel: StepChannel | None, dp_size: int,
+                 paths: Sequence[tuple[nn.Module, ...]]):
+        self.root, self.config, self.group = root, config, group
+        self.channel, self.dp_channel = channel, dp_channel
+        self.paths = list(paths)
+        self.policy = ExpertGradPolicy(config.expert_grad, ep_size, dp_channel, dp_size, config.check_steps)
+        self._fresh()
+        if self.sharded:
+            root.register_forward_pre_hook(self._before_forward)
+
+    def _fresh(self) -> None:
+        """What a model starts with and a copy does not share: the guard, the marks, what ran it."""
+        self.guard = StepGuard(is_marked)
+        self.started = False  # a forward with gradients used the experts (the guard checks from then on)
+        self._experts = WeakIdKeyDictionary()  # the parameters marked as this model's experts
+        self._checked_ddp: weakref.WeakSet = weakref.WeakSet()  # DDP modules seen to leave the experts alone
+        self._fsdp = tuple(False for _ in self.paths)  # per experts module: fully_shard on its path (last forward)
+        self._deepspeed = False  # a DeepSpeed engine hooks a module of a path (last forward)
+        _LIVE.add(self)
+
+    def __deepcopy__(self, memo: dict) -> EPModel:
+        """The ``EPModel`` of a deep copy of the model (``memo`` holds the copy of :attr:`root`): the same
+        groups and step channels, a copy of the policy's decisions, its own guard and marks (on the
+        copies of this model's expert parameters). A part of the model copied without its root (one
+        experts module) stays with this model."""
+        root = memo.get(id(self.root))
+        if root is None:
+            return self
+        copied = copy.copy(self)
+        memo[id(self)] = copied
+        copied.root = root
+        copied.config = copy.deepcopy(self.config, memo)
+        copied.paths = copy.deepcopy(self.paths, memo)
+        copied.policy = copy.deepcopy(self.policy, memo)
+        copied._fresh()
+        copied.mark([copy.deepcopy(p, memo) for p in list(self._experts.keys())])
+        return copied  # the root's copied pre-hook is bound to the copy
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the experts are sharded over more than one rank."""
+        return self.policy.active
+
+    @property
+    def ep_size(self) -> int:
+        return self.policy.ep_size
+
+    @property
+    def experts_modules(self) -> list[nn.Module]:
+        """The experts modules, in order (what EP sharded: packed modules, ``ModuleList`` experts)."""
+        return [path[-1] for path in self.paths]
+
+    @property
+    def guarded(self) -> bool:
+        """Whether :attr:`guard` checks: sharded experts, used by a forward with gradients, under a
+        data-parallel wrapper whose expert gradients epmoe finishes (DeepSpeed clips them itself)."""
+        policy = self.policy
+        return policy.active and policy.wrapper is not None and self.started and policy.reducer is None
+
+    # ---- expert parameters
+
+    def mark(self, params: Iterable[torch.Tensor]) -> None:
+        """Mark ``params`` as this model's expert parameters."""
+        for p in params:
+            setattr(p, _MARK, self)
+            self._experts[p] = None
+
+    def holding(self, obj: nn.Module | torch.Tensor) -> bool:
+        """Whether ``obj`` is a module or parameter of :attr:`root` (a walk of the model)."""
+        found = self.root.modules() if isinstance(obj, nn.Module) else self.root.parameters()
+        return any(obj is x for x in found)
+
+    # ---- the forward
+
+    @torch.compiler.disable(reason="looks at what runs the model (DDP, FSDP2, DeepSpeed) once per forward")
+    def _before_forward(self, module: nn.Module, args: tuple) -> None:
+        """The root's forward pre-hook: see which data-parallel wrapper runs this forward."""
+        if not torch.is_grad_enabled():
+            return
+        policy = self.policy
+        ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        if ddp is not None:
+            if ddp not in self._checked_ddp:
+                reduced = {id(p) for p in getattr(ddp, "_module_parameters", ())}
+                if any(id(p) in reduced for p in self._experts.keys()):
+                    raise ValueError(
+                        "epmoe: DistributedDataParallel broadcasts and all-reduces expert parameters, which differ "
+                        "on every EP rank: call apply_expert_parallel on the module you wrap with DDP (or on the "
+                        "model inside the PeftModel you wrap), before wrapping it"
+                    )
+                self._checked_ddp.add(ddp)
+            policy.set_wrapper("DistributedDataParallel")
+        fsdp_type = _fsdp_module_type()
+        self._fsdp = tuple(fsdp_type is not None and any(isinstance(m, fsdp_type) for m in path)
+                           for path in self.paths)
+        if any(self._fsdp):
+            policy.set_wrapper("FSDP2 fully_shard")
+        self._deepspeed = any(getattr(hook, "__qualname__", "").startswith("DeepSpeedEngine.")
+                              for path in self.paths for m in path for hook in m._forward_pre_hooks.values())
+        policy.log()
+
+    def use_weights(self, layer: int, weights: Sequence[torch.Tensor], position: Callable[[], Position], *,
+                    per_parameter: bool = False) -> list[torch.Tensor]:
+        """The weights of experts module ``layer`` as its forward should use them: their leaves checked
+        and marked, their gradients finished by :attr:`policy` (``weights`` wrapped, or with
+        ``per_parameter`` a gradient hook on each, for experts run by their own forward).
+        ``position()``: the layer's position, for the step header of a ``"dp"`` reduction."""
+        weights = list(weights)
+        if not self.sharded:
+            return weights
+        self._check_leaves(layer, weights)
+        if per_parameter:
+            register_param_hooks(self.policy, weights, position, self.arm_guard)
+            return weights
+        if not any(w.requires_grad for w in weights) or not (self.policy.finishes or self.guarded):
+            return weights
+        return finish_weights(self.policy, weights, position(), self.arm_guard)
+
+    def _check_leaves(self, layer: int, weights: list[torch.Tensor]) -> None:
+        """Refuse expert leaves that a wrapper seen by :meth:`_before_forward` manages; mark them."""
+        if not torch.is_grad_enabled():
+            return
+        leaves = [leaf for w in weights for leaf in _leaves(w)]
+        self.started = True
+        if any(hasattr(p, "ds_id") for p in leaves):
+            raise ValueError(
+                "epmoe: DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts included, "
+                "which differ on every EP rank (and DeepSpeed's own MoE support refuses stage 3): use ZeRO "
+                "stage 1 or 2 with epmoe.prepare_deepspeed(model), or FSDP2 with "
+                "fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
+            )
+        if self.policy.reducer is None and (self._deepspeed or any(hasattr(p, "_hp_mapping") for p in leaves)):
+            raise ValueError(
+                "epmoe: DeepSpeed manages the expert parameters, which differ on every EP rank, as replicated "
+                "ones: its start-up broadcast has overwritten this rank's experts with rank 0's and its reduction "
+                "would mix different experts' gradients. Call epmoe.prepare_deepspeed(model) after "
+                "apply_expert_parallel and before deepspeed.initialize (a Trainer: epmoe.prepare_trainer(trainer) "
+                "before train()); ZeRO stages 1 and 2 are supported"
+            )
+        if layer < len(self._fsdp) and self._fsdp[layer] and not all(is_marked(p) for p in leaves):
+            raise ValueError(
+                "epmoe: fully_shard is sharding expert parameters, which differ on every EP rank: pass "
+                "ignored_params=set(epmoe.expert_parameters(model)) to every fully_shard call"
+            )
+        self.mark(leaves)
+
+    # ---- the step guard
+
+    def arm_guard(self) -> None:
+        """Called while a backward finishes expert gradients: the guard records them once it ends."""
+        if self.guarded:
+            self.guard.arm(self.root)
+
+    def guard_payload(self, device: torch.device) -> torch.Tensor:
+        """The guard's ``(2,)`` values for the counts exchange of the first experts module's forward."""
+        return self.guard.payload(self.root, device)
+
+
+def expert_owner(param: torch.Tensor) -> EPModel | None:
+    """The :class:`EPModel` whose expert parameter ``param`` is marked to be, or ``None``."""
+    return getattr(param, _MARK, None)
+
+
+def is_marked(param: torch.Tensor) -> bool:
+    """Whether ``param`` is marked as an expert parameter of some model (any EP size)."""
+    return expert_owner(param) is not None
+
+
+def live_models() -> list[EPModel]:
+    """Every :class:`EPModel` alive, in no particular order."""
+    return list(_LIVE)
+
+
+def _leaves(tensor: torch.Tensor) -> list[nn.Parameter]:
+    """The parameters ``tensor`` is (or is computed from), by a walk of its autograd graph."""
+    if isinstance(tensor, nn.Parameter):
+        return [tensor]
+    found, seen, stack = [], set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if isinstance(variable, nn.Parameter):
+            found.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+@functools.cache
+def _fsdp_module_type():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed FSDP2
+        return None
+    return FSDPModule
