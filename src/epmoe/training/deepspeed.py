@@ -126,14 +126,15 @@ def check_moe_param_groups(param_groups: Any, caller: str) -> None:
         marked = [getattr(p, "allreduce", True) is False and hasattr(p, "group_name") for p in params]
         moe = isinstance(group, dict) and bool(group.get("moe", False))
         if (moe and not all(marked)) or (not moe and any(marked)):
+            what = ("mixes expert and non-expert parameters in a MoE group" if moe
+                    else "holds expert parameters outside DeepSpeed MoE groups")
             raise ValueError(
-                f"{caller}: param group {index} of the optimizer given to DeepSpeed "
-                f"{'mixes expert and non-expert parameters in a MoE group' if moe else 'holds expert parameters outside DeepSpeed MoE groups'}"
-                f": DeepSpeed would partition and reduce the experts, which differ on every EP rank, as "
-                f"replicated parameters. Call epmoe.prepare_deepspeed(model) first, then build the optimizer "
-                f"from deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(param_groups) "
-                f"(or name the optimizer in the DeepSpeed config; a Trainer: epmoe.prepare_trainer(trainer), "
-                f"an accelerator: epmoe.prepare_accelerator(accelerator) before accelerator.prepare)"
+                f"{caller}: param group {index} of the optimizer given to DeepSpeed {what}: DeepSpeed would "
+                f"partition and reduce the experts, which differ on every EP rank, as replicated parameters. Call "
+                f"epmoe.prepare_deepspeed(model) first, then build the optimizer from "
+                f"deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(param_groups) (or name "
+                f"the optimizer in the DeepSpeed config; a Trainer: epmoe.prepare_trainer(trainer), an accelerator: "
+                f"epmoe.prepare_accelerator(accelerator) before accelerator.prepare)"
             )
 
 
@@ -141,9 +142,9 @@ def refuse_zero3(stage: Any, caller: str) -> None:
     """``ValueError`` for DeepSpeed ZeRO stage 3."""
     if stage == 3:
         raise ValueError(
-            f"{caller}: DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts "
-            "included, which differ on every EP rank (DeepSpeed refuses its own MoE layers at stage 3 too): use "
-            "ZeRO stage 1 or 2, or FSDP2 by hand with fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
+            f"{caller}: DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts included, "
+            "which differ on every EP rank (DeepSpeed refuses its own MoE layers at stage 3 too): use ZeRO stage 1 "
+            "or 2, or FSDP2 by hand with fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
         )
 
 
