@@ -50,7 +50,6 @@ from torch import nn
 from epmoe.ep.lora import clear_full_shapes
 from epmoe.ep.params import expert_parameters
 from epmoe.ep.state import ep_states, require_ep_states
-from epmoe.training.optim import split_param_groups
 
 MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
 REDUCER = "DeepSpeed"
@@ -103,16 +102,42 @@ def _num_experts(states: list) -> int:
 
 
 def split_moe_param_groups(optimizer: Any, caller: str) -> None:
-    """Move the expert parameters of ``optimizer`` into param groups of their own marked for DeepSpeed
-    (``'moe': True``, ``'name'``: their group name), keeping each group's options: what
-    ``split_params_into_different_moe_groups_for_optimizer`` makes (groups it would leave empty are
-    dropped). ``caller`` names the public function in errors."""
-    def own_group(group: dict, p: nn.Parameter) -> dict | None:
-        if group.get("moe", False) or getattr(p, "allreduce", True) is not False or not hasattr(p, "group_name"):
-            return None
-        return {"moe": True, "name": p.group_name}
+    """Move the expert parameters of ``optimizer`` (a torch optimizer that has not stepped) into
+    DeepSpeed's MoE param groups with DeepSpeed's own helper,
+    ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`` (``'moe': True``,
+    ``'name'``: their group name, each group's options kept, split at its ``max_group_size``); groups
+    it leaves empty are dropped. An optimizer that already has MoE groups, or holds no expert
+    parameter, is left as it is (:func:`check_moe_param_groups` then judges it), and so is anything
+    but a torch optimizer (accelerate's ``DummyOptim``: DeepSpeed splits the config's optimizer's
+    parameters itself). ``caller`` names the public function in errors."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    groups = optimizer.param_groups
+    if any(group.get("moe", False) for group in groups) or not any(_is_marked(p) for g in groups for p in g["params"]):
+        return
+    if optimizer.state:
+        raise ValueError(f"{caller}: the optimizer has already stepped; prepare before training")
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    split_param_groups(optimizer, own_group, caller)
+    unnamed = [f"{_UNNAMED}{index}" for index in range(len(groups))]  # the helper keys groups by name
+    named = [{**group, "params": list(group["params"]), "name": group.get("name", label)}
+             for group, label in zip(groups, unnamed)]
+    split = split_params_into_different_moe_groups_for_optimizer(named)
+    optimizer.param_groups = []
+    for group in split:
+        if not group["params"]:
+            continue
+        if group["name"] in unnamed:
+            del group["name"]
+        optimizer.add_param_group(group)
+
+
+_UNNAMED = "epmoe: unnamed param group "
+
+
+def _is_marked(p: Any) -> bool:
+    """Whether ``p`` is marked as a DeepSpeed expert parameter (``deepspeed.moe.utils.is_moe_param``)."""
+    return getattr(p, "allreduce", True) is False and hasattr(p, "group_name")
 
 
 def check_moe_param_groups(param_groups: Any, caller: str) -> None:
@@ -123,7 +148,7 @@ def check_moe_param_groups(param_groups: Any, caller: str) -> None:
     for index, group in enumerate(param_groups):
         params = group["params"] if isinstance(group, dict) else [group]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        marked = [getattr(p, "allreduce", True) is False and hasattr(p, "group_name") for p in params]
+        marked = [_is_marked(p) for p in params]
         moe = isinstance(group, dict) and bool(group.get("moe", False))
         if (moe and not all(marked)) or (not moe and any(marked)):
             what = ("mixes expert and non-expert parameters in a MoE group" if moe
