@@ -200,3 +200,23 @@ def test_prepare_trainer_replaces_only_methods_in_the_table_and_sets_no_other_at
     assert added and added <= {entry.method for entry in TABLE if entry.how == REPLACED}, added
     callbacks = [type(callback).__name__ for callback in trainer.callback_handler.callbacks]
     assert callbacks.count("DcpCheckpoint") == 1, callbacks
+
+
+def test_moe_param_groups_are_split_with_deepspeeds_helper():
+    """Each group's expert parameters move to a MoE group of their own with the group's options (what
+    split_params_into_different_moe_groups_for_optimizer makes); the other groups keep theirs."""
+    pytest.importorskip("deepspeed")
+    import torch
+
+    from epmoe.training.deepspeed import check_moe_param_groups, split_moe_param_groups
+
+    dense, expert, bias = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    expert.allreduce, expert.group_name = False, "ep_size_2"
+    optimizer = torch.optim.AdamW([{"params": [dense, expert], "weight_decay": 0.1},
+                                   {"params": [bias], "weight_decay": 0.0}], lr=1e-3)
+    split_moe_param_groups(optimizer, "here")
+    groups = [({k: v for k, v in g.items() if k in ("name", "moe", "weight_decay")}, [id(p) for p in g["params"]])
+              for g in optimizer.param_groups]
+    assert groups == [({"weight_decay": 0.1}, [id(dense)]), ({"weight_decay": 0.0}, [id(bias)]),
+                      ({"weight_decay": 0.1, "name": "ep_size_2", "moe": True}, [id(expert)])], groups
+    check_moe_param_groups(optimizer.param_groups, "here")

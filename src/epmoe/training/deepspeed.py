@@ -50,7 +50,6 @@ from torch import nn
 from epmoe.ep.lora import clear_full_shapes
 from epmoe.ep.params import expert_parameters
 from epmoe.ep.state import ep_states, require_ep_states
-from epmoe.training.optim import split_param_groups
 
 MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
 REDUCER = "DeepSpeed"
@@ -103,16 +102,42 @@ def _num_experts(states: list) -> int:
 
 
 def split_moe_param_groups(optimizer: Any, caller: str) -> None:
-    """Move the expert parameters of ``optimizer`` into param groups of their own marked for DeepSpeed
-    (``'moe': True``, ``'name'``: their group name), keeping each group's options: what
-    ``split_params_into_different_moe_groups_for_optimizer`` makes (groups it would leave empty are
-    dropped). ``caller`` names the public function in errors."""
-    def own_group(group: dict, p: nn.Parameter) -> dict | None:
-        if group.get("moe", False) or getattr(p, "allreduce", True) is not False or not hasattr(p, "group_name"):
-            return None
-        return {"moe": True, "name": p.group_name}
+    """Move the expert parameters of ``optimizer`` (a torch optimizer that has not stepped) into
+    DeepSpeed's MoE param groups with DeepSpeed's own helper,
+    ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`` (``'moe': True``,
+    ``'name'``: their group name, each group's options kept, split at its ``max_group_size``); groups
+    it leaves empty are dropped. An optimizer that already has MoE groups, or holds no expert
+    parameter, is left as it is (:func:`check_moe_param_groups` then judges it), and so is anything
+    but a torch optimizer (accelerate's ``DummyOptim``: DeepSpeed splits the config's optimizer's
+    parameters itself). ``caller`` names the public function in errors."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return
+    groups = optimizer.param_groups
+    if any(group.get("moe", False) for group in groups) or not any(_is_marked(p) for g in groups for p in g["params"]):
+        return
+    if optimizer.state:
+        raise ValueError(f"{caller}: the optimizer has already stepped; prepare before training")
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    split_param_groups(optimizer, own_group, caller)
+    unnamed = [f"{_UNNAMED}{index}" for index in range(len(groups))]  # the helper keys groups by name
+    named = [{**group, "params": list(group["params"]), "name": group.get("name", label)}
+             for group, label in zip(groups, unnamed)]
+    split = split_params_into_different_moe_groups_for_optimizer(named)
+    optimizer.param_groups = []
+    for group in split:
+        if not group["params"]:
+            continue
+        if group["name"] in unnamed:
+            del group["name"]
+        optimizer.add_param_group(group)
+
+
+_UNNAMED = "epmoe: unnamed param group "
+
+
+def _is_marked(p: Any) -> bool:
+    """Whether ``p`` is marked as a DeepSpeed expert parameter (``deepspeed.moe.utils.is_moe_param``)."""
+    return getattr(p, "allreduce", True) is False and hasattr(p, "group_name")
 
 
 def check_moe_param_groups(param_groups: Any, caller: str) -> None:
@@ -123,17 +148,18 @@ def check_moe_param_groups(param_groups: Any, caller: str) -> None:
     for index, group in enumerate(param_groups):
         params = group["params"] if isinstance(group, dict) else [group]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        marked = [getattr(p, "allreduce", True) is False and hasattr(p, "group_name") for p in params]
+        marked = [_is_marked(p) for p in params]
         moe = isinstance(group, dict) and bool(group.get("moe", False))
         if (moe and not all(marked)) or (not moe and any(marked)):
+            what = ("mixes expert and non-expert parameters in a MoE group" if moe
+                    else "holds expert parameters outside DeepSpeed MoE groups")
             raise ValueError(
-                f"{caller}: param group {index} of the optimizer given to DeepSpeed "
-                f"{'mixes expert and non-expert parameters in a MoE group' if moe else 'holds expert parameters outside DeepSpeed MoE groups'}"
-                f": DeepSpeed would partition and reduce the experts, which differ on every EP rank, as "
-                f"replicated parameters. Call epmoe.prepare_deepspeed(model) first, then build the optimizer "
-                f"from deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(param_groups) "
-                f"(or name the optimizer in the DeepSpeed config; a Trainer: epmoe.prepare_trainer(trainer), "
-                f"an accelerator: epmoe.prepare_accelerator(accelerator) before accelerator.prepare)"
+                f"{caller}: param group {index} of the optimizer given to DeepSpeed {what}: DeepSpeed would "
+                f"partition and reduce the experts, which differ on every EP rank, as replicated parameters. Call "
+                f"epmoe.prepare_deepspeed(model) first, then build the optimizer from "
+                f"deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer(param_groups) (or name "
+                f"the optimizer in the DeepSpeed config; a Trainer: epmoe.prepare_trainer(trainer), an accelerator: "
+                f"epmoe.prepare_accelerator(accelerator) before accelerator.prepare)"
             )
 
 
@@ -141,9 +167,9 @@ def refuse_zero3(stage: Any, caller: str) -> None:
     """``ValueError`` for DeepSpeed ZeRO stage 3."""
     if stage == 3:
         raise ValueError(
-            f"{caller}: DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts "
-            "included, which differ on every EP rank (DeepSpeed refuses its own MoE layers at stage 3 too): use "
-            "ZeRO stage 1 or 2, or FSDP2 by hand with fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
+            f"{caller}: DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts included, "
+            "which differ on every EP rank (DeepSpeed refuses its own MoE layers at stage 3 too): use ZeRO stage 1 "
+            "or 2, or FSDP2 by hand with fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
         )
 
 

@@ -33,7 +33,7 @@ CHECKED_AGAINST = {"transformers": "5.24.0", "accelerate": "1.16.0", "deepspeed"
 REPLACED = "replaced on the instance"
 OVERRIDDEN = "overridden in a subclass"
 CALLED = "called"
-READ = "calls epmoe with the attribute epmoe reads set"
+READ = "an attribute it has set read while it calls epmoe"
 
 
 @dataclass(frozen=True)

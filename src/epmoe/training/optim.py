@@ -1,8 +1,8 @@
 """The optimizer a Trainer builds, its param groups split for the engine that steps it.
 
-DeepSpeed wants the expert parameters in its own MoE groups, FSDP2 in groups apart from its DTensors;
-both need the split on the optimizer Trainer creates itself (``Trainer.create_optimizer``), for this
-trainer only.
+FSDP2 wants the expert parameters in groups apart from its DTensors, on the optimizer Trainer creates
+itself (``Trainer.create_optimizer``, for this trainer only). DeepSpeed's MoE groups are made with
+DeepSpeed's own helper where the optimizer reaches ``accelerator.prepare`` (:mod:`epmoe.training.deepspeed`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ def split_groups_of_created_optimizer(trainer: Any, split: Callable[[Any, str], 
 def split_param_groups(optimizer: Any, own_group: Callable[[dict, nn.Parameter], dict | None], caller: str) -> None:
     """Move parameters of ``optimizer`` (a torch optimizer that has not stepped) into groups of their
     own: ``own_group(group, p)`` gives the options that set ``p``'s new group apart (``None``: ``p``
-    stays), the original group's options kept. Anything but a torch optimizer (accelerate's
-    ``DummyOptim`` for an optimizer in the DeepSpeed config) is left alone. ``caller`` names the
-    public function in errors."""
+    stays), the original group's options kept. Anything but a torch optimizer is left alone.
+    ``caller`` names the public function in errors."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return
     if optimizer.state:
