@@ -131,7 +131,7 @@ def _written(model: nn.Module) -> None:
     state = next((state for _, _, state in sharded_experts(model)), None)
     if state is None:
         return
-    dp_channel = state.sync.dp_channel if state.sync is not None else None
+    dp_channel = state.model.dp_channel
     channels = [channel for channel in (state.model.channel, dp_channel) if channel is not None]
     holds = any(WRITER in dist.get_process_group_ranks(channel.group) for channel in channels)
     ep, device = state.model.channel, platform.group_device(state.model.channel.group)

@@ -25,7 +25,7 @@ Words, one meaning each::
     dispatch     tokens to their experts' ranks; combine: their outputs back
     transport    how dispatch and combine move rows: all-to-all-v, one row per (token, rank)
                  (:mod:`epmoe.ep.routing`), or the fused ops, one row per slot in the three orders
-                 below (the config's ``dispatch`` field names it; :mod:`epmoe.ep.dispatcher`)
+                 below (the config's ``dispatch`` field names it; :mod:`epmoe.ep.dispatch`)
     layout       where each per-slot row sits in the three orders below (:class:`RowLayout`)
     shard        what one EP rank holds of an experts module (``ExpertShard``); checkpoints have files
     group        a ``torch.distributed`` process group (the grouped matmul's row groups are ``G``)

@@ -3,7 +3,7 @@
 The layouts of ``torch_npu.npu_alltoallv_gmm`` / ``npu_gmm_alltoallv``, on every ``torch.distributed``
 backend and trainable. They keep the vendor's per-slot layout: one row per (token, expert), so a token
 with several experts on one rank travels there once per expert (the EP layer's default all-to-all-v
-transport sends it once per rank: :mod:`epmoe.ep.dispatcher`). ``W = 2`` ranks, ``e = 2`` local
+transport sends it once per rank: :mod:`epmoe.ep.dispatch`). ``W = 2`` ranks, ``e = 2`` local
 experts, global expert ``g = r*e + j``; ``aRJ`` / ``bRJ`` are the rows rank 0 / rank 1 route to
 local expert ``J`` of rank ``R``::
 
