@@ -69,7 +69,7 @@ TABLE = (
           REPLACED, "DeepSpeed plugin: prepare_deepspeed on the EP models, the optimizers' MoE groups split, "
                     "before accelerate calls deepspeed.initialize"),
     Entry("transformers", "transformers.Trainer", "create_optimizer", "(self, model=None)",
-          REPLACED, "the optimizer Trainer builds gets DeepSpeed's MoE groups / FSDP2's expert groups"),
+          REPLACED, "FSDP2: the optimizer Trainer builds gets the experts in param groups apart from DTensors"),
     Entry("transformers", "transformers.Trainer", "_mixed_mesh_grad_norm", "(self, model, max_norm)",
           REPLACED, "FSDP2 with plain expert tensors: Trainer clips here, not through the accelerator"),
     Entry("transformers", "transformers.Trainer", "_save", "(self, output_dir=None, state_dict=None)",
