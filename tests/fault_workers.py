@@ -202,13 +202,13 @@ def dying_run(rank: int, world: int, where: str, tmp: str) -> None:
         elif where == "fused":  # inside the pipeline: after the first round's grouped matmul
             import epmoe.comm.fused.pipelined as pipelined
 
-            gmm = pipelined.gmm
+            gmm = pipelined.run_grouped_mm
 
             def gmm_then_die(*args, **kwargs):  # round 0 computed, round 1 still to exchange
                 gmm(*args, **kwargs)
                 _die(where, tmp)
 
-            pipelined.gmm = gmm_then_die
+            pipelined.run_grouped_mm = gmm_then_die
     started = time.time()
     try:
         for _ in range(2):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_FUNCTIONS = 91  # the whole path
+MAX_FUNCTIONS = 93  # the whole path
 MAX_DISPATCH_FUNCTIONS = 18  # of which the layer, its dispatcher and the routing indices
 DISPATCH_FILES = ("ep/layer.py", "ep/routing.py", "ep/dispatch/")
 

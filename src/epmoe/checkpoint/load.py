@@ -58,7 +58,7 @@ def raise_on_every_rank(error: str | None, shards: list, model: nn.Module) -> No
     broken expert saying which."""
     if shards and shards[0].ep_size > 1:
         group = ep_group_of(model)
-        config = next(state for _, _, state in sharded_experts(model)).config
+        config = next(state for _, _, state in sharded_experts(model)).model.config
         channel = StepChannel(group, 1, timeout_s=step_timeout_s(config.timeout, group), what="EP")
         channel.agree(channel.next_call(AGREE), platform.group_device(group), [], failed=error is not None,
                       caller="epmoe.from_pretrained: the checkpoint does not hold every expert",
