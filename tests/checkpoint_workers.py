@@ -416,7 +416,7 @@ def state_dict_warnings(rank, world, root):
     import torch.distributed.checkpoint as dcp
     from transformers import Qwen3MoeForCausalLM
 
-    from epmoe.checkpoint.guard import ExpertStateDictWarning
+    from epmoe.checkpoint.state_dict_warning import ExpertStateDictWarning
 
     model = build_model("qwen3_moe")
     epmoe.apply_expert_parallel(model)

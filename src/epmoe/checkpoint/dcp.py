@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from epmoe import platform
-from epmoe.checkpoint.guard import own_state_dict
+from epmoe.checkpoint.state_dict_warning import own_state_dict
 from epmoe.ep.state import ExpertParallelState, sharded_experts
 from epmoe.integrations.peft import expert_lora_wrappers, factor_layout, factor_weights
 

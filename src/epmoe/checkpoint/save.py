@@ -60,7 +60,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from epmoe import platform
-from epmoe.checkpoint.guard import own_state_dict
+from epmoe.checkpoint.state_dict_warning import own_state_dict
 from epmoe.comm.steps import SAVE, OutOfStepError, Position, StepChannel
 from epmoe.ep.state import ExpertParallelState, sharded_experts
 from epmoe.integrations.peft import cat_factor, expert_lora_wrappers, factor_weights

@@ -25,7 +25,7 @@ With experts sharded (EP size > 1) the model also gets, as instance attributes: 
 ignore (:mod:`epmoe.ep.params`), a ``generate`` that keeps every rank stepping
 (:mod:`epmoe.training.generate`), on transformers models a ``save_pretrained`` that writes every
 expert (:mod:`epmoe.checkpoint.save`) and a ``num_parameters`` that counts every expert, and a
-warning on a bare ``state_dict()`` of sharded experts (:mod:`epmoe.checkpoint.guard`). Sharded 3-D
+warning on a bare ``state_dict()`` of sharded experts (:mod:`epmoe.checkpoint.state_dict_warning`). Sharded 3-D
 packed experts tensors carry their whole shape as ``ds_shape`` and their block a forward pre-hook,
 so that PEFT LoRA added afterwards starts from the unsharded model's factors (:mod:`epmoe.ep.lora`). Its experts
 then communicate on groups created for EP with ``config.timeout``, every collective behind a step
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from epmoe.checkpoint.guard import warn_on_bare_state_dict
+from epmoe.checkpoint.state_dict_warning import warn_on_bare_state_dict
 from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe import platform
 from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from epmoe.checkpoint.guard import own_state_dict
+from epmoe.checkpoint.state_dict_warning import own_state_dict
 from epmoe.checkpoint.load import as_local_parameters, as_meta_dtensors, load_error, raise_on_every_rank
 from epmoe.compose.apply import apply_expert_parallel
 from epmoe.ep.lora import mark_full_shapes
