@@ -5,7 +5,7 @@ The data path of one MoE layer, and where each step lives::
     router (the model's own)                 untouched
       -> counts exchange                     epmoe.ep.dispatch.base on epmoe.comm.counts
       -> dispatch (rows + all-to-all-v)      epmoe.ep.dispatch      (.alltoallv; .fused: alltoallv_gmm)
-      -> grouped experts                     epmoe.ep.experts       on epmoe.gmm.grouped_mm
+      -> grouped experts                     epmoe.ep.experts, epmoe.ep.mlp (epmoe::routed_mlp) on epmoe.gmm
       -> combine (all-to-all-v + sum)        epmoe.ep.dispatch      (.alltoallv; .fused: gmm_alltoallv)
     (the whole layer: epmoe.ep.layer.routed_experts; the floors of the package: README.md)
 
