@@ -168,3 +168,41 @@ def static_generate(rank, world):
         got = static.generate(prompt, **kwargs)
     dist.barrier()
     return {"equal": torch.equal(want, got), "tokens": got.tolist()}
+
+
+def compiled_static(rank, world, static_tokens=24):
+    """``torch.compile(model, fullgraph=True)`` of an EP-2 Qwen3-MoE (float32) with
+    ``dispatch="static"``: forward and backward as one graph, against the same model run eagerly,
+    over two steps (the second under ``fail_on_recompile``). Returns the largest loss and gradient
+    differences, whether the logits were allclose (1e-5), and the graph breaks
+    ``torch._dynamo.explain`` finds."""
+    import contextlib
+
+    import torch._dynamo
+
+    from compile_workers import break_sites, train_step
+
+    torch._dynamo.reset()
+    config = {"dispatch": "static", "check_steps": False, "static_tokens": static_tokens}
+
+    def make():
+        model = build_model("qwen3_moe", num_experts=8, top_k=2, dtype=torch.float32)
+        epmoe.apply_expert_parallel(model, config=config)
+        return model
+
+    eager, compiled = make(), torch.compile(make(), fullgraph=True)
+    loss_diff, grad_diff, logits_close = 0.0, 0.0, True
+    for step in range(2):
+        ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(100 * step + rank))
+        stance = torch.compiler.set_stance("fail_on_recompile") if step else contextlib.nullcontext()
+        with stance:
+            loss_c, grads_c, logits_c = train_step(compiled, ids)
+        loss_e, grads_e, logits_e = train_step(eager, ids)
+        logits_close &= torch.allclose(logits_c, logits_e, rtol=1e-5, atol=1e-5)
+        loss_diff = max(loss_diff, (loss_c - loss_e).abs().item())
+        assert sorted(grads_c) == sorted(grads_e)
+        for name, g in grads_e.items():
+            rel = (grads_c[name] - g).abs().max() / g.abs().max().clamp_min(1e-30)
+            grad_diff = max(grad_diff, rel.item())
+    return {"loss_diff": loss_diff, "grad_diff": grad_diff, "logits_close": logits_close,
+            "sites": break_sites(make(), ids)}

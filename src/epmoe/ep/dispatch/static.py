@@ -56,12 +56,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch built without FSDP2: no such wrapper to look for
+    FSDPModule = ()
 
 from epmoe.comm.static import static_exchange
 from epmoe.comm.steps import FORWARD, HEADER, MAGIC, OutOfStepError, Position, StepChannel, checks_on, dtype_code, \
     dtype_name
 from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.dispatch.base import Dispatcher, SharedExpert
+from epmoe.ep.experts import WeightsHook
 from epmoe.ep.guard import check as check_guard
 from epmoe.ep.recognize import linear_triples
 from epmoe.ep.routing import RowPairs, TokenRows, pair_rows, static_token_rows, sum_rows, gather_rows
@@ -69,6 +76,8 @@ from epmoe.ep.state import ExpertParallelState
 
 GUARD = 2  # the step guard's values in each route header (zeros where it does not run)
 ROUTE_HEAD = HEADER + 4 + GUARD  # step header, dtype code, B, the sender's T, its rows for the peer, guard
+# the dtypes' header codes, computed once (torch.compile traces a lookup, not zlib)
+_DTYPE_CODES = {dtype: dtype_code(dtype) for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
 FIX = ("set ExpertParallelConfig(static_tokens=N) with N at least every rank's largest batch (tokens per forward), "
        "or check_steps=True to let the ranks re-agree on the buffer")
 
@@ -97,6 +106,20 @@ def _link(state: ExpertParallelState, device: torch.device) -> _Link:
     sync = state.sync
     guarded = (state.layer == 0 and sync is not None and sync.guarded and not torch.compiler.is_compiling())
     return _Link(state.channel, sync.guard.payload(sync.root, device) if guarded else None)
+
+
+def _weights_hook(state: ExpertParallelState) -> WeightsHook | None:
+    """The experts' gradient policy (``state.sync_weights``), except while ``torch.compile`` traces a
+    model that no data-parallel wrapper runs (none seen, no DDP or FSDP2 around it) and whose expert
+    gradients epmoe leaves as they are (summed by the exchanges' backward): nothing to hook then
+    (:func:`epmoe.apply_expert_parallel` marked the expert parameters), and the policy's Python (a
+    walk of the autograd graph, a log line) would break the graph."""
+    sync = state.sync
+    if (torch.compiler.is_compiling() and sync is not None and not sync.finishes and not sync.guarded
+            and sync.wrapper is None and DistributedDataParallel._get_active_ddp_module() is None
+            and not any(isinstance(module, FSDPModule) for module in state.ancestors)):
+        return None
+    return state.sync_weights
 
 
 class StaticDispatcher(Dispatcher):
@@ -166,7 +189,7 @@ class StaticDispatcher(Dispatcher):
                 if not fits:
                     raise ValueError(f"epmoe: this EP rank ({link.channel.rank}) has {T} tokens in this forward, more "
                                      f"than the static exchange's buffer of B={B} rows; its peers raise too: {FIX}")
-                self._assert_headers(position, received_WL, hidden_TH.dtype, B)
+                self._assert_headers(link, position, received_WL, hidden_TH.dtype, B)
             break
         local_RK = received_WL[:, ROUTE_HEAD:].reshape(W * B, K) - shard.local_start
         real_R = (torch.arange(B, device=received_WL.device) < received_WL[:, ROUTE_HEAD - GUARD - 1:ROUTE_HEAD - GUARD]
@@ -186,7 +209,7 @@ class StaticDispatcher(Dispatcher):
     def experts(self, state: ExpertParallelState, x_RH: torch.Tensor, meta: StaticMeta) -> torch.Tensor:
         """``(R, H)``: the local experts on the rows' pairs, weighted and summed per row (zero rows for
         padding)."""
-        return state.experts.routed_mlp(x_RH, meta.weights_RK, meta.pairs, sync_weights=state.sync_weights)
+        return state.experts.routed_mlp(x_RH, meta.weights_RK, meta.pairs, sync_weights=_weights_hook(state))
 
     def combine(self, state: ExpertParallelState, y_RH: torch.Tensor, meta: StaticMeta) -> torch.Tensor:
         """``(T, H)``: the blocks back to their senders, each token's rows summed in rank order; its
@@ -204,7 +227,7 @@ class StaticDispatcher(Dispatcher):
         T, K = top_k_index_TK.shape
         W, device = link.channel.size, top_k_index_TK.device
         head = torch.tensor([MAGIC, position.layer, position.phase, position.call, int(rows is None),
-                             dtype_code(dtype), B, T], dtype=torch.int64).to(device)
+                             _DTYPE_CODES.get(dtype, 0), B, T], dtype=torch.int64).to(device)
         guard = link.guard if link.guard is not None else torch.zeros(GUARD, dtype=torch.int64, device=device)
         if rows is None:  # does not fit: the header alone, so every rank learns it
             rows_W, ids_WL = torch.zeros(W, dtype=torch.int64, device=device), torch.zeros(
@@ -245,12 +268,14 @@ class StaticDispatcher(Dispatcher):
         return max(row[HEADER + 2] for row in rows)
 
     @staticmethod
-    def _assert_headers(position: Position, received_WL: torch.Tensor, dtype: torch.dtype, B: int) -> None:
+    def _assert_headers(link: _Link, position: Position, received_WL: torch.Tensor, dtype: torch.dtype, B: int
+                        ) -> None:
         """The same checks on the device, no host read: a device-side assertion where a peer's route
         header differs from this rank's position, ``B`` or dtype, or its rows did not fit."""
-        expected = torch.tensor([MAGIC, position.layer, position.phase, position.call, 0, dtype_code(dtype), B],
+        expected = torch.tensor([MAGIC, position.layer, position.phase, position.call, 0, _DTYPE_CODES.get(dtype, 0), B],
                                 dtype=torch.int64).to(received_WL.device)
         ok = (received_WL[:, :HEADER + 2] == expected).all() & (received_WL[:, HEADER + 2] <= B).all()
-        torch._assert_async(ok, f"epmoe: at {position}, an EP rank's static route header differs from this rank's: "
+        where = position.describe(link.channel.layer_names)
+        torch._assert_async(ok, f"epmoe: at {where}, an EP rank's static route header differs from this rank's: "
                                 f"a peer's batch outgrew the static exchange's buffer of B={B} rows, or the ranks are "
                                 f"out of step or in different dtypes; {FIX}")

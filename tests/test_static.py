@@ -1,0 +1,204 @@
+"""``dispatch="static"``: fixed-size buffers, no counts exchange, no host read, traced whole.
+
+Against the dynamic all-to-all-v transport on the same model and batch: bitwise in float64 (every
+family of the parity suite, ranks with different token counts, an expert or a rank with no tokens,
+gradient checkpointing), at EP 2 and 4. The multi-rank cases run batched, one spawned run per group
+size (see ``static_workers``)."""
+
+import copy
+import functools
+
+import pytest
+import torch
+from torch import nn
+
+import epmoe
+from custom_moe import TinyMoELM
+from ep_workers import run_cases
+from epmoe.launch import run_ranks
+from epmoe.models import FAMILIES, build_model
+from static_workers import (
+    compiled_static,
+    layer_static_vs_dynamic,
+    model_static_vs_dynamic,
+    no_host_read,
+    out_of_step,
+    overflow,
+    static_generate,
+)
+
+LAYER_CASES = ["random_k2", "rank_with_zero_tokens", "rank_receives_nothing", "expert_without_tokens",
+               "all_on_one_expert_k1", "top_k_4"]
+
+
+def cases_of(world):
+    """``{label: (fn, args)}``: every case that runs on ``world`` ranks."""
+    cases = {"layer": (layer_static_vs_dynamic, (LAYER_CASES,)),
+             "model/qwen3_moe/float64": (model_static_vs_dynamic, ("qwen3_moe", "float64", [7, 12, 3, 9][:world])),
+             "reagree": (overflow, (True, None))}
+    if world == 2:
+        for family in FAMILIES:
+            cases[f"model/{family}/float64"] = (model_static_vs_dynamic, (family, "float64", [9, 5]))
+        for family in ("deepseek_v3", "gpt_oss"):
+            cases[f"silent_rank/{family}"] = (model_static_vs_dynamic, (family, "float64", [8, 10], "silent_rank"))
+        cases["checkpointing"] = (model_static_vs_dynamic, ("qwen3_moe", "float64", [6, 11], "checkpointing"))
+        cases["fixed_tokens"] = (model_static_vs_dynamic, ("qwen3_moe", "float64", [6, 11], "plain",
+                                                           {"static_tokens": 40, "check_steps": False}))
+        cases["model/qwen3_moe/float32"] = (model_static_vs_dynamic, ("qwen3_moe", "float32", [7, 12]))
+        cases["host_reads"] = (no_host_read, (16,))
+        cases["fixed_overflow_checked"] = (overflow, (True, 6))
+        cases["fixed_overflow_unchecked"] = (overflow, (False, 6))
+        cases["out_of_step"] = (out_of_step, ())
+        cases["generate"] = (static_generate, ())
+        cases["compiled"] = (compiled_static, ())
+    return cases
+
+
+@functools.lru_cache(maxsize=None)
+def batch_results(world):
+    return run_ranks(run_cases, world, cases_of(world), timeout=850)
+
+
+def results_of(world, label):
+    out = [by_label[label] for by_label in batch_results(world)]
+    for rank, result in enumerate(out):
+        assert not (isinstance(result, dict) and "error" in result), f"{label}, rank {rank}:\n{result['error']}"
+    return out
+
+
+batched = pytest.mark.timeout(900)
+
+
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("family", FAMILIES)
+def test_static_equals_dynamic_bitwise_every_family(family):
+    for result in results_of(2, f"model/{family}/float64"):
+        assert result["transport"] == ["static"] and result["compared"] > 10
+        assert result["differences"] == {}
+
+
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("label", ["silent_rank/deepseek_v3", "silent_rank/gpt_oss", "checkpointing",
+                                   "fixed_tokens"])
+def test_static_equals_dynamic_bitwise_scenarios(label):
+    for result in results_of(2, label):
+        assert result["differences"] == {}
+
+
+@pytest.mark.multirank
+@batched
+def test_static_float32_within_tolerance():
+    for result in results_of(2, "model/qwen3_moe/float32"):
+        assert all(diff <= 1e-5 for diff in result["differences"].values()), result["differences"]
+
+
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("world", [2, 4])
+def test_static_equals_dynamic_routing_cases(world):
+    """Ranks with different token counts, a rank with none, a rank receiving nothing, an expert with
+    none, every slot on one expert: out, input and weight gradients and expert gradients bitwise."""
+    for rank, result in enumerate(results_of(world, "layer")):
+        assert set(result) == set(LAYER_CASES)
+        assert all(diff == {} for diff in result.values()), (rank, result)
+    for result in results_of(world, "model/qwen3_moe/float64"):
+        assert result["differences"] == {}
+
+
+@pytest.mark.multirank
+@batched
+def test_static_reads_nothing_and_exchanges_no_counts():
+    """float32 on the ``torch`` backend, ``check_steps`` off, ``static_tokens`` given: no host read
+    at all from the first call (the dynamic path reads its counts once per forward), and three
+    exchanges forward, two backward (route, rows, combine; rows and combine back), none of counts."""
+    for result in results_of(2, "host_reads"):
+        assert [call["reads"] for call in result["alltoallv"]] == [["tolist"], ["tolist"]]
+        assert [call["reads"] for call in result["static"]] == [[], []]
+        assert [call["exchanges"] for call in result["static"]] == [5, 5]
+        # to the one peer: the route (header + B*K ids, int64), the rows with their weights (H + K
+        # float32 each) forward and backward, the combine's rows (H) forward and backward
+        B, K, H, header = 16, 2, 64, 11
+        assert result["static"][0]["bytes"] == (header + B * K) * 8 + 2 * B * (H + K) * 4 + 2 * B * H * 4, result
+
+
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("world", [2, 4])
+def test_static_buffer_regrows_with_step_checks(world):
+    """A rank whose batch outgrows the agreed buffer: with ``check_steps`` on the ranks re-agree on
+    a larger one, every output still bitwise the dynamic path's."""
+    for result in results_of(world, "reagree"):
+        assert result == {"equal": [True, True, True], "block": 9}
+
+
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("label", ["fixed_overflow_checked", "fixed_overflow_unchecked"])
+def test_static_overflow_of_a_fixed_buffer_raises_on_every_rank(label):
+    """``static_tokens=6`` and a rank with 9 tokens: every rank raises at that forward (the one that
+    overflows with ValueError, its peers by the header: ValueError where read, a device assertion
+    otherwise), naming ``static_tokens``; nothing hangs, nothing is dropped."""
+    for result in results_of(2, label):
+        assert result["step"] == 1 and "static_tokens" in result["raised"], result
+
+
+@pytest.mark.multirank
+@batched
+def test_static_ranks_out_of_step_raise_on_every_rank():
+    for result in results_of(2, "out_of_step"):
+        assert result["raised"] and "static route header" in result["raised"], result
+
+
+@pytest.mark.multirank
+@batched
+def test_static_generate_gives_the_same_tokens():
+    assert all(result["equal"] for result in results_of(2, "generate"))
+
+
+@pytest.mark.multirank
+@batched
+def test_static_compiles_fullgraph_forward_and_backward():
+    """``torch.compile(model, fullgraph=True)`` at EP 2: no graph break, equal to eager (fp32 1e-5)."""
+    for result in results_of(2, "compiled"):
+        assert result["sites"] == [] and result["logits_close"], result
+        assert result["loss_diff"] <= 1e-5 and result["grad_diff"] <= 1e-5, result
+
+
+class _OwnForwardExpert(nn.Module):
+    """An expert the static transport cannot run grouped (not a Linear triple)."""
+
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(hidden, inter), nn.Linear(inter, hidden)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_static_config_conflicts_raise():
+    for bad, named in (({"capacity_factor": 1.0}, "capacity_factor"), ({"num_chunks": 2}, "num_chunks"),
+                       ({"static_tokens": 0}, "static_tokens"), ({"static_tokens": True}, "static_tokens")):
+        with pytest.raises(ValueError, match=named):
+            epmoe.ExpertParallelConfig(dispatch="static", **bad)
+    with pytest.raises(ValueError, match="static_tokens.*dispatch='static'"):
+        epmoe.ExpertParallelConfig(dispatch="alltoallv", static_tokens=8)
+    model = TinyMoELM(expert_cls=_OwnForwardExpert)
+    with pytest.raises(ValueError, match="dispatch='static' cannot run"):
+        epmoe.apply_expert_parallel(model, config={"dispatch": "static"})
+    assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+
+def test_static_on_one_rank_equals_alltoallv():
+    torch.manual_seed(0)
+    base = build_model("qwen3_moe", dtype=torch.float64)
+    ids = torch.randint(0, 200, (2, 9), generator=torch.Generator().manual_seed(1))
+    results = []
+    for dispatch in ("alltoallv", "static"):
+        model = copy.deepcopy(base)
+        epmoe.apply_expert_parallel(model, config={"dispatch": dispatch})
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        results.append([out.logits, *(p.grad for p in model.parameters() if p.grad is not None)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
