@@ -127,7 +127,7 @@ def overflow(rank, world, check_steps, static_tokens):
                                                 "static_tokens": static_tokens})
     results = []
     for step, lengths in enumerate(([4, 4], [4, 9], [3, 2])):  # rank 1 grows at the second forward
-        hidden, index, weights, _ = make_inputs(40 + step, rank, lengths[rank], 2, "random", None, world)
+        hidden, index, weights, _ = make_inputs(40 + step, rank, lengths[rank % 2], 2, "random", None, world)
         want = experts_of(dynamic)(hidden, index, weights)
         try:
             got = experts_of(static)(hidden, index, weights)
