@@ -202,3 +202,35 @@ def test_static_on_one_rank_equals_alltoallv():
         out.loss.backward()
         results.append([out.logits, *(p.grad for p in model.parameters() if p.grad is not None)])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3_moe", torch.float32), ("gpt_oss", torch.float32),
+                                          ("gpt_oss", torch.float64)])
+def test_padded_pairs_contribute_nothing(family, dtype):
+    """The routed MLP on padded pairs (every (row, k); choices of other ranks' experts and whole
+    padding rows past the counts) equals it on the exact pairs, forward and backward: outputs and
+    every gradient (biases included), with the padding rows' inputs NaN."""
+    from epmoe.ep.experts import LocalExperts
+    from epmoe.ep.routing import pair_rows
+
+    torch.manual_seed(0)
+    module = build_model(family, dtype=dtype).model.layers[0].mlp.experts
+    experts = LocalExperts(module)
+    R, K, e = 10, 2, 8
+    g = torch.Generator().manual_seed(3)
+    local = torch.randint(0, e + 3, (R, K), generator=g).clamp(max=e)  # e: another rank's expert
+    local[-3:] = e  # padding rows
+    x = torch.randn(R, module.config.hidden_size if hasattr(module, "config") else 64, generator=g, dtype=dtype)
+    x[-3:] = float("nan")
+    weights = torch.rand(R, K, generator=g, dtype=dtype)
+    found = []
+    for padded in (False, True):
+        experts.module.zero_grad(set_to_none=True)
+        exact = pair_rows(local, e, int((local < e).sum()), None)
+        pairs = pair_rows(local, e, padded=True) if padded else exact
+        xr, wr = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = experts.routed_mlp(xr, wr, pairs)
+        out[:-3].sum().backward()
+        found.append([out[:-3], xr.grad[:-3], wr.grad, *(p.grad for p in module.parameters())])
+    for a, b in zip(*found):
+        assert torch.equal(a, b) if dtype == torch.float64 else torch.allclose(a, b, rtol=1e-6, atol=1e-6)
