@@ -111,12 +111,13 @@ def test_static_equals_dynamic_routing_cases(world):
 @batched
 def test_static_reads_nothing_and_exchanges_no_counts():
     """float32 on the ``torch`` backend, ``check_steps`` off, ``static_tokens`` given: no host read
-    at all from the first call (the dynamic path reads its counts once per forward), and three
-    exchanges forward, two backward (route, rows, combine; rows and combine back), none of counts."""
+    at all from the first call (the dynamic path reads its counts once per forward), and two
+    exchanges forward, two backward (route with the rows, combine; combine and rows back), none of
+    counts."""
     for result in results_of(2, "host_reads"):
         assert [call["reads"] for call in result["alltoallv"]] == [["tolist"], ["tolist"]]
         assert [call["reads"] for call in result["static"]] == [[], []]
-        assert [call["exchanges"] for call in result["static"]] == [5, 5]
+        assert [call["exchanges"] for call in result["static"]] == [4, 4]
         # to the one peer: the route (header + B*K ids, int64), the rows with their weights (H + K
         # float32 each) forward and backward, the combine's rows (H) forward and backward
         B, K, H, header = 16, 2, 64, 11

@@ -9,7 +9,12 @@ block ``s`` (one ``all_to_all_single`` with equal splits)::
 
 Nothing about the sizes is data: the shapes are the buffer's, so no count is exchanged or read to
 the host, and ``torch.compile`` traces it whole (``torch.distributed``'s functional collectives with
-autograd: the backward is the same exchange of the gradients). :func:`count_traffic
+autograd: the backward is the same exchange of the gradients). :func:`static_exchange_with` sends
+an int64 block (a header, indices) and a float block to each rank in one collective, their bytes
+side by side::
+
+    block for rank w   [ int64 words (L) | float rows (B x C), as bytes ]   one all_to_all_single
+ :func:`count_traffic
 <epmoe.comm.all_to_all.count_traffic>` counts it (eager calls only), forward and backward, like
 :func:`~epmoe.comm.all_to_all.all_to_all_v`: each buffer's blocks for other ranks, padding included.
 """
@@ -39,6 +44,43 @@ def static_exchange(x_WB: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     if counted and out.requires_grad:
         out.register_hook(lambda grad: _count(grad, W))
     return out
+
+
+def static_exchange_with(words_WL: torch.Tensor, x_WB: torch.Tensor, group: dist.ProcessGroup
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(words, x)`` received: :func:`static_exchange` of ``words_WL`` (``(W, L)`` int64, row ``w``
+    for rank ``w``) and of ``x_WB`` (``(W*B, C)`` floats) in one collective, the float block
+    differentiable (its backward: :func:`static_exchange` of the gradients, one collective)."""
+    W = dist.get_world_size(group)
+    if words_WL.dim() != 2 or words_WL.shape[0] != W or words_WL.dtype != torch.int64:
+        raise ValueError(f"static_exchange_with(words_WL): expected ({W}, L) int64, got {tuple(words_WL.shape)} "
+                         f"{words_WL.dtype}")
+    if x_WB.dim() != 2 or x_WB.shape[0] % W:
+        raise ValueError(f"static_exchange_with(x_WB): expected (W*B, C) for W={W}, got {tuple(x_WB.shape)}")
+    return _WordsAndRows.apply(words_WL, x_WB, group)
+
+
+class _WordsAndRows(torch.autograd.Function):
+    """Both blocks as bytes in one exchange forward; the float block's gradient back in one exchange."""
+
+    @staticmethod
+    def forward(ctx, words_WL, x_WB, group):
+        W, L = words_WL.shape
+        ctx.group = group
+        row_bytes = x_WB.shape[0] // W * x_WB.shape[1] * x_WB.element_size()
+        bytes_WN = torch.cat([words_WL.contiguous().view(torch.uint8).view(W, L * 8),
+                              x_WB.contiguous().view(torch.uint8).view(W, row_bytes)], dim=1)
+        if not torch.compiler.is_compiling():
+            _count(bytes_WN, W)
+        got_WN = funcol.wait_tensor(funcol.all_to_all_single(bytes_WN, None, None, group))
+        words = got_WN[:, :L * 8].contiguous().view(torch.int64)
+        x = got_WN[:, L * 8:].contiguous().view(x_WB.dtype).view(x_WB.shape)
+        ctx.mark_non_differentiable(words)
+        return words, x
+
+    @staticmethod
+    def backward(ctx, _dwords, dx_WB):
+        return None, static_exchange(dx_WB, ctx.group), None
 
 
 def _count(x_WB: torch.Tensor, W: int) -> None:

@@ -4,16 +4,18 @@ Each token goes to each rank holding one of its experts at most once, so a rank 
 more rows than it has tokens: a buffer of ``B >= T`` rows per destination always suffices, and the
 exchange is dropless by construction. Every rank sends every rank (itself included) one block of
 ``B`` rows, the tokens with an expert there in token order, then zero rows (*padding*); the rows'
-expert ids, the row count and the step header travel in a second, int64, buffer of the same
-layout (the *route*), the routing weights beside the rows (in the wider of the two dtypes, so both
-arrive exact). ``W = 2``, ``e = 2`` local experts, ``B = 3``, rank 0's ``t0 -> e0, e3``, ``t1 -> e1``,
-``t2 -> e2``::
+expert ids, the row count and the step header travel in an int64 block beside it (the *route*), in
+the same collective (:func:`epmoe.comm.static.static_exchange_with`), the routing weights beside the
+rows (in the wider of the two dtypes, so both arrive exact). ``W = 2``, ``e = 2`` local experts,
+``K = 2``, ``B = 3``; rank 0's tokens ``t0 -> e0, e3``, ``t1 -> e1, e0``, ``t2 -> e2, e3``::
 
-    rank 0 rows   [t0 t1 0  | t0 t2 0 ]     route [head B T n=2 | ids: (0 3)(1 -)(- -)] [head .. n=2 | ..]
-                   to rank 0  to rank 1     head = MAGIC layer phase call flag dtype
-       --static exchange (equal blocks: shapes known in advance)-->
-    rank 1 rows   [t0 t2 0  | s1 rows.. ]   from rank 0 | from rank 1, block b < n real, the rest padding
-       --pairs on the device: every (row, k), the local ones expert-major, then padding--
+    rank 0 sends  block to rank 0               block to rank 1
+      rows        [t0  t1  0 ]                  [t0  t2  0 ]            (H + K wide: the row, its weights)
+      route       [head n=2 | (0 3)(1 0)(- -)]  [head n=2 | (0 3)(2 3)(- -)]   head = MAGIC layer phase call
+                                                                        flag dtype B T (+ guard), ids int64
+       --one static exchange (equal blocks, shapes known in advance: no counts, no host read)-->
+    rank 1 holds  [from rank 0: t0 t2 pad | from rank 1: ...]   row b of a block is real where b < n
+       --pairs on the device: every (row, k), the local ones expert-major, then padding-->
        --epmoe::routed_mlp on device counts (the padding past their sum masked)-->
        --static exchange back, the same blocks-->
     rank 0: out[t0] = y(block 0, row 0) + y(block 1, row 0)     each token's rows summed in rank order
@@ -22,15 +24,15 @@ The row order of the real rows and pairs is the all-to-all-v transport's (source
 then ``k``), the padding after them, so in float64, where the same kernels run, the two transports
 give bitwise the same outputs and gradients.
 
-**What runs where.** Forward: the route and the rows exchanges and the combine exchange (three
-collectives, no counts exchange); backward: the rows' and the combine's gradients (two). The
+**What runs where.** Forward: the route with the rows, then the combine (two collectives, no counts
+exchange); backward: the combine's and the rows' gradients (two). The
 counts of the grouped matmuls stay on the device: the ``torch`` grouped-matmul backend (float32,
 bfloat16) takes them there and nothing is read to the host; in float64 the ``loop`` backend runs,
 which reads the counts to the host once per forward and once per backward.
 
 **The buffer size B.** With ``ExpertParallelConfig(static_tokens=N)``, ``B = N`` and nothing is
 agreed. Otherwise each layer's first forward agrees on ``B`` (the largest ``T`` of any rank: one
-route exchange of headers alone and one host read), kept on the layer's dispatcher. A later forward
+exchange of route headers alone, ``B = 0``, and one host read), kept on the layer's dispatcher. A later forward
 on a rank with more tokens than ``B``:
 
 * with ``check_steps`` on (the default on CPU), every forward reads the route headers (one host read
@@ -39,7 +41,7 @@ on a rank with more tokens than ``B``:
 * with ``check_steps`` off (sync-free: the default on accelerators, and what ``torch.compile`` traces
   whole), no rank reads anything: the route header carries the overflow, the rank that overflows
   raises ``ValueError`` and its peers a device-side assertion (``RuntimeError``), each right after
-  that route exchange, all naming the fix: ``static_tokens`` at least the largest batch.
+  that exchange, all naming the fix: ``static_tokens`` at least the largest batch.
 
 The same header check turns ranks out of step (another layer, another forward) or in different
 dtypes into an error on every rank (read on the host with ``check_steps``, else asserted on the
@@ -63,7 +65,7 @@ try:
 except ImportError:  # torch built without FSDP2: no such wrapper to look for
     FSDPModule = ()
 
-from epmoe.comm.static import static_exchange
+from epmoe.comm.static import static_exchange, static_exchange_with
 from epmoe.comm.steps import FORWARD, HEADER, MAGIC, OutOfStepError, Position, StepChannel, checks_on, dtype_code, \
     dtype_name
 from epmoe.ep.config import ExpertParallelConfig
@@ -168,14 +170,21 @@ class StaticDispatcher(Dispatcher):
         T, K = top_k_index_TK.shape
         e, W = shard.num_local_experts, link.channel.size
         read = checks_on(state.config.check_steps, hidden_TH.device) or link.guard is not None
+        # the weights ride beside the rows in the wider dtype of the two: both arrive exact, with autograd
+        carried = torch.promote_types(hidden_TH.dtype, top_k_weights_TK.dtype)
+        H = hidden_TH.shape[1]
         while True:
             B = self.block or 0
             fits = T <= B
             if fits:
                 rows, rows_W = static_token_rows(top_k_index_TK, e, W, B)
+                sent_RX = torch.cat([gather_rows(hidden_TH, rows).to(carried),
+                                     gather_rows(top_k_weights_TK, rows).to(carried)], dim=1)
+            else:  # the header alone tells the peers; no row travels
+                sent_RX = hidden_TH.new_zeros(W * B, H + K, dtype=carried)
             route_WL = self._route(link, position, hidden_TH.dtype, top_k_index_TK, rows if fits else None,
                                    rows_W if fits else None, B)
-            received_WL = static_exchange(route_WL, link.channel.group)
+            received_WL, received_RX = static_exchange_with(route_WL, sent_RX, link.channel.group)
             if read or self.block is None:
                 needed = self._read_headers(link, position, received_WL, hidden_TH.dtype, B)
                 if needed > B and not self.fixed:  # every rank saw it: agree on the larger buffer
@@ -197,12 +206,6 @@ class StaticDispatcher(Dispatcher):
         local_RK = local_RK.masked_fill(~real_R | (local_RK < 0) | (local_RK >= e), e)
         pairs = pair_rows(local_RK, e, padded=True)
         state.count_load(pairs.counts_e)
-        # the weights ride beside the rows in the wider dtype of the two: both arrive exact, with autograd
-        carried = torch.promote_types(hidden_TH.dtype, top_k_weights_TK.dtype)
-        sent_RX = torch.cat([gather_rows(hidden_TH, rows).to(carried), gather_rows(top_k_weights_TK, rows).to(carried)],
-                            dim=1)
-        received_RX = static_exchange(sent_RX, link.channel.group)
-        H = hidden_TH.shape[1]
         x_RH, weights_RK = received_RX[:, :H].to(hidden_TH.dtype), received_RX[:, H:].to(top_k_weights_TK.dtype)
         return x_RH, StaticMeta(rows, weights_RK, pairs, link.channel.group)
 
