@@ -8,8 +8,10 @@ block ``s`` (one ``all_to_all_single`` with equal splits)::
                   W blocks of B rows                   W blocks of B rows
 
 Nothing about the sizes is data: the shapes are the buffer's, so no count is exchanged or read to
-the host, and ``torch.compile`` traces it whole (``torch.distributed``'s functional collectives with
-autograd: the backward is the same exchange of the gradients). :func:`static_exchange_with` sends
+the host, and ``torch.compile`` traces it whole: traced, the exchange is ``torch.distributed``'s
+functional ``all_to_all_single``; run eagerly, the plain blocking one (the functional collectives'
+tensor subclass costs more than a small collective on CPU). The backward is the same exchange of the
+gradients. :func:`static_exchange_with` sends
 an int64 block (a header, indices) and a float block to each rank in one collective, their bytes
 side by side::
 
@@ -37,12 +39,31 @@ def static_exchange(x_WB: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     W = dist.get_world_size(group)
     if x_WB.dim() == 0 or x_WB.shape[0] % W:
         raise ValueError(f"static_exchange(x_WB): expected W*B rows for W={W} ranks, got shape {tuple(x_WB.shape)}")
-    counted = not torch.compiler.is_compiling()
-    if counted:
-        _count(x_WB, W)
-    out = funcol.wait_tensor(funcol.all_to_all_single_autograd(x_WB.contiguous(), None, None, group))
-    if counted and out.requires_grad:
-        out.register_hook(lambda grad: _count(grad, W))
+    return _Exchange.apply(x_WB, group)
+
+
+class _Exchange(torch.autograd.Function):
+    """The exchange forward, the same exchange of the gradients backward."""
+
+    @staticmethod
+    def forward(ctx, x_WB, group):
+        ctx.group = group
+        return _all_to_all(x_WB, group)
+
+    @staticmethod
+    def backward(ctx, dy_WB):
+        return _all_to_all(dy_WB, ctx.group), None
+
+
+def _all_to_all(x_WB: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """One ``all_to_all_single`` with equal splits: functional where traced, else blocking; counted
+    by :func:`~epmoe.comm.all_to_all.count_traffic` (eager calls)."""
+    x_WB = x_WB.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.wait_tensor(funcol.all_to_all_single(x_WB, None, None, group))
+    _count(x_WB, dist.get_world_size(group))
+    out = torch.empty_like(x_WB)
+    dist.all_to_all_single(out, x_WB, group=group)
     return out
 
 
@@ -70,9 +91,7 @@ class _WordsAndRows(torch.autograd.Function):
         row_bytes = x_WB.shape[0] // W * x_WB.shape[1] * x_WB.element_size()
         bytes_WN = torch.cat([words_WL.contiguous().view(torch.uint8).view(W, L * 8),
                               x_WB.contiguous().view(torch.uint8).view(W, row_bytes)], dim=1)
-        if not torch.compiler.is_compiling():
-            _count(bytes_WN, W)
-        got_WN = funcol.wait_tensor(funcol.all_to_all_single(bytes_WN, None, None, group))
+        got_WN = _all_to_all(bytes_WN, group)
         words = got_WN[:, :L * 8].contiguous().view(torch.int64)
         x = got_WN[:, L * 8:].contiguous().view(x_WB.dtype).view(x_WB.shape)
         ctx.mark_non_differentiable(words)
