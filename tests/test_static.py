@@ -235,3 +235,22 @@ def test_padded_pairs_contribute_nothing(family, dtype):
         found.append([out[:-3], xr.grad[:-3], wr.grad, *(p.grad for p in module.parameters())])
     for a, b in zip(*found):
         assert torch.equal(a, b) if dtype == torch.float64 else torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(600)
+def test_bench_static_quick_rows():
+    """``epmoe bench layer --part static`` on the quick plan: both modes at both batches, the static
+    path with no counts exchange (fewer collectives per layer, fewer host reads), and the cost rows."""
+    from epmoe.bench import common
+    from epmoe.bench.static import COST_CASES, DECODE_BATCHES, run_static
+
+    settings = common.Settings(device=torch.device("cpu"), threads=2, warmup=0, repeats=1, seed=0, quick=True, out=None)
+    report = run_static(settings)
+    for batch in DECODE_BATCHES:
+        (_, reads_d, coll_d), (_, reads_s, coll_s) = report.decode[batch, "dynamic"], report.decode[batch, "static"]
+        assert coll_s == 2 and coll_d == 4 and reads_d - reads_s == 1, report.decode
+    assert report.train["static"] == (0, 4) and report.train["dynamic"][1] == 7, report.train
+    assert [(row[0], row[1]) for row in report.cost] == list(COST_CASES)
+    assert all(row[4] == row[0] * row[2] and row[3] <= row[4] for row in report.cost)
+    assert "static / dynamic" in report.markdown()

@@ -10,7 +10,7 @@ off on both: no step-header exchange in either)::
 
 A *decode step* is one forward of ``batch`` new tokens per rank (``use_cache=False``, no gradient:
 the MoE layers' work of a decode step at that batch; the static buffer agreed on that batch,
-``B = batch``), timed side by side, interleaved round by
+``B = batch``), and one MoE layer alone on random routing of that batch, timed side by side, interleaved round by
 round, the slowest rank's time per round. The counts per step (host reads: every ``Tensor.item /
 tolist / cpu ...`` call in the step; collectives: every all-to-all of epmoe, the header exchanges
 included) are divided by the model's MoE layers; a *training step* (forward and backward of the
@@ -25,6 +25,7 @@ experts), and the bytes handed to other ranks (:func:`epmoe.comm.count_traffic`,
 from __future__ import annotations
 
 import copy
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -44,7 +45,8 @@ RANKS = 2
 GOAL = 0.7  # static / dynamic decode step at batch 1 <=
 HOST_READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 COST_CASES = ((2, 8), (2, 2), (4, 8), (4, 2))  # (EP size, top-k)
-DECODE_HEADERS = ("batch per rank", "mode", "step ms", "spread", "static / dynamic",
+DECODE_HEADERS = ("batch per rank", "mode", "step ms", "spread", "static / dynamic", "one MoE layer ms",
+                  "static / dynamic (layer)",
                   "host reads per layer (step / layers)", "collectives per layer")
 TRAIN_HEADERS = ("mode", "host reads per layer (fwd+bwd, step / layers)", "collectives per layer (fwd+bwd)")
 COST_HEADERS = ("EP", "top-k", "T per rank", "rows received (dynamic)", "receive buffer rows (static, W x B)",
@@ -122,14 +124,19 @@ def _decode_rank(rank: int, world: int, plan: Plan, warmup: int, repeats: int, s
                 model(ids, use_cache=False)
 
         steps = {mode: (lambda m=models[mode]: step(m)) for mode in MODES}
+        index = torch.rand(batch, base.config.num_experts, generator=generator).argsort(dim=1)[:, :2]
+        x, weights = torch.randn(batch, plan.hidden, generator=generator), torch.rand(batch, 2, generator=generator)
+        for mode, model in models.items():  # one MoE layer alone, on random routing of the same batch
+            steps[mode, "layer"] = functools.partial(_layer_call, model.model.layers[0].mlp.experts, x, index, weights)
         for fn in steps.values():  # the static buffer's agreement happens here, before any count
             fn()
         timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
-        for mode, fn in steps.items():
+        for mode in MODES:
             with counting() as counts, count_traffic() as traffic:
-                fn()
+                steps[mode]()
             out["decode"][batch, mode] = (timings[mode], counts["reads"] / layers,
                                           (counts["headers"] + traffic.exchanges) / layers)
+            out["decode"][batch, mode, "layer"] = timings[mode, "layer"]
     ids = torch.randint(0, base.config.vocab_size, (2, 8), generator=generator)
     for mode, config in MODES.items():
         model = copy.deepcopy(base).train()
@@ -139,6 +146,11 @@ def _decode_rank(rank: int, world: int, plan: Plan, warmup: int, repeats: int, s
             model(ids, labels=ids).loss.backward()
         out["train"][mode] = (counts["reads"] / layers, (counts["headers"] + traffic.exchanges) / layers)
     return out
+
+
+def _layer_call(experts: torch.nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
+    with torch.no_grad():
+        experts(x, index, weights)
 
 
 def _cost_rank(rank: int, world: int, plan: Plan, top_k: int, seed: int) -> dict:
@@ -174,23 +186,32 @@ class StaticReport:
     train: dict  # mode -> (host reads per layer, collectives per layer)
     cost: list  # rows of COST_HEADERS
     threads: int
+    load: float | None  # the machine's load average after the timed runs
 
     def ratio(self, batch: int) -> float:
         return self.decode[batch, "static"][0].median_s / self.decode[batch, "dynamic"][0].median_s
+
+    def layer_ratio(self, batch: int) -> float:
+        return self.decode[batch, "static", "layer"].median_s / self.decode[batch, "dynamic", "layer"].median_s
 
     def markdown(self) -> str:
         rows = []
         for batch in DECODE_BATCHES:
             for mode in MODES:
                 timing, reads, collectives = self.decode[batch, mode]
+                layer = self.decode[batch, mode, "layer"]
+                static = mode == "static"
                 rows.append((batch, mode, f"{timing.median_s * 1e3:.3f}", f"{timing.spread:.0%}",
-                             f"{self.ratio(batch):.2f}" if mode == "static" else "", f"{reads:g}", f"{collectives:g}"))
+                             f"{self.ratio(batch):.2f}" if static else "", f"{layer.median_s * 1e3:.3f}",
+                             f"{self.layer_ratio(batch):.2f}" if static else "", f"{reads:g}", f"{collectives:g}"))
         train = [(mode, f"{reads:g}", f"{collectives:g}") for mode, (reads, collectives) in self.train.items()]
         goal = self.ratio(1)
         verdict = "met" if goal <= GOAL else "NOT met"
         return (f"### Part static: decode steps at EP {RANKS} ({self.threads} threads per rank)\n\n"
                 f"{common.markdown_table(DECODE_HEADERS, rows)}\n\n"
-                f"Goal: static at most {GOAL}x dynamic at batch 1: {goal:.2f}x, {verdict}.\n\n"
+                f"Goal: static at most {GOAL}x dynamic at batch 1 (the whole decode step): {goal:.2f}x, {verdict} "
+                f"(one MoE layer alone: {self.layer_ratio(1):.2f}x). Load average during the run: "
+                f"{'unknown' if self.load is None else f'{self.load:.1f}'} (spread: (max - min) / median of the rounds).\n\n"
                 f"Training step (forward + backward, 2 x 8 tokens per rank):\n\n"
                 f"{common.markdown_table(TRAIN_HEADERS, train)}\n\n"
                 f"### Part static: cost of the fixed buffers (forward + backward of one layer)\n\n"
@@ -203,11 +224,12 @@ def run_static(settings: common.Settings) -> StaticReport:
     threads = max(1, settings.threads // RANKS)
     results = run_ranks(_decode_rank, RANKS, plan, settings.warmup, settings.repeats, settings.seed,
                         threads_per_rank=threads, timeout=1800)
-    decode = {key: value for key, value in results[0]["decode"].items()}
+    decode = dict(results[0]["decode"])
+    load = common.load_average()
     cost = []
     for world, top_k in COST_CASES:
         found = run_ranks(_cost_rank, world, plan, top_k, settings.seed, threads_per_rank=1, timeout=900)
         mine = found[0]
         cost.append((world, top_k, plan.cost_tokens, mine["rows_received"], mine["buffer_rows"],
                      mine["dynamic"], mine["static"], f"{mine['static'] / mine['dynamic']:.2f}"))
-    return StaticReport(decode, results[0]["train"], cost, threads)
+    return StaticReport(decode, results[0]["train"], cost, threads, load)
