@@ -206,3 +206,27 @@ def compiled_static(rank, world, static_tokens=24):
             grad_diff = max(grad_diff, rel.item())
     return {"loss_diff": loss_diff, "grad_diff": grad_diff, "logits_close": logits_close,
             "sites": break_sites(make(), ids)}
+
+
+def wrapped_static_vs_dynamic(rank, world, wrap):
+    """Dynamic vs static under a data-parallel setup, float64, bitwise: ``"ddp"`` (EP over every
+    rank, DistributedDataParallel around it: expert gradients averaged), ``"mesh"`` (a ("dp", "ep")
+    = (world/2, 2) mesh, DDP over every rank: the "dp" reduction of the expert gradients), two steps
+    each. ``{"differences": ..., "compared": n}``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    base = build_model("qwen3_moe", dtype=torch.float64)
+    group = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep")) if wrap == "mesh" else None
+    found = {}
+    for dispatch in ("alltoallv", "static"):
+        model = copy.deepcopy(base)
+        epmoe.apply_expert_parallel(model, group, config={"dispatch": dispatch})
+        model = DDP(model)
+        for step in range(2):
+            ids = batch_of(rank, [5 + step, 9, 7, 4])
+            found[dispatch, step] = _step(model, ids)
+    pairs = {f"{name}/{step}": (found["static", step][name], found["alltoallv", step][name])
+             for step in range(2) for name in found["alltoallv", step]}
+    return {"differences": _differences(pairs), "compared": len(pairs)}

@@ -25,6 +25,7 @@ from static_workers import (
     out_of_step,
     overflow,
     static_generate,
+    wrapped_static_vs_dynamic,
 )
 
 LAYER_CASES = ["random_k2", "rank_with_zero_tokens", "rank_receives_nothing", "expert_without_tokens",
@@ -35,7 +36,10 @@ def cases_of(world):
     """``{label: (fn, args)}``: every case that runs on ``world`` ranks."""
     cases = {"layer": (layer_static_vs_dynamic, (LAYER_CASES,)),
              "model/qwen3_moe/float64": (model_static_vs_dynamic, ("qwen3_moe", "float64", [7, 12, 3, 9][:world])),
-             "reagree": (overflow, (True, None))}
+             "reagree": (overflow, (True, None)),
+             "ddp": (wrapped_static_vs_dynamic, ("ddp",))}
+    if world == 4:
+        cases["mesh"] = (wrapped_static_vs_dynamic, ("mesh",))
     if world == 2:
         for family in FAMILIES:
             cases[f"model/{family}/float64"] = (model_static_vs_dynamic, (family, "float64", [9, 5]))
@@ -85,6 +89,16 @@ def test_static_equals_dynamic_bitwise_every_family(family):
 def test_static_equals_dynamic_bitwise_scenarios(label):
     for result in results_of(2, label):
         assert result["differences"] == {}
+
+
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("world,label", [(2, "ddp"), (4, "ddp"), (4, "mesh")])
+def test_static_equals_dynamic_bitwise_data_parallel(world, label):
+    """Under DistributedDataParallel, and on a ("dp", "ep") mesh (the expert gradients reduced over
+    "dp"): two training steps, every output and gradient bitwise."""
+    for result in results_of(world, label):
+        assert result["compared"] > 20 and result["differences"] == {}, result
 
 
 @pytest.mark.multirank
