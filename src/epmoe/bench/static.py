@@ -19,7 +19,9 @@ same model on ``2 x 8`` tokens) is counted too.
 The cost table: one experts module at EP 2 and 4, top-k 8 and 2, uniform random routing of ``T``
 tokens per rank, forward and backward: the rows a rank's receive buffers hold (static: ``W x B``,
 ``B = T``) against the rows it receives (dynamic: one per token and rank holding one of its
-experts), and the bytes handed to other ranks (:func:`epmoe.comm.count_traffic`, padding included).
+experts), the bytes handed to other ranks (:func:`epmoe.comm.count_traffic`, padding included), and
+the step's time (side by side, the slowest rank's; one thread per rank, the EP 4 ranks sharing the
+machine's cores).
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ DECODE_HEADERS = ("batch per rank", "mode", "step ms", "spread", "static / dynam
                   "host reads per layer (step / layers)", "collectives per layer")
 TRAIN_HEADERS = ("mode", "host reads per layer (fwd+bwd, step / layers)", "collectives per layer (fwd+bwd)")
 COST_HEADERS = ("EP", "top-k", "T per rank", "rows received (dynamic)", "receive buffer rows (static, W x B)",
-                "bytes to peers, dynamic", "bytes to peers, static", "static / dynamic bytes")
+                "bytes to peers, dynamic", "bytes to peers, static", "static / dynamic bytes",
+                "step ms, dynamic", "step ms, static", "static / dynamic time")
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class Plan:
     cost_experts: int
 
 
-PLAN = Plan(hidden=256, intermediate=256, cost_tokens=64, cost_experts=32)
+PLAN = Plan(hidden=256, intermediate=256, cost_tokens=512, cost_experts=32)
 QUICK_PLAN = Plan(hidden=64, intermediate=64, cost_tokens=16, cost_experts=8)
 
 
@@ -153,9 +156,14 @@ def _layer_call(experts: torch.nn.Module, x: torch.Tensor, index: torch.Tensor, 
         experts(x, index, weights)
 
 
-def _cost_rank(rank: int, world: int, plan: Plan, top_k: int, seed: int) -> dict:
+def _train_call(experts: torch.nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
+    experts.zero_grad(set_to_none=True)
+    experts(x.requires_grad_(), index, weights.requires_grad_()).sum().backward()
+
+
+def _cost_rank(rank: int, world: int, plan: Plan, top_k: int, warmup: int, repeats: int, seed: int) -> dict:
     """One rank: one experts module's forward + backward on uniform random routing in both modes:
-    the rows received, the static buffer's rows, and the bytes to peers."""
+    the rows received, the static buffer's rows, the bytes to peers, and the step's time."""
     torch.manual_seed(seed)
     base = _model(plan, num_experts=plan.cost_experts, top_k=top_k, num_hidden_layers=1)
     T, E = plan.cost_tokens, plan.cost_experts
@@ -163,15 +171,16 @@ def _cost_rank(rank: int, world: int, plan: Plan, top_k: int, seed: int) -> dict
     index = torch.rand(T, E, generator=generator).argsort(dim=1)[:, :top_k]
     weights = torch.softmax(torch.randn(T, top_k, generator=generator), dim=-1)
     hidden = torch.randn(T, plan.hidden, generator=generator)
-    out = {}
+    out, steps = {}, {}
     for mode, config in MODES.items():
         model = copy.deepcopy(base)
         epmoe.apply_expert_parallel(model, config={**config, **({"static_tokens": T} if mode == "static" else {})})
-        experts = model.model.layers[0].mlp.experts
-        x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        steps[mode] = functools.partial(_train_call, model.model.layers[0].mlp.experts, hidden, index, weights)
         with count_traffic() as traffic:
-            experts(x, index, w).sum().backward()
+            steps[mode]()
         out[mode] = traffic.bytes_to_peers
+    timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
+    out["ms"] = {mode: timing.median_s * 1e3 for mode, timing in timings.items()}
     per_rank = E // world
     every = [None] * world
     torch.distributed.all_gather_object(every, index.tolist())
@@ -214,7 +223,7 @@ class StaticReport:
                 f"{'unknown' if self.load is None else f'{self.load:.1f}'} (spread: (max - min) / median of the rounds).\n\n"
                 f"Training step (forward + backward, 2 x 8 tokens per rank):\n\n"
                 f"{common.markdown_table(TRAIN_HEADERS, train)}\n\n"
-                f"### Part static: cost of the fixed buffers (forward + backward of one layer)\n\n"
+                f"### Part static: cost of the fixed buffers (forward + backward of one layer, static_tokens = T)\n\n"
                 f"{common.markdown_table(COST_HEADERS, self.cost)}")
 
 
@@ -228,8 +237,10 @@ def run_static(settings: common.Settings) -> StaticReport:
     load = common.load_average()
     cost = []
     for world, top_k in COST_CASES:
-        found = run_ranks(_cost_rank, world, plan, top_k, settings.seed, threads_per_rank=1, timeout=900)
-        mine = found[0]
+        found = run_ranks(_cost_rank, world, plan, top_k, settings.warmup, settings.repeats, settings.seed,
+                          threads_per_rank=1, timeout=900)
+        mine, ms = found[0], found[0]["ms"]
         cost.append((world, top_k, plan.cost_tokens, mine["rows_received"], mine["buffer_rows"],
-                     mine["dynamic"], mine["static"], f"{mine['static'] / mine['dynamic']:.2f}"))
+                     mine["dynamic"], mine["static"], f"{mine['static'] / mine['dynamic']:.2f}",
+                     f"{ms['dynamic']:.1f}", f"{ms['static']:.1f}", f"{ms['static'] / ms['dynamic']:.2f}"))
     return StaticReport(decode, results[0]["train"], cost, threads, load)
