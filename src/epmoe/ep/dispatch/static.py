@@ -30,6 +30,13 @@ counts of the grouped matmuls stay on the device: the ``torch`` grouped-matmul b
 bfloat16) takes them there and nothing is read to the host; in float64 the ``loop`` backend runs,
 which reads the counts to the host once per forward and once per backward.
 
+**What it costs.** Every rank receives ``W x B`` rows (``B >= T``) where the dynamic path receives
+about ``d x T`` (``d`` the mean ranks per token), and the routed MLP's gathers and elementwise
+passes run over ``W x B x K`` pairs, the real ones and the padding (the grouped matmuls over the
+real ones only). It pays where latency dominates (decode-sized steps: half the collectives, no host
+read); at training-sized steps on CPU the padding costs more than that saves
+(``benchmarks/static_cpu.md``), which is why ``dispatch="auto"`` never takes it.
+
 **The buffer size B.** With ``ExpertParallelConfig(static_tokens=N)``, ``B = N`` and nothing is
 agreed. Otherwise each layer's first forward agrees on ``B`` (the largest ``T`` of any rank: one
 exchange of route headers alone, ``B = 0``, and one host read), kept on the layer's dispatcher. A later forward
