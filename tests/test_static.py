@@ -48,7 +48,9 @@ def cases_of(world):
         cases["checkpointing"] = (model_static_vs_dynamic, ("qwen3_moe", "float64", [6, 11], "checkpointing"))
         cases["fixed_tokens"] = (model_static_vs_dynamic, ("qwen3_moe", "float64", [6, 11], "plain",
                                                            {"static_tokens": 40, "check_steps": False}))
-        cases["model/qwen3_moe/float32"] = (model_static_vs_dynamic, ("qwen3_moe", "float32", [7, 12]))
+        for dtype in ("float32", "bfloat16"):
+            cases[f"model/qwen3_moe/{dtype}"] = (model_static_vs_dynamic, ("qwen3_moe", dtype, [7, 12]))
+        cases["model/gpt_oss/float32"] = (model_static_vs_dynamic, ("gpt_oss", "float32", [7, 12]))
         cases["host_reads"] = (no_host_read, (16,))
         cases["fixed_overflow_checked"] = (overflow, (True, 6))
         cases["fixed_overflow_unchecked"] = (overflow, (False, 6))
@@ -103,9 +105,12 @@ def test_static_equals_dynamic_bitwise_data_parallel(world, label):
 
 @pytest.mark.multirank
 @batched
-def test_static_float32_within_tolerance():
-    for result in results_of(2, "model/qwen3_moe/float32"):
-        assert all(diff <= 1e-5 for diff in result["differences"].values()), result["differences"]
+@pytest.mark.parametrize("label", ["model/qwen3_moe/float32", "model/qwen3_moe/bfloat16", "model/gpt_oss/float32"])
+def test_static_equals_dynamic_bitwise_in_float32_and_bfloat16(label):
+    """On the ``torch`` grouped-matmul backend both transports run the same kernels on the same rows
+    (device offsets against host counts): bitwise too."""
+    for result in results_of(2, label):
+        assert result["differences"] == {}
 
 
 @pytest.mark.multirank
