@@ -100,35 +100,34 @@ class StaticMeta:
     weights_RK: torch.Tensor  # (R, K) the received rows' routing weights (R = W*B)
     pairs: RowPairs  # the pairs the received rows expand to, expert-major, padded
     group: dist.ProcessGroup | None  # the group the blocks travel on
+    weights_hook: WeightsHook | None  # the experts' gradient policy for this call (_link)
 
 
 @dataclass(frozen=True)
 class _Link:
-    """What the static exchange needs of the model's EP step machinery (read in one place, :func:`_link`)."""
+    """What the static exchange needs of the model's EP step machinery and gradient policy (read in
+    one place, :func:`_link`)."""
 
-    channel: StepChannel
+    channel: StepChannel | None  # the model's EP step channel (None on a single rank)
     guard: torch.Tensor | None  # (GUARD,) the step guard's values this forward sends, where it runs
+    weights_hook: WeightsHook | None  # the experts' gradient policy (None: nothing to hook)
 
 
 def _link(state: ExpertParallelState, device: torch.device) -> _Link:
-    """The model's EP step channel, and the step guard's values where this forward carries them."""
-    sync = state.sync
-    guarded = (state.layer == 0 and sync is not None and sync.guarded and not torch.compiler.is_compiling())
-    return _Link(state.channel, sync.guard.payload(sync.root, device) if guarded else None)
-
-
-def _weights_hook(state: ExpertParallelState) -> WeightsHook | None:
-    """The experts' gradient policy (``state.sync_weights``), except while ``torch.compile`` traces a
-    model that no data-parallel wrapper runs (none seen, no DDP or FSDP2 around it) and whose expert
+    """The model's EP step channel, the step guard's values where this forward carries them, and the
+    experts' gradient policy (``state.sync_weights``), except while ``torch.compile`` traces a model
+    that no data-parallel wrapper runs (none seen, no DDP or FSDP2 around it) and whose expert
     gradients epmoe leaves as they are (summed by the exchanges' backward): nothing to hook then
     (:func:`epmoe.apply_expert_parallel` marked the expert parameters), and the policy's Python (a
     walk of the autograd graph, a log line) would break the graph."""
-    sync = state.sync
-    if (torch.compiler.is_compiling() and sync is not None and not sync.finishes and not sync.guarded
-            and sync.wrapper is None and DistributedDataParallel._get_active_ddp_module() is None
+    sync, compiling = state.sync, torch.compiler.is_compiling()
+    guarded = state.layer == 0 and sync is not None and sync.guarded and not compiling
+    hook = state.sync_weights
+    if (compiling and sync is not None and not sync.finishes and not sync.guarded and sync.wrapper is None
+            and DistributedDataParallel._get_active_ddp_module() is None
             and not any(isinstance(module, FSDPModule) for module in state.ancestors)):
-        return None
-    return state.sync_weights
+        hook = None
+    return _Link(state.channel, sync.guard.payload(sync.root, device) if guarded else None, hook)
 
 
 class StaticDispatcher(Dispatcher):
@@ -166,11 +165,11 @@ class StaticDispatcher(Dispatcher):
         """``(x_RH, meta)``: the rows this rank's local experts run, ``W`` blocks of ``B`` by source
         rank (the rows of a group of one: the tokens)."""
         shard = state.shard
-        if state.channel is None:
+        link = _link(state, hidden_TH.device)
+        if link.channel is None:
             pairs = pair_rows(top_k_index_TK, shard.num_experts)
             state.count_load(pairs.counts_e)
-            return hidden_TH, StaticMeta(None, top_k_weights_TK, pairs, None)
-        link = _link(state, hidden_TH.device)
+            return hidden_TH, StaticMeta(None, top_k_weights_TK, pairs, None, link.weights_hook)
         if not torch.compiler.is_compiling():
             state.calls += 1
         position = state.position(FORWARD)
@@ -214,12 +213,12 @@ class StaticDispatcher(Dispatcher):
         pairs = pair_rows(local_RK, e, padded=True)
         state.count_load(pairs.counts_e)
         x_RH, weights_RK = received_RX[:, :H].to(hidden_TH.dtype), received_RX[:, H:].to(top_k_weights_TK.dtype)
-        return x_RH, StaticMeta(rows, weights_RK, pairs, link.channel.group)
+        return x_RH, StaticMeta(rows, weights_RK, pairs, link.channel.group, link.weights_hook)
 
     def experts(self, state: ExpertParallelState, x_RH: torch.Tensor, meta: StaticMeta) -> torch.Tensor:
         """``(R, H)``: the local experts on the rows' pairs, weighted and summed per row (zero rows for
         padding)."""
-        return state.experts.routed_mlp(x_RH, meta.weights_RK, meta.pairs, sync_weights=_weights_hook(state))
+        return state.experts.routed_mlp(x_RH, meta.weights_RK, meta.pairs, sync_weights=meta.weights_hook)
 
     def combine(self, state: ExpertParallelState, y_RH: torch.Tensor, meta: StaticMeta) -> torch.Tensor:
         """``(T, H)``: the blocks back to their senders, each token's rows summed in rank order; its
