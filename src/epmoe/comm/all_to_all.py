@@ -35,8 +35,9 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
 
 @dataclass
 class Traffic:
-    """What :func:`all_to_all_v` handed the collective for other ranks (this rank's own rows, which
-    stay in memory, excluded), forward and backward, while :func:`count_traffic` was open."""
+    """What :func:`all_to_all_v` and :func:`~epmoe.comm.static.static_exchange` handed the collective
+    for other ranks (this rank's own rows, which stay in memory, excluded; a static exchange's padding
+    included), forward and backward, while :func:`count_traffic` was open."""
 
     bytes_to_peers: int = 0
     exchanges: int = 0
