@@ -126,16 +126,19 @@ def test_routed_mlp_equals_plain_autograd(kind, routing):
     assert all(torch.equal(a, b) for a, b in zip(lean, again))  # bitwise, run to run
 
 
-def test_routed_mlp_opcheck():
+@pytest.mark.parametrize("padded", [False, True])
+def test_routed_mlp_opcheck(padded):
+    """The op's schema, fake kernel and autograd; ``padded``: the static transport's pairs (every
+    (row, k), some of them another rank's expert: padding past the counts)."""
     module = _experts("gpt_oss").float()
     experts = LocalExperts(module)
     R, K, e = 6, 2, 4
-    local = torch.randint(0, e, (R, K), generator=torch.Generator().manual_seed(0))
-    pairs = pair_rows(local, e)
+    local = torch.randint(0, e + padded, (R, K), generator=torch.Generator().manual_seed(0))
+    pairs = pair_rows(local, e, padded=padded)
     H = module.down_proj.shape[2 if module.is_transposed else 1]
     args = (torch.randn(R, H, requires_grad=True), torch.rand(R, K, requires_grad=True), pairs.slot_P, pairs.pair_RK,
             pairs.counts_e, None, module.gate_up_proj, module.down_proj, module.gate_up_proj_bias,
-            module.down_proj_bias, not module.is_transposed, experts.key, True)
+            module.down_proj_bias, not module.is_transposed, experts.key, True, padded)
     torch.library.opcheck(torch.ops.epmoe.routed_mlp.default, args)
 
 

@@ -38,6 +38,9 @@ Part ``compile``: ``torch.compile`` against eager, the block and the model step
 Part ``lean``: the lean data path side by side at Qwen3-30B-A3B's and a Mixtral-like shape: what a
 block keeps for backward, the bytes on the wire at EP 2 and EP 4, the EP 1 and EP 2 steps
 (:mod:`epmoe.bench.lean`).
+
+Part ``static``: ``dispatch="static"`` against ``"alltoallv"``: decode steps at EP 2, host reads and
+collectives per layer, the fixed buffers' cost in memory and on the wire (:mod:`epmoe.bench.static`).
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ import torch
 
 import epmoe
 from epmoe import platform
-from epmoe.bench import common, lean
+from epmoe.bench import common, lean, static
 from epmoe.bench.blocks import (
     DENSE,
     EAGER,
@@ -80,7 +83,7 @@ from epmoe.ep.state import ep_states
 from epmoe.gmm import grouped_mm
 from epmoe.gmm.registry import PROFILED_BACKWARD, PROFILED_FORWARD
 
-PARTS = ("ep1", "ep2", "compile", "lean")
+PARTS = ("ep1", "ep2", "compile", "lean", "static")
 EP1_HEADERS = ("shape", "variant", "time ms", "expert GFLOP/s", "epmoe time / this")
 SPLIT_HEADERS = ("shape", "part of the epmoe step", "time ms", "share of the step (in it) / time vs the step (alone)")
 PROFILED_STEPS = 3  # epmoe steps profiled for the in-step share of its grouped matmuls
@@ -102,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run only this part (repeatable; default: all). ep1: one process, EP size 1; "
                              "ep2: 2 gloo ranks on CPU; compile: torch.compile vs eager (block, EP=1 and EP=2 steps); "
                              "lean: the lean data path (saved per token, wire bytes at EP 2 and 4, EP 1 and EP 2 "
-                             "steps) at Qwen3-30B-A3B and Mixtral-like shapes")
+                             "steps) at Qwen3-30B-A3B and Mixtral-like shapes; static: dispatch='static' against "
+                             "'alltoallv' (decode steps at EP 2, host reads and collectives, buffer and wire cost)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
         sections.append(report)
     if "lean" in parts:
         report = lean.run_lean(settings)
+        print(report.markdown() + "\n")
+        sections.append(report)
+    if "static" in parts:
+        report = static.run_static(settings)
         print(report.markdown() + "\n")
         sections.append(report)
     if settings.out:
@@ -518,7 +526,7 @@ def _document(shapes, settings: common.Settings, parts: list[str], sections: lis
     extra = "".join(f" --part {p}" for p in parts) if parts != list(PARTS) else ""
     command = " ".join([*_allocator_env(), f"epmoe bench layer {settings.options()}{extra}"])
     described, shape_lines = [], []
-    if set(parts) - {"lean"}:
+    if set(parts) - {"lean", "static"}:
         described += [_markdown(__doc__.split(chr(10), 2)[2].strip()),
                       f"Goals: epmoe at most {GOALS['grouped_mm']}x transformers' `grouped_mm` time, at most "
                       f"{GOALS['eager']}x\n`eager`, and at least {GOALS['dense']} of the dense floor's speed."]
@@ -526,6 +534,9 @@ def _document(shapes, settings: common.Settings, parts: list[str], sections: lis
     if "lean" in parts:
         described.append(_markdown(lean.__doc__.strip()))
         shape_lines.append(("\nPart lean:\n\n" if shape_lines else "") + lean.describe(settings.quick))
+    if "static" in parts:
+        described.append(_markdown(static.__doc__.strip()))
+        shape_lines.append(("\nPart static:\n\n" if shape_lines else "") + static.describe(settings.quick))
     body = "\n\n".join(section.markdown() for section in sections)
     description = "\n\n".join(described)
     shape_text = "\n".join(shape_lines)

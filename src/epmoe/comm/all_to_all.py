@@ -35,8 +35,9 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
 
 @dataclass
 class Traffic:
-    """What :func:`all_to_all_v` handed the collective for other ranks (this rank's own rows, which
-    stay in memory, excluded), forward and backward, while :func:`count_traffic` was open."""
+    """What :func:`all_to_all_v` and :func:`~epmoe.comm.static.static_exchange` handed the collective
+    for other ranks (this rank's own rows, which stay in memory, excluded; a static exchange's padding
+    included), forward and backward, while :func:`count_traffic` was open."""
 
     bytes_to_peers: int = 0
     exchanges: int = 0
@@ -47,8 +48,9 @@ _RECORDERS: list[Traffic] = []
 
 @contextmanager
 def count_traffic() -> Iterator[Traffic]:
-    """Count this process's :func:`all_to_all_v` traffic inside the ``with`` block (the fused ops'
-    pipelined exchanges and the small step-header exchanges are not counted)."""
+    """Count this process's :func:`all_to_all_v` and :func:`~epmoe.comm.static.static_exchange`
+    traffic inside the ``with`` block (the fused ops' pipelined exchanges and the small step-header
+    exchanges are not counted)."""
     traffic = Traffic()
     _RECORDERS.append(traffic)
     try:
@@ -57,12 +59,17 @@ def count_traffic() -> Iterator[Traffic]:
         _RECORDERS.remove(traffic)
 
 
+def record_traffic(bytes_to_peers: int) -> None:
+    """Add one exchange handing ``bytes_to_peers`` to other ranks to every open :func:`count_traffic`."""
+    for traffic in _RECORDERS:
+        traffic.bytes_to_peers += bytes_to_peers
+        traffic.exchanges += 1
+
+
 def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     if _RECORDERS:
         rows_to_peers = sum(input_splits) - input_splits[dist.get_rank(group)]
-        for traffic in _RECORDERS:
-            traffic.bytes_to_peers += rows_to_peers * math.prod(x.shape[1:]) * x.element_size()
-            traffic.exchanges += 1
+        record_traffic(rows_to_peers * math.prod(x.shape[1:]) * x.element_size())
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out

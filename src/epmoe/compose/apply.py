@@ -49,6 +49,7 @@ from epmoe import platform
 from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatch import make_dispatcher
+from epmoe.ep.dispatch.static import StaticDispatcher
 from epmoe.ep.experts import LocalExperts, experts_backend, experts_gmm_backends
 from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
@@ -326,7 +327,14 @@ def _parameter_layout(module: nn.Module) -> list[tuple[str, tuple[int, ...], tor
 def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tuple[str, str | None]:
     """``(transport, why a requested fused transport was declined or None)`` for one module:
     ``"fused"`` where ``dispatch="fused"`` asked for it and the fused ops can run these experts, else
-    ``"alltoallv"``; ``"auto"`` is ``"alltoallv"`` on every device (why: :mod:`epmoe.ep.dispatch`)."""
+    ``"alltoallv"``; ``"auto"`` is ``"alltoallv"`` on every device (why: :mod:`epmoe.ep.dispatch`);
+    ``"static"`` where asked for, ``ValueError`` where it cannot run these experts."""
+    if config.dispatch == "static":
+        reason = StaticDispatcher.ineligible_reason(experts)
+        if reason is not None:
+            raise ValueError(f"apply_expert_parallel: dispatch='static' cannot run {type(experts).__name__}: {reason}; "
+                             f"use dispatch='alltoallv'")
+        return "static", None
     if config.dispatch != "fused" or config.capacity_factor is not None:  # capacity: see the config
         return "alltoallv", None
     reason = fused_ineligible_reason(experts)

@@ -8,7 +8,7 @@ from typing import Any
 
 from epmoe.gmm import gmm_backends
 
-DISPATCH_MODES = ("auto", "alltoallv", "fused")
+DISPATCH_MODES = ("auto", "alltoallv", "fused", "static")
 EXPERT_GRAD_MODES = ("auto", "sum", "mean")
 TELEMETRY_COUNTER = "telemetry"  # ExpertParallelState.loads key of the routed slots epmoe.expert_load reports
 DROPPED_COUNTER = "dropped"  # ExpertParallelState.loads key of the slots capacity dropped
@@ -22,8 +22,10 @@ class ExpertParallelConfig:
         gmm_backend: ``"auto"`` or a registered grouped-matmul backend name (see ``epmoe.gmm_backends``).
         dispatch: ``"alltoallv"`` (each token once per rank holding its experts, then grouped
             matmul), ``"fused"`` (``alltoallv_gmm`` / ``gmm_alltoallv`` in the vendor's per-slot
-            layout, overlapping rounds of communication with compute and the shared expert), or
-            ``"auto"`` (``"alltoallv"`` on every device).
+            layout, overlapping rounds of communication with compute and the shared expert),
+            ``"static"`` (fixed-size buffers of ``B`` rows per rank pair, ``B`` at least every rank's
+            tokens: no counts exchange, no host read, traced whole by ``torch.compile``; see
+            :mod:`epmoe.ep.dispatch.static`), or ``"auto"`` (``"alltoallv"`` on every device).
         num_chunks: pipelining rounds of the fused path (int >= 1, or ``"auto"``).
         expert_grad: what expert gradients are once backward ends: ``"sum"`` over every rank's
             tokens (the unsharded model on the concatenated batch), ``"mean"`` (divided by the
@@ -45,6 +47,10 @@ class ExpertParallelConfig:
             concatenation drops the same slots as any EP size. A dropped slot contributes zero (its
             expert output and routing-weight gradient are zero) and is counted
             (``epmoe.expert_load(model, dropped=True)``). Runs the all-to-all-v dispatch.
+        static_tokens: ``dispatch="static"`` only: ``None`` (the ranks agree on the buffer's ``B``
+            at each layer's first forward, one host read, and again where a batch outgrows it while
+            ``check_steps`` is on) or an int >= 1, ``B`` itself: no agreement at all (sync-free from
+            the first step); a forward with more tokens on any rank raises on every rank.
     """
 
     gmm_backend: str = "auto"
@@ -54,6 +60,7 @@ class ExpertParallelConfig:
     timeout: float | None = None
     check_steps: bool | str = "auto"
     capacity_factor: float | None = None
+    static_tokens: int | None = None
 
     def __post_init__(self) -> None:
         names = ["auto"] + [status.name for status in gmm_backends()]
@@ -85,6 +92,26 @@ class ExpertParallelConfig:
         if factor is not None and self.dispatch == "fused":
             raise ValueError("ExpertParallelConfig(capacity_factor): drops slots between the exchange and the grouped "
                              "matmul, which the fused ops do not expose; use dispatch='alltoallv' or 'auto'")
+        self._check_static()
+
+    def _check_static(self) -> None:
+        """The static exchange's conflicts (:mod:`epmoe.ep.dispatch.static`)."""
+        tokens = self.static_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+            raise ValueError(f"ExpertParallelConfig(static_tokens): expected None or an int >= 1, got {tokens!r}")
+        if tokens is not None and self.dispatch != "static":
+            raise ValueError(f"ExpertParallelConfig(static_tokens): sizes the static exchange's buffer; it needs "
+                             f"dispatch='static', not {self.dispatch!r}")
+        if self.dispatch != "static":
+            return
+        if self.capacity_factor is not None:
+            raise ValueError("ExpertParallelConfig(capacity_factor): the static exchange is dropless by construction "
+                             "(each expert's capacity would need the counts on the host); use dispatch='alltoallv' "
+                             "with capacity_factor, or dispatch='static' without it")
+        if self.num_chunks != "auto":
+            raise ValueError(f"ExpertParallelConfig(num_chunks): {self.num_chunks!r} pipelines the fused ops, which "
+                             f"dispatch='static' does not run (it sends fixed-size buffers); leave num_chunks='auto' "
+                             f"or use dispatch='fused'")
 
     @classmethod
     def from_any(cls, config: ExpertParallelConfig | dict[str, Any] | None) -> ExpertParallelConfig:

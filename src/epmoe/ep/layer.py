@@ -17,8 +17,10 @@ A call that runs on the device alone (:meth:`~epmoe.ep.dispatch.base.Dispatcher.
 group of one, dropless, all-to-all-v, experts that run through grouped matmuls) has nothing to
 exchange: the tokens are the rows, the pairs are built on the device, and the grouped matmuls take
 their counts there: no host read at all where the backend takes device offsets, and
-``torch.compile`` traces the call whole (no graph break). Every other call runs eagerly, behind one
-graph break per layer (the all-to-all-v splits are host ints). The grouped matmuls, the routed MLP
+``torch.compile`` traces the call whole (no graph break). So does the static transport without step
+checks at any EP size (:mod:`epmoe.ep.dispatch.static`: fixed-size buffers, no counts exchange, no
+host read). Every other call runs eagerly, behind one graph break per layer (the all-to-all-v splits
+are host ints). The grouped matmuls, the routed MLP
 and the all-to-all-v are custom ops (``epmoe::grouped_mm``, ``epmoe::routed_mlp``,
 ``epmoe::all_to_all_v``), opaque to the tracer.
 

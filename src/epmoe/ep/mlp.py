@@ -33,6 +33,13 @@ gate's derivative written out, any other gate of the experts' own, transformers'
 ``act_fn``, through ``torch.func.vjp``; on an NPU the forward may run ``npu_swiglu``, the recompute
 the same function in plain torch ops). Experts it cannot run (an expert's own forward, a norm after the down
 projection) run :func:`routed_mlp_autograd`: the same result through plain autograd.
+
+*Padded pairs* (:func:`epmoe.ep.routing.pair_rows` with ``padded``: the static transport, whose
+number of pairs is known on the device only): ``P = R * K``, the real pairs first, then padding,
+which the grouped matmuls leave out (their output rows past the counts' sum are uninitialised,
+possibly NaN: masked with ``masked_fill``, never multiplied by zero). A padding pair's up
+projection output is zero, its weight is zero, its output is never read (``pair_RK`` points past
+``P``) and its gradients are zero: it contributes nothing forward or backward.
 """
 
 from __future__ import annotations
@@ -65,8 +72,8 @@ def register_experts(experts: object) -> int:
 
 def expert_mlp(x_AH: torch.Tensor, counts: Sequence[int] | torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
-               gate: Callable[[torch.Tensor], torch.Tensor], matmul: GroupedMatmul
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               gate: Callable[[torch.Tensor], torch.Tensor], matmul: GroupedMatmul,
+               padding_A: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h_AN, y_AH)``: the local experts' MLP on rows grouped by local expert, ``counts[j]`` rows
     for expert ``j`` (``x_AH``, rows expert-major)::
 
@@ -74,12 +81,15 @@ def expert_mlp(x_AH: torch.Tensor, counts: Sequence[int] | torch.Tensor, up: tor
         y = projection(gate(h), down)   matmul(a, down) (+ down_bias of its expert)
 
     ``up``, ``down``: the experts' weights as ``matmul`` reads them; ``gate``: the experts' gate /
-    activation (:meth:`~epmoe.ep.experts.LocalExperts.gate_activation`). The one place the
-    experts' MLP is written (see the module docstring)."""
+    activation (:meth:`~epmoe.ep.experts.LocalExperts.gate_activation`); ``padding_A``: ``(A,)``
+    bool, the rows past the counts' sum (padded pairs: ``h`` there is zero, ``y`` undefined). The
+    one place the experts' MLP is written (see the module docstring)."""
     expert_A = None
     if up_bias is not None or down_bias is not None:
-        expert_A = expert_of_rows(counts, x_AH.shape[0], x_AH.device)
+        expert_A = expert_of_rows(counts, x_AH.shape[0], x_AH.device, padded=padding_A is not None)
     h_AN = projection(x_AH, up, up_bias, expert_A, matmul)
+    if padding_A is not None:
+        h_AN = h_AN.masked_fill(padding_A.unsqueeze(1), 0)
     return h_AN, projection(gate(h_AN), down, down_bias, expert_A, matmul)
 
 
@@ -93,21 +103,29 @@ def projection(x_AD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y_AN if bias is None else y_AN + bias[expert_A]
 
 
-def expert_of_rows(counts: Sequence[int] | torch.Tensor, num_rows: int, device: torch.device) -> torch.Tensor:
+def expert_of_rows(counts: Sequence[int] | torch.Tensor, num_rows: int, device: torch.device, *,
+                   padded: bool = False) -> torch.Tensor:
     """``(A,)``: each row's local expert, for rows grouped by expert (``counts[j]`` rows for expert
     ``j``); built where the counts are (host counts: on the host, then copied), its gather's
-    backward an index_put."""
+    backward an index_put. ``padded``: the rows past the counts' sum are padding (given the last
+    expert; their values are masked by the caller), found on the device by a sorted search."""
     counts_e = torch.as_tensor(counts)
     experts = torch.arange(counts_e.numel(), device=counts_e.device)
+    if padded:
+        ends_e = counts_e.cumsum(0)
+        rows_A = torch.arange(num_rows, device=counts_e.device)
+        expert_A = torch.searchsorted(ends_e, rows_A, right=True).clamp_(max=counts_e.numel() - 1)
+        return platform.host_to_device(expert_A, device)
     return platform.host_to_device(torch.repeat_interleave(experts, counts_e, output_size=num_rows), device)
 
 
-def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: torch.Tensor, out_dtype: torch.dtype
-                 ) -> torch.Tensor:
+def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: torch.Tensor, out_dtype: torch.dtype,
+                 padded: bool = False) -> torch.Tensor:
     """``(R, H)``: each row's pairs' outputs times their weights (``None``: unweighted), summed in ``k``
     order in float32 or wider (as ``torch.sum`` accumulates 16-bit floats); rows without a pair at
-    some ``k`` (``pair_RK == P``) take a zero row there. Differentiable, and connected to ``y_PH`` and
-    ``weights_RK`` even without pairs (a rank's backward exchanges must run)."""
+    some ``k`` (``pair_RK == P``) take a zero row there (``padded``: ``P = R * K`` and some may have
+    none). Differentiable, and connected to ``y_PH`` and ``weights_RK`` even without pairs (a rank's
+    backward exchanges must run)."""
     R, K = pair_RK.shape
     P, H = y_PH.shape
     product_dtype = y_PH.dtype if weights_RK is None else torch.promote_types(y_PH.dtype, weights_RK.dtype)
@@ -115,7 +133,7 @@ def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: t
     if P == 0:  # sums of nothing, to stay connected
         connected = y_PH.sum() if weights_RK is None else y_PH.sum() + weights_RK[:0].sum()
         return (y_PH.new_zeros(R, H, dtype=sum_dtype) + connected).to(out_dtype)
-    if P < R * K:  # some (row, k) have no pair: they read an appended zero row
+    if P < R * K or padded:  # some (row, k) have no pair: they read an appended zero row
         y_PH = torch.cat([y_PH, y_PH.new_zeros(1, H)])
     out_RH = None
     for k in range(K):
@@ -133,22 +151,29 @@ def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: t
 def _routed_mlp_op(
     x_RH: torch.Tensor, weights_RK: torch.Tensor, slot_P: torch.Tensor, pair_RK: torch.Tensor, counts_e: torch.Tensor,
     host_counts: list[int] | None, up: torch.Tensor, down: torch.Tensor, up_bias: torch.Tensor | None,
-    down_bias: torch.Tensor | None, trans_weight: bool, experts_key: int, differentiable: bool,
+    down_bias: torch.Tensor | None, trans_weight: bool, experts_key: int, differentiable: bool, padded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out_RH, h_PN)``: the rows' routed MLP and the up projection's output (kept for backward)."""
+    """``(out_RH, h_PN)``: the rows' routed MLP and the up projection's output (kept for backward);
+    ``padded``: the pairs are padded (see the module docstring)."""
     K = weights_RK.shape[1]
     experts = _LIVE[experts_key]
     backend = experts.gmm_backend(up, down, counts=host_counts, backward=differentiable)
     counts = backend_counts(backend, counts_e, host_counts_once(backend, counts_e, host_counts, up.shape[0]), x_RH,
                             up.shape[0])
     h_PN, y_PH = expert_mlp(x_RH[slot_P // K], counts_e, up, down, up_bias, down_bias, experts.gate_activation,
-                            lambda x, w: run_grouped_mm(x, w, counts, trans_weight, backend))
-    return weighted_sum(y_PH, weights_RK, pair_RK, x_RH.dtype), h_PN
+                            lambda x, w: run_grouped_mm(x, w, counts, trans_weight, backend),
+                            _padding(counts_e, slot_P.numel()) if padded else None)
+    return weighted_sum(y_PH, weights_RK, pair_RK, x_RH.dtype, padded), h_PN
+
+
+def _padding(counts_e: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """``(P,)`` bool on the device: the padded pairs, past the counts' sum."""
+    return torch.arange(num_pairs, device=counts_e.device) >= counts_e.sum()
 
 
 @_routed_mlp_op.register_fake
 def _routed_mlp_fake(x_RH, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias, down_bias,
-                     trans_weight, experts_key, differentiable):
+                     trans_weight, experts_key, differentiable, padded):
     return torch.empty_like(x_RH), x_RH.new_empty(slot_P.shape[0], up.shape[1 if trans_weight else 2])
 
 
@@ -157,23 +182,29 @@ def _routed_mlp_backward_op(
     dout_RH: torch.Tensor, x_RH: torch.Tensor, h_PN: torch.Tensor, weights_RK: torch.Tensor, slot_P: torch.Tensor,
     pair_RK: torch.Tensor, counts_e: torch.Tensor, host_counts: list[int] | None, up: torch.Tensor,
     down: torch.Tensor, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, trans_weight: bool,
-    experts_key: int,
+    experts_key: int, padded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dx_RH, dweights_RK, d_up, d_down, d_up_bias, d_down_bias)`` (empty where there is no bias)."""
+    """``(dx_RH, dweights_RK, d_up, d_down, d_up_bias, d_down_bias)`` (empty where there is no bias);
+    padded pairs (``padded``) get zero gradients (the matmuls' rows for them are masked)."""
     K, P = weights_RK.shape[1], slot_P.numel()
     experts = _LIVE[experts_key]
     row_P = slot_P // K
     backend = experts.gmm_backend(up, down, counts=host_counts, backward=True)  # the forward's
     counts = backend_counts(backend, counts_e, host_counts_once(backend, counts_e, host_counts, up.shape[0]), dout_RH,
                             up.shape[0])
-    expert_P = expert_of_rows(counts_e, P, dout_RH.device) if up_bias is not None else None
+    expert_P = expert_of_rows(counts_e, P, dout_RH.device, padded=padded) if up_bias is not None else None
     a_PI, gate_vjp = experts.gate_vjp(h_PN)  # the gate recomputed from h (elementwise), and its vjp
     dout_PH = dout_RH[row_P]
     w_P = weights_RK.reshape(-1)[slot_P]
+    padding_P = _padding(counts_e, P).unsqueeze(1) if padded else None
+    if padded:
+        w_P = w_P.masked_fill(padding_P.squeeze(1), 0)
     # down projection: u = d out @ Wd^T (the input gradient before weighting) serves both the
     # activation's gradient (w * u) and the routing weight's (<u, a>)
     no_x = a_PI.new_empty(0, a_PI.shape[1])
     u_PI, _ = run_grouped_mm_backward(dout_PH, no_x, down, counts, trans_weight, backend, True, False)
+    if padded:  # rows past the counts' sum: uninitialised
+        u_PI = u_PI.masked_fill_(padding_P, 0)
     sum_dtype = accumulation_dtype(torch.promote_types(dout_RH.dtype, weights_RK.dtype))
     dw_P = _row_dots(u_PI, a_PI, sum_dtype)
     if down_bias is not None:
@@ -187,7 +218,7 @@ def _routed_mlp_backward_op(
     if up_bias is not None:
         d_up_bias = torch.zeros_like(up_bias).index_put_((expert_P,), dh_PN, accumulate=True)
     dx_PH, d_up = run_grouped_mm_backward(dh_PN, x_RH[row_P], up, counts, trans_weight, backend, True, True)
-    dx_RH = weighted_sum(dx_PH, None, pair_RK, x_RH.dtype)
+    dx_RH = weighted_sum(dx_PH, None, pair_RK, x_RH.dtype, padded)
     dweights_RK = torch.zeros(weights_RK.numel(), dtype=weights_RK.dtype, device=weights_RK.device)
     dweights_RK.index_copy_(0, slot_P, dw_P.to(weights_RK.dtype))
     return dx_RH, dweights_RK.view_as(weights_RK), d_up, d_down, d_up_bias, d_down_bias
@@ -203,7 +234,7 @@ def _row_dots(a_PN: torch.Tensor, b_PN: torch.Tensor, dtype: torch.dtype) -> tor
 
 @_routed_mlp_backward_op.register_fake
 def _routed_mlp_backward_fake(dout_RH, x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down,
-                              up_bias, down_bias, trans_weight, experts_key):
+                              up_bias, down_bias, trans_weight, experts_key, padded):
     empty = x_RH.new_empty(0)
     return (torch.empty_like(x_RH), torch.empty_like(weights_RK), torch.empty_like(up), torch.empty_like(down),
             empty if up_bias is None else torch.empty_like(up_bias),
@@ -212,22 +243,22 @@ def _routed_mlp_backward_fake(dout_RH, x_RH, h_PN, weights_RK, slot_P, pair_RK, 
 
 def _setup_context(ctx, inputs, output):
     (x_RH, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias, down_bias, trans_weight,
-     experts_key, _) = inputs
+     experts_key, _, padded) = inputs
     ctx.save_for_backward(x_RH, output[1], weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias)
-    ctx.options = (host_counts, trans_weight, experts_key)
+    ctx.options = (host_counts, trans_weight, experts_key, padded)
 
 
 def _backward(ctx, dout_RH, _dh):
     refuse_double_backward("routed_mlp")
     x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias = ctx.saved_tensors
-    host_counts, trans_weight, experts_key = ctx.options
+    host_counts, trans_weight, experts_key, padded = ctx.options
     dx, dweights, d_up, d_down, d_up_bias, d_down_bias = torch.ops.epmoe.routed_mlp_backward(
         dout_RH.contiguous(), x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias,
-        down_bias, trans_weight, experts_key)
+        down_bias, trans_weight, experts_key, padded)
     needs = ctx.needs_input_grad
     return (dx if needs[0] else None, dweights if needs[1] else None, None, None, None, None,
             d_up if needs[6] else None, d_down if needs[7] else None,
-            d_up_bias if needs[8] else None, d_down_bias if needs[9] else None, None, None, None)
+            d_up_bias if needs[8] else None, d_down_bias if needs[9] else None, None, None, None, None)
 
 
 _routed_mlp_op.register_autograd(_backward, setup_context=_setup_context)
@@ -244,7 +275,7 @@ def routed_mlp(experts_key: int, x_RH: torch.Tensor, weights_RK: torch.Tensor, p
     host_counts = None if torch.compiler.is_compiling() else pairs.host_counts_e
     out_RH, _ = torch.ops.epmoe.routed_mlp(
         x_RH, weights_RK, pairs.slot_P, pairs.pair_RK, pairs.counts_e, host_counts, up, down, up_bias, down_bias,
-        trans_weight, experts_key, differentiable)
+        trans_weight, experts_key, differentiable, pairs.padded)
     return out_RH
 
 

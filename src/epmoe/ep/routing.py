@@ -47,6 +47,7 @@ class RowPairs:
     pair_RK: torch.Tensor  # (R, K) int64: the pair of each (row, k); P where it has none
     counts_e: torch.Tensor  # (e,) int64: pairs per local expert, on the device
     host_counts_e: list[int] | None = None  # the same on the host, where the counts exchange read them
+    padded: bool = False  # P = R*K: the pairs past sum(counts_e) are padding (see pair_rows)
 
     @property
     def counts(self) -> list[int] | torch.Tensor:
@@ -55,19 +56,29 @@ class RowPairs:
 
 
 def pair_rows(local_expert_RK: torch.Tensor, num_local: int, num_pairs: int | None = None,
-              host_counts_e: list[int] | None = None) -> RowPairs:
+              host_counts_e: list[int] | None = None, *, padded: bool = False) -> RowPairs:
     """The pairs of rows whose ``K`` choices go to ``local_expert_RK`` (``num_local`` where the
     expert is not local). ``num_pairs``: how many are local (from the counts exchange; ``None``: all
     ``R * K``, a single rank's case, so nothing is read to the host, and a choice outside
-    ``[0, num_local)`` raises in the histogram instead of counting as another rank's)."""
+    ``[0, num_local)`` raises in the histogram instead of counting as another rank's).
+
+    ``padded`` (the static transport's: how many are local is known on the device only): every
+    ``(row, k)`` is a pair, ``P = R * K``, the local ones first (expert-major, as above), then the
+    others, *padding*, which the grouped matmuls leave out (past the counts' sum) and whose
+    ``pair_RK`` is ``P`` (no pair), so they contribute nothing forward or backward::
+
+        slot_P  [ j0 pairs | j1 pairs | ... | padding: choices of other ranks' experts, empty rows ]
+                 <------- sum(counts_e) ------->"""
     R, K = local_expert_RK.shape
     key_S = local_expert_RK.reshape(-1)
-    P = key_S.numel() if num_pairs is None else num_pairs
+    P = key_S.numel() if num_pairs is None or padded else num_pairs
     slot_P = torch.sort(key_S, stable=True).indices[:P]
     pair_S = torch.full_like(key_S, P).index_copy_(0, slot_P, torch.arange(P, device=key_S.device))
-    counts = torch.zeros(num_local + (num_pairs is not None), dtype=torch.int64, device=key_S.device)
+    counts = torch.zeros(num_local + (num_pairs is not None or padded), dtype=torch.int64, device=key_S.device)
     counts.scatter_add_(0, key_S.long(), torch.ones_like(key_S, dtype=torch.int64))
-    return RowPairs(slot_P, pair_S.view(R, K), counts[:num_local], host_counts_e)
+    if padded:
+        pair_S = pair_S.masked_fill(key_S >= num_local, P)
+    return RowPairs(slot_P, pair_S.view(R, K), counts[:num_local], host_counts_e, padded)
 
 
 def keep_first(pairs: RowPairs, capacity: int, host_counts_e: list[int]) -> tuple[RowPairs, list[int]]:
@@ -101,8 +112,9 @@ def destinations_TW(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size
 class TokenRows:
     """The sender's rows: one per (token, destination rank), rank-major then token, on the device."""
 
-    token_R: torch.Tensor  # (R,) int64: each row's token
+    token_R: torch.Tensor  # (R,) int64: each row's token (T: a padding row, where padded)
     row_TD: torch.Tensor  # (T, D) int64: each token's rows in rank order (D = min(K, W)); R where none
+    padded: bool = False  # the rows are W blocks of B, each block's rows then zero rows (static_token_rows)
 
 
 def token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int, num_rows: int) -> TokenRows:
@@ -118,38 +130,72 @@ def token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int
     return TokenRows(order_R % T, row_TD)
 
 
+def static_token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int, block: int
+                      ) -> tuple[TokenRows, torch.Tensor]:
+    """``(rows, rows_W)``: the static transport's rows, ``W`` blocks of ``block`` (``B >= T``) rows,
+    block ``w`` the tokens with an expert on rank ``w`` in token order, then padding rows (token
+    ``T``: zero rows); ``rows_W`` (``(W,)`` int64): the real rows of each block. Built on the device
+    (a cumulative sum and a scatter), nothing read to the host::
+
+        T = 3, B = 4, t0 -> ranks 0, 1; t1 -> rank 1; t2 -> rank 0
+        token_R [t0 t2 -  - | t0 t1 -  - ]    row_TD  t0: [0 4]  t1: [5 8]  t2: [1 8]   (8 = R: none)"""
+    T, K = top_k_index_TK.shape
+    W, B = ep_size, block
+    dest_TW = destinations_TW(top_k_index_TK, experts_per_rank, W)
+    start_W = torch.arange(W, device=dest_TW.device) * B
+    row_TW = torch.where(dest_TW.bool(), start_W + dest_TW.cumsum(0) - 1, W * B)  # W*B: no row
+    token_R = torch.full((W * B + 1,), T, dtype=torch.int64, device=dest_TW.device)
+    token_TW = torch.arange(T, device=dest_TW.device).view(T, 1).expand(T, W)
+    token_R = token_R.scatter(0, row_TW.reshape(-1), token_TW.reshape(-1))[:W * B]
+    row_TD = torch.sort(row_TW, dim=1).values[:, :min(K, W)]
+    return TokenRows(token_R, row_TD, padded=True), dest_TW.sum(0)
+
+
 class _GatherRows(torch.autograd.Function):
-    """``gather_rows(x_TH, rows)``: ``(R, H)``, each token's hidden state once per destination rank;
-    backward: each token's rows' gradients summed in rank order."""
+    """``gather_rows(x_TH, rows)``: ``(R, H)``, each token's hidden state once per destination rank
+    (zero rows for padding); backward: each token's rows' gradients summed in rank order."""
 
     @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
-        ctx.save_for_backward(rows.row_TD)
-        return x_TH[rows.token_R]
+    def forward(ctx, x_TH: torch.Tensor, token_R: torch.Tensor, row_TD: torch.Tensor, padded: bool) -> torch.Tensor:
+        ctx.save_for_backward(row_TD)
+        return _with_zero_row(x_TH, padded)[token_R]
 
     @staticmethod
     def backward(ctx, dx_RH):
         (row_TD,) = ctx.saved_tensors
-        return _sum_by_token(dx_RH, row_TD), None
+        return _sum_by_token(dx_RH, row_TD), None, None, None
 
 
 class _SumRows(torch.autograd.Function):
     """``sum_rows(y_RH, rows)``: ``(T, H)``, the rows each token got back, summed in rank order;
-    backward: the token's gradient to each of its rows."""
+    backward: the token's gradient to each of its rows (zero to padding rows)."""
 
     @staticmethod
-    def forward(ctx, y_RH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
-        ctx.save_for_backward(rows.token_R)
-        return _sum_by_token(y_RH, rows.row_TD)
+    def forward(ctx, y_RH: torch.Tensor, token_R: torch.Tensor, row_TD: torch.Tensor, padded: bool) -> torch.Tensor:
+        ctx.save_for_backward(token_R)
+        ctx.padded = padded
+        return _sum_by_token(y_RH, row_TD)
 
     @staticmethod
     def backward(ctx, dout_TH):
         (token_R,) = ctx.saved_tensors
-        return dout_TH[token_R], None
+        return _with_zero_row(dout_TH, ctx.padded)[token_R], None, None, None
 
 
-gather_rows = _GatherRows.apply  # (x_TH, rows: TokenRows) -> (R, H), differentiable
-sum_rows = _SumRows.apply  # (y_RH, rows: TokenRows) -> (T, H), differentiable
+def gather_rows(x_TH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+    """``(R, H)``: ``x_TH``'s rows as ``rows`` sends them (differentiable; see :class:`TokenRows`)."""
+    return _GatherRows.apply(x_TH, rows.token_R, rows.row_TD, rows.padded)
+
+
+def sum_rows(y_RH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
+    """``(T, H)``: the rows ``y_RH`` (in ``rows``' order) each token got back, summed in rank order
+    (differentiable)."""
+    return _SumRows.apply(y_RH, rows.token_R, rows.row_TD, rows.padded)
+
+
+def _with_zero_row(x_TH: torch.Tensor, padded: bool) -> torch.Tensor:
+    """``x_TH`` with a zero row appended where ``padded`` (padding rows read it: index ``T``)."""
+    return torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])]) if padded else x_TH
 
 
 def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:

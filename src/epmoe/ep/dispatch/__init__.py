@@ -14,11 +14,15 @@ layer state's ``transport``::
   experts, all-to-all-v around ``epmoe::routed_mlp``; a group of one moves nothing.
 * :mod:`~epmoe.ep.dispatch.fused` (``"fused"``): the vendor ops' per-slot layout, the MLP split
   across ``alltoallv_gmm`` / ``gmm_alltoallv``, a block's shared expert in their gaps.
+* :mod:`~epmoe.ep.dispatch.static` (``"static"``): fixed-size buffers of ``B >= T`` rows per rank
+  pair, padded: no counts exchange and no host read, traced whole by ``torch.compile``.
 
 ``"auto"`` is resolved when EP is applied (:func:`epmoe.compose.apply.apply_expert_parallel`): to
 ``"alltoallv"`` on every device, which sends each token once per rank holding its experts, where the
 fused ops' per-slot layout sends it once per expert; on CPU ``benchmarks/fused_cpu.md`` also measured
-no gain from the fused ops' rounds (not measured on an accelerator).
+no gain from the fused ops' rounds (not measured on an accelerator). It never takes ``"static"``:
+a sync-free static exchange must know the largest batch (``static_tokens``) or re-agree with step
+checks on, which only the user can choose (``benchmarks/static_cpu.md``).
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.dispatch.alltoallv import AllToAllVDispatcher
 from epmoe.ep.dispatch.base import Dispatcher, SharedExpert
 from epmoe.ep.dispatch.fused import FusedDispatcher
+from epmoe.ep.dispatch.static import StaticDispatcher
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {cls.name: cls for cls in (AllToAllVDispatcher, FusedDispatcher)}
+DISPATCHERS: dict[str, type[Dispatcher]] = {
+    cls.name: cls for cls in (AllToAllVDispatcher, FusedDispatcher, StaticDispatcher)}
 
 
 def make_dispatcher(name: str, experts: nn.Module, config: ExpertParallelConfig) -> Dispatcher:

@@ -1,0 +1,246 @@
+"""Part ``static`` of ``epmoe bench layer``: the static exchange against the dynamic all-to-all-v.
+
+Two gloo ranks on CPU, each with its own batch of a small Qwen3-MoE (both EP 2, ``check_steps``
+off on both: no step-header exchange in either)::
+
+    dynamic   dispatch="alltoallv": counts exchange (one host read per layer), then the rows, their
+              expert ids and weights, and the combine by all-to-all-v of exactly the rows routed
+    static    dispatch="static": fixed buffers of B rows per rank pair (B agreed at the first
+              forward), no counts exchange and no host read (epmoe.ep.dispatch.static)
+
+A *decode step* is one forward of ``batch`` new tokens per rank (``use_cache=False``, no gradient:
+the MoE layers' work of a decode step at that batch; the static buffer agreed on that batch,
+``B = batch``), and one MoE layer alone on random routing of that batch, timed side by side, interleaved round by
+round, the slowest rank's time per round. The counts per step (host reads: every ``Tensor.item /
+tolist / cpu ...`` call in the step; collectives: every all-to-all of epmoe, the header exchanges
+included) are divided by the model's MoE layers; a *training step* (forward and backward of the
+same model on ``2 x 8`` tokens) is counted too.
+
+The cost table: one experts module at EP 2 and 4, top-k 8 and 2, uniform random routing of ``T``
+tokens per rank, forward and backward: the rows a rank's receive buffers hold (static: ``W x B``,
+``B = T``) against the rows it receives (dynamic: one per token and rank holding one of its
+experts), the bytes handed to other ranks (:func:`epmoe.comm.count_traffic`, padding included), and
+the step's time (side by side, the slowest rank's; one thread per rank, the EP 4 ranks sharing the
+machine's cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+import epmoe
+from epmoe.bench import common
+from epmoe.comm import count_traffic
+from epmoe.comm.steps import StepChannel
+from epmoe.launch import run_ranks
+from epmoe.models import build_model
+
+MODES = {"dynamic": {"dispatch": "alltoallv", "check_steps": False},
+         "static": {"dispatch": "static", "check_steps": False}}
+DECODE_BATCHES = (1, 8)
+RANKS = 2
+GOAL = 0.7  # static / dynamic decode step at batch 1 <=
+HOST_READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+COST_CASES = ((2, 8), (2, 2), (4, 8), (4, 2))  # (EP size, top-k)
+DECODE_HEADERS = ("batch per rank", "mode", "step ms", "spread", "static / dynamic", "one MoE layer ms",
+                  "static / dynamic (layer)",
+                  "host reads per layer (step / layers)", "collectives per layer")
+TRAIN_HEADERS = ("mode", "host reads per layer (fwd+bwd, step / layers)", "collectives per layer (fwd+bwd)")
+COST_HEADERS = ("EP", "top-k", "T per rank", "rows received (dynamic)", "receive buffer rows (static, W x B)",
+                "bytes to peers, dynamic", "bytes to peers, static", "static / dynamic bytes",
+                "step ms, dynamic", "step ms, static", "static / dynamic time")
+
+
+@dataclass(frozen=True)
+class Plan:
+    hidden: int
+    intermediate: int
+    cost_tokens: int
+    cost_experts: int
+
+
+PLAN = Plan(hidden=256, intermediate=256, cost_tokens=512, cost_experts=32)
+QUICK_PLAN = Plan(hidden=64, intermediate=64, cost_tokens=16, cost_experts=8)
+
+
+def describe(quick: bool) -> str:
+    plan = QUICK_PLAN if quick else PLAN
+    return (f"- decode and training steps: Qwen3-MoE, 2 layers, H={plan.hidden}, I={plan.intermediate}, E=8, K=2, fp32\n"
+            f"- cost: one experts module, H={plan.hidden}, I={plan.intermediate}, E={plan.cost_experts}, "
+            f"T={plan.cost_tokens} per rank, fp32")
+
+
+@contextmanager
+def counting():
+    """``{"reads": n, "headers": n}`` counted inside the block: calls that hand a tensor's values to
+    Python, and epmoe's step-header exchanges (the counts exchange among them)."""
+    counts = {"reads": 0, "headers": 0}
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    exchange = StepChannel.exchange
+
+    def counted(original):
+        def read(self, *args, **kwargs):
+            counts["reads"] += 1
+            return original(self, *args, **kwargs)
+        return read
+
+    def header(self, *args, **kwargs):
+        counts["headers"] += 1
+        return exchange(self, *args, **kwargs)
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(original))
+    StepChannel.exchange = header
+    try:
+        yield counts
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+        StepChannel.exchange = exchange
+
+
+def _model(plan: Plan, **overrides) -> torch.nn.Module:
+    return build_model("qwen3_moe", hidden_size=plan.hidden, moe_intermediate_size=plan.intermediate, **overrides)
+
+
+def _decode_rank(rank: int, world: int, plan: Plan, warmup: int, repeats: int, seed: int) -> dict:
+    """One rank: the decode steps of both modes timed side by side, and the counts per step."""
+    torch.manual_seed(seed)
+    base = _model(plan).eval()
+    layers = base.config.num_hidden_layers
+    generator = torch.Generator().manual_seed(seed + 100 + rank)
+    out: dict = {"decode": {}, "train": {}}
+    for batch in DECODE_BATCHES:
+        models = {}  # fresh per batch: the static buffer is agreed at the first forward, B = the batch
+        for mode, config in MODES.items():
+            models[mode] = copy.deepcopy(base)
+            epmoe.apply_expert_parallel(models[mode], config=config)
+        ids = torch.randint(0, base.config.vocab_size, (batch, 1), generator=generator)
+
+        def step(model=None, ids=ids):
+            with torch.no_grad():
+                model(ids, use_cache=False)
+
+        steps = {mode: (lambda m=models[mode]: step(m)) for mode in MODES}
+        index = torch.rand(batch, base.config.num_experts, generator=generator).argsort(dim=1)[:, :2]
+        x, weights = torch.randn(batch, plan.hidden, generator=generator), torch.rand(batch, 2, generator=generator)
+        for mode, model in models.items():  # one MoE layer alone, on random routing of the same batch
+            steps[mode, "layer"] = functools.partial(_layer_call, model.model.layers[0].mlp.experts, x, index, weights)
+        for fn in steps.values():  # the static buffer's agreement happens here, before any count
+            fn()
+        timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
+        for mode in MODES:
+            with counting() as counts, count_traffic() as traffic:
+                steps[mode]()
+            out["decode"][batch, mode] = (timings[mode], counts["reads"] / layers,
+                                          (counts["headers"] + traffic.exchanges) / layers)
+            out["decode"][batch, mode, "layer"] = timings[mode, "layer"]
+    ids = torch.randint(0, base.config.vocab_size, (2, 8), generator=generator)
+    for mode, config in MODES.items():
+        model = copy.deepcopy(base).train()
+        epmoe.apply_expert_parallel(model, config=config)
+        model(ids, labels=ids).loss.backward()  # agreement, first-call logging
+        with counting() as counts, count_traffic() as traffic:
+            model(ids, labels=ids).loss.backward()
+        out["train"][mode] = (counts["reads"] / layers, (counts["headers"] + traffic.exchanges) / layers)
+    return out
+
+
+def _layer_call(experts: torch.nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
+    with torch.no_grad():
+        experts(x, index, weights)
+
+
+def _train_call(experts: torch.nn.Module, x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> None:
+    experts.zero_grad(set_to_none=True)
+    experts(x.requires_grad_(), index, weights.requires_grad_()).sum().backward()
+
+
+def _cost_rank(rank: int, world: int, plan: Plan, top_k: int, warmup: int, repeats: int, seed: int) -> dict:
+    """One rank: one experts module's forward + backward on uniform random routing in both modes:
+    the rows received, the static buffer's rows, the bytes to peers, and the step's time."""
+    torch.manual_seed(seed)
+    base = _model(plan, num_experts=plan.cost_experts, top_k=top_k, num_hidden_layers=1)
+    T, E = plan.cost_tokens, plan.cost_experts
+    generator = torch.Generator().manual_seed(seed + 200 + rank)
+    index = torch.rand(T, E, generator=generator).argsort(dim=1)[:, :top_k]
+    weights = torch.softmax(torch.randn(T, top_k, generator=generator), dim=-1)
+    hidden = torch.randn(T, plan.hidden, generator=generator)
+    out, steps = {}, {}
+    for mode, config in MODES.items():
+        model = copy.deepcopy(base)
+        epmoe.apply_expert_parallel(model, config={**config, **({"static_tokens": T} if mode == "static" else {})})
+        steps[mode] = functools.partial(_train_call, model.model.layers[0].mlp.experts, hidden, index, weights)
+        with count_traffic() as traffic:
+            steps[mode]()
+        out[mode] = traffic.bytes_to_peers
+    timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
+    out["ms"] = {mode: timing.median_s * 1e3 for mode, timing in timings.items()}
+    per_rank = E // world
+    every = [None] * world
+    torch.distributed.all_gather_object(every, index.tolist())
+    out["rows_received"] = sum(1 for theirs in every for t in theirs if any(e // per_rank == rank for e in t))
+    out["buffer_rows"] = world * T
+    return out
+
+
+@dataclass
+class StaticReport:
+    decode: dict  # (batch, mode) -> (Timing, host reads per layer, collectives per layer), slowest rank's timing
+    train: dict  # mode -> (host reads per layer, collectives per layer)
+    cost: list  # rows of COST_HEADERS
+    threads: int
+    load: float | None  # the machine's load average after the timed runs
+
+    def ratio(self, batch: int) -> float:
+        return self.decode[batch, "static"][0].median_s / self.decode[batch, "dynamic"][0].median_s
+
+    def layer_ratio(self, batch: int) -> float:
+        return self.decode[batch, "static", "layer"].median_s / self.decode[batch, "dynamic", "layer"].median_s
+
+    def markdown(self) -> str:
+        rows = []
+        for batch in DECODE_BATCHES:
+            for mode in MODES:
+                timing, reads, collectives = self.decode[batch, mode]
+                layer = self.decode[batch, mode, "layer"]
+                static = mode == "static"
+                rows.append((batch, mode, f"{timing.median_s * 1e3:.3f}", f"{timing.spread:.0%}",
+                             f"{self.ratio(batch):.2f}" if static else "", f"{layer.median_s * 1e3:.3f}",
+                             f"{self.layer_ratio(batch):.2f}" if static else "", f"{reads:g}", f"{collectives:g}"))
+        train = [(mode, f"{reads:g}", f"{collectives:g}") for mode, (reads, collectives) in self.train.items()]
+        goal = self.ratio(1)
+        verdict = "met" if goal <= GOAL else "NOT met"
+        return (f"### Part static: decode steps at EP {RANKS} ({self.threads} threads per rank)\n\n"
+                f"{common.markdown_table(DECODE_HEADERS, rows)}\n\n"
+                f"Goal: static at most {GOAL}x dynamic at batch 1 (the whole decode step): {goal:.2f}x, {verdict} "
+                f"(one MoE layer alone: {self.layer_ratio(1):.2f}x). Load average during the run: "
+                f"{'unknown' if self.load is None else f'{self.load:.1f}'} (spread: (max - min) / median of the rounds).\n\n"
+                f"Training step (forward + backward, 2 x 8 tokens per rank):\n\n"
+                f"{common.markdown_table(TRAIN_HEADERS, train)}\n\n"
+                f"### Part static: cost of the fixed buffers (forward + backward of one layer, static_tokens = T)\n\n"
+                f"{common.markdown_table(COST_HEADERS, self.cost)}")
+
+
+def run_static(settings: common.Settings) -> StaticReport:
+    """Both tables of the part (see the module docstring)."""
+    plan = QUICK_PLAN if settings.quick else PLAN
+    threads = max(1, settings.threads // RANKS)
+    results = run_ranks(_decode_rank, RANKS, plan, settings.warmup, settings.repeats, settings.seed,
+                        threads_per_rank=threads, timeout=1800)
+    decode = dict(results[0]["decode"])
+    load = common.load_average()
+    cost = []
+    for world, top_k in COST_CASES:
+        found = run_ranks(_cost_rank, world, plan, top_k, settings.warmup, settings.repeats, settings.seed,
+                          threads_per_rank=1, timeout=900)
+        mine, ms = found[0], found[0]["ms"]
+        cost.append((world, top_k, plan.cost_tokens, mine["rows_received"], mine["buffer_rows"],
+                     mine["dynamic"], mine["static"], f"{mine['static'] / mine['dynamic']:.2f}",
+                     f"{ms['dynamic']:.1f}", f"{ms['static']:.1f}", f"{ms['static'] / ms['dynamic']:.2f}"))
+    return StaticReport(decode, results[0]["train"], cost, threads, load)
