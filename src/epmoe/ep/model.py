@@ -31,14 +31,19 @@ whose expert parameters are the copies of the original's: ``nn.Parameter`` copie
 from __future__ import annotations
 
 import copy
-import functools
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.weak import WeakIdKeyDictionary
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch built without FSDP2: no such wrapper to look for
+    FSDPModule = ()
 
 from epmoe.comm.steps import Position, StepChannel
 from epmoe.ep.config import ExpertParallelConfig
@@ -134,13 +139,25 @@ class EPModel:
 
     # ---- the forward
 
-    @torch.compiler.disable(reason="looks at what runs the model (DDP, FSDP2, DeepSpeed) once per forward")
+    def wrapped_now(self) -> bool:
+        """Whether a data-parallel wrapper may run this forward: one was seen before, a
+        ``DistributedDataParallel`` forward is active, or ``fully_shard`` sits on a path to the experts.
+        Attribute reads and ``isinstance`` only, so ``torch.compile`` traces it without a break."""
+        return (self.policy.wrapper is not None or DistributedDataParallel._get_active_ddp_module() is not None
+                or any(isinstance(m, FSDPModule) for path in self.paths for m in path))
+
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
-        """The root's forward pre-hook: see which data-parallel wrapper runs this forward."""
-        if not torch.is_grad_enabled():
-            return
+        """The root's forward pre-hook: see which data-parallel wrapper runs this forward. While
+        ``torch.compile`` traces a model no wrapper can be running (:meth:`wrapped_now`), there is
+        nothing to see, and nothing breaks the graph (``fullgraph=True``)."""
+        if torch.is_grad_enabled() and not (torch.compiler.is_compiling() and not self.wrapped_now()):
+            self._look_at_wrappers()
+
+    @torch.compiler.disable(reason="looks at what runs the model (DDP, FSDP2, DeepSpeed) once per forward")
+    def _look_at_wrappers(self) -> None:
+        """Which data-parallel wrapper runs this forward (see the module docstring)."""
         policy = self.policy
-        ddp = torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()
+        ddp = DistributedDataParallel._get_active_ddp_module()
         if ddp is not None:
             if ddp not in self._checked_ddp:
                 reduced = {id(p) for p in getattr(ddp, "_module_parameters", ())}
@@ -152,9 +169,7 @@ class EPModel:
                     )
                 self._checked_ddp.add(ddp)
             policy.set_wrapper("DistributedDataParallel")
-        fsdp_type = _fsdp_module_type()
-        self._fsdp = tuple(fsdp_type is not None and any(isinstance(m, fsdp_type) for m in path)
-                           for path in self.paths)
+        self._fsdp = tuple(any(isinstance(m, FSDPModule) for m in path) for path in self.paths)
         if any(self._fsdp):
             policy.set_wrapper("FSDP2 fully_shard")
         self._deepspeed = any(getattr(hook, "__qualname__", "").startswith("DeepSpeedEngine.")
@@ -248,12 +263,3 @@ def _leaves(tensor: torch.Tensor) -> list[nn.Parameter]:
             found.append(variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
-
-
-@functools.cache
-def _fsdp_module_type():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch built without distributed FSDP2
-        return None
-    return FSDPModule

@@ -65,12 +65,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:  # torch built without FSDP2: no such wrapper to look for
-    FSDPModule = ()
 
 from epmoe.comm.static import static_exchange, static_exchange_with
 from epmoe.comm.steps import FORWARD, HEADER, MAGIC, OutOfStepError, Position, StepChannel, checks_on, dtype_code, \
@@ -120,14 +114,13 @@ def _link(state: ExpertParallelState, device: torch.device) -> _Link:
     gradients epmoe leaves as they are (summed by the exchanges' backward): nothing to hook then
     (:func:`epmoe.apply_expert_parallel` marked the expert parameters), and the policy's Python (a
     walk of the autograd graph, a log line) would break the graph."""
-    sync, compiling = state.sync, torch.compiler.is_compiling()
-    guarded = state.layer == 0 and sync is not None and sync.guarded and not compiling
+    model, compiling = state.model, torch.compiler.is_compiling()
+    policy = model.policy
+    guarded = state.layer == 0 and model.guarded and not compiling
     hook = state.sync_weights
-    if (compiling and sync is not None and not sync.finishes and not sync.guarded and sync.wrapper is None
-            and DistributedDataParallel._get_active_ddp_module() is None
-            and not any(isinstance(module, FSDPModule) for module in state.ancestors)):
+    if compiling and not policy.finishes and not model.guarded and not model.wrapped_now(state.layer):
         hook = None
-    return _Link(state.channel, sync.guard.payload(sync.root, device) if guarded else None, hook)
+    return _Link(model.channel, model.guard_payload(device) if guarded else None, hook)
 
 
 class StaticDispatcher(Dispatcher):
@@ -157,7 +150,7 @@ class StaticDispatcher(Dispatcher):
         """Without step checks (``check_steps`` off, or ``"auto"`` on an accelerator) the call reads
         nothing to the host: ``torch.compile`` traces it whole."""
         device = next(state.local_experts.parameters()).device
-        return not checks_on(state.config.check_steps, device)
+        return not checks_on(state.model.config.check_steps, device)
 
     def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
                  top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None
@@ -175,7 +168,7 @@ class StaticDispatcher(Dispatcher):
         position = state.position(FORWARD)
         T, K = top_k_index_TK.shape
         e, W = shard.num_local_experts, link.channel.size
-        read = checks_on(state.config.check_steps, hidden_TH.device) or link.guard is not None
+        read = checks_on(state.model.config.check_steps, hidden_TH.device) or link.guard is not None
         # the weights ride beside the rows in the wider dtype of the two: both arrive exact, with autograd
         carried = torch.promote_types(hidden_TH.dtype, top_k_weights_TK.dtype)
         H = hidden_TH.shape[1]
