@@ -140,10 +140,11 @@ class EPModel:
     # ---- the forward
 
     def wrapped_now(self) -> bool:
-        """Whether a data-parallel wrapper may run this forward: one was seen before, a
-        ``DistributedDataParallel`` forward is active, or ``fully_shard`` sits on a path to the experts.
-        Attribute reads and ``isinstance`` only, so ``torch.compile`` traces it without a break."""
-        return (self.policy.wrapper is not None or DistributedDataParallel._get_active_ddp_module() is not None
+        """Whether a data-parallel wrapper may run this forward: a ``DistributedDataParallel`` forward
+        is active, or ``fully_shard`` sits on a path to the experts. Attribute reads and ``isinstance``
+        only (nothing the look itself changes), so ``torch.compile`` traces it without a break or a
+        recompile."""
+        return (DistributedDataParallel._get_active_ddp_module() is not None
                 or any(isinstance(m, FSDPModule) for path in self.paths for m in path))
 
     def _before_forward(self, module: nn.Module, args: tuple) -> None:

@@ -118,7 +118,7 @@ def _link(state: ExpertParallelState, device: torch.device) -> _Link:
     policy = model.policy
     guarded = state.layer == 0 and model.guarded and not compiling
     hook = state.sync_weights
-    if compiling and not policy.finishes and not model.guarded and not model.wrapped_now(state.layer):
+    if compiling and not policy.finishes and not model.guarded and not model.wrapped_now():
         hook = None
     return _Link(model.channel, model.guard_payload(device) if guarded else None, hook)
 
