@@ -201,7 +201,7 @@ class EPModel:
                 "epmoe: fully_shard is sharding expert parameters, which differ on every EP rank: pass "
                 "ignored_params=set(epmoe.expert_parameters(model)) to every fully_shard call"
             )
-        unmarked = [p for p in leaves if p not in self._experts]
+        unmarked = [p for p in leaves if getattr(p, _MARK, None) is not self]
         if unmarked:  # the first forward's leaves (or new ones: a PEFT wrapper, a substitute)
             self.mark(unmarked)
 
