@@ -3,10 +3,12 @@
     python benchmarks/data_path.py [--json]
 
 Builds the small Qwen3-MoE (``epmoe.models.build_model("qwen3_moe")``), makes it expert-parallel over
-2 gloo ranks (``epmoe.launch.run_ranks``), runs one warm-up forward + backward, then one more under
-``sys.setprofile``, and records every distinct function of the ``epmoe`` package called in it
-(comprehensions and lambdas aside: they are parts of the function that holds them). Prints how many
-functions and files, then each function with its length in lines (``!`` marks one over
+2 gloo ranks (``epmoe.launch.run_ranks``), runs two forward + backward steps under ``sys.setprofile``,
+and records every distinct function of the ``epmoe`` package called in each (comprehensions and
+lambdas aside: they are parts of the function that holds them). The second, steady step is the data
+path every step runs; the first step also runs what is decided once (the grouped-matmul backend's
+judgement, first-use logs, the expert parameters' marks). Prints how many functions and files each
+step runs, then each function of the steady step with its length in lines (``!`` marks one over
 :data:`MAX_FUNCTION_LINES`). ``--json`` prints the same as one JSON object (the test reads it).
 """
 
@@ -38,15 +40,9 @@ def _lines(code) -> int:
         return 0
 
 
-def _step_functions(rank: int, world: int) -> list[tuple[str, str, int, int]]:
+def _profiled_step(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str, str, int, int]]:
     """``(file, qualified name, first line, length)`` of every epmoe function one forward + backward
-    of the EP model on this rank calls (after one warm-up step)."""
-    torch.manual_seed(0)
-    model = build_model("qwen3_moe")
-    epmoe.apply_expert_parallel(model)
-    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
-    model(ids, labels=ids).loss.backward()  # warm-up: backends chosen, caches filled
-    model.zero_grad(set_to_none=True)
+    of ``model`` on ``ids`` calls."""
     seen = {}
 
     def profile(frame, event, arg):
@@ -60,19 +56,33 @@ def _step_functions(rank: int, world: int) -> list[tuple[str, str, int, int]]:
         model(ids, labels=ids).loss.backward()
     finally:
         sys.setprofile(None)
+    model.zero_grad(set_to_none=True)
     return sorted((str(Path(file).relative_to(PACKAGE_DIR)), code.co_qualname, line, _lines(code))
                   for (file, line), code in seen.items())
 
 
+def _step_functions(rank: int, world: int) -> tuple[list, list]:
+    """:func:`_profiled_step` of the EP model's first step and of its second (steady) step on this rank."""
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe")
+    epmoe.apply_expert_parallel(model)
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
+    first = _profiled_step(model, ids)  # backends judged, first uses logged, expert parameters marked
+    return first, _profiled_step(model, ids)
+
+
 def measure() -> dict:
     """The union over the ranks of :func:`_step_functions`: ``{"functions": [...], "files": [...],
-    "over": [...]}``, each function as ``[file, name, first line, lines]``."""
+    "over": [...], "first_step": {"functions": n, "files": n}}``, each function of the steady step as
+    ``[file, name, first line, lines]``; ``over`` counts the first step's too."""
     per_rank = run_ranks(_step_functions, EP_SIZE, timeout=600)
-    functions = sorted({tuple(f) for rank in per_rank for f in rank})
+    first = sorted({tuple(f) for rank_first, _ in per_rank for f in rank_first})
+    functions = sorted({tuple(f) for _, rank_steady in per_rank for f in rank_steady})
     return {
         "functions": [list(f) for f in functions],
         "files": sorted({f[0] for f in functions}),
-        "over": [list(f) for f in functions if f[3] > MAX_FUNCTION_LINES],
+        "over": [list(f) for f in sorted(set(first) | set(functions)) if f[3] > MAX_FUNCTION_LINES],
+        "first_step": {"functions": len(first), "files": len({f[0] for f in first})},
     }
 
 
@@ -84,10 +94,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(result))
         return
-    functions, files = result["functions"], result["files"]
-    print(f"{len(functions)} functions in {len(files)} files "
-          f"({len(result['over'])} over {MAX_FUNCTION_LINES} lines); one forward + backward, "
-          f"qwen3_moe at EP {EP_SIZE}")
+    functions, files, first = result["functions"], result["files"], result["first_step"]
+    print(f"qwen3_moe at EP {EP_SIZE}, one forward + backward: steady step {len(functions)} functions in "
+          f"{len(files)} files, first step {first['functions']} in {first['files']} "
+          f"({len(result['over'])} over {MAX_FUNCTION_LINES} lines)")
     for file in files:
         print(f"\n{file}")
         for _, name, line, length in (f for f in functions if f[0] == file):

@@ -1,7 +1,8 @@
 """``benchmarks/data_path.py``: the functions of epmoe one forward + backward of the small Qwen3-MoE at
-EP 2 passes through. The measure runs, sees the layer's path, and the path stays within the bound it
-was brought to (103 functions in 18 files before the dispatcher took one shape), none of its
-functions longer than 60 lines."""
+EP 2 passes through, at the steady (second) step; the first step, which also runs what is decided
+once, is reported beside it. The measure runs, sees the layer's path, and the path stays within the
+bound it was brought to (103 functions in 18 files before the dispatcher took one shape, 93 in 19
+before the per-call decisions moved off it), none of its functions longer than 60 lines."""
 
 import json
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_FUNCTIONS = 93  # the whole path
+MAX_FUNCTIONS = 80  # the whole path (the steady step)
 MAX_DISPATCH_FUNCTIONS = 18  # of which the layer, its dispatcher and the routing indices
 DISPATCH_FILES = ("ep/layer.py", "ep/routing.py", "ep/dispatch/")
 
@@ -32,6 +33,7 @@ def test_data_path_stays_within_its_bound():
                  ("ep/dispatch/alltoallv.py", "AllToAllVDispatcher.combine"), ("ep/mlp.py", "_routed_mlp_backward_op")]:
         assert step in names, f"the measure missed {step}: it no longer sees the forward and backward"
     assert result["files"] == sorted({file for file, _, _, _ in functions})
+    assert result["first_step"]["functions"] >= len(functions), result["first_step"]
     assert len(functions) <= MAX_FUNCTIONS, "\n".join(f"{file} {name}" for file, name, _, _ in functions)
     dispatch = [f"{file} {name}" for file, name, _, _ in functions if file.startswith(DISPATCH_FILES)]
     assert len(dispatch) <= MAX_DISPATCH_FUNCTIONS, "\n".join(dispatch)

@@ -49,7 +49,8 @@ def exchange_counts(
         raise
     if ep_size == 1:
         both = tokens_per_expert.to(torch.int64).tolist()
-        _check_non_negative(both, [int(min(both) < 0)])
+        if min(both) < 0:
+            raise _negative_counts(both, [1])
         return both, list(both)
     device, length = tokens_per_expert.device, tokens_per_expert.numel()
     lengths, invalid = StepChannel(group, 1, what="exchange_counts").exchange(
@@ -105,7 +106,8 @@ def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expe
     received, sent = [row[:len(row) - k] for row in received], [row[:len(row) - k] for row in sent]
     send_counts = [c for row in sent for c in row[:-2]]
     recv_counts = [c for row in received for c in row[:-2]]
-    _check_non_negative(send_counts, flags)
+    if any(flags):
+        raise _negative_counts(send_counts, flags)
     dtypes = [row[-1] for row in received]
     if len(set(dtypes)) > 1:
         raise ValueError(
@@ -136,9 +138,8 @@ def _validate(tokens_per_expert, ep_size: int) -> None:
         )
 
 
-def _check_non_negative(send_counts: list[int], negative_by_rank: list[int]) -> None:
-    """Raise, on every rank alike, if any rank's histogram had a negative count."""
+def _negative_counts(send_counts: list[int], negative_by_rank: list[int]) -> ValueError:
+    """The error every rank raises alike when some rank's histogram had a negative count."""
     bad = [rank for rank, flag in enumerate(negative_by_rank) if flag]
-    if bad:
-        mine = f"; this rank's: {errors.negatives(send_counts)}" if min(send_counts) < 0 else ""
-        raise ValueError(f"exchange_counts(tokens_per_expert): negative counts on rank(s) {bad}{mine}")
+    mine = f"; this rank's: {errors.negatives(send_counts)}" if min(send_counts) < 0 else ""
+    return ValueError(f"exchange_counts(tokens_per_expert): negative counts on rank(s) {bad}{mine}")

@@ -124,6 +124,7 @@ class LocalExperts:
         self.default_gate = self.packed and is_default_silu_gate(module)
         self.trans_weight = not module.is_transposed if self.packed else True  # nn.Linear layout: "transposed"
         self._triples = None if self.packed else linear_triples(module)
+        self._weight_names = packed_weight_names(module) if self.packed else None
         self._children = self._layers()
         self.gmm = BackendChoice(backend, self._gmm_family)  # the grouped matmuls' backend, chosen once
         self.key = register_experts(self)  # how epmoe::routed_mlp finds this object's gate and backend
@@ -205,7 +206,7 @@ class LocalExperts:
         """The experts' gate on the up projection's output ``h``: packed experts' ``_apply_gate`` or
         ``act_fn`` (``npu_swiglu`` on an NPU for transformers' default gate), Linear triples'
         ``act_fn(gate) * up``."""
-        if self.packed and self.default_gate and platform.device_type(h) == "npu":
+        if self.default_gate and platform.device_type(h) == "npu":
             return platform.torch_npu().npu_swiglu(h, dim=-1)
         return self.gate_reference(h)
 
@@ -268,7 +269,7 @@ class LocalExperts:
         if not self.packed:
             up, down = sync_weights(self._stacked_triples())
             return up, down, None, None
-        up, down, *biases = sync_weights([getattr(self.module, name) for name in packed_weight_names(self.module)])
+        up, down, *biases = sync_weights([getattr(self.module, name) for name in self._weight_names])
         up_bias, down_bias = biases if biases else (None, None)
         return up, down, up_bias, down_bias
 

@@ -103,13 +103,9 @@ class ExpertGradPolicy:
 
     @property
     def finishes(self) -> bool:
-        """Whether epmoe itself has anything to do to the gradients after the exchange."""
-        return self.active and self.reducer is None and (self.dp_size > 1 or self.scale != 1.0)
-
-    @property
-    def active(self) -> bool:
-        """Whether the experts' gradients need anything after the exchange (sharded experts only)."""
-        return self.ep_size > 1
+        """Whether epmoe itself has anything to do to the gradients after the exchange (sharded
+        experts only): a reduction over ``"dp"``, or the division of ``"mean"`` (:attr:`scale`)."""
+        return self.ep_size > 1 and self.reducer is None and (self.dp_size > 1 or self.resolved == "mean")
 
     def set_wrapper(self, wrapper: str) -> None:
         """Record a data-parallel wrapper (DDP, FSDP2, Trainer): ``"auto"`` means ``"mean"`` from now on."""
@@ -122,7 +118,7 @@ class ExpertGradPolicy:
                     f"never be reduced; pass a ('dp', 'ep') DeviceMesh covering every rank to apply_expert_parallel"
                 )
             self.wrapper = wrapper
-        self.log()
+            self.log()
 
     def hand_over(self, reducer: str) -> None:
         """``reducer`` (a wrapper's engine, e.g. DeepSpeed's) all-reduces the expert gradients over the

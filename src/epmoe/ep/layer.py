@@ -53,7 +53,11 @@ def routed_experts(
         )
     if shared is not None and not transport.carries_shared:
         raise ValueError(f"{shard.module_name}: the {transport.name!r} transport leaves a shared expert to the block")
-    state.refuse_meta(hidden_TH)
+    if hidden_TH.device.type == "meta":
+        raise ValueError(
+            f"{shard.module_name}: the hidden states are on the meta device: an EP model cannot run before its "
+            f"weights exist (load them with epmoe.from_pretrained, or to_empty() then load a state dict)"
+        )
     if transport.traced_whole(state):
         return _route(transport, state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
     return _route_eagerly(transport, state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)

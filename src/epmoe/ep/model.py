@@ -71,6 +71,7 @@ class EPModel:
         self.channel, self.dp_channel = channel, dp_channel
         self.paths = list(paths)
         self.policy = ExpertGradPolicy(config.expert_grad, ep_size, dp_channel, dp_size, config.check_steps)
+        self.sharded = ep_size > 1  # whether the experts are sharded over more than one rank
         self._fresh()
         if self.sharded:
             root.register_forward_pre_hook(self._before_forward)
@@ -104,11 +105,6 @@ class EPModel:
         return copied  # the root's copied pre-hook is bound to the copy
 
     @property
-    def sharded(self) -> bool:
-        """Whether the experts are sharded over more than one rank."""
-        return self.policy.active
-
-    @property
     def ep_size(self) -> int:
         return self.policy.ep_size
 
@@ -122,7 +118,7 @@ class EPModel:
         """Whether :attr:`guard` checks: sharded experts, used by a forward with gradients, under a
         data-parallel wrapper whose expert gradients epmoe finishes (DeepSpeed clips them itself)."""
         policy = self.policy
-        return policy.active and policy.wrapper is not None and self.started and policy.reducer is None
+        return self.sharded and policy.wrapper is not None and self.started and policy.reducer is None
 
     # ---- expert parameters
 
@@ -175,7 +171,8 @@ class EPModel:
             policy.set_wrapper("FSDP2 fully_shard")
         self._deepspeed = any(getattr(hook, "__qualname__", "").startswith("DeepSpeedEngine.")
                               for path in self.paths for m in path for hook in m._forward_pre_hooks.values())
-        policy.log()
+        if not self.started:  # the first forward with gradients states the policy (set_wrapper states changes)
+            policy.log()
 
     def use_weights(self, layer: int, weights: Sequence[torch.Tensor], position: Callable[[], Position], *,
                     per_parameter: bool = False) -> list[torch.Tensor]:
@@ -220,7 +217,9 @@ class EPModel:
                 "epmoe: fully_shard is sharding expert parameters, which differ on every EP rank: pass "
                 "ignored_params=set(epmoe.expert_parameters(model)) to every fully_shard call"
             )
-        self.mark(leaves)
+        unmarked = [p for p in leaves if getattr(p, _MARK, None) is not self]
+        if unmarked:  # the first forward's leaves (or new ones: a PEFT wrapper, a substitute)
+            self.mark(unmarked)
 
     # ---- the step guard
 

@@ -89,14 +89,6 @@ class ExpertParallelState:
         """Where this layer is for ``phase``: its latest forward call."""
         return Position(self.layer, phase, self.calls)
 
-    def refuse_meta(self, hidden_TH: torch.Tensor) -> None:
-        """Raise on hidden states on the meta device."""
-        if hidden_TH.device.type == "meta":
-            raise ValueError(
-                f"{self.shard.module_name}: the hidden states are on the meta device: an EP model cannot run before "
-                f"its weights exist (load them with epmoe.from_pretrained, or to_empty() then load a state dict)"
-            )
-
     def backward_header(self, y_rank_major: torch.Tensor) -> torch.Tensor:
         """``y_rank_major`` (the output of the layer's combine), its backward checked to start at this
         layer's position, where ``config.check_steps`` asks for it."""

@@ -167,20 +167,27 @@ def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto", 
         if status is None or not status.eligible:
             reason = "no status given for it" if status is None else status.reason
             raise ValueError(f"grouped_mm(backend={name!r}): backend declines: {reason}")
-        _log_first_use(registered[name])
-        return registered[name]
-    declined = []
-    for status in statuses:
-        if status.eligible:
-            chosen = registered[status.name]
-            if chosen.by_counts and (counts is None or chosen.counts_reason(counts, x, backward=backward) is not None):
+        chosen = registered[name]
+    else:
+        chosen, declined = None, []
+        for status in statuses:
+            if not status.eligible:
+                declined.append((status.name, status.reason))
+                continue
+            candidate = registered[status.name]
+            if candidate.by_counts and (
+                    counts is None or candidate.counts_reason(counts, x, backward=backward) is not None):
                 continue  # it would run, but not faster here
-            if declined and not chosen.accelerated:
-                _warn_fallback(chosen, declined)
-            _log_first_use(chosen)
-            return chosen
-        declined.append((status.name, status.reason))
-    raise RuntimeError(f"grouped_mm: every backend declined: {declined}")  # loop never declines
+            chosen = candidate
+            break
+        if chosen is None:
+            raise RuntimeError(f"grouped_mm: every backend declined: {declined}")  # loop never declines
+        if declined and not chosen.accelerated:
+            _warn_fallback(chosen, declined)
+    if chosen.accelerated:
+        errors.log_once(logger, logging.INFO, ("gmm info", chosen.name), "epmoe grouped_mm: using the %r backend",
+                        chosen.name)
+    return chosen
 
 
 def _judge(calls: list[tuple[str | None, object, object, object]], caller: str, only: str | None = None
@@ -230,12 +237,9 @@ class Operands:
 
     @classmethod
     def of(cls, x: torch.Tensor, weight: torch.Tensor, trans_weight: bool) -> Operands:
-        return cls(x.device, x.dtype, weight.dtype, trans_weight, x.shape[-1], x.stride(), _aligned(x),
-                   tuple(weight.shape), weight.stride(), _aligned(weight))
-
-
-def _aligned(t: torch.Tensor) -> bool:
-    return t.device.type == "meta" or t.data_ptr() % 16 == 0
+        x_aligned, weight_aligned = (t.device.type == "meta" or t.data_ptr() % 16 == 0 for t in (x, weight))
+        return cls(x.device, x.dtype, weight.dtype, trans_weight, x.shape[-1], x.stride(), x_aligned,
+                   tuple(weight.shape), weight.stride(), weight_aligned)
 
 
 Call = tuple[torch.Tensor, torch.Tensor, bool]  # one grouped matmul's (x, weight, trans_weight)
@@ -316,12 +320,6 @@ def _both(first: list[BackendStatus], second: list[BackendStatus]) -> list[Backe
 def choice_of(key: int) -> BackendChoice:
     """The live :class:`BackendChoice` with :attr:`~BackendChoice.key` ``key``."""
     return _CHOICES[key]
-
-
-def _log_first_use(backend: GmmBackend) -> None:
-    if backend.accelerated:
-        errors.log_once(logger, logging.INFO, ("gmm info", backend.name), "epmoe grouped_mm: using the %r backend",
-                        backend.name)
 
 
 def _warn_fallback(backend: GmmBackend, declined: list[tuple[str, str]]) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from epmoe import platform
-from epmoe.gmm.backend import GmmBackend, prefix
+from epmoe.gmm.backend import GmmBackend
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -27,9 +27,8 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _kernel():
-    fn = getattr(torch.nn.functional, "grouped_mm", None)
-    return fn if fn is not None else getattr(torch, "_grouped_mm", None)
+# the grouped-matmul kernel of this torch build (public, or the private one of older builds), or None
+_KERNEL = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
 def _misaligned(name: str, t: torch.Tensor, *, check_pointer: bool) -> str | None:
@@ -62,7 +61,7 @@ class TorchBackend(GmmBackend):
     device_counts = True
 
     def ineligible_reason(self, x, weight, *, trans_weight=False):
-        if _kernel() is None:
+        if _KERNEL is None:
             return f"torch {torch.__version__} has no grouped_mm kernel"
         if x.dtype not in _DTYPES:
             return f"dtype {x.dtype} is not one of bf16/fp16/fp32"
@@ -92,20 +91,19 @@ class TorchBackend(GmmBackend):
     @staticmethod
     def _offsets(counts: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
         """The kernel's int32 cumulative end offsets (computed where the counts are)."""
-        if isinstance(counts, torch.Tensor):
-            return counts.cumsum(0).to(torch.int32)
-        return platform.host_to_device(torch.tensor(prefix(counts)[1:], dtype=torch.int32), device)
+        offsets = torch.as_tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+        return platform.host_to_device(offsets, device)
 
     def forward(self, x_TD, weight, counts, trans_weight):
         w_GDN = weight.transpose(1, 2) if trans_weight else weight
-        return _kernel()(x_TD, w_GDN, offs=self._offsets(counts, x_TD.device))
+        return _KERNEL(x_TD, w_GDN, offs=self._offsets(counts, x_TD.device))
 
     def grad_weight(self, x_TD, dy_TN, counts, trans_weight):
         offs = self._offsets(counts, x_TD.device)
         if trans_weight:
-            dw = _kernel()(dy_TN.t(), x_TD, offs=offs)  # (G, N, D)
+            dw = _KERNEL(dy_TN.t(), x_TD, offs=offs)  # (G, N, D)
         else:
-            dw = _kernel()(x_TD.t(), dy_TN, offs=offs)  # (G, D, N)
+            dw = _KERNEL(x_TD.t(), dy_TN, offs=offs)  # (G, D, N)
         # the kernel leaves empty groups zero on most builds, not all (pytorch#172439); on CPU each
         # group is one at::mm_out, which writes zeros for an empty contraction (checked on 2.13 with
         # recycled NaN-filled memory)
