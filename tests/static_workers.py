@@ -211,10 +211,19 @@ def compiled_static(rank, world, static_tokens=24):
 def wrapped_static_vs_dynamic(rank, world, wrap):
     """Dynamic vs static under a data-parallel setup, float64, bitwise: ``"ddp"`` (EP over every
     rank, DistributedDataParallel around it: expert gradients averaged), ``"mesh"`` (a ("dp", "ep")
-    = (world/2, 2) mesh, DDP over every rank: the "dp" reduction of the expert gradients), two steps
-    each. ``{"differences": ..., "compared": n}``."""
+    = (world/2, 2) mesh, DDP over every rank: the "dp" reduction of the expert gradients), ``"fsdp2"``
+    (``fully_shard`` per decoder layer and on the root, the experts ignored; gradient shards compared
+    whole), two steps each. ``{"differences": ..., "compared": n}``."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def fsdp2(model):
+        experts, mesh = set(epmoe.expert_parameters(model)), init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh, ignored_params=experts)
+        return fully_shard(model, mesh=mesh, ignored_params=experts)
 
     torch.manual_seed(0)
     base = build_model("qwen3_moe", dtype=torch.float64)
@@ -223,10 +232,11 @@ def wrapped_static_vs_dynamic(rank, world, wrap):
     for dispatch in ("alltoallv", "static"):
         model = copy.deepcopy(base)
         epmoe.apply_expert_parallel(model, group, config={"dispatch": dispatch})
-        model = DDP(model)
+        model = fsdp2(model) if wrap == "fsdp2" else DDP(model)
         for step in range(2):
             ids = batch_of(rank, [5 + step, 9, 7, 4])
-            found[dispatch, step] = _step(model, ids)
+            found[dispatch, step] = {name: t.full_tensor() if isinstance(t, DTensor) else t
+                                     for name, t in _step(model, ids).items()}
     pairs = {f"{name}/{step}": (found["static", step][name], found["alltoallv", step][name])
              for step in range(2) for name in found["alltoallv", step]}
     return {"differences": _differences(pairs), "compared": len(pairs)}

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_FUNCTIONS = 84  # the whole path (the steady step)
-MAX_DISPATCH_FUNCTIONS = 18  # of which the layer, its dispatcher and the routing indices
+MAX_FUNCTIONS = 85  # the whole path (the steady step)
+MAX_DISPATCH_FUNCTIONS = 20  # of which the layer, its dispatcher and the routing indices
 DISPATCH_FILES = ("ep/layer.py", "ep/routing.py", "ep/dispatch/")
 
 

@@ -41,6 +41,7 @@ def cases_of(world):
     if world == 4:
         cases["mesh"] = (wrapped_static_vs_dynamic, ("mesh",))
     if world == 2:
+        cases["fsdp2"] = (wrapped_static_vs_dynamic, ("fsdp2",))
         for family in FAMILIES:
             cases[f"model/{family}/float64"] = (model_static_vs_dynamic, (family, "float64", [9, 5]))
         for family in ("deepseek_v3", "gpt_oss"):
@@ -95,10 +96,10 @@ def test_static_equals_dynamic_bitwise_scenarios(label):
 
 @pytest.mark.multirank
 @batched
-@pytest.mark.parametrize("world,label", [(2, "ddp"), (4, "ddp"), (4, "mesh")])
+@pytest.mark.parametrize("world,label", [(2, "ddp"), (2, "fsdp2"), (4, "ddp"), (4, "mesh")])
 def test_static_equals_dynamic_bitwise_data_parallel(world, label):
-    """Under DistributedDataParallel, and on a ("dp", "ep") mesh (the expert gradients reduced over
-    "dp"): two training steps, every output and gradient bitwise."""
+    """Under DistributedDataParallel and FSDP2, and on a ("dp", "ep") mesh (the expert gradients
+    reduced over "dp"): two training steps, every output and gradient bitwise."""
     for result in results_of(world, label):
         assert result["compared"] > 20 and result["differences"] == {}, result
 

@@ -199,8 +199,7 @@ class StepChannel:
             else:
                 work = dist.all_to_all_single(received.view(-1), rows.view(-1), group=self.group, async_op=True)
                 work.wait(datetime.timedelta(seconds=self.wait_s))
-            if device.type != "cpu":  # on an accelerator the collective may run on its own stream (HCCL)
-                platform.synchronize(device)
+            platform.synchronize(device)  # the collective may run on its own stream (HCCL)
         except RuntimeError as exc:
             raise self.failed(position, exc) from exc
         got = torch.cat([received, rows]).tolist() if echo else received.tolist()

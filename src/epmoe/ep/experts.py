@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from epmoe import errors, platform
-from epmoe.ep.mlp import expert_mlp, register_experts, routed_mlp, routed_mlp_autograd
+from epmoe.ep.mlp import expert_mlp, register_experts, routed_mlp_autograd, routed_mlp_custom_op
 from epmoe.ep.recognize import is_default_silu_gate, is_silu, linear_triples, num_experts_of
 from epmoe.ep.routing import RowPairs
 from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
@@ -251,14 +251,16 @@ class LocalExperts:
     def routed_mlp(self, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs, *,
                    sync_weights: WeightsHook | None = None) -> torch.Tensor:
         """``(R, H)``: rows ``x_RH`` through the local experts their ``pairs`` name, weighted by
-        ``weights_RK`` and summed per row (:mod:`epmoe.ep.mlp`)."""
+        ``weights_RK`` and summed per row (:mod:`epmoe.ep.mlp`): through the ``epmoe::routed_mlp``
+        custom op (:func:`~epmoe.ep.mlp.routed_mlp_custom_op`), or, for experts that are not
+        :attr:`lean`, through plain autograd (:func:`~epmoe.ep.mlp.routed_mlp_autograd`)."""
         sync_weights = sync_weights or _as_is
         if not self.lean:
             return routed_mlp_autograd(
                 lambda x_PH, counts: self.forward(x_PH, counts, sync_weights=sync_weights), x_RH, weights_RK, pairs)
         up, down, up_bias, down_bias = self.weights(sync_weights)
-        return routed_mlp(self.key, x_RH, weights_RK, pairs, up, down, up_bias, down_bias,
-                          trans_weight=self.trans_weight)
+        return routed_mlp_custom_op(self.key, x_RH, weights_RK, pairs, up, down, up_bias, down_bias,
+                                    trans_weight=self.trans_weight)
 
     def weights(self, sync_weights: WeightsHook | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -264,9 +264,9 @@ def _backward(ctx, dout_RH, _dh):
 _routed_mlp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def routed_mlp(experts_key: int, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs, up: torch.Tensor,
-               down: torch.Tensor, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, *,
-               trans_weight: bool) -> torch.Tensor:
+def routed_mlp_custom_op(experts_key: int, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs,
+                         up: torch.Tensor, down: torch.Tensor, up_bias: torch.Tensor | None,
+                         down_bias: torch.Tensor | None, *, trans_weight: bool) -> torch.Tensor:
     """``(R, H)``: the rows' routed MLP through ``epmoe::routed_mlp`` (see the module docstring);
     ``experts_key``: from :func:`register_experts` (the op asks that experts module for its gate and
     its grouped-matmul backend)."""
@@ -281,7 +281,7 @@ def routed_mlp(experts_key: int, x_RH: torch.Tensor, weights_RK: torch.Tensor, p
 
 def routed_mlp_autograd(experts_forward, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs
                         ) -> torch.Tensor:
-    """``(R, H)``: the same as :func:`routed_mlp` through plain autograd, for experts run by
+    """``(R, H)``: the same as :func:`routed_mlp_custom_op` through plain autograd, for experts run by
     ``experts_forward(x_PH, counts)`` (which keeps what autograd keeps)."""
     K = weights_RK.shape[1]
     y_PH = experts_forward(x_RH[pairs.slot_P // K], pairs.counts)
