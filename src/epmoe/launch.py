@@ -85,6 +85,35 @@ def _died(rank: int, exitcode: int) -> str:
     return f"rank {rank} died with exit code {exitcode} without reporting an error"
 
 
+def _start_ranks(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float,
+                 threads: int) -> tuple[list, Any]:
+    """``(processes, results queue)``: ``world_size`` spawned ranks running :func:`_worker` on a free port."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, timeout, threads, results, args),
+                         daemon=True) for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    return procs, results
+
+
+def _note_deaths(procs: list, reported: set[int], deaths: dict[int, int], exited_quietly: dict[int, float],
+                 now: float) -> bool:
+    """Add to ``deaths`` (rank -> exit code) the ranks that exited without reporting: a non-zero exit
+    code at once, exit code 0 once what it sent last had time to arrive (``exited_quietly``: rank ->
+    when it was first seen exited). Whether any rank was added."""
+    added = False
+    for r, proc in enumerate(procs):
+        if r in reported or r in deaths or proc.exitcode is None:
+            continue
+        quiet_since = exited_quietly.setdefault(r, now)
+        if proc.exitcode != 0 or now - quiet_since > EXIT_GRACE_S:
+            deaths[r] = proc.exitcode
+            added = True
+    return added
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -105,19 +134,7 @@ def run_ranks(
     if timeout <= 0:
         raise ValueError(f"run_ranks(timeout): expected a positive number of seconds, got {timeout!r}")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(
-            target=_worker,
-            args=(fn, rank, world_size, port, backend, timeout, threads, results, args),
-            daemon=True,
-        )
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
+    procs, results = _start_ranks(fn, world_size, args, backend, timeout, threads)
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}  # rank -> traceback, in the order they arrived
     deaths: dict[int, int] = {}  # rank -> exit code, for ranks that exited without reporting
@@ -137,14 +154,8 @@ def run_ranks(
             try:
                 rank, ok, value = results.get(timeout=0.2 if trouble_since is not None else min(deadline - now, 1.0))
             except queue.Empty:
-                for r, proc in enumerate(procs):
-                    if r in outputs or r in failures or r in deaths or proc.exitcode is None:
-                        continue
-                    # exit code 0 without a result: dead too, once what it sent last had time to arrive
-                    quiet_since = exited_quietly.setdefault(r, now)
-                    if proc.exitcode != 0 or now - quiet_since > EXIT_GRACE_S:
-                        deaths[r] = proc.exitcode
-                        trouble_since = trouble_since or time.monotonic()
+                if _note_deaths(procs, {*outputs, *failures}, deaths, exited_quietly, now):
+                    trouble_since = trouble_since or time.monotonic()
                 continue
             if ok:
                 outputs[rank] = value

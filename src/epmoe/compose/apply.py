@@ -132,14 +132,9 @@ def apply_expert_parallel(
     found = find_experts_modules(model)
     if not found:
         raise ValueError(f"apply_expert_parallel(model): no experts module found in {type(model).__name__}")
-    done = [state_of(owner) for _, _, owner in found]
-    if all(state is not None for state in done):
-        sizes = {state.shard.ep_size for state in done}
-        if sizes != {ep_size}:
-            raise ValueError(f"apply_expert_parallel(model): already expert-parallel over {sizes.pop()} ranks, not {ep_size}")
-        return [state.shard for state in done]
-    if any(state is not None for state in done):
-        raise ValueError("apply_expert_parallel(model): the model is partly expert-parallel already")
+    applied = _shards_applied_before(found, ep_size)
+    if applied is not None:
+        return applied
 
     # Validate everything before changing anything (no half-sharded model after an error), then let
     # the EP ranks compare notes, so that an error or a mismatch raises on every rank instead of
@@ -155,8 +150,42 @@ def apply_expert_parallel(
     ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, shards)
     ep_model = EPModel(model, config, group, ep_size, ep_channel, dp_channel, dp_size,
                        [_ancestors(modules, name) for name, _, _ in found])
+    _swap_forwards(modules, found, checked, ep_model, config)
+    if ep_model.sharded:
+        _attach_to_model(model)
+    if checked.declined_fused:
+        name, reason = next(iter(checked.declined_fused.items()))
+        logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",
+                       len(checked.declined_fused), name, reason)
+    logger.info(
+        "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
+        len(found), ep_size, backend.name if backend else "chosen at the first forward (meta weights)",
+        config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
+    )
+    return shards
+
+
+def _shards_applied_before(found: list, ep_size: int) -> list[ExpertShard] | None:
+    """The shards of an earlier ``apply_expert_parallel`` over ``ep_size`` ranks on these experts
+    modules, or ``None`` where none was applied; ``ValueError`` for another size or a partial one."""
+    done = [state_of(owner) for _, _, owner in found]
+    if all(state is not None for state in done):
+        sizes = {state.shard.ep_size for state in done}
+        if sizes != {ep_size}:
+            raise ValueError(f"apply_expert_parallel(model): already expert-parallel over {sizes.pop()} ranks, "
+                             f"not {ep_size}")
+        return [state.shard for state in done]
+    if any(state is not None for state in done):
+        raise ValueError("apply_expert_parallel(model): the model is partly expert-parallel already")
+    return None
+
+
+def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked, ep_model: EPModel,
+                   config: ExpertParallelConfig) -> None:
+    """Shard each experts module, keep its record (its dispatcher built here, once) and swap the
+    forwards that run it: the packed module's, a ``ModuleList``'s block's, a fused shared-expert block's."""
     for layer, ((name, module, owner), shard, transport, returns_logits) in enumerate(zip(
-        found, shards, checked.transport, checked.returns_logits
+        found, checked.shards, checked.transport, checked.returns_logits
     )):
         dispatcher = make_dispatcher(transport, module, config)
         if isinstance(module, nn.ModuleList):
@@ -176,27 +205,20 @@ def apply_expert_parallel(
                     install_settle_hook(block, name.rsplit(".", 1)[1])
             if transport == "fused" and block is not None and is_shared_expert_block(block, module):
                 block.forward = types.MethodType(shared_block_forward, block)
-    if ep_model.sharded:
-        expert_parameters(model)  # marks them
-        mark_full_shapes(model)  # peft's LoRA factors start as the unsharded model's (epmoe.ep.lora)
-        # what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets, named when DDP reads it
-        model._ddp_params_and_buffers_to_ignore = ExpertParameterNames(model)
-        if SyncedGenerate.applies_to(model):
-            model.generate = SyncedGenerate(model)
-        if callable(getattr(type(model), "gather_sharded_state_dict_for_save", None)):  # a transformers model
-            model.gather_sharded_state_dict_for_save = GatherExperts(model)
-            model.save_pretrained = SavePretrained(model)
-            model.num_parameters = NumParameters(model)
-    if checked.declined_fused:
-        name, reason = next(iter(checked.declined_fused.items()))
-        logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",
-                       len(checked.declined_fused), name, reason)
-    logger.info(
-        "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
-        len(found), ep_size, backend.name if backend else "chosen at the first forward (meta weights)",
-        config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
-    )
-    return shards
+
+
+def _attach_to_model(model: nn.Module) -> None:
+    """What a model with sharded experts gets as instance attributes (see the module docstring)."""
+    expert_parameters(model)  # marks them
+    mark_full_shapes(model)  # peft's LoRA factors start as the unsharded model's (epmoe.ep.lora)
+    # what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets, named when DDP reads it
+    model._ddp_params_and_buffers_to_ignore = ExpertParameterNames(model)
+    if SyncedGenerate.applies_to(model):
+        model.generate = SyncedGenerate(model)
+    if callable(getattr(type(model), "gather_sharded_state_dict_for_save", None)):  # a transformers model
+        model.gather_sharded_state_dict_for_save = GatherExperts(model)
+        model.save_pretrained = SavePretrained(model)
+        model.num_parameters = NumParameters(model)
 
 
 def _step_channels(group, ep_size: int, dp_group, dp_size: int, config: ExpertParallelConfig,

@@ -49,7 +49,7 @@ from torch import nn
 
 from epmoe.ep.lora import clear_full_shapes
 from epmoe.ep.params import expert_parameters
-from epmoe.ep.state import ep_states, require_ep_states
+from epmoe.ep.state import ep_model, require_ep_states
 
 MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
 REDUCER = "DeepSpeed"
@@ -187,6 +187,32 @@ def _calling_engine() -> Any:
     return None
 
 
+def _check_and_hand_over(root: nn.Module, name: str) -> None:
+    """Check that DeepSpeed's expert groups named ``name`` are those of ``root``'s EP model, and hand
+    the expert gradients' reduction to DeepSpeed (its engine reduces and averages them)."""
+    from deepspeed.utils import groups
+
+    model = ep_model(root)
+    policy = model.policy
+    ours_ep = dist.get_process_group_ranks(model.group if model.group is not None else dist.group.WORLD)
+    ours_dp = (dist.get_process_group_ranks(policy.dp_channel.group) if policy.dp_channel is not None
+               else [dist.get_rank()])
+    theirs_ep = dist.get_process_group_ranks(groups._get_expert_parallel_group(name))
+    theirs_dp = dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name))
+    if sorted(ours_ep) != sorted(theirs_ep) or sorted(ours_dp) != sorted(theirs_dp):
+        raise ValueError(
+            f"prepare_deepspeed: DeepSpeed's expert groups (EP {theirs_ep}, expert data parallel "
+            f"{theirs_dp}) are not epmoe's (EP {ours_ep}, 'dp' replicas {ours_dp}) on rank "
+            f"{dist.get_rank()}: build the EP group as DeepSpeed lays it out (consecutive ranks, the "
+            f"('dp', 'ep') DeviceMesh of init_device_mesh, or the default group)"
+        )
+    world = dist.get_world_size()
+    if world != policy.data_parallel_size:
+        raise ValueError(f"prepare_deepspeed: DeepSpeed runs over {world} ranks but the experts are "
+                         f"sharded over {policy.ep_size} and replicated over {policy.dp_size}")
+    policy.hand_over(REDUCER)
+
+
 @functools.cache
 def _groups_class() -> type:
     """:class:`DeepSpeedExpertGroups`, built on first use (deepspeed is an optional dependency)."""
@@ -227,27 +253,7 @@ def _groups_class() -> type:
             name = self.expert_group_name
             if name not in groups._get_expert_parallel_group_dict():
                 groups._create_expert_and_data_parallel(self.ep_size)
-            ep_models = {id(s.model): s.model for _, _, s in ep_states(self._root) if s.model.sharded}
-            for ep_model in ep_models.values():
-                sync = ep_model.policy
-                ours_ep = dist.get_process_group_ranks(ep_model.group if ep_model.group is not None
-                                                       else dist.group.WORLD)
-                ours_dp = (dist.get_process_group_ranks(sync.dp_channel.group) if sync.dp_channel is not None
-                           else [dist.get_rank()])
-                theirs_ep = dist.get_process_group_ranks(groups._get_expert_parallel_group(name))
-                theirs_dp = dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name))
-                if sorted(ours_ep) != sorted(theirs_ep) or sorted(ours_dp) != sorted(theirs_dp):
-                    raise ValueError(
-                        f"prepare_deepspeed: DeepSpeed's expert groups (EP {theirs_ep}, expert data parallel "
-                        f"{theirs_dp}) are not epmoe's (EP {ours_ep}, 'dp' replicas {ours_dp}) on rank "
-                        f"{dist.get_rank()}: build the EP group as DeepSpeed lays it out (consecutive ranks, the "
-                        f"('dp', 'ep') DeviceMesh of init_device_mesh, or the default group)"
-                    )
-                world = dist.get_world_size()
-                if world != sync.data_parallel_size:
-                    raise ValueError(f"prepare_deepspeed: DeepSpeed runs over {world} ranks but the experts are "
-                                     f"sharded over {sync.ep_size} and replicated over {sync.dp_size}")
-                sync.hand_over(REDUCER)
+            _check_and_hand_over(self._root, name)
 
         def forward(self, *args: Any, **kwargs: Any) -> Any:
             raise RuntimeError("DeepSpeedExpertGroups holds no computation: it only configures DeepSpeed")
