@@ -204,18 +204,10 @@ class StepChannel:
             raise self.failed(position, exc) from exc
         got = torch.cat([received, rows]).tolist() if echo else received.tolist()
         got, sent = got[:W], got[W:]
-        self.check_header_rows(got, position)
-        payloads, flags = [row[HEADER:HEADER + n] for row in got], [row[HEADER - 1] for row in got]
-        return (payloads, flags, [row[HEADER:HEADER + n] for row in sent]) if echo else (payloads, flags)
-
-    def check_header_rows(self, rows: Sequence[Sequence[int]], position: Position,
-                          expected: str = "a step header") -> None:
-        """Raise :class:`OutOfStepError` where a peer's row (one per source rank, as received) is not
-        ``expected`` (no :data:`MAGIC`) or names another position than this rank's ``position``."""
-        for source, row in enumerate(rows):
+        for source, row in enumerate(got):
             if row[0] != MAGIC:
                 raise OutOfStepError(
-                    f"epmoe: {self.what} rank {source} sent something other than {expected} while this rank "
+                    f"epmoe: {self.what} rank {source} sent something other than a step header while this rank "
                     f"({self.what} rank {self.rank}) is at {position.describe(self.layer_names)}: the ranks run "
                     f"different collectives (a rank skipped or added one)"
                 )
@@ -227,6 +219,8 @@ class StepChannel:
                     f"{theirs.describe(self.layer_names)}. Every rank of the group must run the same forwards and "
                     f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)"
                 )
+        payloads, flags = [row[HEADER:HEADER + n] for row in got], [row[HEADER - 1] for row in got]
+        return (payloads, flags, [row[HEADER:HEADER + n] for row in sent]) if echo else (payloads, flags)
 
     def check(self, position: Position, device: torch.device, payload: list[int] = ()) -> None:
         """A header exchange carrying the same ``payload`` to every peer, which must send the same."""

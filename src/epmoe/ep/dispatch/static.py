@@ -246,14 +246,19 @@ class StaticDispatcher(Dispatcher):
         ``T`` of any rank."""
         channel = link.channel
         rows = received_WL[:, :ROUTE_HEAD].tolist()
-        expected = f"a static route header of B={B}"
-        channel.check_header_rows(rows, position, expected)
         for source, row in enumerate(rows):
-            if row[6] != B:
+            if row[0] != MAGIC or row[6] != B:
                 raise OutOfStepError(
-                    f"epmoe: EP rank {source} sent something other than {expected} while this rank (EP rank "
-                    f"{channel.rank}) is at {position.describe(channel.layer_names)}: the ranks run different "
-                    f"collectives (a rank skipped or added one)")
+                    f"epmoe: EP rank {source} sent something other than a static route header of B={B} while this "
+                    f"rank (EP rank {channel.rank}) is at {position.describe(channel.layer_names)}: the ranks run "
+                    f"different collectives (a rank skipped or added one)")
+            theirs = Position(*row[1:HEADER - 1])
+            if theirs != position:
+                raise OutOfStepError(
+                    f"epmoe: EP ranks are out of step: this rank (EP rank {channel.rank}) is at "
+                    f"{position.describe(channel.layer_names)}, EP rank {source} is at "
+                    f"{theirs.describe(channel.layer_names)}. Every rank of the group must run the same forwards and "
+                    f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)")
         dtypes = [row[HEADER] for row in rows]
         if len(set(dtypes)) > 1:
             raise ValueError(
