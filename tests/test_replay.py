@@ -208,3 +208,19 @@ def test_bad_routes_raise_naming_the_problem():
         model(ids[:1])
     with pytest.raises(ValueError, match="one batch"):
         mixed.routes_by_position()
+
+
+def test_a_replayed_forward_reads_nothing_more_from_the_device():
+    from host_reads import counting_host_reads
+
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe", dtype=torch.float32)
+    ids = _ids(model)
+    with epmoe.record_routing(model) as rec:
+        model(ids)
+    with counting_host_reads() as plain:
+        model(ids, labels=ids).loss.backward()
+    with epmoe.replay_routing(model, rec.routes()):
+        with counting_host_reads() as replayed:
+            model(ids, labels=ids).loss.backward()
+    assert replayed == plain
