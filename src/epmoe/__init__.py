@@ -27,7 +27,8 @@ from epmoe.ep.model import EPModel
 from epmoe.ep.params import expert_parameters, is_expert_parameter, parameter_counts
 from epmoe.ep.state import ep_model
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
-from epmoe.training import LoadBalancer, clip_grad_norm_, prepare_accelerator, prepare_deepspeed, prepare_trainer
+from epmoe.training import (LoadBalancer, RoutingRecord, clip_grad_norm_, prepare_accelerator, prepare_deepspeed,
+                            prepare_trainer, record_routing, replay_routing, routes_from_vllm)
 
 __version__ = "0.1.0"
 
@@ -59,7 +60,11 @@ __all__ = [
     "prepare_accelerator",
     "prepare_deepspeed",
     "prepare_trainer",
+    "record_routing",
     "register_gmm_backend",
+    "replay_routing",
     "reset_expert_load",
+    "routes_from_vllm",
+    "RoutingRecord",
     "set_state_dict",
 ]

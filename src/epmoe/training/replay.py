@@ -1,0 +1,360 @@
+"""Routing replay (R3): record which experts each token was routed to, and route a later forward the same way.
+
+RL on an MoE model breaks when the trainer routes a token to other experts than the rollout that
+sampled it. :func:`record_routing` records, per experts module in model order, the ``K`` global
+expert ids its router selected for every token of every forward in the block (a plain forward, or
+``generate``: the prompt, then each KV-cache step); :func:`replay_routing` makes the routers select
+those ids again. Only the selection is replayed: the routing weights are the router's own values at
+the replayed ids, normalised exactly as the model normalises its top-k, so gradients reach the router.
+
+How: the selection of every transformers MoE router (and of epmoe's routing of ``nn.ModuleList``
+blocks) is one ``torch.topk`` over the ``E`` experts with ``k = K``; while the router runs, a
+``TorchFunctionMode`` sees that call (``torch.topk`` or ``Tensor.topk`` on a ``(..., E)`` input
+with ``k = K``) and records its indices, or answers it with the replayed ids and the input's values
+at them. The router runs before the exchange, on this rank's own tokens, so the routes of a token
+are the same at every EP size (and without EP): recorded at EP 2, replayed at EP 1 or 2.
+
+Routes, one ``int64`` tensor:
+
+* ``(L, N, K)``: per experts module (model order), per token in call order then token order (a
+  forward's tokens flattened ``(batch, sequence)``), as :meth:`RoutingRecord.routes` returns them.
+  A replayed forward takes the next tokens' routes, call after call; tokens past the end are routed
+  as usual; routes left over when the block ends raise ``ValueError``.
+* ``(L, B, S, K)``: per experts module, sequence and position, ``-1`` where a position is not
+  covered (routed as usual). Every forward in the block is a whole-sequence forward of ``B``
+  sequences: position ``t < S`` of sequence ``b`` takes ``routes[:, b, t]``; positions past ``S``
+  are routed as usual; a forward shorter than ``S`` raises ``ValueError``.
+  :meth:`RoutingRecord.routes_by_position` (a record of ``generate``: the last generated token was
+  never a forward's input, so it is not covered) and :func:`routes_from_vllm` give this layout.
+
+Ids out of range raise ``ValueError`` before anything runs, and every error of a block is raised on
+every rank of the model's EP group when the block ends (one agreement step), never a hang.
+Replay runs eagerly (not under ``torch.compile``) and costs no host read per step: the replayed
+router's work is one ``gather`` and one ``where`` per experts module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from epmoe import platform
+from epmoe.comm.steps import AGREE
+from epmoe.ep.recognize import find_experts_modules
+from epmoe.ep.state import ep_model
+from epmoe.integrations.blocks import block_router, block_top_k
+
+_TOPK = (torch.topk, torch.Tensor.topk)
+
+
+class _Router:
+    """One experts module's router, where its selection is seen: ``E`` experts, ``K`` per token."""
+
+    def __init__(self, name: str, block: nn.Module, router: nn.Module, num_experts: int, top_k: int):
+        self.name, self.block, self.router = name, block, router
+        self.num_experts, self.top_k = num_experts, top_k
+        self.scope = router if isinstance(getattr(router, "top_k", None), int) else block  # where topk runs
+
+
+def _routers(model: nn.Module, caller: str) -> list[_Router]:
+    """The routers of ``model``'s experts modules, in model order (an EP model's, or found by structure)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller}(model): expected an nn.Module, got {type(model).__name__}")
+    found = ep_model(model)
+    if found is not None and found.holding(model):
+        named = {id(m): n for n, m in model.named_modules()}
+        blocks = [(named.get(id(path[-1]), ""), path[-2] if len(path) > 1 else path[-1]) for path in found.paths]
+    else:
+        modules = dict(model.named_modules())
+        blocks = [(name, modules[name.rsplit(".", 1)[0]] if "." in name else model)
+                  for name, _, _ in find_experts_modules(model)]
+    if not blocks:
+        raise ValueError(f"{caller}(model): {type(model).__name__} has no experts module")
+    return [_router_of(name, block, caller) for name, block in blocks]
+
+
+def _router_of(name: str, block: nn.Module, caller: str) -> _Router:
+    router = block_router(block)
+    weight = getattr(router, "weight", None)
+    num_experts = weight.shape[0] if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    num_experts = getattr(router, "num_experts", None) or getattr(router, "n_routed_experts", None) or num_experts
+    top_k = getattr(router, "top_k", None)
+    top_k = top_k if isinstance(top_k, int) else block_top_k(block)
+    if not isinstance(num_experts, int):
+        raise ValueError(f"{caller}: the router of {name} ({type(router).__name__}) has no expert count "
+                         f"(num_experts, n_routed_experts or an (E, H) weight)")
+    return _Router(name, block, router, num_experts, top_k)
+
+
+class _Selection(TorchFunctionMode):
+    """While one router runs: each ``topk`` over its ``E`` experts with ``k = K`` goes to ``on_select``."""
+
+    def __init__(self, router: _Router, on_select):
+        super().__init__()
+        self.router, self.on_select = router, on_select
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if func in _TOPK and self._is_selection(*args, **kwargs):
+            return self.on_select(args[0], result)
+        return result
+
+    def _is_selection(self, scores, k, dim=-1, largest=True, sorted=True, **_) -> bool:
+        return (isinstance(scores, torch.Tensor) and scores.dim() >= 1 and k == self.router.top_k
+                and scores.shape[-1] == self.router.num_experts and dim in (-1, scores.dim() - 1) and largest)
+
+
+class _Scoped:
+    """Hooks that run ``mode_for(router)`` around each router's forward (and its forward hooks, such as a
+    :class:`~epmoe.LoadBalancer`'s re-selection, registered before)."""
+
+    def __init__(self, routers: Sequence[_Router], mode_for):
+        self.handles, self.active = [], []
+        for router in routers:
+            self.handles.append(router.scope.register_forward_pre_hook(self._enter(mode_for(router))))
+            self.handles.append(router.scope.register_forward_hook(self._exit, always_call=True))
+
+    def _enter(self, mode: _Selection):
+        def hook(_module, _args):
+            mode.__enter__()
+            self.active.append(mode)
+        return hook
+
+    def _exit(self, _module, _args, _output):
+        if self.active:
+            self.active.pop().__exit__(None, None, None)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+class RoutingRecord:
+    """What :func:`record_routing` saw: per experts module, the ids of each forward in call order."""
+
+    def __init__(self, routers: Sequence[_Router]):
+        self.names = [router.name for router in routers]
+        self.top_k = [router.top_k for router in routers]
+        self.calls: list[tuple[int, int]] = []  # (batch, sequence) of each forward of the model, in order
+        self._ids: list[list[torch.Tensor]] = [[] for _ in routers]  # per module, per forward: (T, K)
+
+    def routes(self) -> torch.Tensor:
+        """``(L, N, K)`` int64: per experts module, every recorded token's ``K`` global expert ids (call
+        order, then token order)."""
+        self._check_complete()
+        return torch.stack([torch.cat(ids) for ids in self._ids]) if self._ids[0] else \
+            torch.empty(len(self._ids), 0, self.top_k[0], dtype=torch.int64)
+
+    def routes_by_position(self) -> torch.Tensor:
+        """``(L, B, S, K)`` int64 of a record whose forwards all ran the same ``B`` sequences one after the
+        other (``generate``: the prompt, then one position per step): ``S`` the positions they covered."""
+        self._check_complete()
+        batches = {batch for batch, _ in self.calls}
+        if len(batches) != 1:
+            raise ValueError(f"RoutingRecord.routes_by_position: the recorded forwards ran batches of {sorted(batches)} "
+                             f"sequences, not one batch position after position: use routes()")
+        batch = batches.pop()
+        return torch.stack([torch.cat([ids.view(batch, -1, ids.shape[-1]) for ids in layer], dim=1)
+                            for layer in self._ids])
+
+    def _check_complete(self) -> None:
+        if len({len(ids) for ids in self._ids}) != 1 or len(self._ids[0]) != len(self.calls):
+            raise ValueError("RoutingRecord: some experts modules did not run in every recorded forward (or ran "
+                             "twice); routes need every module once per forward")
+        if len(set(self.top_k)) != 1:
+            raise ValueError(f"RoutingRecord: the experts modules select different numbers of experts "
+                             f"{self.top_k}: one tensor cannot hold them")
+
+
+class record_routing:
+    """``with epmoe.record_routing(model) as rec:`` records the routes of every forward of ``model`` in
+    the block (see the module docstring); ``rec.routes()`` then holds them."""
+
+    def __init__(self, model: nn.Module):
+        self._routers = _routers(model, "record_routing")
+        self._model = model
+        self.record = RoutingRecord(self._routers)
+        self._scoped = self._root_hook = None
+
+    def __enter__(self) -> RoutingRecord:
+        record = self.record
+
+        def on_root(_module, args, kwargs):
+            record.calls.append(_batch_and_length(args, kwargs))
+
+        self._root_hook = self._model.register_forward_pre_hook(on_root, with_kwargs=True)
+        self._scoped = _Scoped(self._routers, lambda router: _Recording(router, record))
+        return record
+
+    def __exit__(self, *exc) -> None:
+        self._root_hook.remove()
+        self._scoped.remove()
+
+
+class _Recording(_Selection):
+    """Records, per router forward, the indices of its last selection (a balancer's re-selection wins)."""
+
+    def __init__(self, router: _Router, record: RoutingRecord):
+        super().__init__(router, self._seen)
+        self.layer = record.names.index(router.name)
+        self.record, self.last = record, None
+
+    def _seen(self, _scores, result):
+        self.last = result.indices.detach().reshape(-1, self.router.top_k).to(torch.int64)
+        return result
+
+    def __exit__(self, *exc):
+        if self.last is not None:
+            self.record._ids[self.layer].append(self.last)
+            self.last = None
+        return super().__exit__(*exc)
+
+
+def _batch_and_length(args: tuple, kwargs: dict[str, Any]) -> tuple[int, int]:
+    """``(B, S)`` of a model forward's ``input_ids`` / ``inputs_embeds`` (``(1, T)``-like shapes otherwise)."""
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2:
+            return int(value.shape[0]), int(value.shape[1])
+    return 1, -1
+
+
+class replay_routing:
+    """``with epmoe.replay_routing(model, routes):`` routes every forward of ``model`` in the block by
+    ``routes`` (a tensor, or a :class:`RoutingRecord`; see the module docstring)."""
+
+    def __init__(self, model: nn.Module, routes: torch.Tensor | RoutingRecord):
+        self._routers = _routers(model, "replay_routing")
+        self._ep = ep_model(model)
+        self._by_record = isinstance(routes, RoutingRecord)
+        if self._by_record:
+            routes = routes.routes_by_position() if len({b for b, _ in routes.calls}) == 1 else routes.routes()
+        error = _routes_error(routes, self._routers)
+        self._agree(error, "were given routes they cannot replay")
+        if error is not None:
+            raise ValueError(f"replay_routing(routes): {error}")
+        weight = next(self._routers[0].router.parameters(), None)
+        self.routes = routes.to(device=None if weight is None else weight.device, dtype=torch.int64)
+        self.used = [0] * len(self._routers)  # flat routes: tokens taken, per experts module
+        self.errors: list[str] = []
+        self._scoped = None
+
+    def __enter__(self) -> replay_routing:
+        self._scoped = _Scoped(self._routers, lambda router: _Selection(router, self._replayer(router)))
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        self._scoped.remove()
+        if exc_type is not None:
+            return
+        if self.routes.dim() == 3:
+            left = [(r.name, self.routes.shape[1] - used) for r, used in zip(self._routers, self.used)
+                    if used < self.routes.shape[1]]
+            if left:
+                self.errors.append(f"routes for {left[0][1]} token(s) of {left[0][0]} were left over: the "
+                                   f"routes cover more tokens than the block's forwards")
+        error = self.errors[0] if self.errors else None
+        self._agree(error, "could not replay their routes")
+        if error is not None:
+            raise ValueError(f"replay_routing: {error}")
+
+    def _agree(self, error: str | None, what_failed: str) -> None:
+        """Raise on every rank of the EP group if any rank found ``error`` (one agreement step)."""
+        channel = self._ep.channel if self._ep is not None else None
+        if channel is not None:
+            channel.agree(channel.next_call(AGREE), platform.group_device(self._ep.group), [],
+                          failed=error is not None, caller="epmoe.replay_routing", what_failed=what_failed)
+
+    def _replayer(self, router: _Router):
+        layer = self._routers.index(router)
+
+        def on_select(scores: torch.Tensor, result):
+            live_TK = result.indices.reshape(-1, router.top_k)
+            routes_TK = self._routes_for(layer, live_TK.shape[0])
+            if routes_TK is None:
+                return result
+            ids_TK = torch.where(routes_TK >= 0, routes_TK, live_TK).view_as(result.indices)
+            return torch.return_types.topk((scores.gather(-1, ids_TK), ids_TK))
+        return on_select
+
+    def _routes_for(self, layer: int, tokens: int) -> torch.Tensor | None:
+        """``(T, K)`` replayed ids (``-1``: routed as usual) for the next forward's ``tokens`` tokens."""
+        routes = self.routes[layer]
+        if routes.dim() == 2:  # (N, K): the next tokens in call order
+            start = self.used[layer]
+            self.used[layer] = start + tokens
+            taken = routes[start:start + tokens]
+            return torch.cat([taken, taken.new_full((tokens - taken.shape[0], routes.shape[-1]), -1)])
+        batch, length, k = routes.shape  # (B, S, K): this forward's B sequences, from position 0
+        if tokens % batch:
+            self.errors.append(f"a forward of {tokens} tokens is not one of {batch} sequences, as the routes are")
+            return None
+        if tokens // batch < length:
+            if not self._by_record:
+                self.errors.append(f"a forward of {tokens // batch} positions is shorter than the routes' {length}")
+                return None
+            routes = routes[:, :tokens // batch]  # a synced generate's steps past this rank's sequences
+        return torch.cat([routes, routes.new_full((batch, tokens // batch - routes.shape[1], k), -1)], 1).view(-1, k)
+
+
+def _routes_error(routes: Any, routers: Sequence[_Router]) -> str | None:
+    """What is wrong with ``routes`` for these routers (one host read), or ``None``."""
+    if not isinstance(routes, torch.Tensor) or routes.dtype.is_floating_point or routes.dtype.is_complex \
+            or routes.dtype == torch.bool:
+        return f"expected an integer tensor or a RoutingRecord, got {type(routes).__name__}"
+    top_k = {router.top_k for router in routers}
+    if routes.dim() not in (3, 4) or routes.shape[0] != len(routers) or len(top_k) != 1 \
+            or routes.shape[-1] != top_k.pop():
+        return (f"expected (L, N, K) or (L, B, S, K) routes with L={len(routers)} experts modules and K = "
+                f"{sorted({r.top_k for r in routers})}, got shape {tuple(routes.shape)}")
+    if routes.numel() == 0:
+        return None
+    routes = routes.cpu()
+    uncovered = routes < 0
+    high = torch.tensor([r.num_experts for r in routers]).view(-1, *[1] * (routes.dim() - 1))
+    sorted_ids = routes.sort(dim=-1).values
+    bad = torch.stack([(routes < -1).any(), (routes >= high).any(),
+                       (uncovered.any(-1) != uncovered.all(-1)).any(),
+                       ((sorted_ids[..., 1:] == sorted_ids[..., :-1]) & (sorted_ids[..., 1:] >= 0)).any()]).tolist()
+    reasons = ["an id below -1", f"an id not below the experts' count {sorted({r.num_experts for r in routers})}",
+               "a token with some of its K ids -1 (not covered) and others not",
+               "a token routed twice to one expert"]
+    return next((f"routes hold {reason}" for reason, b in zip(reasons, bad) if b), None)
+
+
+def routes_from_vllm(routed_experts: Any, *, length: int | None = None, padding_side: str = "right") -> torch.Tensor:
+    """``(L, B, S, K)`` int64 routes (``-1``: not covered) from vLLM's routed experts.
+
+    ``routed_experts``: one sequence's ``(tokens, L, K)`` expert ids (vLLM's per-token layout; for a
+    prompt and its completion, ``np.concatenate([prompt_routed_experts, routed_experts])``), or a list
+    of them, one per sequence of the batch the training forward runs; row ``i`` is position ``i`` of its
+    sequence. ``length``: the positions ``S`` of that forward (default: the longest sequence);
+    ``padding_side="left"`` places each sequence's rows at the end of its positions, as a left-padded
+    batch does.
+    """
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"routes_from_vllm(padding_side): expected 'left' or 'right', got {padding_side!r}")
+    single = isinstance(routed_experts, torch.Tensor) or hasattr(routed_experts, "__array__")
+    sequences = [routed_experts] if single else list(routed_experts)
+    if not sequences:
+        raise ValueError("routes_from_vllm(routed_experts): expected at least one sequence")
+    tensors = [torch.as_tensor(seq).to(torch.int64) for seq in sequences]
+    shapes = {tuple(t.shape[1:]) for t in tensors}
+    if any(t.dim() != 3 for t in tensors) or len(shapes) != 1:
+        raise ValueError(f"routes_from_vllm(routed_experts): expected (tokens, layers, K) ids with the same layers "
+                         f"and K, got shapes {[tuple(t.shape) for t in tensors]}")
+    longest = max(t.shape[0] for t in tensors)
+    length = longest if length is None else length
+    if isinstance(length, bool) or not isinstance(length, int) or length < longest:
+        raise ValueError(f"routes_from_vllm(length): expected an int of at least the longest sequence's "
+                         f"{longest} positions, got {length!r}")
+    layers, top_k = shapes.pop()
+    routes = torch.full((layers, len(tensors), length, top_k), -1, dtype=torch.int64)
+    for b, ids in enumerate(tensors):
+        start = length - ids.shape[0] if padding_side == "left" else 0
+        routes[:, b, start:start + ids.shape[0]] = ids.transpose(0, 1)
+    return routes
