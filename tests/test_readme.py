@@ -30,7 +30,8 @@ def recipes():
 def test_readme_lists_the_training_recipes():
     assert [name for name, _, _ in recipes()] == ["train_ddp", "train_fsdp2", "train_ep_dp", "train_trainer",
                                                   "train_accelerate", "train_deepspeed", "generate", "train_compiled",
-                                                  "save_and_reload", "load_sharded", "resume", "replay"]
+                                                  "save_and_reload", "load_sharded", "resume", "replay",
+                                                  "train_grpo"]
 
 
 @pytest.mark.multirank
@@ -61,5 +62,7 @@ def test_readme_recipes_run(world, tmp_path, monkeypatch):
             assert by_name["load_sharded"] == 4
         if "replay" in by_name:
             assert by_name["replay"][:2] == [2, 2] and by_name["replay"][2] >= 4 + 1 + rank
+        if "train_grpo" in by_name:
+            assert by_name["train_grpo"] == 2
         if "resume" in by_name:
             assert by_name["resume"] == 1.0  # the optimizer resumed after its first step

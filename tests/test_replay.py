@@ -51,6 +51,9 @@ def test_replay_selects_the_recorded_experts_and_keeps_the_routers_weights(famil
     with epmoe.replay_routing(other, routes), epmoe.record_routing(other) as during:
         loss = other(ids, labels=ids).loss
     assert torch.equal(during.routes(), routes)  # a record taken during a replay is the replayed routes
+    with epmoe.record_routing(other) as outer, epmoe.replay_routing(other, routes):
+        other(ids)
+    assert torch.equal(outer.routes(), routes)  # whichever block was entered first
     loss.backward()
     router_grads = [g for n, g in _grads(other).items() if n.endswith(ROUTER_NAMES)]
     assert router_grads and all(g.abs().sum() > 0 for g in router_grads)  # gradients reach the routers
@@ -224,3 +227,28 @@ def test_a_replayed_forward_reads_nothing_more_from_the_device():
         with counting_host_reads() as replayed:
             model(ids, labels=ids).loss.backward()
     assert replayed == plain
+
+
+def test_gradient_checkpointing_replays_in_the_recomputation_or_raises():
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe", dtype=torch.float64)
+    ids = _ids(model)
+    with epmoe.record_routing(model) as rec:
+        model(ids)
+    other = _perturbed(model)
+    with epmoe.replay_routing(other, rec.routes_by_position()):
+        other(ids, labels=ids).loss.backward()
+    expected = _grads(other)
+    checkpointed = _perturbed(model)
+    checkpointed.gradient_checkpointing_enable()
+    checkpointed.train()
+    with epmoe.replay_routing(checkpointed, rec.routes_by_position()):
+        checkpointed(ids, labels=ids).loss.backward()
+    assert all(torch.equal(g, expected[n]) for n, g in _grads(checkpointed).items())
+    with pytest.raises(ValueError, match="run the backward inside"):
+        with epmoe.replay_routing(checkpointed, rec.routes_by_position()):
+            loss = checkpointed(ids, labels=ids).loss
+    del loss  # its backward would recompute with the routers' own routing (torch may or may not notice)
+    with pytest.raises(ValueError, match="per-position"):
+        with epmoe.replay_routing(checkpointed, rec.routes()):
+            checkpointed(ids, labels=ids).loss.backward()

@@ -1,5 +1,6 @@
 """Routing replay across ranks: recorded at EP 2, replayed at EP 2, at EP 1 and without EP, equal; bad
-routes on one rank raise ValueError on every rank."""
+routes on one rank raise ValueError on every rank; TRL's GRPO replaying its rollouts' routes at EP 2 equals
+the same GRPO without EP (DDP), every parameter."""
 
 import pytest
 
@@ -7,14 +8,16 @@ from epmoe.launch import run_ranks
 from replay_workers import bad_routes_on_one_rank, replay_parity
 
 
-def _cases(rank, world):
+def _cases(rank, world, out_dir):
+    from grpo_workers import grpo_replay_parity
+
     return {"parity": {family: replay_parity(rank, world, family) for family in ("qwen3_moe", "deepseek_v3")},
-            "bad": bad_routes_on_one_rank(rank, world)}
+            "bad": bad_routes_on_one_rank(rank, world), "grpo": grpo_replay_parity(rank, world, out_dir)}
 
 
 @pytest.mark.multirank
-def test_replay_is_the_same_at_every_ep_size_and_bad_routes_raise_everywhere():
-    per_rank = run_ranks(_cases, 2, timeout=600)
+def test_replay_is_the_same_at_every_ep_size_and_bad_routes_raise_everywhere(tmp_path):
+    per_rank = run_ranks(_cases, 2, str(tmp_path), timeout=900)
     for rank, result in enumerate(per_rank):
         for family, errors in result["parity"].items():
             assert errors["compared"] > 0
@@ -26,3 +29,10 @@ def test_replay_is_the_same_at_every_ep_size_and_bad_routes_raise_everywhere():
         assert len(bad) == 2, (rank, bad)
         assert ("not below the experts' count" if rank == 0 else "rank(s) [0]") in bad[0]
         assert ("left over" if rank == 0 else "rank(s) [0]") in bad[1]
+        grpo = result["grpo"]
+        assert grpo["max_rel"] <= 1e-9 and grpo["moved"] > 1e-3, (rank, grpo)  # two Adam steps in fp64
+        for run in ("ep", "ddp"):
+            assert grpo[run]["replayed"] == 2 and grpo[run]["routes_followed"], (rank, run, grpo[run])
+        assert grpo["ep"]["flips"] > 0  # the routers alone would have routed otherwise: the replay did it
+    lengths = per_rank[0]["grpo"]["lengths_by_rank"]
+    assert lengths[0] != lengths[1]  # completions of different lengths on the two ranks

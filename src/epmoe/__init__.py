@@ -28,7 +28,8 @@ from epmoe.ep.params import expert_parameters, is_expert_parameter, parameter_co
 from epmoe.ep.state import ep_model
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
 from epmoe.training import (LoadBalancer, RoutingRecord, clip_grad_norm_, prepare_accelerator, prepare_deepspeed,
-                            prepare_trainer, record_routing, replay_routing, routes_from_vllm)
+                            prepare_trainer, record_routing, replay_rollout_routing, replay_routing,
+                            routes_from_vllm)
 
 __version__ = "0.1.0"
 
@@ -62,6 +63,7 @@ __all__ = [
     "prepare_trainer",
     "record_routing",
     "register_gmm_backend",
+    "replay_rollout_routing",
     "replay_routing",
     "reset_expert_load",
     "routes_from_vllm",

@@ -29,12 +29,17 @@ Routes, one ``int64`` tensor:
 
 Ids out of range raise ``ValueError`` before anything runs, and every error of a block is raised on
 every rank of the model's EP group when the block ends (one agreement step), never a hang.
+
+Gradient checkpointing runs the routers again in backward: the backward must then run inside the block
+(checked: the replayed weights' gradient hooks must have fired by the block's end), and the routes
+must be per position (flat routes would hand the recomputation the next tokens' routes).
 Replay runs eagerly (not under ``torch.compile``) and costs no host read per step: the replayed
 router's work is one ``gather`` and one ``where`` per experts module.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,17 +96,20 @@ def _router_of(name: str, block: nn.Module, caller: str) -> _Router:
 
 
 class _Selection(TorchFunctionMode):
-    """While one router runs: each ``topk`` over its ``E`` experts with ``k = K`` goes to ``on_select``."""
+    """While one router runs: each ``topk`` over its ``E`` experts with ``k = K`` goes to the sessions
+    (replays first, each replacing the selection; then records, each seeing the final one)."""
 
-    def __init__(self, router: _Router, on_select):
+    def __init__(self, router: _Router, sessions: list[tuple[Any, int]]):
         super().__init__()
-        self.router, self.on_select = router, on_select
+        self.router = router
+        self.sessions = sorted(sessions, key=lambda entry: entry[0].records)  # (session, its layer index)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if func in _TOPK and self._is_selection(*args, **kwargs):
-            return self.on_select(args[0], result)
+            for session, layer in self.sessions:
+                result = session.select(layer, args[0], result)
         return result
 
     def _is_selection(self, scores, k, dim=-1, largest=True, sorted=True, **_) -> bool:
@@ -109,29 +117,47 @@ class _Selection(TorchFunctionMode):
                 and scores.shape[-1] == self.router.num_experts and dim in (-1, scores.dim() - 1) and largest)
 
 
-class _Scoped:
-    """Hooks that run ``mode_for(router)`` around each router's forward (and its forward hooks, such as a
-    :class:`~epmoe.LoadBalancer`'s re-selection, registered before)."""
+class _Hub:
+    """The hooks around one router's forward (and its forward hooks registered before, such as a
+    :class:`~epmoe.LoadBalancer`'s re-selection) while record and replay sessions use it."""
 
-    def __init__(self, routers: Sequence[_Router], mode_for):
-        self.handles, self.active = [], []
-        for router in routers:
-            self.handles.append(router.scope.register_forward_pre_hook(self._enter(mode_for(router))))
-            self.handles.append(router.scope.register_forward_hook(self._exit, always_call=True))
+    def __init__(self, router: _Router):
+        self.router, self.sessions, self.modes = router, [], []
+        self.handles = [router.scope.register_forward_pre_hook(self._enter),
+                        router.scope.register_forward_hook(self._exit, always_call=True)]
 
-    def _enter(self, mode: _Selection):
-        def hook(_module, _args):
-            mode.__enter__()
-            self.active.append(mode)
-        return hook
+    def _enter(self, _module, _args):
+        mode = _Selection(self.router, list(self.sessions))
+        mode.__enter__()
+        self.modes.append(mode)
 
     def _exit(self, _module, _args, _output):
-        if self.active:
-            self.active.pop().__exit__(None, None, None)
+        if self.modes:
+            mode = self.modes.pop()
+            mode.__exit__(None, None, None)
+            for session, layer in mode.sessions:
+                session.router_done(layer)
 
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
+
+_HUBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # router scope module -> _Hub
+
+
+def _attach(routers: Sequence[_Router], session: Any) -> None:
+    for layer, router in enumerate(routers):
+        hub = _HUBS.get(router.scope)
+        if hub is None:
+            hub = _HUBS[router.scope] = _Hub(router)
+        hub.sessions.append((session, layer))
+
+
+def _detach(routers: Sequence[_Router], session: Any) -> None:
+    for router in routers:
+        hub = _HUBS[router.scope]
+        hub.sessions = [entry for entry in hub.sessions if entry[0] is not session]
+        if not hub.sessions:
+            for handle in hub.handles:
+                handle.remove()
+            del _HUBS[router.scope]
 
 
 class RoutingRecord:
@@ -175,44 +201,35 @@ class record_routing:
     """``with epmoe.record_routing(model) as rec:`` records the routes of every forward of ``model`` in
     the block (see the module docstring); ``rec.routes()`` then holds them."""
 
+    records = True
+
     def __init__(self, model: nn.Module):
         self._routers = _routers(model, "record_routing")
         self._model = model
         self.record = RoutingRecord(self._routers)
-        self._scoped = self._root_hook = None
+        self._last: list[torch.Tensor | None] = [None] * len(self._routers)  # per router: its forward's last selection
+        self._root_hook = None
 
     def __enter__(self) -> RoutingRecord:
-        record = self.record
-
-        def on_root(_module, args, kwargs):
-            record.calls.append(_batch_and_length(args, kwargs))
-
-        self._root_hook = self._model.register_forward_pre_hook(on_root, with_kwargs=True)
-        self._scoped = _Scoped(self._routers, lambda router: _Recording(router, record))
-        return record
+        calls = self.record.calls
+        self._root_hook = self._model.register_forward_pre_hook(
+            lambda _module, args, kwargs: calls.append(_batch_and_length(args, kwargs)), with_kwargs=True)
+        _attach(self._routers, self)
+        return self.record
 
     def __exit__(self, *exc) -> None:
         self._root_hook.remove()
-        self._scoped.remove()
+        _detach(self._routers, self)
 
-
-class _Recording(_Selection):
-    """Records, per router forward, the indices of its last selection (a balancer's re-selection wins)."""
-
-    def __init__(self, router: _Router, record: RoutingRecord):
-        super().__init__(router, self._seen)
-        self.layer = record.names.index(router.name)
-        self.record, self.last = record, None
-
-    def _seen(self, _scores, result):
-        self.last = result.indices.detach().reshape(-1, self.router.top_k).to(torch.int64)
+    def select(self, layer: int, _scores: torch.Tensor, result):
+        """A selection seen (the last one of a router's forward wins: a balancer's re-selection)."""
+        self._last[layer] = result.indices.detach().reshape(-1, self._routers[layer].top_k).to(torch.int64)
         return result
 
-    def __exit__(self, *exc):
-        if self.last is not None:
-            self.record._ids[self.layer].append(self.last)
-            self.last = None
-        return super().__exit__(*exc)
+    def router_done(self, layer: int) -> None:
+        if self._last[layer] is not None:
+            self.record._ids[layer].append(self._last[layer])
+            self._last[layer] = None
 
 
 def _batch_and_length(args: tuple, kwargs: dict[str, Any]) -> tuple[int, int]:
@@ -226,6 +243,8 @@ def _batch_and_length(args: tuple, kwargs: dict[str, Any]) -> tuple[int, int]:
 class replay_routing:
     """``with epmoe.replay_routing(model, routes):`` routes every forward of ``model`` in the block by
     ``routes`` (a tensor, or a :class:`RoutingRecord`; see the module docstring)."""
+
+    records = False
 
     def __init__(self, model: nn.Module, routes: torch.Tensor | RoutingRecord):
         self._routers = _routers(model, "replay_routing")
@@ -241,14 +260,16 @@ class replay_routing:
         self.routes = routes.to(device=None if weight is None else weight.device, dtype=torch.int64)
         self.used = [0] * len(self._routers)  # flat routes: tokens taken, per experts module
         self.errors: list[str] = []
-        self._scoped = None
+        self._checkpointed = any(getattr(m, "gradient_checkpointing", False) is True and m.training
+                                 for m in model.modules())
+        self._selections_with_grad = self._backwards = 0  # under gradient checkpointing
 
     def __enter__(self) -> replay_routing:
-        self._scoped = _Scoped(self._routers, lambda router: _Selection(router, self._replayer(router)))
+        _attach(self._routers, self)
         return self
 
     def __exit__(self, exc_type, *_) -> None:
-        self._scoped.remove()
+        _detach(self._routers, self)
         if exc_type is not None:
             return
         if self.routes.dim() == 3:
@@ -257,6 +278,9 @@ class replay_routing:
             if left:
                 self.errors.append(f"routes for {left[0][1]} token(s) of {left[0][0]} were left over: the "
                                    f"routes cover more tokens than the block's forwards")
+        if self._selections_with_grad and not self._backwards:
+            self.errors.append("gradient checkpointing recomputes the routers in backward: run the backward inside "
+                               "the replay_routing block (the recomputation must see the same routes)")
         error = self.errors[0] if self.errors else None
         self._agree(error, "could not replay their routes")
         if error is not None:
@@ -269,22 +293,33 @@ class replay_routing:
             channel.agree(channel.next_call(AGREE), platform.group_device(self._ep.group), [],
                           failed=error is not None, caller="epmoe.replay_routing", what_failed=what_failed)
 
-    def _replayer(self, router: _Router):
-        layer = self._routers.index(router)
+    def select(self, layer: int, scores: torch.Tensor, result):
+        """The selection with this layer's replayed ids, weighted by the router's own ``scores`` there."""
+        live_TK = result.indices.reshape(-1, self._routers[layer].top_k)
+        routes_TK = self._routes_for(layer, live_TK.shape[0])
+        if routes_TK is None:
+            return result
+        ids_TK = torch.where(routes_TK >= 0, routes_TK, live_TK).view_as(result.indices)
+        values = scores.gather(-1, ids_TK)
+        if self._checkpointed and values.requires_grad:
+            self._selections_with_grad += 1
+            values.register_hook(self._backward_seen)
+        return torch.return_types.topk((values, ids_TK))
 
-        def on_select(scores: torch.Tensor, result):
-            live_TK = result.indices.reshape(-1, router.top_k)
-            routes_TK = self._routes_for(layer, live_TK.shape[0])
-            if routes_TK is None:
-                return result
-            ids_TK = torch.where(routes_TK >= 0, routes_TK, live_TK).view_as(result.indices)
-            return torch.return_types.topk((scores.gather(-1, ids_TK), ids_TK))
-        return on_select
+    def router_done(self, layer: int) -> None:
+        pass
+
+    def _backward_seen(self, _grad) -> None:
+        self._backwards += 1
 
     def _routes_for(self, layer: int, tokens: int) -> torch.Tensor | None:
         """``(T, K)`` replayed ids (``-1``: routed as usual) for the next forward's ``tokens`` tokens."""
         routes = self.routes[layer]
         if routes.dim() == 2:  # (N, K): the next tokens in call order
+            if self._checkpointed and torch.is_grad_enabled():
+                self.errors.append("flat (L, N, K) routes under gradient checkpointing: the recomputation in backward "
+                                   "would take the next tokens' routes; give per-position (L, B, S, K) routes")
+                return None
             start = self.used[layer]
             self.used[layer] = start + tokens
             taken = routes[start:start + tokens]
