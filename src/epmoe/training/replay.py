@@ -250,12 +250,13 @@ class replay_routing:
         self._routers = _routers(model, "replay_routing")
         self._ep = ep_model(model)
         self._by_record = isinstance(routes, RoutingRecord)
-        if self._by_record:
+        if self._by_record:  # the routers' own selections: nothing to validate
             routes = routes.routes_by_position() if len({b for b, _ in routes.calls}) == 1 else routes.routes()
-        error = _routes_error(routes, self._routers)
-        self._agree(error, "were given routes they cannot replay")
-        if error is not None:
-            raise ValueError(f"replay_routing(routes): {error}")
+        else:
+            error = _routes_error(routes, self._routers)
+            self._agree(error, "were given routes they cannot replay")
+            if error is not None:
+                raise ValueError(f"replay_routing(routes): {error}")
         weight = next(self._routers[0].router.parameters(), None)
         self.routes = routes.to(device=None if weight is None else weight.device, dtype=torch.int64)
         self.used = [0] * len(self._routers)  # flat routes: tokens taken, per experts module
@@ -337,7 +338,7 @@ class replay_routing:
 
 
 def _routes_error(routes: Any, routers: Sequence[_Router]) -> str | None:
-    """What is wrong with ``routes`` for these routers (one host read), or ``None``."""
+    """What is wrong with ``routes`` for these routers (one host read, on the routes' device), or ``None``."""
     if not isinstance(routes, torch.Tensor) or routes.dtype.is_floating_point or routes.dtype.is_complex \
             or routes.dtype == torch.bool:
         return f"expected an integer tensor or a RoutingRecord, got {type(routes).__name__}"
@@ -348,9 +349,8 @@ def _routes_error(routes: Any, routers: Sequence[_Router]) -> str | None:
                 f"{sorted({r.top_k for r in routers})}, got shape {tuple(routes.shape)}")
     if routes.numel() == 0:
         return None
-    routes = routes.cpu()
     uncovered = routes < 0
-    high = torch.tensor([r.num_experts for r in routers]).view(-1, *[1] * (routes.dim() - 1))
+    high = torch.tensor([r.num_experts for r in routers], device=routes.device).view(-1, *[1] * (routes.dim() - 1))
     sorted_ids = routes.sort(dim=-1).values
     bad = torch.stack([(routes < -1).any(), (routes >= high).any(),
                        (uncovered.any(-1) != uncovered.all(-1)).any(),
