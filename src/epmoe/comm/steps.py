@@ -73,7 +73,16 @@ def value_code(value: object) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-_DTYPE_NAMES = {dtype_code(d): str(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+class _DtypeCodes(dict):
+    """``dtype -> dtype_code(dtype)``, each computed at its first use and kept (read per layer call)."""
+
+    def __missing__(self, dtype: torch.dtype) -> int:
+        self[dtype] = code = dtype_code(dtype)
+        return code
+
+
+DTYPE_CODES = _DtypeCodes()
+_DTYPE_NAMES = {DTYPE_CODES[d]: str(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
                                                  torch.float8_e4m3fn, torch.float8_e5m2)}
 
 

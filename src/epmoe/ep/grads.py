@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from epmoe.comm.steps import Position, StepChannel, checks_on, world_size
-from epmoe.errors import refuse_double_backward
+from epmoe.errors import double_backward_error
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +226,8 @@ class _ExpertGradSync(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        refuse_double_backward("expert-gradient reduction")
+        if torch.is_grad_enabled():
+            raise double_backward_error("expert-gradient reduction")
         policy = ctx.policy
         if ctx.all_params and policy.dp_size > 1 and policy.finishes:
             policy.reduce_later(ctx.params, list(grads), ctx.position, ctx.arm)

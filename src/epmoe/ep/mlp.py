@@ -51,9 +51,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from epmoe import platform
-from epmoe.errors import refuse_double_backward
+from epmoe.errors import double_backward_error
 from epmoe.ep.routing import RowPairs, accumulation_dtype
-from epmoe.gmm.registry import backend_counts, host_counts_once, run_grouped_mm, run_grouped_mm_backward
+from epmoe.gmm.registry import counts_once, run_grouped_mm, run_grouped_mm_backward
 
 # a grouped matmul with its counts and backend bound: (x_AD rows grouped by local expert, weight) -> y_AN
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -158,8 +158,7 @@ def _routed_mlp_op(
     K = weights_RK.shape[1]
     experts = _LIVE[experts_key]
     backend = experts.gmm_backend(up, down, counts=host_counts, backward=differentiable)
-    counts = backend_counts(backend, counts_e, host_counts_once(backend, counts_e, host_counts, up.shape[0]), x_RH,
-                            up.shape[0])
+    counts = host_counts if host_counts is not None else counts_once(backend, counts_e, up.shape[0], x_RH.device)
     h_PN, y_PH = expert_mlp(x_RH[slot_P // K], counts_e, up, down, up_bias, down_bias, experts.gate_activation,
                             lambda x, w: run_grouped_mm(x, w, counts, trans_weight, backend),
                             _padding(counts_e, slot_P.numel()) if padded else None)
@@ -190,8 +189,7 @@ def _routed_mlp_backward_op(
     experts = _LIVE[experts_key]
     row_P = slot_P // K
     backend = experts.gmm_backend(up, down, counts=host_counts, backward=True)  # the forward's
-    counts = backend_counts(backend, counts_e, host_counts_once(backend, counts_e, host_counts, up.shape[0]), dout_RH,
-                            up.shape[0])
+    counts = host_counts if host_counts is not None else counts_once(backend, counts_e, up.shape[0], dout_RH.device)
     expert_P = expert_of_rows(counts_e, P, dout_RH.device, padded=padded) if up_bias is not None else None
     a_PI, gate_vjp = experts.gate_vjp(h_PN)  # the gate recomputed from h (elementwise), and its vjp
     dout_PH = dout_RH[row_P]
@@ -249,7 +247,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout_RH, _dh):
-    refuse_double_backward("routed_mlp")
+    if torch.is_grad_enabled():
+        raise double_backward_error("routed_mlp")
     x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias = ctx.saved_tensors
     host_counts, trans_weight, experts_key, padded = ctx.options
     dx, dweights, d_up, d_down, d_up_bias, d_down_bias = torch.ops.epmoe.routed_mlp_backward(
