@@ -301,7 +301,11 @@ class StepChannel:
         )
 
 
-class _BackwardHeader(torch.autograd.Function):
+class BackwardHeader(torch.autograd.Function):
+    """``BackwardHeader.apply(x, channel, position)``: ``x`` unchanged; the backward through it starts
+    with a header exchange at ``position`` (put it on the output of a layer's last exchange: it then
+    runs before the layer's backward exchanges; only where ``x`` requires a gradient)."""
+
     @staticmethod
     def forward(ctx, x, channel, position):
         ctx.channel, ctx.position = channel, position
@@ -313,12 +317,19 @@ class _BackwardHeader(torch.autograd.Function):
         return dx, None, None
 
 
-def header_in_backward(x: torch.Tensor, channel: StepChannel, position: Position) -> torch.Tensor:
-    """``x`` unchanged; the backward through it starts with a header exchange at ``position`` (put it
-    on the output of a layer's last exchange: it then runs before the layer's backward exchanges)."""
-    return _BackwardHeader.apply(x, channel, position) if x.requires_grad else x
-
-
 def checks_on(setting: bool | str, device: torch.device) -> bool:
     """Whether the optional header exchanges run for tensors on ``device`` (``check_steps``)."""
     return setting if isinstance(setting, bool) else device.type == "cpu"
+
+
+class StepChecks(dict):
+    """``device type -> checks_on(setting, device)``, each decided at its first use and kept (what a
+    layer's forward reads; ``setting``: ``check_steps``)."""
+
+    def __init__(self, setting: bool | str):
+        super().__init__()
+        self.setting = setting
+
+    def __missing__(self, kind: str) -> bool:
+        self[kind] = on = checks_on(self.setting, torch.device(kind))
+        return on
