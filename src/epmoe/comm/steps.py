@@ -317,19 +317,21 @@ class BackwardHeader(torch.autograd.Function):
         return dx, None, None
 
 
-def checks_on(setting: bool | str, device: torch.device) -> bool:
-    """Whether the optional header exchanges run for tensors on ``device`` (``check_steps``)."""
-    return setting if isinstance(setting, bool) else device.type == "cpu"
+def checks_on(setting: bool | str, device: torch.device | str) -> bool:
+    """Whether the optional header exchanges run for tensors on ``device`` (a device or its type;
+    ``setting``: ``check_steps``)."""
+    return setting if isinstance(setting, bool) else (device if isinstance(device, str) else device.type) == "cpu"
 
 
 class StepChecks(dict):
-    """``device type -> checks_on(setting, device)``, each decided at its first use and kept (what a
-    layer's forward reads; ``setting``: ``check_steps``)."""
+    """``device type -> checks_on(setting, it)`` (what a layer's forward reads): decided when made for
+    the usual device types, so that a forward ``torch.compile`` traces only reads it, and at first
+    use for any other."""
 
     def __init__(self, setting: bool | str):
-        super().__init__()
+        super().__init__((kind, checks_on(setting, kind)) for kind in ("cpu", "cuda", "npu", "xpu", "mps"))
         self.setting = setting
 
     def __missing__(self, kind: str) -> bool:
-        self[kind] = on = checks_on(self.setting, torch.device(kind))
+        self[kind] = on = checks_on(self.setting, kind)
         return on

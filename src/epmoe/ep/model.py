@@ -162,8 +162,7 @@ class EPModel:
             return
         seen = tuple((type(m), *m._forward_pre_hooks) for path in self.paths for m in path)
         if seen != self._seen or not self.started or DistributedDataParallel._get_active_ddp_module() is not None:
-            if seen != self._seen:
-                self._seen = seen
+            self._seen = seen
             self._look_at_wrappers()
 
     @torch.compiler.disable(reason="looks at what runs the model (DDP, FSDP2, DeepSpeed) once per forward")
@@ -204,7 +203,7 @@ class EPModel:
             # eagerly, the same parameters as the last forward's, still marked as this model's, and nothing
             # the look at the wrappers reads changed since they were checked: nothing to check or mark again
             checked = () if torch.compiler.is_compiling() else self._checked.get(layer, ())
-            if not (len(checked) == len(weights) + 2 and checked[0] is self._seen and checked[1] == policy.reducer
+            if not (len(checked) == len(weights) + 2 and checked[0] == self._seen and checked[1] == policy.reducer
                     and all(w is c and getattr(w, _MARK, None) is self for w, c in zip(weights, checked[2:]))):
                 self._check_leaves(layer, weights)
         if per_parameter:

@@ -290,8 +290,10 @@ class BackendChoice:
         return key
 
     def __setstate__(self, state: dict) -> None:
-        """A copy (``copy.deepcopy`` of a model) registers itself under its own key."""
+        """A copy (``copy.deepcopy`` of a model) registers itself under its own key, and looks its
+        answers up afresh (the kept ones would be copies of the registered backends)."""
         self.__dict__.update(state)
+        self._fixed = {}
         self.key = self._register()
 
     def backend_for(self, calls: Sequence[Call], *, counts: list[int] | None = None, backward: bool = True
