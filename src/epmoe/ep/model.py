@@ -13,13 +13,15 @@ model, shared by the per-layer records of its experts modules (:mod:`epmoe.ep.st
       guard                              StepGuard: a clip epmoe did not do, drifted replicas (epmoe.ep.guard)
     ExpertParallelState (one per layer)  shard, compute, transport, load counters -> its EPModel
 
-What runs the model is looked at once per forward of the root (a forward pre-hook, with experts
-sharded only): an active ``DistributedDataParallel`` (which must not reduce expert parameters),
-``fully_shard`` on a module of a path (FSDP2), a DeepSpeed engine's hooks. A wrapper seen makes the
-policy's ``expert_grad="auto"`` mean ``"mean"`` (sticky, logged once). Each layer then hands the
-weights it is about to use to :meth:`EPModel.use_weights`, which refuses leaves such a wrapper
-manages (ZeRO's partitions, FSDP2's shards), marks them as the model's expert parameters and wraps
-them so the policy finishes their gradients.
+What runs the model is looked at in a forward pre-hook of the root (with experts sharded only): an
+active ``DistributedDataParallel`` (which must not reduce expert parameters), ``fully_shard`` on a
+module of a path (FSDP2), a DeepSpeed engine's hooks; a steady forward looks again only where what
+the look reads changed (DDP active, the classes or forward pre-hooks of the modules on the paths). A
+wrapper seen makes the policy's ``expert_grad="auto"`` mean ``"mean"`` (sticky, logged once). Each
+layer then hands the weights it is about to use to :meth:`EPModel.use_weights`, which refuses leaves
+such a wrapper manages (ZeRO's partitions, FSDP2's shards), marks them as the model's expert
+parameters (checked again only where the parameters, their marks, the look or the reducer changed)
+and wraps them so the policy finishes their gradients.
 
 An expert parameter carries its ``EPModel`` (:func:`expert_owner`); the ``EPModel`` keeps its
 expert parameters too, weakly, so that a copy of the model (``copy.deepcopy``,
