@@ -389,3 +389,30 @@ def test_a_backend_choice_judges_again_only_where_the_operands_differ(monkeypatc
     torch.testing.assert_close(y, epmoe.grouped_mm(shifted.clone(), w, [2, 4], backend="loop"))
     with pytest.raises(TypeError, match=r"grouped_mm\(backend\): expected a str or a BackendChoice"):
         epmoe.grouped_mm(x, w, [2, 4], backend=torch_backend)
+
+
+def test_an_ops_backend_is_one_lookup_unless_the_counts_may_decide(monkeypatch):
+    """BackendChoice.backend_for_weights (what epmoe::routed_mlp asks each time it runs): chosen once
+    per weights' operands and then looked up, without choose_backend, in a differentiated call (no
+    counts can make auto take batched); chosen per call, from its counts, where they can (inference on
+    the CPU), and under a changed $EPMOE_GMM_BACKEND."""
+    from epmoe.gmm.batched import WINS
+
+    min_groups, max_mean, _ = WINS["cpu"]
+    up, down = torch.randn(min_groups, 16, 8), torch.randn(min_groups, 8, 16)
+    even = [max_mean // 2] * min_groups
+    skewed = [0] * (min_groups - 1) + [min_groups * max_mean // 2]
+    choice = registry.BackendChoice("auto")
+    chosen = []
+    choose = registry.choose_backend
+    monkeypatch.setattr(registry, "choose_backend", lambda *a, **k: chosen.append(1) or choose(*a, **k))
+    for counts in (even, skewed, even):
+        assert choice.backend_for_weights((up, down), False, counts=counts, backward=True).name == "torch"
+    assert len(chosen) == 1  # chosen once, then looked up
+    assert choice.backend_for_weights((up, down), False, counts=even, backward=False).name == "batched"
+    assert choice.backend_for_weights((up, down), False, counts=skewed, backward=False).name == "torch"
+    assert len(chosen) == 3  # the counts decide: per call
+    monkeypatch.setenv("EPMOE_GMM_BACKEND", "loop")
+    assert choice.backend_for_weights((up, down), False, counts=even, backward=False).name == "loop"
+    assert choice.backend_for_weights((up, down), False, counts=even, backward=False).name == "loop"
+    assert len(chosen) == 4  # a named backend: the counts cannot change it

@@ -14,7 +14,7 @@ from epmoe.bench.lean import saved_elements_per_token
 from epmoe.ep import recognize
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.mlp import routed_mlp_autograd, weighted_sum
-from epmoe.ep.routing import gather_rows, keep_first, pair_rows, sum_rows, token_rows
+from epmoe.ep.routing import GatherRows, SumRows, keep_first, pair_rows, token_rows
 from epmoe.gmm import ENV_BACKEND
 from epmoe.models import build_model
 
@@ -38,12 +38,12 @@ def test_token_rows_once_per_rank_in_rank_then_token_order(T, K, E, W):
         mine = [i for i, (_, tt) in enumerate(expected) if tt == t]
         assert rows.row_TD[t].tolist() == mine + [R] * (rows.row_TD.shape[1] - len(mine))
     x = torch.randn(T, 5, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda x: gather_rows(x, rows), (x,))
+    torch.autograd.gradcheck(lambda x: GatherRows.apply(x, *rows), (x,))
     y = torch.randn(R, 5, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda y: sum_rows(y, rows), (y,))
+    torch.autograd.gradcheck(lambda y: SumRows.apply(y, *rows), (y,))
     if T:
         want = torch.stack([y[[i for i, (_, tt) in enumerate(expected) if tt == t]].sum(0) for t in range(T)])
-        torch.testing.assert_close(sum_rows(y, rows), want, rtol=0, atol=1e-14)
+        torch.testing.assert_close(SumRows.apply(y, *rows), want, rtol=0, atol=1e-14)
 
 
 @pytest.mark.parametrize("R, K, e, local", [(10, 2, 4, 0.6), (7, 4, 2, 0.3), (5, 3, 3, 1.0), (4, 2, 4, 0.0)])

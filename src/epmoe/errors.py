@@ -79,13 +79,14 @@ def check_counts_tensor(where: str, counts: torch.Tensor, *, host_only: bool = F
                          f"list, or a tensor on a real device)")
 
 
-def refuse_double_backward(op: str) -> None:
-    """Raise inside a backward run with ``create_graph=True``: epmoe's backward exchanges and kernels
-    are not themselves differentiable, so a second-order gradient would silently miss their terms."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"epmoe {op}: double backward (backward with create_graph=True, e.g. a gradient penalty) is not "
-            f"supported: its backward is not differentiable. Compute second-order terms without EP "
-            f"(apply_expert_parallel on a group of one still differentiates once only), or use "
-            f"torch.func on the unsharded model"
-        )
+def double_backward_error(op: str) -> RuntimeError:
+    """What a backward of ``op`` raises when run with ``create_graph=True`` (gradients enabled inside
+    it: ``if torch.is_grad_enabled(): raise double_backward_error(op)``): epmoe's backward exchanges
+    and kernels are not themselves differentiable, so a second-order gradient would silently miss
+    their terms."""
+    return RuntimeError(
+        f"epmoe {op}: double backward (backward with create_graph=True, e.g. a gradient penalty) is not "
+        f"supported: its backward is not differentiable. Compute second-order terms without EP "
+        f"(apply_expert_parallel on a group of one still differentiates once only), or use "
+        f"torch.func on the unsharded model"
+    )

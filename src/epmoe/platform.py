@@ -83,6 +83,8 @@ def device_type(obj: Any = None) -> str:
     """
     if obj is None:
         return next((t for t in _ACCELERATORS if is_available(t)), "cpu")
+    if isinstance(obj, torch.Tensor):  # the common case, on the data path: no parsing
+        return obj.device.type
     return _kind_and_index(obj)[0]
 
 
@@ -130,7 +132,10 @@ def synchronize(device: Any = None) -> None:
     an NPU: HCCL runs on its own stream, which host reads are not ordered with (without it, counts
     read right after their exchange can be stale: garbage split sizes).
     """
-    kind, index = _kind_and_index(device) if device is not None else (device_type(), None)
+    if isinstance(device, torch.device):  # the common case, on the data path: no parsing
+        kind, index = device.type, device.index
+    else:
+        kind, index = _kind_and_index(device) if device is not None else (device_type(), None)
     if kind == "cpu":
         return
     module = device_module(kind)

@@ -21,16 +21,10 @@ import torch
 import torch.distributed as dist
 
 from epmoe.comm.steps import world_size
-from epmoe.errors import refuse_double_backward
+from epmoe.errors import double_backward_error
 
 
 _GROUPS: dict[str, dist.ProcessGroup] = {}  # group_name -> the latest group of that name: the op takes names
-
-
-def _group_name(group: dist.ProcessGroup | None) -> str:
-    group = group if group is not None else dist.group.WORLD
-    _GROUPS[group.group_name] = group  # a re-initialised default group reuses its name
-    return group.group_name
 
 
 @dataclass
@@ -66,21 +60,18 @@ def record_traffic(bytes_to_peers: int) -> None:
         traffic.exchanges += 1
 
 
-def _exchange(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+@torch.library.custom_op("epmoe::all_to_all_v", mutates_args=())
+def _all_to_all_v_op(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str
+                     ) -> torch.Tensor:
+    """The op behind :func:`all_to_all_v` (a ``torch.library`` custom op: ``torch.compile`` traces
+    it as one call, its output rows ``sum(output_splits)``); counted by :func:`count_traffic`."""
+    group = _GROUPS[group_name]
     if _RECORDERS:
         rows_to_peers = sum(input_splits) - input_splits[dist.get_rank(group)]
         record_traffic(rows_to_peers * math.prod(x.shape[1:]) * x.element_size())
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out
-
-
-@torch.library.custom_op("epmoe::all_to_all_v", mutates_args=())
-def _all_to_all_v_op(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str
-                     ) -> torch.Tensor:
-    """The op behind :func:`all_to_all_v` (a ``torch.library`` custom op: ``torch.compile`` traces
-    it as one call, its output rows ``sum(output_splits)``)."""
-    return _exchange(x, output_splits, input_splits, _GROUPS[group_name])
 
 
 @_all_to_all_v_op.register_fake
@@ -94,7 +85,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy):
-    refuse_double_backward("all_to_all_v")
+    if torch.is_grad_enabled():
+        raise double_backward_error("all_to_all_v")
     output_splits, input_splits = ctx.splits
     return torch.ops.epmoe.all_to_all_v(dy, input_splits, output_splits, ctx.group_name), None, None, None
 
@@ -113,7 +105,8 @@ def all_to_all_v(
     Differentiable; returns ``(sum(output_splits), *x.shape[1:])``. With a group of size 1 it returns
     ``x`` itself (splits must then equal ``[len(x)]``).
     """
-    ep_size = world_size(group, "all_to_all_v")
+    initialised = dist.is_available() and dist.is_initialized()
+    ep_size = dist.get_world_size(group) if initialised else world_size(group, "all_to_all_v")  # 1, or its error
     output_splits, input_splits = list(output_splits), list(input_splits)
     if len(output_splits) != ep_size or len(input_splits) != ep_size:
         raise ValueError(
@@ -126,4 +119,6 @@ def all_to_all_v(
         if output_splits != input_splits:
             raise ValueError(f"all_to_all_v(output_splits): {output_splits} differs from input_splits on a group of 1")
         return x
-    return torch.ops.epmoe.all_to_all_v(x, output_splits, input_splits, _group_name(group))
+    group = group if group is not None else dist.group.WORLD
+    _GROUPS[group.group_name] = group  # a re-initialised default group reuses its name
+    return torch.ops.epmoe.all_to_all_v(x, output_splits, input_splits, group.group_name)

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe import errors, platform
-from epmoe.comm.steps import COUNTS, MODEL_WIDE, Position, StepChannel, dtype_code, dtype_name, world_size
+from epmoe.comm.steps import COUNTS, DTYPE_CODES, MODEL_WIDE, Position, StepChannel, dtype_name, world_size
 
 
 def exchange_counts(
@@ -96,7 +96,7 @@ def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expe
     send_We = tokens_per_expert.to(torch.int64).view(W, -1)
     negative = (send_We < 0).any().to(torch.int64)  # on the device: no host read yet
     total = send_We.sum().expand(W, 1)
-    dtype = send_We.new_full((W, 1), dtype_code(rows_dtype) if rows_dtype is not None else 0)
+    dtype = send_We.new_full((W, 1), DTYPE_CODES[rows_dtype] if rows_dtype is not None else 0)
     columns = [send_We, total, dtype]
     if extra is not None:
         columns.append(extra.to(torch.int64).view(-1 if extra.dim() == 2 else 1, extra.shape[-1]).expand(W, -1))

@@ -73,7 +73,16 @@ def value_code(value: object) -> int:
     return zlib.crc32(repr(value).encode())
 
 
-_DTYPE_NAMES = {dtype_code(d): str(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
+class _DtypeCodes(dict):
+    """``dtype -> dtype_code(dtype)``, each computed at its first use and kept (read per layer call)."""
+
+    def __missing__(self, dtype: torch.dtype) -> int:
+        self[dtype] = code = dtype_code(dtype)
+        return code
+
+
+DTYPE_CODES = _DtypeCodes()
+_DTYPE_NAMES = {DTYPE_CODES[d]: str(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
                                                  torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
@@ -292,7 +301,11 @@ class StepChannel:
         )
 
 
-class _BackwardHeader(torch.autograd.Function):
+class BackwardHeader(torch.autograd.Function):
+    """``BackwardHeader.apply(x, channel, position)``: ``x`` unchanged; the backward through it starts
+    with a header exchange at ``position`` (put it on the output of a layer's last exchange: it then
+    runs before the layer's backward exchanges; only where ``x`` requires a gradient)."""
+
     @staticmethod
     def forward(ctx, x, channel, position):
         ctx.channel, ctx.position = channel, position
@@ -304,12 +317,21 @@ class _BackwardHeader(torch.autograd.Function):
         return dx, None, None
 
 
-def header_in_backward(x: torch.Tensor, channel: StepChannel, position: Position) -> torch.Tensor:
-    """``x`` unchanged; the backward through it starts with a header exchange at ``position`` (put it
-    on the output of a layer's last exchange: it then runs before the layer's backward exchanges)."""
-    return _BackwardHeader.apply(x, channel, position) if x.requires_grad else x
+def checks_on(setting: bool | str, device: torch.device | str) -> bool:
+    """Whether the optional header exchanges run for tensors on ``device`` (a device or its type;
+    ``setting``: ``check_steps``)."""
+    return setting if isinstance(setting, bool) else (device if isinstance(device, str) else device.type) == "cpu"
 
 
-def checks_on(setting: bool | str, device: torch.device) -> bool:
-    """Whether the optional header exchanges run for tensors on ``device`` (``check_steps``)."""
-    return setting if isinstance(setting, bool) else device.type == "cpu"
+class StepChecks(dict):
+    """``device type -> checks_on(setting, it)`` (what a layer's forward reads): decided when made for
+    the usual device types, so that a forward ``torch.compile`` traces only reads it, and at first
+    use for any other."""
+
+    def __init__(self, setting: bool | str):
+        super().__init__((kind, checks_on(setting, kind)) for kind in ("cpu", "cuda", "npu", "xpu", "mps"))
+        self.setting = setting
+
+    def __missing__(self, kind: str) -> bool:
+        self[kind] = on = checks_on(self.setting, kind)
+        return on

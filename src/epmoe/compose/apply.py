@@ -50,13 +50,14 @@ from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_gr
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatch import make_dispatcher
 from epmoe.ep.dispatch.static import StaticDispatcher
-from epmoe.ep.experts import LocalExperts, experts_backend, experts_gmm_backends
+from epmoe.ep.experts import LocalExperts, experts_gmm_backends
 from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
 from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
+from epmoe.gmm import choose_backend
 from epmoe.integrations.blocks import (
     block_router,
     block_top_k,
@@ -285,8 +286,9 @@ def _validate(
     if any(p.is_meta for p in experts.parameters()):  # epmoe.from_pretrained: no kernel to ask about yet
         checked.backend, checked.declined_backends = None, []  # each forward chooses, as always
         return checked
-    checked.backend = experts_backend(experts, config.gmm_backend)  # a named backend that declines raises here
-    checked.declined_backends = [f"{s.name}: {s.reason}" for s in experts_gmm_backends(experts) if not s.eligible]
+    statuses = experts_gmm_backends(experts)  # judged once: the choice and the declined ones' reasons
+    checked.backend = choose_backend(statuses, backend=config.gmm_backend)  # a named backend that declines raises here
+    checked.declined_backends = [f"{s.name}: {s.reason}" for s in statuses if not s.eligible]
     return checked
 
 

@@ -170,14 +170,13 @@ class LocalExperts:
         PEFT wrapper) are judged again, once per such operands. ``counts`` (host counts) and
         ``backward`` (whether the call is differentiated) let ``auto`` take a backend that wins only
         on some group sizes for this call. Called where the grouped matmuls run (inside the ops,
-        never while ``torch.compile`` traces)."""
-        if not self.grouped:
+        never while ``torch.compile`` traces): given ``up`` / ``down``, a dictionary lookup after the
+        first call (:meth:`~epmoe.gmm.BackendChoice.backend_for_weights`)."""
+        if not self.packed and self.triples is None:
             raise ValueError("LocalExperts.gmm_backend: these experts run their own forwards, not grouped matmuls")
         if up is None:
-            calls = gmm_probes(self.module)
-        else:
-            calls = projection_calls({"up": up, "down": down}, self.trans_weight)
-        return self.gmm.backend_for(list(calls.values()), counts=counts, backward=backward)
+            return self.gmm.backend_for(list(gmm_probes(self.module).values()), counts=counts, backward=backward)
+        return self.gmm.backend_for_weights((up, down), self.trans_weight, counts=counts, backward=backward)
 
     def forward(self, x_em: torch.Tensor, counts: Sequence[int] | torch.Tensor, *,
                 sync_weights: WeightsHook | None = None) -> torch.Tensor:

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from epmoe.comm.steps import Position, StepChannel, checks_on, world_size
-from epmoe.errors import refuse_double_backward
+from epmoe.errors import double_backward_error
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +77,14 @@ class ExpertGradPolicy:
         self._logged: str | None = None
         self._pending: list[tuple] = []  # "dp" all-reduces in flight in this backward
         self._queued = False  # whether this backward's _land is queued
+        self._decide()
 
     def __deepcopy__(self, memo: dict) -> ExpertGradPolicy:
         """The policy of a deep copy of the model: the same mode, channel and wrapper decision, no
         reduction in flight."""
         copied = ExpertGradPolicy(self.mode, self.ep_size, self.dp_channel, self.dp_size, self.check_steps)
         copied.wrapper, copied._logged, copied.reducer = self.wrapper, self._logged, self.reducer
+        copied._decide()
         return copied
 
     @property
@@ -101,11 +103,14 @@ class ExpertGradPolicy:
     def scale(self) -> float:
         return 1.0 / self.data_parallel_size if self.resolved == "mean" and self.reducer is None else 1.0
 
-    @property
-    def finishes(self) -> bool:
-        """Whether epmoe itself has anything to do to the gradients after the exchange (sharded
-        experts only): a reduction over ``"dp"``, or the division of ``"mean"`` (:attr:`scale`)."""
-        return self.ep_size > 1 and self.reducer is None and (self.dp_size > 1 or self.resolved == "mean")
+    def _decide(self) -> None:
+        """What every layer's forward reads, decided again whenever the wrapper or the reducer changes
+        (nothing else that it depends on does): ``finishes``, whether epmoe itself has anything to do
+        to the gradients after the exchange (sharded experts only: a reduction over ``"dp"``, or the
+        division of ``"mean"``, :attr:`scale`); ``guards``, whether the model's step guard may check
+        (sharded experts under a data-parallel wrapper whose expert gradients epmoe finishes)."""
+        self.finishes = self.ep_size > 1 and self.reducer is None and (self.dp_size > 1 or self.resolved == "mean")
+        self.guards = self.ep_size > 1 and self.wrapper is not None and self.reducer is None
 
     def set_wrapper(self, wrapper: str) -> None:
         """Record a data-parallel wrapper (DDP, FSDP2, Trainer): ``"auto"`` means ``"mean"`` from now on."""
@@ -118,6 +123,7 @@ class ExpertGradPolicy:
                     f"never be reduced; pass a ('dp', 'ep') DeviceMesh covering every rank to apply_expert_parallel"
                 )
             self.wrapper = wrapper
+            self._decide()
             self.log()
 
     def hand_over(self, reducer: str) -> None:
@@ -134,6 +140,7 @@ class ExpertGradPolicy:
                              f"gradients itself; {reducer} would average them again")
         self.set_wrapper(reducer)
         self.reducer = reducer
+        self._decide()
 
     def log(self) -> None:
         """One INFO line when what ``mode`` resolves to changes (the first time included)."""
@@ -226,7 +233,8 @@ class _ExpertGradSync(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        refuse_double_backward("expert-gradient reduction")
+        if torch.is_grad_enabled():
+            raise double_backward_error("expert-gradient reduction")
         policy = ctx.policy
         if ctx.all_params and policy.dp_size > 1 and policy.finishes:
             policy.reduce_later(ctx.params, list(grads), ctx.position, ctx.arm)

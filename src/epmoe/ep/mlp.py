@@ -51,9 +51,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from epmoe import platform
-from epmoe.errors import refuse_double_backward
-from epmoe.ep.routing import RowPairs, accumulation_dtype
-from epmoe.gmm.registry import backend_counts, host_counts_once, run_grouped_mm, run_grouped_mm_backward
+from epmoe.errors import double_backward_error
+from epmoe.ep.routing import ACCUMULATION_DTYPES, RowPairs
+from epmoe.gmm.registry import counts_once, run_grouped_mm, run_grouped_mm_backward
 
 # a grouped matmul with its counts and backend bound: (x_AD rows grouped by local expert, weight) -> y_AN
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -77,30 +77,25 @@ def expert_mlp(x_AH: torch.Tensor, counts: Sequence[int] | torch.Tensor, up: tor
     """``(h_AN, y_AH)``: the local experts' MLP on rows grouped by local expert, ``counts[j]`` rows
     for expert ``j`` (``x_AH``, rows expert-major)::
 
-        h = projection(x, up)           matmul(x, up) (+ up_bias of each row's expert)
-        y = projection(gate(h), down)   matmul(a, down) (+ down_bias of its expert)
+        h = matmul(x, up)          (+ up_bias of each row's expert)
+        y = matmul(gate(h), down)  (+ down_bias of its expert)
 
     ``up``, ``down``: the experts' weights as ``matmul`` reads them; ``gate``: the experts' gate /
     activation (:meth:`~epmoe.ep.experts.LocalExperts.gate_activation`); ``padding_A``: ``(A,)``
     bool, the rows past the counts' sum (padded pairs: ``h`` there is zero, ``y`` undefined). The
-    one place the experts' MLP is written (see the module docstring)."""
+    one place the experts' MLP is written (see the module docstring); the fused transport runs its
+    projections inside its ops, on the same grouped-matmul body, and takes no biases
+    (:func:`~epmoe.ep.recognize.fused_ineligible_reason`)."""
     expert_A = None
-    if up_bias is not None or down_bias is not None:
+    if up_bias is not None or down_bias is not None:  # each row's expert, for its bias
         expert_A = expert_of_rows(counts, x_AH.shape[0], x_AH.device, padded=padding_A is not None)
-    h_AN = projection(x_AH, up, up_bias, expert_A, matmul)
+    h_AN = matmul(x_AH, up)
+    if up_bias is not None:
+        h_AN = h_AN + up_bias[expert_A]
     if padding_A is not None:
         h_AN = h_AN.masked_fill(padding_A.unsqueeze(1), 0)
-    return h_AN, projection(gate(h_AN), down, down_bias, expert_A, matmul)
-
-
-def projection(x_AD: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, expert_A: torch.Tensor | None,
-               matmul: GroupedMatmul) -> torch.Tensor:
-    """``y_AN``: one projection of the experts' MLP (up or down), ``matmul(x, weight)`` plus each
-    row's expert's bias (``expert_A``: :func:`expert_of_rows`, needed only with a bias). The fused
-    transport runs its projections inside its ops, on the same grouped-matmul body, and takes no
-    biases (:func:`~epmoe.ep.recognize.fused_ineligible_reason`)."""
-    y_AN = matmul(x_AD, weight)
-    return y_AN if bias is None else y_AN + bias[expert_A]
+    y_AH = matmul(gate(h_AN), down)
+    return h_AN, y_AH if down_bias is None else y_AH + down_bias[expert_A]
 
 
 def expert_of_rows(counts: Sequence[int] | torch.Tensor, num_rows: int, device: torch.device, *,
@@ -129,7 +124,7 @@ def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: t
     R, K = pair_RK.shape
     P, H = y_PH.shape
     product_dtype = y_PH.dtype if weights_RK is None else torch.promote_types(y_PH.dtype, weights_RK.dtype)
-    sum_dtype = accumulation_dtype(product_dtype)
+    sum_dtype = ACCUMULATION_DTYPES.get(product_dtype, product_dtype)
     if P == 0:  # sums of nothing, to stay connected
         connected = y_PH.sum() if weights_RK is None else y_PH.sum() + weights_RK[:0].sum()
         return (y_PH.new_zeros(R, H, dtype=sum_dtype) + connected).to(out_dtype)
@@ -158,8 +153,7 @@ def _routed_mlp_op(
     K = weights_RK.shape[1]
     experts = _LIVE[experts_key]
     backend = experts.gmm_backend(up, down, counts=host_counts, backward=differentiable)
-    counts = backend_counts(backend, counts_e, host_counts_once(backend, counts_e, host_counts, up.shape[0]), x_RH,
-                            up.shape[0])
+    counts = host_counts if host_counts is not None else counts_once(backend, counts_e, up.shape[0], x_RH.device)
     h_PN, y_PH = expert_mlp(x_RH[slot_P // K], counts_e, up, down, up_bias, down_bias, experts.gate_activation,
                             lambda x, w: run_grouped_mm(x, w, counts, trans_weight, backend),
                             _padding(counts_e, slot_P.numel()) if padded else None)
@@ -190,8 +184,7 @@ def _routed_mlp_backward_op(
     experts = _LIVE[experts_key]
     row_P = slot_P // K
     backend = experts.gmm_backend(up, down, counts=host_counts, backward=True)  # the forward's
-    counts = backend_counts(backend, counts_e, host_counts_once(backend, counts_e, host_counts, up.shape[0]), dout_RH,
-                            up.shape[0])
+    counts = host_counts if host_counts is not None else counts_once(backend, counts_e, up.shape[0], dout_RH.device)
     expert_P = expert_of_rows(counts_e, P, dout_RH.device, padded=padded) if up_bias is not None else None
     a_PI, gate_vjp = experts.gate_vjp(h_PN)  # the gate recomputed from h (elementwise), and its vjp
     dout_PH = dout_RH[row_P]
@@ -205,7 +198,8 @@ def _routed_mlp_backward_op(
     u_PI, _ = run_grouped_mm_backward(dout_PH, no_x, down, counts, trans_weight, backend, True, False)
     if padded:  # rows past the counts' sum: uninitialised
         u_PI = u_PI.masked_fill_(padding_P, 0)
-    sum_dtype = accumulation_dtype(torch.promote_types(dout_RH.dtype, weights_RK.dtype))
+    product_dtype = torch.promote_types(dout_RH.dtype, weights_RK.dtype)
+    sum_dtype = ACCUMULATION_DTYPES.get(product_dtype, product_dtype)
     dw_P = _row_dots(u_PI, a_PI, sum_dtype)
     if down_bias is not None:
         dw_P = dw_P + _row_dots(dout_PH, down_bias[expert_P], sum_dtype)
@@ -249,7 +243,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout_RH, _dh):
-    refuse_double_backward("routed_mlp")
+    if torch.is_grad_enabled():
+        raise double_backward_error("routed_mlp")
     x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias = ctx.saved_tensors
     host_counts, trans_weight, experts_key, padded = ctx.options
     dx, dweights, d_up, d_down, d_up_bias, d_down_bias = torch.ops.epmoe.routed_mlp_backward(

@@ -13,13 +13,15 @@ model, shared by the per-layer records of its experts modules (:mod:`epmoe.ep.st
       guard                              StepGuard: a clip epmoe did not do, drifted replicas (epmoe.ep.guard)
     ExpertParallelState (one per layer)  shard, compute, transport, load counters -> its EPModel
 
-What runs the model is looked at once per forward of the root (a forward pre-hook, with experts
-sharded only): an active ``DistributedDataParallel`` (which must not reduce expert parameters),
-``fully_shard`` on a module of a path (FSDP2), a DeepSpeed engine's hooks. A wrapper seen makes the
-policy's ``expert_grad="auto"`` mean ``"mean"`` (sticky, logged once). Each layer then hands the
-weights it is about to use to :meth:`EPModel.use_weights`, which refuses leaves such a wrapper
-manages (ZeRO's partitions, FSDP2's shards), marks them as the model's expert parameters and wraps
-them so the policy finishes their gradients.
+What runs the model is looked at in a forward pre-hook of the root (with experts sharded only): an
+active ``DistributedDataParallel`` (which must not reduce expert parameters), ``fully_shard`` on a
+module of a path (FSDP2), a DeepSpeed engine's hooks; a steady forward looks again only where what
+the look reads changed (DDP active, the classes or forward pre-hooks of the modules on the paths). A
+wrapper seen makes the policy's ``expert_grad="auto"`` mean ``"mean"`` (sticky, logged once). Each
+layer then hands the weights it is about to use to :meth:`EPModel.use_weights`, which refuses leaves
+such a wrapper manages (ZeRO's partitions, FSDP2's shards), marks them as the model's expert
+parameters (checked again only where the parameters, their marks, the look or the reducer changed)
+and wraps them so the policy finishes their gradients.
 
 An expert parameter carries its ``EPModel`` (:func:`expert_owner`); the ``EPModel`` keeps its
 expert parameters too, weakly, so that a copy of the model (``copy.deepcopy``,
@@ -45,7 +47,7 @@ try:
 except ImportError:  # torch built without FSDP2: no such wrapper to look for
     FSDPModule = ()
 
-from epmoe.comm.steps import Position, StepChannel
+from epmoe.comm.steps import Position, StepChannel, StepChecks
 from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.grads import ExpertGradPolicy, finish_weights, register_param_hooks
 from epmoe.ep.guard import StepGuard
@@ -72,6 +74,7 @@ class EPModel:
         self.paths = list(paths)
         self.policy = ExpertGradPolicy(config.expert_grad, ep_size, dp_channel, dp_size, config.check_steps)
         self.sharded = ep_size > 1  # whether the experts are sharded over more than one rank
+        self.checks = StepChecks(config.check_steps)  # device type -> whether the optional step headers run
         self._fresh()
         if self.sharded:
             root.register_forward_pre_hook(self._before_forward)
@@ -84,6 +87,8 @@ class EPModel:
         self._checked_ddp: weakref.WeakSet = weakref.WeakSet()  # DDP modules seen to leave the experts alone
         self._fsdp = tuple(False for _ in self.paths)  # per experts module: fully_shard on its path (last forward)
         self._deepspeed = False  # a DeepSpeed engine hooks a module of a path (last forward)
+        self._seen: tuple | None = None  # what the last look at the wrappers read (see _before_forward)
+        self._checked: dict[int, tuple] = {}  # layer -> (look, reducer, *its parameters) last checked
         _LIVE.add(self)
 
     def __deepcopy__(self, memo: dict) -> EPModel:
@@ -98,6 +103,7 @@ class EPModel:
         memo[id(self)] = copied
         copied.root = root
         copied.config = copy.deepcopy(self.config, memo)
+        copied.checks = StepChecks(copied.config.check_steps)
         copied.paths = copy.deepcopy(self.paths, memo)
         copied.policy = copy.deepcopy(self.policy, memo)
         copied._fresh()
@@ -116,9 +122,9 @@ class EPModel:
     @property
     def guarded(self) -> bool:
         """Whether :attr:`guard` checks: sharded experts, used by a forward with gradients, under a
-        data-parallel wrapper whose expert gradients epmoe finishes (DeepSpeed clips them itself)."""
-        policy = self.policy
-        return self.sharded and policy.wrapper is not None and self.started and policy.reducer is None
+        data-parallel wrapper whose expert gradients epmoe finishes (DeepSpeed clips them itself:
+        the policy's ``guards``)."""
+        return self.started and self.policy.guards
 
     # ---- expert parameters
 
@@ -146,8 +152,19 @@ class EPModel:
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
         """The root's forward pre-hook: see which data-parallel wrapper runs this forward. While
         ``torch.compile`` traces a model no wrapper can be running (:meth:`wrapped_now`), there is
-        nothing to see, and nothing breaks the graph (``fullgraph=True``)."""
-        if torch.is_grad_enabled() and not (torch.compiler.is_compiling() and not self.wrapped_now()):
+        nothing to see, and nothing breaks the graph (``fullgraph=True``). Run eagerly, it looks again
+        only where what the look reads may have changed since the last one: an active DDP forward, the
+        classes of the modules on the paths (``fully_shard`` changes them) or their forward pre-hooks
+        (a DeepSpeed engine's), or no forward with gradients yet."""
+        if not torch.is_grad_enabled():
+            return
+        if torch.compiler.is_compiling():
+            if self.wrapped_now():
+                self._look_at_wrappers()
+            return
+        seen = tuple((type(m), *m._forward_pre_hooks) for path in self.paths for m in path)
+        if seen != self._seen or not self.started or DistributedDataParallel._get_active_ddp_module() is not None:
+            self._seen = seen
             self._look_at_wrappers()
 
     @torch.compiler.disable(reason="looks at what runs the model (DDP, FSDP2, DeepSpeed) once per forward")
@@ -183,18 +200,24 @@ class EPModel:
         weights = list(weights)
         if not self.sharded:
             return weights
-        self._check_leaves(layer, weights)
+        policy = self.policy
+        if torch.is_grad_enabled():
+            # eagerly, the same parameters as the last forward's, still marked as this model's, and nothing
+            # the look at the wrappers reads changed since they were checked: nothing to check or mark again
+            checked = () if torch.compiler.is_compiling() else self._checked.get(layer, ())
+            if not (len(checked) == len(weights) + 2 and checked[0] == self._seen and checked[1] == policy.reducer
+                    and all(w is c and getattr(w, _MARK, None) is self for w, c in zip(weights, checked[2:]))):
+                self._check_leaves(layer, weights)
         if per_parameter:
-            register_param_hooks(self.policy, weights, position, self.arm_guard)
+            register_param_hooks(policy, weights, position, self.arm_guard)
             return weights
-        if not any(w.requires_grad for w in weights) or not (self.policy.finishes or self.guarded):
+        if not any(w.requires_grad for w in weights) or not (policy.finishes or (self.started and policy.guards)):
             return weights
-        return finish_weights(self.policy, weights, position(), self.arm_guard)
+        return finish_weights(policy, weights, position(), self.arm_guard)
 
     def _check_leaves(self, layer: int, weights: list[torch.Tensor]) -> None:
-        """Refuse expert leaves that a wrapper seen by :meth:`_before_forward` manages; mark them."""
-        if not torch.is_grad_enabled():
-            return
+        """Refuse expert leaves that a wrapper seen by :meth:`_before_forward` manages; mark them (run
+        by :meth:`use_weights` in a forward with gradients); parameters are remembered as checked."""
         leaves = [leaf for w in weights for leaf in _leaves(w)]
         self.started = True
         if any(hasattr(p, "ds_id") for p in leaves):
@@ -220,6 +243,8 @@ class EPModel:
         unmarked = [p for p in leaves if getattr(p, _MARK, None) is not self]
         if unmarked:  # the first forward's leaves (or new ones: a PEFT wrapper, a substitute)
             self.mark(unmarked)
+        if not torch.compiler.is_compiling() and all(isinstance(w, nn.Parameter) for w in weights):  # no graph kept
+            self._checked[layer] = (self._seen, self.policy.reducer, *weights)
 
     # ---- the step guard
 

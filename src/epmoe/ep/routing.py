@@ -33,10 +33,15 @@ vendor's per-slot layout instead (:mod:`epmoe.ep.dispatch.fused`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from epmoe import platform
+
+# where sums of rows of a dtype accumulate, where not in that dtype itself: float32 for 16-bit floats
+# (as torch.sum does); read as ACCUMULATION_DTYPES.get(dtype, dtype)
+ACCUMULATION_DTYPES = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 
 
 @dataclass
@@ -108,9 +113,10 @@ def destinations_TW(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size
     return sends_TW.scatter_(1, rank_TK, 1)
 
 
-@dataclass
-class TokenRows:
-    """The sender's rows: one per (token, destination rank), rank-major then token, on the device."""
+class TokenRows(NamedTuple):
+    """The sender's rows: one per (token, destination rank), rank-major then token, on the device.
+    The rows move by it as ``GatherRows.apply(x_TH, *rows)`` and come back as
+    ``SumRows.apply(y_RH, *rows)`` (differentiable)."""
 
     token_R: torch.Tensor  # (R,) int64: each row's token (T: a padding row, where padded)
     row_TD: torch.Tensor  # (T, D) int64: each token's rows in rank order (D = min(K, W)); R where none
@@ -151,14 +157,17 @@ def static_token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_si
     return TokenRows(token_R, row_TD, padded=True), dest_TW.sum(0)
 
 
-class _GatherRows(torch.autograd.Function):
-    """``gather_rows(x_TH, rows)``: ``(R, H)``, each token's hidden state once per destination rank
-    (zero rows for padding); backward: each token's rows' gradients summed in rank order."""
+class GatherRows(torch.autograd.Function):
+    """``GatherRows.apply(x_TH, *rows)`` (``rows``: :class:`TokenRows`): ``(R, H)``, each token's
+    hidden state once per destination rank (zero rows for padding); backward: each token's rows'
+    gradients summed in rank order."""
 
     @staticmethod
     def forward(ctx, x_TH: torch.Tensor, token_R: torch.Tensor, row_TD: torch.Tensor, padded: bool) -> torch.Tensor:
         ctx.save_for_backward(row_TD)
-        return _with_zero_row(x_TH, padded)[token_R]
+        if padded:  # padding rows read an appended zero row (index T)
+            x_TH = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])
+        return x_TH[token_R]
 
     @staticmethod
     def backward(ctx, dx_RH):
@@ -166,9 +175,10 @@ class _GatherRows(torch.autograd.Function):
         return _sum_by_token(dx_RH, row_TD), None, None, None
 
 
-class _SumRows(torch.autograd.Function):
-    """``sum_rows(y_RH, rows)``: ``(T, H)``, the rows each token got back, summed in rank order;
-    backward: the token's gradient to each of its rows (zero to padding rows)."""
+class SumRows(torch.autograd.Function):
+    """``SumRows.apply(y_RH, *rows)`` (``rows``: :class:`TokenRows`, ``y_RH`` in their order):
+    ``(T, H)``, the rows each token got back, summed in rank order; backward: the token's gradient
+    to each of its rows (zero to padding rows)."""
 
     @staticmethod
     def forward(ctx, y_RH: torch.Tensor, token_R: torch.Tensor, row_TD: torch.Tensor, padded: bool) -> torch.Tensor:
@@ -179,36 +189,18 @@ class _SumRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout_TH):
         (token_R,) = ctx.saved_tensors
-        return _with_zero_row(dout_TH, ctx.padded)[token_R], None, None, None
-
-
-def gather_rows(x_TH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
-    """``(R, H)``: ``x_TH``'s rows as ``rows`` sends them (differentiable; see :class:`TokenRows`)."""
-    return _GatherRows.apply(x_TH, rows.token_R, rows.row_TD, rows.padded)
-
-
-def sum_rows(y_RH: torch.Tensor, rows: TokenRows) -> torch.Tensor:
-    """``(T, H)``: the rows ``y_RH`` (in ``rows``' order) each token got back, summed in rank order
-    (differentiable)."""
-    return _SumRows.apply(y_RH, rows.token_R, rows.row_TD, rows.padded)
-
-
-def _with_zero_row(x_TH: torch.Tensor, padded: bool) -> torch.Tensor:
-    """``x_TH`` with a zero row appended where ``padded`` (padding rows read it: index ``T``)."""
-    return torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])]) if padded else x_TH
+        if ctx.padded:  # padding rows read an appended zero row (index T)
+            dout_TH = torch.cat([dout_TH, dout_TH.new_zeros(1, dout_TH.shape[1])])
+        return dout_TH[token_R], None, None, None
 
 
 def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
     """``(T, H)``: each token's rows summed in a fixed order (deterministic: no atomics), in float32
     or wider; a token's missing rows (``row_TD == R``) read an appended zero row."""
     R, H = y_RH.shape
-    out_TH = y_RH.new_zeros(row_TD.shape[0], H, dtype=accumulation_dtype(y_RH.dtype))
+    out_TH = y_RH.new_zeros(row_TD.shape[0], H, dtype=ACCUMULATION_DTYPES.get(y_RH.dtype, y_RH.dtype))
     y_RH = torch.cat([y_RH, y_RH.new_zeros(1, H)])
     for column in row_TD.unbind(1):
         out_TH += y_RH[column]
     return out_TH.to(y_RH.dtype)
 
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Where sums of rows of ``dtype`` accumulate: float32 for 16-bit floats (as ``torch.sum`` does)."""
-    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from epmoe.comm.steps import BACKWARD, GRAD_REDUCE, Position, checks_on, header_in_backward
+from epmoe.comm.steps import BACKWARD, GRAD_REDUCE, BackwardHeader, Position
 from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER, ExpertShard
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.model import EPModel, expert_owner, live_models
@@ -93,9 +93,9 @@ class ExpertParallelState:
         """``y_rank_major`` (the output of the layer's combine), its backward checked to start at this
         layer's position, where ``config.check_steps`` asks for it."""
         channel = self.model.channel
-        if channel is None or not checks_on(self.model.config.check_steps, y_rank_major.device):
+        if channel is None or not y_rank_major.requires_grad or not self.model.checks[y_rank_major.device.type]:
             return y_rank_major
-        return header_in_backward(y_rank_major, channel, self.position(BACKWARD))
+        return BackwardHeader.apply(y_rank_major, channel, Position(self.layer, BACKWARD, self.calls))
 
     def sharded_params(self, owner: nn.Module) -> list[nn.Parameter]:
         """The parameters that differ per EP rank (``owner``: the module this state is on): the packed

@@ -69,6 +69,13 @@ class GmmBackend:
         device; ``backward``: the call will be differentiated too), or ``None``."""
         return None
 
+    def calls_reason(self, x: torch.Tensor, *, backward: bool) -> str | None:
+        """For a ``by_counts`` backend: why ``auto`` should not run it on any group sizes for calls
+        on ``x``'s device (``backward``: differentiated), or ``None`` where the counts decide
+        (:meth:`counts_reason`, which must then decline too). A ``BackendChoice`` keeps its answer
+        for such calls and asks no counts."""
+        return None
+
     def forward(self, x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,
                 trans_weight: bool) -> torch.Tensor:
         """``y_TN``: rows of group ``g`` times ``weight[g]`` (``weight[g].T`` when ``trans_weight``)."""

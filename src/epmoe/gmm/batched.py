@@ -37,13 +37,19 @@ class BatchedBackend(GmmBackend):
     def ineligible_reason(self, x, weight, *, trans_weight=False):
         return None
 
-    def counts_reason(self, counts: list[int], x: torch.Tensor, *, backward: bool) -> str | None:
+    def calls_reason(self, x: torch.Tensor, *, backward: bool) -> str | None:
         kind = platform.device_type(x)
         if kind not in WINS:
             return f"no measured region where padding wins on {kind}"
         if backward:
             return "the call is differentiated: padding was measured to win in the forward only"
-        min_groups, max_mean_rows, max_spread = WINS[kind]
+        return None
+
+    def counts_reason(self, counts: list[int], x: torch.Tensor, *, backward: bool) -> str | None:
+        reason = self.calls_reason(x, backward=backward)
+        if reason is not None:
+            return reason
+        min_groups, max_mean_rows, max_spread = WINS[platform.device_type(x)]
         if len(counts) < min_groups:
             return f"{len(counts)} groups (padding wins from {min_groups})"
         mean = sum(counts) / len(counts)

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from epmoe import errors
-from epmoe.errors import refuse_double_backward
+from epmoe.errors import double_backward_error
 from epmoe.gmm.backend import BackendStatus, GmmBackend
 from epmoe.gmm.batched import BatchedBackend
 from epmoe.gmm.loop import LoopBackend
@@ -267,6 +267,12 @@ class BackendChoice:
     statuses (no backend is asked). The backend of a forward runs its backward too, as in
     :func:`grouped_mm`.
 
+    What is judged per call, then, is only what can change between calls: the ops that run the
+    family (``epmoe::routed_mlp``) ask :meth:`backend_for_weights`, which keeps each answer by the
+    registry's version, ``$EPMOE_GMM_BACKEND``, whether the call is differentiated and the weights'
+    operands, and chooses again per call only where the group sizes may decide (``"auto"`` and a
+    ``by_counts`` backend that takes some calls of this kind: ``batched`` in inference on the CPU).
+
     The ``epmoe::grouped_mm`` op finds a choice by :attr:`key` (custom ops take no Python objects).
     """
 
@@ -275,6 +281,7 @@ class BackendChoice:
             raise TypeError(f"BackendChoice(requested): expected a str, got {type(requested).__name__}")
         self.requested, self.family = requested, family
         self._judged: dict[tuple, tuple[list[BackendStatus], frozenset[Operands]]] = {}
+        self._fixed: dict[tuple, GmmBackend] = {}  # backend_for_weights' answers that no counts change
         self.key = self._register()
 
     def _register(self) -> int:
@@ -283,8 +290,10 @@ class BackendChoice:
         return key
 
     def __setstate__(self, state: dict) -> None:
-        """A copy (``copy.deepcopy`` of a model) registers itself under its own key."""
+        """A copy (``copy.deepcopy`` of a model) registers itself under its own key, and looks its
+        answers up afresh (the kept ones would be copies of the registered backends)."""
         self.__dict__.update(state)
+        self._fixed = {}
         self.key = self._register()
 
     def backend_for(self, calls: Sequence[Call], *, counts: list[int] | None = None, backward: bool = True
@@ -292,7 +301,33 @@ class BackendChoice:
         """The backend for ``calls`` (``(x, weight, trans_weight)`` each, on one device and dtype;
         ``counts``: the groups' rows where the caller has them on the host, ``backward``: whether the
         calls will be differentiated), judged as the class docstring says."""
-        x, weight, _ = calls[0]
+        return choose_backend(self._statuses(calls), backend=self.requested, counts=counts, x=calls[0][0],
+                              backward=backward)
+
+    def backend_for_weights(self, weights: Sequence[torch.Tensor], trans_weight: bool, *,
+                            counts: list[int] | None = None, backward: bool = True) -> GmmBackend:
+        """:meth:`backend_for` the grouped matmuls on ``weights`` (each read with ``trans_weight``) on
+        rows like the ones an op gathers (contiguous, fresh): what an op that runs the family's
+        matmuls asks each time it runs. Its answer is kept per registry, ``$EPMOE_GMM_BACKEND``,
+        ``backward`` and the weights' :class:`Operands`, so a later call with the same costs one
+        dictionary lookup; where the counts may change the answer (``"auto"`` with a ``by_counts``
+        backend that :meth:`~epmoe.gmm.backend.GmmBackend.calls_reason` leaves to the counts, such as
+        ``batched`` in an undifferentiated call on the CPU), it is chosen again per call instead."""
+        key = (_registry_version, os.environ.get(ENV_BACKEND, ""), backward, trans_weight,
+               *((w.device, w.dtype, w.shape, w.stride(), w.is_meta or w.data_ptr() % 16 == 0) for w in weights))
+        chosen = self._fixed.get(key)
+        if chosen is None:
+            calls = [(w.new_empty(0, w.shape[2 if trans_weight else 1]), w, trans_weight) for w in weights]
+            chosen = self.backend_for(calls, counts=counts, backward=backward)
+            named = os.environ.get(ENV_BACKEND, "").strip() or self.requested
+            if named != "auto" or all(b.calls_reason(calls[0][0], backward=backward) is not None
+                                      for b in _registry if b.by_counts):
+                self._fixed[key] = chosen
+        return chosen
+
+    def _statuses(self, calls: Sequence[Call]) -> list[BackendStatus]:
+        """Every registered backend's status on ``calls``, judged as the class docstring says."""
+        _, weight, _ = calls[0]
         family_key = (_registry_version, weight.device, weight.dtype)
         judged = self._judged.get(family_key)
         if judged is None:
@@ -309,7 +344,7 @@ class BackendChoice:
                 again = self._judged[again_key] = (
                     _both(statuses, _judge([(None, *call) for call in differ.values()], "grouped_mm")), operands)
             statuses = again[0]
-        return choose_backend(statuses, backend=self.requested, counts=counts, x=x, backward=backward)
+        return statuses
 
 
 def _both(first: list[BackendStatus], second: list[BackendStatus]) -> list[BackendStatus]:
@@ -380,15 +415,16 @@ def backend_counts(backend: GmmBackend, counts_G: torch.Tensor, host_counts: lis
     return _counts_list(counts_G, num_groups, x_TD.shape[0])
 
 
-def host_counts_once(backend: GmmBackend, counts_G: torch.Tensor, host_counts: list[int] | None, num_groups: int
-                     ) -> list[int] | None:
-    """For an op that issues several grouped matmuls on the same counts on ``backend``:
-    ``host_counts`` where the caller has them, else ``counts_G`` read to the host once if the backend
-    needs host counts (then every call gets the list), else ``None`` (nothing read)."""
-    if host_counts is not None or backend.device_counts:
-        return host_counts
+def counts_once(backend: GmmBackend, counts_G: torch.Tensor, num_groups: int, device: torch.device
+                ) -> list[int] | torch.Tensor:
+    """For an op that issues several grouped matmuls on the same counts on ``backend`` and holds no
+    host counts (where it does, every call takes those): the ``(G,)`` tensor on ``device`` for a
+    :attr:`~GmmBackend.device_counts` backend (not read), else ``counts_G`` read to the host once and
+    validated (every call then gets the list; the rows are the caller's, checked there)."""
+    if backend.device_counts:
+        return counts_G.to(device=device, dtype=torch.int64)
     values = errors.int_list("grouped_mm(counts)", counts_G)
-    _counts_list(values, num_groups, sum(values))  # the rows are the caller's: validated there
+    _counts_list(values, num_groups, sum(values))
     return values
 
 
@@ -475,7 +511,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dy_TN):
-    refuse_double_backward("grouped_mm")
+    if torch.is_grad_enabled():
+        raise double_backward_error("grouped_mm")
     x_TD, weight, counts_G = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
     host_counts, trans_weight, backend, choice = ctx.options

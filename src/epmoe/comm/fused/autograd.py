@@ -27,7 +27,7 @@ from epmoe.comm.fused.compute import shared_backward, shared_forward
 from epmoe.comm.fused.backends import FusedBackend, choose_fused_backend
 from epmoe.comm.fused.pipelined import Result, Run, grad_weight
 from epmoe.comm.layout import RowLayout
-from epmoe.errors import refuse_double_backward
+from epmoe.errors import double_backward_error
 from epmoe.gmm.backend import GmmBackend
 
 
@@ -77,7 +77,8 @@ def _start_backward(ctx, op: str, dy: torch.Tensor | None, dshared_y) -> tuple[t
     """The backwards' common start: ``dy`` (zeros where it is missing) and the run of the other op's
     pipeline with the weight transposed, ``dw_x`` where the weight needs a gradient and the shared
     expert's backward as its side job."""
-    refuse_double_backward(op)
+    if torch.is_grad_enabled():
+        raise double_backward_error(op)
     call = ctx.call
     dw_x, weight, shared_x, shared_weight = ctx.saved_tensors
     if dy is None:

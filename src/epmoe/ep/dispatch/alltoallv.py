@@ -29,13 +29,13 @@ from epmoe.comm import all_to_all_v
 from epmoe.ep.config import DROPPED_COUNTER
 from epmoe.ep.dispatch.base import Dispatcher, LayerCounts, SharedExpert, exchange_layer_counts
 from epmoe.ep.routing import (
+    GatherRows,
     RowPairs,
+    SumRows,
     TokenRows,
     destinations_TW,
-    gather_rows,
     keep_first,
     pair_rows,
-    sum_rows,
     token_rows,
 )
 from epmoe.ep.state import ExpertParallelState
@@ -84,7 +84,7 @@ class AllToAllVDispatcher(Dispatcher):
             route_dtype = torch.float64 if top_k_weights_TK.dtype == torch.float64 else torch.float32
             route_RK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
             splits = (counts.recv_rows_W, counts.send_rows_W, counts.group)
-            x_RH = all_to_all_v(gather_rows(hidden_TH, rows), *splits)
+            x_RH = all_to_all_v(GatherRows.apply(hidden_TH, *rows), *splits)
             route_RK2 = all_to_all_v(route_RK2[rows.token_R], *splits)
             local_expert_RK = route_RK2[:, :K].long() - shard.local_start
             local_expert_RK = local_expert_RK.masked_fill((local_expert_RK < 0) | (local_expert_RK >= e), e)
@@ -111,4 +111,4 @@ class AllToAllVDispatcher(Dispatcher):
         if meta.rows is None:
             return state.backward_header(y_RH)
         back_RH = all_to_all_v(y_RH, meta.counts.send_rows_W, meta.counts.recv_rows_W, meta.counts.group)
-        return state.backward_header(sum_rows(back_RH, meta.rows))
+        return state.backward_header(SumRows.apply(back_RH, *meta.rows))

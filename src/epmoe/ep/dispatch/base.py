@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.comm.counts import exchange_counts_on
-from epmoe.comm.steps import FORWARD
+from epmoe.comm.steps import FORWARD, Position
 from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.guard import check as check_guard
 from epmoe.ep.state import ExpertParallelState
@@ -106,7 +106,8 @@ def exchange_layer_counts(state: ExpertParallelState, hidden_TH: torch.Tensor, t
     layer's load counters."""
     state.calls += 1
     shard, channel, model = state.shard, state.model.channel, state.model
-    guarded = state.layer == 0 and model.guarded
+    position = Position(state.layer, FORWARD, state.calls)  # the layer's next call
+    guarded = state.layer == 0 and model.started and model.policy.guards  # model.guarded, read per forward
     guard = model.guard_payload(hidden_TH.device) if guarded else None
     expert_S = top_k_index_TK.reshape(-1).long()
     slots_E = torch.zeros(shard.num_experts, dtype=torch.int64, device=expert_S.device)
@@ -119,14 +120,13 @@ def exchange_layer_counts(state: ExpertParallelState, hidden_TH: torch.Tensor, t
         rows_W = slots_E.new_zeros(W) if rows_W is None else rows_W
         guard = slots_E.new_zeros(2) if guard is None else guard
         extra = torch.cat([rows_W.view(W, 1), guard.view(1, -1).expand(W, -1)], dim=1)
-        exchanged = exchange_counts_on(channel, state.position(FORWARD), slots_E, hidden_TH.dtype, extra)
+        exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, extra)
         recv = exchanged.recv_counts
         counts = LayerCounts(
             exchanged.send_counts, recv, [sum(recv[s * e + j] for s in range(W)) for j in range(e)], channel.group,
             sum(exchanged.slots_by_rank), [row[0] for row in exchanged.extras_sent],
             [row[0] for row in exchanged.extras_received])
         if guarded:
-            check_guard([row[1:] for row in exchanged.extras_received],
-                        state.position(FORWARD).describe(channel.layer_names))
+            check_guard([row[1:] for row in exchanged.extras_received], position.describe(channel.layer_names))
     state.count_load(counts.local_counts_e)
     return counts

@@ -74,7 +74,7 @@ from epmoe.ep.dispatch.base import Dispatcher, SharedExpert
 from epmoe.ep.experts import WeightsHook
 from epmoe.ep.guard import check as check_guard
 from epmoe.ep.recognize import linear_triples
-from epmoe.ep.routing import RowPairs, TokenRows, pair_rows, static_token_rows, sum_rows, gather_rows
+from epmoe.ep.routing import GatherRows, RowPairs, SumRows, TokenRows, pair_rows, static_token_rows
 from epmoe.ep.state import ExpertParallelState
 
 GUARD = 2  # the step guard's values in each route header (zeros where it does not run)
@@ -177,8 +177,8 @@ class StaticDispatcher(Dispatcher):
             fits = T <= B
             if fits:
                 rows, rows_W = static_token_rows(top_k_index_TK, e, W, B)
-                sent_RX = torch.cat([gather_rows(hidden_TH, rows).to(carried),
-                                     gather_rows(top_k_weights_TK, rows).to(carried)], dim=1)
+                sent_RX = torch.cat([GatherRows.apply(hidden_TH, *rows).to(carried),
+                                     GatherRows.apply(top_k_weights_TK, *rows).to(carried)], dim=1)
             else:  # the header alone tells the peers; no row travels
                 sent_RX = hidden_TH.new_zeros(W * B, H + K, dtype=carried)
             route_WL = self._route(link, position, hidden_TH.dtype, top_k_index_TK, rows if fits else None,
@@ -218,7 +218,7 @@ class StaticDispatcher(Dispatcher):
         backward checked to start at this layer's position where ``check_steps`` says so."""
         if meta.rows is None:
             return state.backward_header(y_RH)
-        return state.backward_header(sum_rows(static_exchange(y_RH, meta.group), meta.rows))
+        return state.backward_header(SumRows.apply(static_exchange(y_RH, meta.group), *meta.rows))
 
     @staticmethod
     def _route(link: _Link, position: Position, dtype: torch.dtype, top_k_index_TK: torch.Tensor,
