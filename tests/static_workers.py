@@ -240,3 +240,12 @@ def wrapped_static_vs_dynamic(rank, world, wrap):
     pairs = {f"{name}/{step}": (found["static", step][name], found["alltoallv", step][name])
              for step in range(2) for name in found["alltoallv", step]}
     return {"differences": _differences(pairs), "compared": len(pairs)}
+
+
+def trainer_static(rank, world, out_dir):
+    """``prepare_trainer`` (transformers.Trainer: AdamW, clipping, gradient checkpointing,
+    accumulation 2, evaluate, save_model) on the EP model with ``dispatch="static"`` against the same
+    Trainer on the unsharded model, float64: ``training_workers.trainer_parity``'s per-parameter errors."""
+    from training_workers import trainer_parity
+
+    return trainer_parity(rank, world, out_dir, dtype_name="float64", config={"dispatch": "static"})

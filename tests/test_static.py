@@ -7,6 +7,7 @@ size (see ``static_workers``)."""
 
 import copy
 import functools
+import tempfile
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from static_workers import (
     out_of_step,
     overflow,
     static_generate,
+    trainer_static,
     wrapped_static_vs_dynamic,
 )
 
@@ -32,8 +34,9 @@ LAYER_CASES = ["random_k2", "rank_with_zero_tokens", "rank_receives_nothing", "e
                "all_on_one_expert_k1", "top_k_4"]
 
 
-def cases_of(world):
-    """``{label: (fn, args)}``: every case that runs on ``world`` ranks."""
+def cases_of(world, out_dir):
+    """``{label: (fn, args)}``: every case that runs on ``world`` ranks (``out_dir``: a directory the
+    ranks share, for the Trainer's output)."""
     cases = {"layer": (layer_static_vs_dynamic, (LAYER_CASES,)),
              "model/qwen3_moe/float64": (model_static_vs_dynamic, ("qwen3_moe", "float64", [7, 12, 3, 9][:world])),
              "reagree": (overflow, (True, None)),
@@ -58,12 +61,14 @@ def cases_of(world):
         cases["out_of_step"] = (out_of_step, ())
         cases["generate"] = (static_generate, ())
         cases["compiled"] = (compiled_static, ())
+        cases["trainer"] = (trainer_static, (out_dir,))
     return cases
 
 
 @functools.lru_cache(maxsize=None)
 def batch_results(world):
-    return run_ranks(run_cases, world, cases_of(world), timeout=850)
+    with tempfile.TemporaryDirectory() as out_dir:
+        return run_ranks(run_cases, world, cases_of(world, out_dir), timeout=850)
 
 
 def results_of(world, label):
@@ -185,6 +190,22 @@ def test_static_compiles_fullgraph_forward_and_backward():
     for result in results_of(2, "compiled"):
         assert result["sites"] == [] and result["logits_close"], result
         assert result["loss_diff"] <= 1e-5 and result["grad_diff"] <= 1e-5, result
+
+
+@pytest.mark.multirank
+@batched
+def test_static_trainer_equals_trainer_without_ep():
+    """``prepare_trainer`` on the EP model with ``dispatch="static"`` trains like the same Trainer on
+    the unsharded model (AdamW, clipping, gradient checkpointing, accumulation 2, float64): every
+    parameter after 6 steps (1e-10 element-wise), the logged losses and grad norms, the eval loss,
+    the saved model; the replicated weights identical on both ranks."""
+    for rank, result in enumerate(results_of(2, "trainer")):
+        assert result["transport"] == ["static"] and result["num_steps"] == 6 and result["checkpointing"], result
+        errors = result["errors"]
+        assert any(name.startswith("param/") and "experts" in name for name in errors), sorted(errors)
+        bad = {name: error for name, error in errors.items() if not error <= 1e-10}
+        assert not bad, (rank, bad)
+        assert result["replicated_equal"]
 
 
 class _OwnForwardExpert(nn.Module):
