@@ -19,6 +19,7 @@ from ep_workers import run_cases
 from epmoe.launch import run_ranks
 from epmoe.models import FAMILIES, build_model
 from static_workers import (
+    auto_generate,
     compiled_static,
     layer_static_vs_dynamic,
     model_static_vs_dynamic,
@@ -60,6 +61,7 @@ def cases_of(world, out_dir):
         cases["fixed_overflow_unchecked"] = (overflow, (False, 6))
         cases["out_of_step"] = (out_of_step, ())
         cases["generate"] = (static_generate, ())
+        cases["auto_generate"] = (auto_generate, ())
         cases["compiled"] = (compiled_static, ())
         cases["trainer"] = (trainer_static, (out_dir,))
     return cases
@@ -181,6 +183,29 @@ def test_static_ranks_out_of_step_raise_on_every_rank():
 @batched
 def test_static_generate_gives_the_same_tokens():
     assert all(result["equal"] for result in results_of(2, "generate"))
+
+
+@pytest.mark.multirank
+@batched
+def test_auto_takes_the_static_exchange_at_decode_steps_only():
+    """``dispatch="auto"``: ``generate`` gives the dynamic path's tokens (float64), each layer's
+    prompt forward on the all-to-all-v and every decode step on the static exchange (ranks with
+    other batch sizes, prompts and ``max_new_tokens``: 6 forwards on both, in lockstep; with
+    ``use_cache=False`` the buffer re-agrees as the steps grow); training stays on the all-to-all-v
+    and the layers keep their own dispatchers after the call."""
+    for result in results_of(2, "auto_generate"):
+        assert result["equal"] == [True, True], result
+        assert result["calls"] == {"cached/alltoallv": 1, "cached/static": 5, "no_cache/alltoallv": 1,
+                                   "no_cache/static": 3, "train/alltoallv": 1}, result
+        assert result["transports"] == ["alltoallv"], result
+
+
+def test_auto_rule():
+    """The static exchange at decode steps is ``"auto"``'s alone, and never with a capacity (dropless)."""
+    assert epmoe.ExpertParallelConfig().decodes_static()
+    for config in ({"dispatch": "alltoallv"}, {"dispatch": "static"}, {"dispatch": "fused"},
+                   {"capacity_factor": 1.25}):
+        assert not epmoe.ExpertParallelConfig(**config).decodes_static(), config
 
 
 @pytest.mark.multirank

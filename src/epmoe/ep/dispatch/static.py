@@ -35,7 +35,8 @@ about ``d x T`` (``d`` the mean ranks per token), and the routed MLP's gathers a
 passes run over ``W x B x K`` pairs, the real ones and the padding (the grouped matmuls over the
 real ones only). It pays where latency dominates (decode-sized steps: half the collectives, no host
 read); at training-sized steps on CPU the padding costs more than that saves
-(``benchmarks/static_cpu.md``), which is why ``dispatch="auto"`` never takes it.
+(``benchmarks/static_cpu.md``), which is why ``dispatch="auto"`` takes it at the decode steps of
+``generate`` only (:class:`DecodeDispatcher`, :mod:`epmoe.training.generate`).
 
 **The buffer size B.** With ``ExpertParallelConfig(static_tokens=N)``, ``B = N`` and nothing is
 agreed. Otherwise each layer's first forward agrees on ``B`` (the largest ``T`` of any rank: one
@@ -125,13 +126,16 @@ def _link(state: ExpertParallelState, device: torch.device) -> _Link:
 
 class StaticDispatcher(Dispatcher):
     """Fixed-size buffers around ``epmoe::routed_mlp`` (see the module docstring). ``block``: the
-    buffer's ``B`` (``static_tokens``, else agreed at the first forward and kept)."""
+    buffer's ``B`` (``static_tokens``, else agreed at the first forward and kept). ``read_headers``:
+    read the route headers on every forward whatever ``check_steps`` says (one host read per layer),
+    so a batch that outgrows ``B`` always re-agrees (what :class:`DecodeDispatcher` runs)."""
 
     name = "static"
 
-    def __init__(self, experts: nn.Module, config: ExpertParallelConfig):
+    def __init__(self, experts: nn.Module, config: ExpertParallelConfig, *, read_headers: bool = False):
         self.fixed = config.static_tokens is not None
         self.block: int | None = config.static_tokens
+        self.read_headers = read_headers
 
     @staticmethod
     def ineligible_reason(experts: nn.Module) -> str | None:
@@ -150,7 +154,7 @@ class StaticDispatcher(Dispatcher):
         """Without step checks (``check_steps`` off, or ``"auto"`` on an accelerator) the call reads
         nothing to the host: ``torch.compile`` traces it whole."""
         device = next(state.local_experts.parameters()).device
-        return not checks_on(state.model.config.check_steps, device)
+        return not (self.read_headers or checks_on(state.model.config.check_steps, device))
 
     def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
                  top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None
@@ -168,7 +172,7 @@ class StaticDispatcher(Dispatcher):
         position = state.position(FORWARD)
         T, K = top_k_index_TK.shape
         e, W = shard.num_local_experts, link.channel.size
-        read = checks_on(state.model.config.check_steps, hidden_TH.device) or link.guard is not None
+        read = self.read_headers or checks_on(state.model.config.check_steps, hidden_TH.device) or link.guard is not None
         # the weights ride beside the rows in the wider dtype of the two: both arrive exact, with autograd
         carried = torch.promote_types(hidden_TH.dtype, top_k_weights_TK.dtype)
         H = hidden_TH.shape[1]
@@ -281,3 +285,36 @@ class StaticDispatcher(Dispatcher):
         torch._assert_async(ok, f"epmoe: at {where}, an EP rank's static route header differs from this rank's: "
                                 f"a peer's batch outgrew the static exchange's buffer of B={B} rows, or the ranks are "
                                 f"out of step or in different dtypes; {FIX}")
+
+
+class DecodeDispatcher(Dispatcher):
+    """``dispatch="auto"`` during one ``generate`` call (:meth:`ExpertParallelConfig.decodes_static`,
+    installed by :mod:`epmoe.training.generate` for the call): the layer's first forward of the call
+    (the prompt) on its own dispatcher ``prompt``, every later one (the decode steps) on ``decode``,
+    a static exchange that reads its route headers on every forward (one host read per layer), so
+    ``B``, agreed at the first decode step, re-agrees where a batch outgrows it and never raises for
+    it. Every rank counts the same forwards (a generate call's ranks run them in lockstep), so every
+    rank takes the same transport at the same forward."""
+
+    name = "decode"
+
+    def __init__(self, prompt: Dispatcher, decode: StaticDispatcher):
+        self.prompt, self.decode = prompt, decode
+        self.forwards = 0  # this layer's forwards in the generate call so far
+
+    def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
+                 top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None) -> tuple[torch.Tensor, object]:
+        """The prompt's transport at the call's first forward, the static exchange after it."""
+        transport = self.decode if self.forwards else self.prompt
+        self.forwards += 1
+        return transport.dispatch(state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
+
+    def experts(self, state: ExpertParallelState, rows: torch.Tensor, meta: object) -> torch.Tensor:
+        return self._of(meta).experts(state, rows, meta)
+
+    def combine(self, state: ExpertParallelState, out_rows: torch.Tensor, meta: object) -> torch.Tensor:
+        return self._of(meta).combine(state, out_rows, meta)
+
+    def _of(self, meta: object) -> Dispatcher:
+        """The transport whose :meth:`dispatch` made ``meta``."""
+        return self.decode if isinstance(meta, StaticMeta) else self.prompt
