@@ -306,8 +306,10 @@ def test_padded_pairs_contribute_nothing(family, dtype):
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_bench_static_quick_rows():
-    """``epmoe bench layer --part static`` on the quick plan: both modes at both batches, the static
-    path with no counts exchange (fewer collectives per layer, fewer host reads), and the cost rows."""
+    """``epmoe bench layer --part static`` on the quick plan: every mode at both batches, the static
+    path with no counts exchange (fewer collectives per layer, fewer host reads; with the headers
+    read, as many host reads as the dynamic path), the floor from a bare all-to-all, and the cost
+    rows with their peak memory."""
     from epmoe.bench import common
     from epmoe.bench.static import COST_CASES, DECODE_BATCHES, run_static
 
@@ -316,7 +318,29 @@ def test_bench_static_quick_rows():
     for batch in DECODE_BATCHES:
         (_, reads_d, coll_d), (_, reads_s, coll_s) = report.decode[batch, "dynamic"], report.decode[batch, "static"]
         assert coll_s == 2 and coll_d == 4 and reads_d - reads_s == 1, report.decode
+        _, reads_r, coll_r = report.decode[batch, "static, headers read"]  # auto's decode steps
+        assert coll_r == 2 and reads_r == reads_d, report.decode
+        assert 0 < report.floor(batch) < 1, report.decode
     assert report.train["static"] == (0, 4) and report.train["dynamic"][1] == 7, report.train
     assert [(row[0], row[1]) for row in report.cost] == list(COST_CASES)
     assert all(row[4] == row[0] * row[2] and row[3] <= row[4] for row in report.cost)
+    assert all(float(row[8]) > 0 and float(row[9]) > 0 for row in report.cost), report.cost
     assert "static / dynamic" in report.markdown()
+
+
+def test_peak_bytes_sees_what_the_step_held_at_once():
+    """``bench.static.peak_bytes``: 1 MiB freed before 2 MiB are taken, then 1 MiB more beside them:
+    3 MiB at once at most, whatever was held before the step."""
+    from epmoe.bench.static import peak_bytes
+
+    before = torch.ones(2**19)  # held before: not counted
+
+    def step():
+        first = torch.ones(2**18)  # 1 MiB of float32
+        del first
+        second = torch.ones(2**19)
+        third = torch.ones(2**18)
+        return second, third
+
+    assert peak_bytes(step) == 3 * 2**20
+    assert before.sum() > 0
