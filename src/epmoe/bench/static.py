@@ -14,8 +14,10 @@ off on both: no step-header exchange in either)::
 A *decode step* is one forward of ``batch`` new tokens per rank (``use_cache=False``, no gradient:
 the MoE layers' work of a decode step at that batch; the static buffer agreed on that batch,
 ``B = batch``), and one MoE layer alone on random routing of that batch, timed side by side, interleaved round by
-round, the slowest rank's time per round, beside a bare all-to-all of ``COLLECTIVE_BYTES`` per peer
-(the floor: the dynamic step less the collectives the static exchange leaves out). The counts per step (host reads: every ``Tensor.item /
+round, the slowest rank's time per round, beside a bare all-to-all of ``COLLECTIVE_BYTES`` per peer;
+then each step again with the time inside its collectives taken apart (:func:`collective_seconds`:
+the floor of the ratio is the dynamic step less the share of its collectives the static exchange
+leaves out). The counts per step (host reads: every ``Tensor.item /
 tolist / cpu ...`` call in the step; collectives: every all-to-all of epmoe, the header exchanges
 included) are divided by the model's MoE layers; a *training step* (forward and backward of the
 same model on ``2 x 8`` tokens) is counted too.
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -60,8 +63,8 @@ RANKS = 2
 GOAL = 0.7  # static / dynamic decode step at batch 1 <=
 HOST_READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 COST_CASES = ((2, 8), (2, 2), (4, 8), (4, 2))  # (EP size, top-k)
-DECODE_HEADERS = ("batch per rank", "mode", "step ms", "spread", "static / dynamic", "one MoE layer ms",
-                  "static / dynamic (layer)",
+DECODE_HEADERS = ("batch per rank", "mode", "step ms", "spread", "static / dynamic", "in collectives ms",
+                  "one MoE layer ms", "static / dynamic (layer)",
                   "host reads per layer (step / layers)", "collectives per layer")
 TRAIN_HEADERS = ("mode", "host reads per layer (fwd+bwd, step / layers)", "collectives per layer (fwd+bwd)")
 COST_HEADERS = ("EP", "top-k", "T per rank", "rows received (dynamic)", "receive buffer rows (static, W x B)",
@@ -118,6 +121,42 @@ def counting():
         StepChannel.exchange = exchange
 
 
+@contextmanager
+def collective_seconds():
+    """``{"s": seconds}`` spent inside ``torch.distributed.all_to_all_single`` in the block (every
+    collective of epmoe's EP layers runs through it: counts, rows, routes, combine, static blocks)."""
+    spent = {"s": 0.0}
+    original = torch.distributed.all_to_all_single
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent["s"] += time.perf_counter() - start
+
+    torch.distributed.all_to_all_single = timed
+    try:
+        yield spent
+    finally:
+        torch.distributed.all_to_all_single = original
+
+
+def _time_in_collectives(steps: dict, repeats: int) -> dict:
+    """``{mode: (step s, of it in collectives s)}``, means over ``repeats`` rounds of every step,
+    interleaved, the ranks aligned by a barrier before each (this rank's own)."""
+    spent = {mode: [0.0, 0.0] for mode in steps}
+    for _ in range(repeats):
+        for mode, step in steps.items():
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            with collective_seconds() as inside:
+                step()
+            spent[mode][0] += (time.perf_counter() - start) / repeats
+            spent[mode][1] += inside["s"] / repeats
+    return {mode: tuple(times) for mode, times in spent.items()}
+
+
 def _model(plan: Plan, **overrides) -> torch.nn.Module:
     return build_model("qwen3_moe", hidden_size=plan.hidden, moe_intermediate_size=plan.intermediate, **overrides)
 
@@ -153,7 +192,9 @@ def _decode_rank(rank: int, world: int, plan: Plan, warmup: int, repeats: int, s
         steps["all-to-all"] = functools.partial(torch.distributed.all_to_all_single, received, sent)
         timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
         out["decode"][batch, "all-to-all"] = timings["all-to-all"]
+        inside = _time_in_collectives({mode: steps[mode] for mode in DECODE_MODES}, repeats)
         for mode in DECODE_MODES:
+            out["decode"][batch, mode, "collectives"] = inside[mode]
             with counting() as counts, count_traffic() as traffic:
                 steps[mode]()
             out["decode"][batch, mode] = (timings[mode], counts["reads"] / layers,
@@ -247,11 +288,12 @@ class StaticReport:
         return self.decode[batch, mode, "layer"].median_s / self.decode[batch, "dynamic", "layer"].median_s
 
     def floor(self, batch: int) -> float:
-        """The static / dynamic decode step ratio if the static exchange cost nothing but the
-        collectives it leaves out: the dynamic step less that many bare all-to-alls per layer."""
+        """The static / dynamic decode step ratio if the static exchange saved exactly the share of
+        the dynamic step's time in collectives that its left-out collectives make (and cost nothing
+        else): ``1 - (collectives left out / collectives) * time in collectives / step time``."""
         dynamic, static = self.decode[batch, "dynamic"], self.decode[batch, "static"]
-        saved = (dynamic[2] - static[2]) * self.layers * self.decode[batch, "all-to-all"].median_s
-        return (dynamic[0].median_s - saved) / dynamic[0].median_s
+        step_s, inside_s = self.decode[batch, "dynamic", "collectives"]
+        return 1 - (dynamic[2] - static[2]) / dynamic[2] * inside_s / step_s
 
     def markdown(self) -> str:
         rows = []
@@ -260,8 +302,10 @@ class StaticReport:
                 timing, reads, collectives = self.decode[batch, mode]
                 layer = self.decode[batch, mode, "layer"]
                 static = mode != "dynamic"
+                step_s, inside_s = self.decode[batch, mode, "collectives"]
                 rows.append((batch, mode, f"{timing.median_s * 1e3:.3f}", f"{timing.spread:.0%}",
-                             f"{self.ratio(batch, mode):.2f}" if static else "", f"{layer.median_s * 1e3:.3f}",
+                             f"{self.ratio(batch, mode):.2f}" if static else "",
+                             f"{inside_s * 1e3:.3f} of {step_s * 1e3:.3f}", f"{layer.median_s * 1e3:.3f}",
                              f"{self.layer_ratio(batch, mode):.2f}" if static else "", f"{reads:g}",
                              f"{collectives:g}"))
         train = [(mode, f"{reads:g}", f"{collectives:g}") for mode, (reads, collectives) in self.train.items()]
@@ -272,12 +316,15 @@ class StaticReport:
                 f"Goal: static at most {GOAL}x dynamic at batch 1 (the whole decode step): {goal:.2f}x, {verdict} "
                 f"(one MoE layer alone: {self.layer_ratio(1):.2f}x). Load average during the run: "
                 f"{'unknown' if self.load is None else f'{self.load:.1f}'} (spread: (max - min) / median of the rounds)."
-                f"\n\nThe floor: a bare all-to-all of {COLLECTIVE_BYTES} bytes per peer took "
-                f"{self.decode[1, 'all-to-all'].median_s * 1e3:.3f} ms (batch 1's rounds), so leaving out "
-                f"{self.decode[1, 'dynamic'][2] - self.decode[1, 'static'][2]:g} collectives per layer of "
-                f"{self.layers} takes the dynamic step to at best {self.floor(1):.2f}x (batch 8: {self.floor(8):.2f}x) "
-                f"if the static exchange cost nothing else. \"static, headers read\": the route headers read on every "
-                f"forward (one host read per layer), what `dispatch=\"auto\"` runs at the decode steps of "
+                f"\n\nWhere the time goes: \"in collectives\" is the time inside the step's all-to-alls (mean of "
+                f"rounds timed again, ranks aligned before each step; this rank's), most of it waiting for the peer; "
+                f"a bare all-to-all of {COLLECTIVE_BYTES} bytes per peer with the ranks aligned took "
+                f"{self.decode[1, 'all-to-all'].median_s * 1e3:.3f} ms. Leaving out "
+                f"{self.decode[1, 'dynamic'][2] - self.decode[1, 'static'][2]:g} of the dynamic path's "
+                f"{self.decode[1, 'dynamic'][2]:g} collectives per layer saves at most that share of its time in "
+                f"collectives: the floor of the ratio, {self.floor(1):.2f}x at batch 1 ({self.floor(8):.2f}x at batch 8)"
+                f", were the static exchange's own work free. \"static, headers read\": the route headers read on "
+                f"every forward (one host read per layer), what `dispatch=\"auto\"` runs at the decode steps of "
                 f"`generate`.\n\n"
                 f"Training step (forward + backward, 2 x 8 tokens per rank):\n\n"
                 f"{common.markdown_table(TRAIN_HEADERS, train)}\n\n"
