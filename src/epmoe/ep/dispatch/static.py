@@ -205,7 +205,8 @@ class StaticDispatcher(Dispatcher):
             break
         # each choice's local expert, e where it is another rank's or the row is padding (ids -1)
         expert_RK = received_WL[:, ROUTE_HEAD:].reshape(W * B, K)
-        local_RK = torch.where(expert_RK.div(e, rounding_mode="floor") == shard.ep_rank, expert_RK - shard.local_start, e)
+        mine_RK = expert_RK.div(e, rounding_mode="floor") == shard.ep_rank
+        local_RK = torch.where(mine_RK, expert_RK - shard.local_start, e)
         pairs = pair_rows(local_RK, e, padded=True)
         state.count_load(pairs.counts_e)
         x_RH, weights_RK = received_RX[:, :H].to(hidden_TH.dtype), received_RX[:, H:].to(top_k_weights_TK.dtype)
