@@ -21,6 +21,12 @@
    transformers' ``grouped_mm`` block (measured) next to the formulas (plain autograd, Megatron-Core,
    SonicMoE, the bound H + 2KI + E); the step epmoe vs ``grouped_mm`` (goal: no slower beyond noise);
    the peak memory of one forward + backward of each above what was allocated before it.
+7. ``dispatch="static"`` (sync-free expert parallelism, bf16, ``check_steps=False``, ``static_tokens``
+   given): a decode step (batch 1 and 8, one new token per sequence, ``use_cache=False``) captured in
+   a CUDA graph and replayed on new tokens against the eager step (logits, time), and a training
+   step of ``torch.compile(model, fullgraph=True)`` against eager (loss, gradients, time). EP 1 in
+   this process; EP 2 on two spawned ranks, one GPU each over NCCL (NCCL cannot put two ranks on one
+   GPU), where at least two GPUs are present, else a line saying so.
 
 Needs torch, transformers and epmoe. Exits with status 1 and a message when no CUDA device is present
 or the ``torch`` backend declines there. ``--device cpu --quick`` runs every section on tiny shapes
@@ -35,6 +41,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 try:
     import epmoe
@@ -44,6 +51,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from epmoe import platform
 from epmoe.bench import common, compiled, gmm, layer, lean
+from epmoe.launch import run_ranks
+from epmoe.models import build_model
 
 TOLERANCE = 1.5e-2  # max |error| / max |reference|, for bf16 results with float32 accumulation
 GPU_BLOCK_GOAL = 0.8  # epmoe block time / transformers grouped_mm block time
@@ -69,6 +78,15 @@ CASES = (
              num_experts=128, hidden=2048, intermediate=768, tokens=64, top_k=8, ep=1, projections=("gate_up",)),
 )
 QUICK_CHECKS = (([5, 0, 3, 0], 64, 32), ([0, 0, 9, 0], 32, 16))
+
+# Section 7: the model of the static exchange's decode and training steps (Qwen3-MoE, bf16)
+STATIC_MODEL = dict(hidden_size=1024, moe_intermediate_size=512, num_experts=64, top_k=8, num_hidden_layers=4,
+                    vocab_size=32000, num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+QUICK_STATIC_MODEL = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2, num_hidden_layers=2)
+STATIC_DECODE_BATCHES = (1, 8)
+STATIC_TRAIN_SHAPE = (4, 256)  # (sequences, tokens each) per rank
+STATIC_HEADERS = ("EP", "step", "batch per rank", "eager ms", "graph / compiled ms", "speed-up",
+                  "max |diff| / max |ref|", "note")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     sections += block_sections(settings, layer.QUICK_SHAPES if args.quick else layer.SHAPES)
     sections += lean_sections(settings, lean.QUICK_PLAN.shapes if args.quick else
                               [dataclasses.replace(s, tokens=GPU_LEAN_TOKENS) for s in lean.PLAN.shapes])
+    sections += static_sections(settings)
     report = "\n".join(sections) + "\n"
     if args.out:
         Path(args.out).write_text(f"# gpu_check: `python benchmarks/gpu_check.py`\n\n{report}")
@@ -164,6 +183,159 @@ def lean_sections(settings: common.Settings, shapes) -> list[str]:
                "before it (activations, the weights' gradients, workspace)")
     print("\n".join(out))
     return out
+
+
+def static_sections(settings: common.Settings) -> list[str]:
+    """Section 7: ``dispatch="static"``: a CUDA-graph-captured decode step and a compiled training
+    step, each against eager, at EP 1 here and at EP 2 on two GPUs (two gloo ranks on the CPU in a
+    ``--device cpu`` smoke run, where no graph is captured)."""
+    device = settings.device
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    rows, notes = [], []
+    if device.type == "cuda":
+        rows += _static_rows(0, 1, device, settings)
+    else:
+        notes.append("- EP 1: not run in a --device cpu smoke run (the EP 2 ranks run the same steps)")
+    if device.type == "cpu" or gpus >= 2:
+        backend = "gloo" if device.type == "cpu" else "nccl"
+        rows += run_ranks(_static_rank, 2, device.type, settings, backend=backend, timeout=900)[0]
+    else:
+        notes.append(f"- EP 2: not run: it needs 2 GPUs (NCCL runs one rank per GPU; this machine has {gpus})")
+    if device.type != "cuda":
+        notes.append(f"- decode steps run eagerly only: a CUDA graph needs a CUDA device (this is {device.type})")
+    model = QUICK_STATIC_MODEL if settings.quick else STATIC_MODEL
+    sequences, length = _static_train_shape(settings.quick)
+    out = ["\n## dispatch=\"static\": a decode step in a CUDA graph, a compiled training step, bf16\n",
+           f"- Qwen3-MoE, {', '.join(f'{k}={v}' for k, v in model.items())}; dispatch='static', check_steps=False, "
+           f"static_tokens = the step's tokens per rank; decode: one new token per sequence, use_cache=False; "
+           f"training: {sequences} x {length} tokens per rank, forward + backward, fullgraph=True",
+           "- graph: the step captured once, replayed on new tokens; diff: its logits (decode) or the largest "
+           "gradient difference (training) against the eager step on the same tokens, relative to the eager one's "
+           "largest; time: median of the rounds, side by side (the slowest rank's at EP 2)", *notes, "",
+           common.markdown_table(STATIC_HEADERS, rows, align="rlrrrrrl")]
+    print("\n".join(out))
+    return out
+
+
+def _static_rank(rank: int, world: int, device_type: str, settings: common.Settings) -> list[tuple]:
+    """One rank of the EP-2 runs of section 7 (its device: GPU ``rank``, or the CPU)."""
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    device = platform.current_device(device_type)
+    return _static_rows(rank, world, device, dataclasses.replace(settings, device=device))
+
+
+def _static_rows(rank: int, world: int, device: torch.device, settings: common.Settings) -> list[tuple]:
+    """Section 7's rows on this process (EP ``world``: the default group, or none at EP 1)."""
+    rows = []
+    for batch in STATIC_DECODE_BATCHES:
+        rows.append(_guarded(world, "decode", batch,
+                             lambda b=batch: _static_decode(rank, world, b, device, settings)))
+    sequences = _static_train_shape(settings.quick)[0]
+    rows.append(_guarded(world, "train", sequences, lambda: _static_train(rank, world, device, settings)))
+    return rows
+
+
+def _static_train_shape(quick: bool) -> tuple[int, int]:
+    """(sequences, tokens each) per rank of section 7's training step."""
+    return (2, 16) if quick else STATIC_TRAIN_SHAPE
+
+
+def _guarded(world: int, step: str, batch: int, run) -> tuple:
+    """``run()``'s row, or a row naming the exception it raised (the other rows still stand)."""
+    try:
+        return (world, step, batch, *run())
+    except Exception as error:  # noqa: BLE001 - report it; the other sections still stand
+        return (world, step, batch, "-", "-", "-", "-", f"failed: {type(error).__name__}: {error}"[:160])
+
+
+def _static_model(world: int, tokens: int, device: torch.device, quick: bool) -> torch.nn.Module:
+    """The section's model on ``device`` in bf16, expert-parallel over the default group (or alone)."""
+    shape = QUICK_STATIC_MODEL if quick else STATIC_MODEL
+    model = build_model("qwen3_moe", **shape).to(device, torch.bfloat16)
+    group = None if world > 1 else _own_group()
+    epmoe.apply_expert_parallel(model, group, config={"dispatch": "static", "check_steps": False,
+                                                      "static_tokens": tokens})
+    return model
+
+
+def _own_group():
+    """A group of this process alone where a default group runs (EP 1 beside it), else ``None``."""
+    return dist.new_group([dist.get_rank()]) if dist.is_initialized() else None
+
+
+def _static_decode(rank: int, world: int, batch: int, device: torch.device, settings: common.Settings) -> tuple:
+    """A decode step of ``batch`` sequences: eager, and on CUDA captured in a graph and replayed on
+    new tokens: ``(eager ms, graph ms, speed-up, diff, note)``."""
+    model = _static_model(world, batch, device, settings.quick).eval()
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(settings.seed + 7 * rank + batch)
+    ids = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
+    fresh = torch.randint(0, vocab, (batch, 1), generator=generator).to(device)
+
+    def eager():
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+
+    steps = {"eager": eager}
+    graph_logits = None
+    if device.type == "cuda":
+        graph, graph_ids, graph_logits = _capture(model, ids)
+        steps["graph"] = graph.replay
+    timings = common.measure(steps, warmup=settings.warmup, repeats=settings.repeats, device=device,
+                             ranks=world > 1)
+    eager_ms = timings["eager"].median_s * 1e3
+    if graph_logits is None:
+        eager()
+        return f"{eager_ms:.3f}", "-", "-", "-", "eager only (no CUDA graph off CUDA)"
+    graph_ids.copy_(fresh)
+    graph.replay()
+    ids = fresh
+    want = eager()
+    diff = ((graph_logits.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    graph_ms = timings["graph"].median_s * 1e3
+    verdict = "ok" if diff <= TOLERANCE else f"MISMATCH (> {TOLERANCE})"
+    return f"{eager_ms:.3f}", f"{graph_ms:.3f}", f"{eager_ms / graph_ms:.2f}x", f"{diff:.1e}", verdict
+
+
+def _capture(model: torch.nn.Module, ids: torch.Tensor):
+    """``(graph, its input ids, its logits)``: ``model``'s decode step on ``ids`` captured in a CUDA
+    graph, after warm-up steps on a side stream (as ``torch.cuda.graph`` asks)."""
+    graph_ids = ids.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):
+            model(graph_ids, use_cache=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        logits = model(graph_ids, use_cache=False).logits
+    return graph, graph_ids, logits
+
+
+def _static_train(rank: int, world: int, device: torch.device, settings: common.Settings) -> tuple:
+    """A training step of ``torch.compile(model, fullgraph=True)`` against the same model run
+    eagerly: ``(eager ms, compiled ms, speed-up, largest relative gradient difference, graphs)``."""
+    sequences, length = _static_train_shape(settings.quick)
+    eager = _static_model(world, sequences * length, device, settings.quick)
+    compiled_model = torch.compile(_static_model(world, sequences * length, device, settings.quick), fullgraph=True)
+    generator = torch.Generator().manual_seed(settings.seed + 11 * rank)
+    ids = torch.randint(0, eager.config.vocab_size, (sequences, length), generator=generator).to(device)
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    timings = common.measure({"eager": lambda: step(eager), "compiled": lambda: step(compiled_model)},
+                             warmup=max(1, settings.warmup), repeats=settings.repeats, device=device,
+                             ranks=world > 1)
+    grads = {name.removeprefix("_orig_mod."): p.grad for name, p in compiled_model.named_parameters()}
+    diff = max(((grads[name].float() - p.grad.float()).abs().max() / p.grad.float().abs().max().clamp_min(1e-30)
+                ).item() for name, p in eager.named_parameters() if p.grad is not None)
+    eager_ms, compiled_ms = timings["eager"].median_s * 1e3, timings["compiled"].median_s * 1e3
+    return (f"{eager_ms:.1f}", f"{compiled_ms:.1f}", f"{eager_ms / compiled_ms:.2f}x", f"{diff:.1e}",
+            "one graph (fullgraph=True)")
 
 
 def _compiled_vs_eager(shape, label, block, x, dy, settings) -> tuple:

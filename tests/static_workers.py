@@ -240,3 +240,63 @@ def wrapped_static_vs_dynamic(rank, world, wrap):
     pairs = {f"{name}/{step}": (found["static", step][name], found["alltoallv", step][name])
              for step in range(2) for name in found["alltoallv", step]}
     return {"differences": _differences(pairs), "compared": len(pairs)}
+
+
+def trainer_static(rank, world, out_dir):
+    """``prepare_trainer`` (transformers.Trainer: AdamW, clipping, gradient checkpointing,
+    accumulation 2, evaluate, save_model) on the EP model with ``dispatch="static"`` against the same
+    Trainer on the unsharded model, float64: ``training_workers.trainer_parity``'s per-parameter errors."""
+    from training_workers import trainer_parity
+
+    return trainer_parity(rank, world, out_dir, dtype_name="float64", config={"dispatch": "static"})
+
+
+def auto_generate(rank, world):
+    """``dispatch="auto"``: ``generate`` gives the dynamic path's tokens and runs each layer's
+    prompt forward on the all-to-all-v, every decode step on the static exchange (ranks with
+    different batch sizes, prompt lengths and ``max_new_tokens``; then ``use_cache=False``, whose
+    growing decode steps re-agree the buffer); afterwards a training step runs the all-to-all-v
+    alone. ``{"equal": [...], "calls": {...}, "transports": [...]}`` (calls: dispatches per transport,
+    per layer)."""
+    from epmoe.ep.dispatch.alltoallv import AllToAllVDispatcher
+    from epmoe.ep.dispatch.static import StaticDispatcher
+
+    torch.manual_seed(0)
+    base = build_model("qwen3_moe", dtype=torch.float64).eval()
+    dynamic, auto = copy.deepcopy(base), copy.deepcopy(base)
+    epmoe.apply_expert_parallel(dynamic, config={"dispatch": "alltoallv"})
+    epmoe.apply_expert_parallel(auto)
+    layers, calls, label = base.config.num_hidden_layers, {}, None
+    originals = {cls: cls.dispatch for cls in (AllToAllVDispatcher, StaticDispatcher)}
+
+    def counted(cls):
+        def dispatch(self, state, *args, **kwargs):
+            if state.model.root is auto:
+                calls[label, cls.name] = calls.get((label, cls.name), 0) + 1 / layers
+            return originals[cls](self, state, *args, **kwargs)
+        return dispatch
+
+    g = torch.Generator().manual_seed(5 + rank)
+    prompt = torch.randint(0, 200, ([1, 3][rank], [5, 7][rank]), generator=g)
+    runs = {"cached": dict(max_new_tokens=[6, 4][rank], min_new_tokens=[6, 4][rank]),
+            "no_cache": dict(max_new_tokens=4, use_cache=False)}
+    equal = []
+    try:
+        for cls in originals:
+            cls.dispatch = counted(cls)
+        for label, kwargs in runs.items():
+            with torch.no_grad():
+                want = dynamic.generate(prompt, do_sample=False, pad_token_id=0, **kwargs)
+                got = auto.generate(prompt, do_sample=False, pad_token_id=0, **kwargs)
+            equal.append(torch.equal(want, got))
+        label = "train"
+        auto.train()
+        ids = batch_of(rank, [6, 9])
+        loss = auto(ids, labels=ids).loss
+        loss.backward()
+    finally:
+        for cls, dispatch in originals.items():
+            cls.dispatch = dispatch
+    dist.barrier()
+    return {"equal": equal, "calls": {f"{k[0]}/{k[1]}": round(v, 6) for k, v in calls.items()},
+            "transports": sorted({state.transport.name for _, _, state in epmoe.ep.state.ep_states(auto)})}

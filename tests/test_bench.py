@@ -145,9 +145,11 @@ def test_gpu_check_runs_every_section_as_a_cpu_smoke_test(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = out.read_text()
     for section in ("## Correctness: batched, torch, loop", "## Grouped matmul", "## The MoE block",
-                    "## torch.compile of the MoE block vs eager", "## Peak device memory"):
+                    "## torch.compile of the MoE block vs eager", "## Peak device memory",
+                    '## dispatch="static": a decode step in a CUDA graph, a compiled training step'):
         assert section in report, section
-    assert "torch.compile failed" not in report
+    assert "torch.compile failed" not in report and "failed:" not in report
+    assert "|   2 | train  |" in report and "one graph (fullgraph=True)" in report
     assert report.count("- ok: counts") == 4 and "epmoe <= 0.8x" in report
     cuda_only = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu"],
                                env=env, capture_output=True, text=True, timeout=120)

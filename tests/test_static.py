@@ -7,6 +7,7 @@ size (see ``static_workers``)."""
 
 import copy
 import functools
+import tempfile
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from ep_workers import run_cases
 from epmoe.launch import run_ranks
 from epmoe.models import FAMILIES, build_model
 from static_workers import (
+    auto_generate,
     compiled_static,
     layer_static_vs_dynamic,
     model_static_vs_dynamic,
@@ -25,6 +27,7 @@ from static_workers import (
     out_of_step,
     overflow,
     static_generate,
+    trainer_static,
     wrapped_static_vs_dynamic,
 )
 
@@ -32,8 +35,9 @@ LAYER_CASES = ["random_k2", "rank_with_zero_tokens", "rank_receives_nothing", "e
                "all_on_one_expert_k1", "top_k_4"]
 
 
-def cases_of(world):
-    """``{label: (fn, args)}``: every case that runs on ``world`` ranks."""
+def cases_of(world, out_dir):
+    """``{label: (fn, args)}``: every case that runs on ``world`` ranks (``out_dir``: a directory the
+    ranks share, for the Trainer's output)."""
     cases = {"layer": (layer_static_vs_dynamic, (LAYER_CASES,)),
              "model/qwen3_moe/float64": (model_static_vs_dynamic, ("qwen3_moe", "float64", [7, 12, 3, 9][:world])),
              "reagree": (overflow, (True, None)),
@@ -57,13 +61,16 @@ def cases_of(world):
         cases["fixed_overflow_unchecked"] = (overflow, (False, 6))
         cases["out_of_step"] = (out_of_step, ())
         cases["generate"] = (static_generate, ())
+        cases["auto_generate"] = (auto_generate, ())
         cases["compiled"] = (compiled_static, ())
+        cases["trainer"] = (trainer_static, (out_dir,))
     return cases
 
 
 @functools.lru_cache(maxsize=None)
 def batch_results(world):
-    return run_ranks(run_cases, world, cases_of(world), timeout=850)
+    with tempfile.TemporaryDirectory() as out_dir:
+        return run_ranks(run_cases, world, cases_of(world, out_dir), timeout=850)
 
 
 def results_of(world, label):
@@ -180,11 +187,50 @@ def test_static_generate_gives_the_same_tokens():
 
 @pytest.mark.multirank
 @batched
+def test_auto_takes_the_static_exchange_at_decode_steps_only():
+    """``dispatch="auto"``: ``generate`` gives the dynamic path's tokens (float64), each layer's
+    prompt forward on the all-to-all-v and every decode step on the static exchange (ranks with
+    other batch sizes, prompts and ``max_new_tokens``: 6 forwards on both, in lockstep; with
+    ``use_cache=False`` the buffer re-agrees as the steps grow); training stays on the all-to-all-v
+    and the layers keep their own dispatchers after the call."""
+    for result in results_of(2, "auto_generate"):
+        assert result["equal"] == [True, True], result
+        assert result["calls"] == {"cached/alltoallv": 1, "cached/static": 5, "no_cache/alltoallv": 1,
+                                   "no_cache/static": 3, "train/alltoallv": 1}, result
+        assert result["transports"] == ["alltoallv"], result
+
+
+def test_auto_rule():
+    """The static exchange at decode steps is ``"auto"``'s alone, and never with a capacity (dropless)."""
+    assert epmoe.ExpertParallelConfig().decodes_static()
+    for config in ({"dispatch": "alltoallv"}, {"dispatch": "static"}, {"dispatch": "fused"},
+                   {"capacity_factor": 1.25}):
+        assert not epmoe.ExpertParallelConfig(**config).decodes_static(), config
+
+
+@pytest.mark.multirank
+@batched
 def test_static_compiles_fullgraph_forward_and_backward():
     """``torch.compile(model, fullgraph=True)`` at EP 2: no graph break, equal to eager (fp32 1e-5)."""
     for result in results_of(2, "compiled"):
         assert result["sites"] == [] and result["logits_close"], result
         assert result["loss_diff"] <= 1e-5 and result["grad_diff"] <= 1e-5, result
+
+
+@pytest.mark.multirank
+@batched
+def test_static_trainer_equals_trainer_without_ep():
+    """``prepare_trainer`` on the EP model with ``dispatch="static"`` trains like the same Trainer on
+    the unsharded model (AdamW, clipping, gradient checkpointing, accumulation 2, float64): every
+    parameter after 6 steps (1e-10 element-wise), the logged losses and grad norms, the eval loss,
+    the saved model; the replicated weights identical on both ranks."""
+    for rank, result in enumerate(results_of(2, "trainer")):
+        assert result["transport"] == ["static"] and result["num_steps"] == 6 and result["checkpointing"], result
+        errors = result["errors"]
+        assert any(name.startswith("param/") and "experts" in name for name in errors), sorted(errors)
+        bad = {name: error for name, error in errors.items() if not error <= 1e-10}
+        assert not bad, (rank, bad)
+        assert result["replicated_equal"]
 
 
 class _OwnForwardExpert(nn.Module):
@@ -260,8 +306,10 @@ def test_padded_pairs_contribute_nothing(family, dtype):
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
 def test_bench_static_quick_rows():
-    """``epmoe bench layer --part static`` on the quick plan: both modes at both batches, the static
-    path with no counts exchange (fewer collectives per layer, fewer host reads), and the cost rows."""
+    """``epmoe bench layer --part static`` on the quick plan: every mode at both batches, the static
+    path with no counts exchange (fewer collectives per layer, fewer host reads; with the headers
+    read, as many host reads as the dynamic path), the floor from a bare all-to-all, and the cost
+    rows with their peak memory."""
     from epmoe.bench import common
     from epmoe.bench.static import COST_CASES, DECODE_BATCHES, run_static
 
@@ -270,7 +318,29 @@ def test_bench_static_quick_rows():
     for batch in DECODE_BATCHES:
         (_, reads_d, coll_d), (_, reads_s, coll_s) = report.decode[batch, "dynamic"], report.decode[batch, "static"]
         assert coll_s == 2 and coll_d == 4 and reads_d - reads_s == 1, report.decode
+        _, reads_r, coll_r = report.decode[batch, "static, headers read"]  # auto's decode steps
+        assert coll_r == 2 and reads_r == reads_d, report.decode
+        assert 0 < report.floor(batch) < 1, report.decode
     assert report.train["static"] == (0, 4) and report.train["dynamic"][1] == 7, report.train
     assert [(row[0], row[1]) for row in report.cost] == list(COST_CASES)
     assert all(row[4] == row[0] * row[2] and row[3] <= row[4] for row in report.cost)
+    assert all(float(row[8]) > 0 and float(row[9]) > 0 for row in report.cost), report.cost
     assert "static / dynamic" in report.markdown()
+
+
+def test_peak_bytes_sees_what_the_step_held_at_once():
+    """``bench.static.peak_bytes``: 1 MiB freed before 2 MiB are taken, then 1 MiB more beside them:
+    3 MiB at once at most, whatever was held before the step."""
+    from epmoe.bench.static import peak_bytes
+
+    before = torch.ones(2**19)  # held before: not counted
+
+    def step():
+        first = torch.ones(2**18)  # 1 MiB of float32
+        del first
+        second = torch.ones(2**19)
+        third = torch.ones(2**18)
+        return second, third
+
+    assert peak_bytes(step) == 3 * 2**20
+    assert before.sum() > 0

@@ -445,10 +445,10 @@ def trainer_log_errors(log: list[dict], log_ref: list[dict], eval_loss: float, e
     return errors
 
 
-def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32"):
+def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32", config=None):
     """transformers.Trainer on 2 ranks with its defaults (AdamW, max_grad_norm=1.0) plus gradient
-    checkpointing and gradient accumulation 2: the EP model through ``prepare_trainer`` (on a Trainer
-    subclass) vs the unsharded model through a plain Trainer. Per-parameter errors after ``steps``
+    checkpointing and gradient accumulation 2: the EP model (``config``: its ExpertParallelConfig)
+    through ``prepare_trainer`` (on a Trainer subclass) vs the unsharded model through a plain Trainer. Per-parameter errors after ``steps``
     steps (float64: element-wise; float32: of each tensor in the 2-norm, since AdamW turns the
     rounding of near-zero gradients into full-size update differences of single elements), the
     logged grad norms and losses, and the evaluation loss; then ``save_model`` and a plain reload."""
@@ -469,7 +469,7 @@ def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32"):
     train, evaluation = TokenDataset(64, 12, seed=1), TokenDataset(6, 12, seed=2)
     ref = build_model("qwen3_moe", dtype=getattr(torch, dtype_name))
     model = copy.deepcopy(ref)
-    shards = epmoe.apply_expert_parallel(model)
+    shards = epmoe.apply_expert_parallel(model, config=config)
     trainer_ref = Trainer(model=ref, args=args("ref"), train_dataset=train, eval_dataset=evaluation)
     trainer_ref.train()
     eval_ref = trainer_ref.evaluate()["eval_loss"]
@@ -497,7 +497,8 @@ def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32"):
     dist.all_gather(gathered, non_expert)
     return {"errors": errors, "norms": norms, "num_steps": len(norms),
             "replicated_equal": all(torch.equal(gathered[0], g) for g in gathered),
-            "checkpointing": model.is_gradient_checkpointing}
+            "checkpointing": model.is_gradient_checkpointing,
+            "transport": sorted({state.transport.name for _, _, state in epmoe.ep.state.ep_states(model)})}
 
 
 def trainer_resume(rank, world, out_dir, steps=6):

@@ -25,7 +25,8 @@ class ExpertParallelConfig:
             layout, overlapping rounds of communication with compute and the shared expert),
             ``"static"`` (fixed-size buffers of ``B`` rows per rank pair, ``B`` at least every rank's
             tokens: no counts exchange, no host read, traced whole by ``torch.compile``; see
-            :mod:`epmoe.ep.dispatch.static`), or ``"auto"`` (``"alltoallv"`` on every device).
+            :mod:`epmoe.ep.dispatch.static`), or ``"auto"`` (``"alltoallv"``, and the static exchange
+            at the decode steps of epmoe's ``generate``: :meth:`decodes_static`).
         num_chunks: pipelining rounds of the fused path (int >= 1, or ``"auto"``).
         expert_grad: what expert gradients are once backward ends: ``"sum"`` over every rank's
             tokens (the unsharded model on the concatenated batch), ``"mean"`` (divided by the
@@ -112,6 +113,15 @@ class ExpertParallelConfig:
             raise ValueError(f"ExpertParallelConfig(num_chunks): {self.num_chunks!r} pipelines the fused ops, which "
                              f"dispatch='static' does not run (it sends fixed-size buffers); leave num_chunks='auto' "
                              f"or use dispatch='fused'")
+
+    def decodes_static(self) -> bool:
+        """The rule by which ``dispatch="auto"`` takes the static exchange: at the decode steps of a
+        ``generate`` call on an EP model (every forward of the call after its first, the prompt's;
+        :mod:`epmoe.training.generate`), where it halves the collectives and measured faster
+        (``benchmarks/static_cpu.md``), and nowhere else (training-sized steps pay for its padding).
+        Every rank agrees by construction: the ranks run a generate call's forwards in lockstep.
+        Not with ``capacity_factor`` (the static exchange is dropless)."""
+        return self.dispatch == "auto" and self.capacity_factor is None
 
     @classmethod
     def from_any(cls, config: ExpertParallelConfig | dict[str, Any] | None) -> ExpertParallelConfig:

@@ -6,14 +6,29 @@ others waiting in their next all-to-all. transformers' ``synced_gpus=True`` is t
 all-reduces "am I done", and a finished rank keeps running forwards (their outputs discarded) until
 every rank is. :func:`epmoe.apply_expert_parallel` installs :class:`SyncedGenerate` as the model's
 ``generate`` (an instance attribute; the class is untouched), which makes that the default.
+
+That lockstep is also what lets ``dispatch="auto"`` take the static exchange at the decode steps
+(:meth:`epmoe.ExpertParallelConfig.decodes_static`): for the call, each layer's dispatcher becomes a
+:class:`~epmoe.ep.dispatch.static.DecodeDispatcher`, which runs the layer's first forward of the call
+(the prompt, training-sized) on the all-to-all-v and every later one (one token per sequence) on the
+static exchange. Every rank counts the same forwards, so every rank switches at the same one; the
+layers get their dispatchers back when the call returns or raises::
+
+    forward of the call   0 (prompt)        1, 2, ... (decode steps)
+    transport             all-to-all-v      static: 2 collectives per layer instead of 4
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
+
+from epmoe.ep.dispatch.static import DecodeDispatcher, StaticDispatcher
+from epmoe.ep.state import sharded_experts
 
 
 class SyncedGenerate:
@@ -45,7 +60,29 @@ class SyncedGenerate:
                 "generate(synced_gpus=False) on an expert-parallel model: a rank that finishes first would leave "
                 "the others waiting in their next all-to-all; leave synced_gpus unset (epmoe sets it to True)"
             )
-        return type(self.model).generate(self.model, *args, synced_gpus=True, **kwargs)
+        with static_decode_steps(self.model):
+            return type(self.model).generate(self.model, *args, synced_gpus=True, **kwargs)
 
     def __repr__(self) -> str:
         return f"<epmoe synced generate of {type(self.model).__name__}>"
+
+
+@contextmanager
+def static_decode_steps(model: nn.Module) -> Iterator[None]:
+    """For one generate call on ``model``: every sharded layer whose config's ``dispatch="auto"``
+    takes the static exchange at decode steps (:meth:`~epmoe.ExpertParallelConfig.decodes_static`)
+    and whose experts it can run gets a :class:`~epmoe.ep.dispatch.static.DecodeDispatcher` (a fresh
+    buffer, agreed at the first decode step); the layers' own dispatchers are back afterwards. A
+    generate call inside one (an assistant sharing the layers) leaves them as they are."""
+    swapped = []
+    for _, _, state in sharded_experts(model):
+        if (state.model.config.decodes_static() and not isinstance(state.transport, DecodeDispatcher)
+                and StaticDispatcher.ineligible_reason(state.local_experts) is None):
+            decode = StaticDispatcher(state.local_experts, state.model.config, read_headers=True)
+            swapped.append((state, state.transport))
+            state.transport = DecodeDispatcher(state.transport, decode)
+    try:
+        yield
+    finally:
+        for state, transport in swapped:
+            state.transport = transport

@@ -20,9 +20,11 @@ layer state's ``transport``::
 ``"auto"`` is resolved when EP is applied (:func:`epmoe.compose.apply.apply_expert_parallel`): to
 ``"alltoallv"`` on every device, which sends each token once per rank holding its experts, where the
 fused ops' per-slot layout sends it once per expert; on CPU ``benchmarks/fused_cpu.md`` also measured
-no gain from the fused ops' rounds (not measured on an accelerator). It never takes ``"static"``:
-a sync-free static exchange must know the largest batch (``static_tokens``) or re-agree with step
-checks on, which only the user can choose (``benchmarks/static_cpu.md``).
+no gain from the fused ops' rounds (not measured on an accelerator). It takes ``"static"`` only at
+the decode steps of epmoe's ``generate``, where the ranks run in lockstep
+(:meth:`~epmoe.ep.config.ExpertParallelConfig.decodes_static`); a sync-free static exchange
+everywhere must know the largest batch (``static_tokens``), which only the user can choose
+(``benchmarks/static_cpu.md``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ rows (in the wider of the two dtypes, so both arrive exact). ``W = 2``, ``e = 2`
       route       [head n=2 | (0 3)(1 0)(- -)]  [head n=2 | (0 3)(2 3)(- -)]   head = MAGIC layer phase call
                                                                         flag dtype B T (+ guard), ids int64
        --one static exchange (equal blocks, shapes known in advance: no counts, no host read)-->
-    rank 1 holds  [from rank 0: t0 t2 pad | from rank 1: ...]   row b of a block is real where b < n
+    rank 1 holds  [from rank 0: t0 t2 pad | from rank 1: ...]   padding rows: expert ids -1
        --pairs on the device: every (row, k), the local ones expert-major, then padding-->
        --epmoe::routed_mlp on device counts (the padding past their sum masked)-->
        --static exchange back, the same blocks-->
@@ -35,7 +35,8 @@ about ``d x T`` (``d`` the mean ranks per token), and the routed MLP's gathers a
 passes run over ``W x B x K`` pairs, the real ones and the padding (the grouped matmuls over the
 real ones only). It pays where latency dominates (decode-sized steps: half the collectives, no host
 read); at training-sized steps on CPU the padding costs more than that saves
-(``benchmarks/static_cpu.md``), which is why ``dispatch="auto"`` never takes it.
+(``benchmarks/static_cpu.md``), which is why ``dispatch="auto"`` takes it at the decode steps of
+``generate`` only (:class:`DecodeDispatcher`, :mod:`epmoe.training.generate`).
 
 **The buffer size B.** With ``ExpertParallelConfig(static_tokens=N)``, ``B = N`` and nothing is
 agreed. Otherwise each layer's first forward agrees on ``B`` (the largest ``T`` of any rank: one
@@ -125,13 +126,16 @@ def _link(state: ExpertParallelState, device: torch.device) -> _Link:
 
 class StaticDispatcher(Dispatcher):
     """Fixed-size buffers around ``epmoe::routed_mlp`` (see the module docstring). ``block``: the
-    buffer's ``B`` (``static_tokens``, else agreed at the first forward and kept)."""
+    buffer's ``B`` (``static_tokens``, else agreed at the first forward and kept). ``read_headers``:
+    read the route headers on every forward whatever ``check_steps`` says (one host read per layer),
+    so a batch that outgrows ``B`` always re-agrees (what :class:`DecodeDispatcher` runs)."""
 
     name = "static"
 
-    def __init__(self, experts: nn.Module, config: ExpertParallelConfig):
+    def __init__(self, experts: nn.Module, config: ExpertParallelConfig, *, read_headers: bool = False):
         self.fixed = config.static_tokens is not None
         self.block: int | None = config.static_tokens
+        self.read_headers = read_headers
 
     @staticmethod
     def ineligible_reason(experts: nn.Module) -> str | None:
@@ -150,7 +154,7 @@ class StaticDispatcher(Dispatcher):
         """Without step checks (``check_steps`` off, or ``"auto"`` on an accelerator) the call reads
         nothing to the host: ``torch.compile`` traces it whole."""
         device = next(state.local_experts.parameters()).device
-        return not checks_on(state.model.config.check_steps, device)
+        return not (self.read_headers or checks_on(state.model.config.check_steps, device))
 
     def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
                  top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None
@@ -168,7 +172,8 @@ class StaticDispatcher(Dispatcher):
         position = state.position(FORWARD)
         T, K = top_k_index_TK.shape
         e, W = shard.num_local_experts, link.channel.size
-        read = checks_on(state.model.config.check_steps, hidden_TH.device) or link.guard is not None
+        read = (self.read_headers or checks_on(state.model.config.check_steps, hidden_TH.device)
+                or link.guard is not None)
         # the weights ride beside the rows in the wider dtype of the two: both arrive exact, with autograd
         carried = torch.promote_types(hidden_TH.dtype, top_k_weights_TK.dtype)
         H = hidden_TH.shape[1]
@@ -177,8 +182,7 @@ class StaticDispatcher(Dispatcher):
             fits = T <= B
             if fits:
                 rows, rows_W = static_token_rows(top_k_index_TK, e, W, B)
-                sent_RX = torch.cat([GatherRows.apply(hidden_TH, *rows).to(carried),
-                                     GatherRows.apply(top_k_weights_TK, *rows).to(carried)], dim=1)
+                sent_RX = GatherRows.apply(torch.cat([hidden_TH.to(carried), top_k_weights_TK.to(carried)], dim=1), *rows)
             else:  # the header alone tells the peers; no row travels
                 sent_RX = hidden_TH.new_zeros(W * B, H + K, dtype=carried)
             route_WL = self._route(link, position, hidden_TH.dtype, top_k_index_TK, rows if fits else None,
@@ -199,10 +203,10 @@ class StaticDispatcher(Dispatcher):
                                      f"than the static exchange's buffer of B={B} rows; its peers raise too: {FIX}")
                 self._assert_headers(link, position, received_WL, hidden_TH.dtype, B)
             break
-        local_RK = received_WL[:, ROUTE_HEAD:].reshape(W * B, K) - shard.local_start
-        real_R = (torch.arange(B, device=received_WL.device) < received_WL[:, ROUTE_HEAD - GUARD - 1:ROUTE_HEAD - GUARD]
-                  ).reshape(-1, 1)
-        local_RK = local_RK.masked_fill(~real_R | (local_RK < 0) | (local_RK >= e), e)
+        # each choice's local expert, e where it is another rank's or the row is padding (ids -1)
+        expert_RK = received_WL[:, ROUTE_HEAD:].reshape(W * B, K)
+        mine_RK = expert_RK.div(e, rounding_mode="floor") == shard.ep_rank
+        local_RK = torch.where(mine_RK, expert_RK - shard.local_start, e)
         pairs = pair_rows(local_RK, e, padded=True)
         state.count_load(pairs.counts_e)
         x_RH, weights_RK = received_RX[:, :H].to(hidden_TH.dtype), received_RX[:, H:].to(top_k_weights_TK.dtype)
@@ -228,12 +232,12 @@ class StaticDispatcher(Dispatcher):
         rows for the peer, the guard's values, then each row's ``K`` expert ids (-1: padding)."""
         T, K = top_k_index_TK.shape
         W, device = link.channel.size, top_k_index_TK.device
-        head = torch.tensor([MAGIC, position.layer, position.phase, position.call, int(rows is None),
-                             _DTYPE_CODES.get(dtype, 0), B, T], dtype=torch.int64).to(device)
+        head = _device_ints([MAGIC, position.layer, position.phase, position.call, int(rows is None),
+                             _DTYPE_CODES.get(dtype, 0), B, T], device)
         guard = link.guard if link.guard is not None else torch.zeros(GUARD, dtype=torch.int64, device=device)
         if rows is None:  # does not fit: the header alone, so every rank learns it
-            rows_W, ids_WL = torch.zeros(W, dtype=torch.int64, device=device), torch.zeros(
-                W, B * K, dtype=torch.int64, device=device)
+            rows_W, ids_WL = torch.zeros(W, dtype=torch.int64, device=device), torch.full(
+                (W, B * K), -1, dtype=torch.int64, device=device)
         else:
             padded_TK = torch.cat([top_k_index_TK.long(), top_k_index_TK.new_full((1, K), -1, dtype=torch.int64)])
             ids_WL = padded_TK[rows.token_R].reshape(W, B * K)
@@ -274,10 +278,54 @@ class StaticDispatcher(Dispatcher):
                         ) -> None:
         """The same checks on the device, no host read: a device-side assertion where a peer's route
         header differs from this rank's position, ``B`` or dtype, or its rows did not fit."""
-        expected = torch.tensor([MAGIC, position.layer, position.phase, position.call, 0, _DTYPE_CODES.get(dtype, 0), B],
-                                dtype=torch.int64).to(received_WL.device)
-        ok = (received_WL[:, :HEADER + 2] == expected).all() & (received_WL[:, HEADER + 2] <= B).all()
+        expected = _device_ints([MAGIC, position.layer, position.phase, position.call, 0, _DTYPE_CODES.get(dtype, 0), B],
+                                received_WL.device)
+        ok = (received_WL[:, :HEADER + 2] == expected).all()  # the flag (0) says the peer's rows fit
         where = position.describe(link.channel.layer_names)
         torch._assert_async(ok, f"epmoe: at {where}, an EP rank's static route header differs from this rank's: "
                                 f"a peer's batch outgrew the static exchange's buffer of B={B} rows, or the ranks are "
                                 f"out of step or in different dtypes; {FIX}")
+
+
+def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``. Off the CPU each is filled in by a kernel (no
+    copy from host memory, which a CUDA graph being captured refuses)."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.int64)
+    out = torch.empty(len(values), dtype=torch.int64, device=device)
+    for i, value in enumerate(values):
+        out[i].fill_(value)
+    return out
+
+
+class DecodeDispatcher(Dispatcher):
+    """``dispatch="auto"`` during one ``generate`` call (:meth:`ExpertParallelConfig.decodes_static`,
+    installed by :mod:`epmoe.training.generate` for the call): the layer's first forward of the call
+    (the prompt) on its own dispatcher ``prompt``, every later one (the decode steps) on ``decode``,
+    a static exchange that reads its route headers on every forward (one host read per layer), so
+    ``B``, agreed at the first decode step, re-agrees where a batch outgrows it and never raises for
+    it. Every rank counts the same forwards (a generate call's ranks run them in lockstep), so every
+    rank takes the same transport at the same forward."""
+
+    name = "decode"
+
+    def __init__(self, prompt: Dispatcher, decode: StaticDispatcher):
+        self.prompt, self.decode = prompt, decode
+        self.forwards = 0  # this layer's forwards in the generate call so far
+
+    def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
+                 top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None) -> tuple[torch.Tensor, object]:
+        """The prompt's transport at the call's first forward, the static exchange after it."""
+        transport = self.decode if self.forwards else self.prompt
+        self.forwards += 1
+        return transport.dispatch(state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
+
+    def experts(self, state: ExpertParallelState, rows: torch.Tensor, meta: object) -> torch.Tensor:
+        return self._of(meta).experts(state, rows, meta)
+
+    def combine(self, state: ExpertParallelState, out_rows: torch.Tensor, meta: object) -> torch.Tensor:
+        return self._of(meta).combine(state, out_rows, meta)
+
+    def _of(self, meta: object) -> Dispatcher:
+        """The transport whose :meth:`dispatch` made ``meta``."""
+        return self.decode if isinstance(meta, StaticMeta) else self.prompt
