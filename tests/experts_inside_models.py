@@ -4,9 +4,9 @@
   holds a parameter shared by every expert (MuseSpark's ``post_expert_norm``) or whose own experts
   forward computes in float32 whatever the model's dtype (Inkling2, Inkling2Loop, Nemotron-H,
   OpenAI's privacy filter).
-* Two custom models: packed experts (``@use_experts_implementation(has_post_expert_norm=True)``)
-  whose post-expert "norm" is a learned scale and bias shared by all experts, and ``nn.ModuleList``
-  experts that all hold one shared norm module.
+* Custom models: packed experts (``@use_experts_implementation(has_post_expert_norm=True)``)
+  whose post-expert "norm" is a learned scale and bias shared by all experts, packed experts whose
+  activation has a learned scale, and ``nn.ModuleList`` experts that all hold one shared norm module.
 """
 
 import types
@@ -122,6 +122,38 @@ class ScaledExperts(nn.Module):
         return out
 
 
+class LearnedSiLU(nn.Module):
+    """``silu(x * scale)``: an activation with a learned scale every expert shares."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.scale = nn.Parameter(1 + 0.3 * torch.randn(width))
+
+    def forward(self, x):
+        return F.silu(x * self.scale)
+
+
+@use_experts_implementation
+class LearnedGateExperts(nn.Module):
+    """Packed experts, no post-expert norm, whose gate's activation has a learned scale all share."""
+
+    def __init__(self, config):
+        super().__init__()
+        E, H, inter = config.num_experts, config.hidden, config.inter
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(0.3 * torch.randn(E, 2 * inter, H))
+        self.down_proj = nn.Parameter(0.3 * torch.randn(E, H, inter))
+        self.act_fn = LearnedSiLU(inter)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.gate_up_proj.shape[0]):
+            token, k = torch.where(top_k_index == e)
+            gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            out.index_add_(0, token, F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token, k, None])
+        return out
+
+
 class NormedExpert(nn.Module):
     """One expert of an ``nn.ModuleList``, its output through ``norm``, a module all experts share."""
 
@@ -136,17 +168,18 @@ class NormedExpert(nn.Module):
 
 
 class SharedBlock(nn.Module):
-    """Softmax top-k router and experts: packed :class:`ScaledExperts`, or a ``ModuleList`` of
-    :class:`NormedExpert` sharing one norm (transformers 4.x style: the block loops over experts)."""
+    """Softmax top-k router and experts: packed :class:`ScaledExperts` (``"packed"``) or
+    :class:`LearnedGateExperts` (``"packed_gate"``), or a ``ModuleList`` of :class:`NormedExpert`
+    sharing one norm (``"module_list"``, transformers 4.x style: the block loops over experts)."""
 
     def __init__(self, kind, hidden=16, inter=24, num_experts=4, top_k=2):
         super().__init__()
         self.top_k = top_k
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        if kind == "packed":
+        if kind in ("packed", "packed_gate"):
             config = types.SimpleNamespace(_experts_implementation="eager", num_experts=num_experts, hidden=hidden,
                                            inter=inter)
-            self.experts = ScaledExperts(config)
+            self.experts = (ScaledExperts if kind == "packed" else LearnedGateExperts)(config)
         else:
             norm = nn.LayerNorm(hidden)
             with torch.no_grad():
@@ -185,7 +218,7 @@ class SharedLM(nn.Module):
 
 
 def build_custom(kind, dtype=torch.float64, seed=0):
-    """:class:`SharedLM` with ``kind`` experts (``"packed"`` or ``"module_list"``)."""
+    """:class:`SharedLM` with ``kind`` experts (see :class:`SharedBlock`)."""
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

@@ -111,44 +111,50 @@ def shared_parameters_ddp_case(rank, world, kind):
 
 
 def float32_family_case(rank, world, family):
-    """bf16 at EP ``world`` against bf16 without EP (the family's own experts loop), each one's
-    distance from the float64 model: the loss on this rank's batch, the expert gradients of this
-    rank's experts (summed over every rank's batch); and float64 EP against float64 without EP."""
+    """A family whose experts forward computes in float32. bfloat16: EP over every rank and the model
+    without EP (the family's own experts loop), each one's distance from the float64 model on this
+    rank's batch: per-token losses (the squared outputs' mean per token) and this rank's experts'
+    gradients (summed over every rank's batch), ``||x - x64|| / ||x64||``; the largest difference of
+    their outputs. float64: EP against the family's loop (``"exact"``, which computes in float32
+    there too) and against epmoe's unsharded model (a group of one: ``"exact_one"``)."""
+    groups = [dist.new_group([r]) for r in range(world)]
     ref64 = build_family(family)
     ep64 = copy.deepcopy(ref64)
     shards = epmoe.apply_expert_parallel(ep64)
+    one = copy.deepcopy(ref64)
+    epmoe.apply_expert_parallel(one, groups[rank])
+    exact_one = compare(rank, world, one, ep64, shards)
     exact = compare(rank, world, ref64, ep64, shards)
     ref16 = to_dtype(copy.deepcopy(ref64), torch.bfloat16)
     ep16 = copy.deepcopy(ref16)
     epmoe.apply_expert_parallel(ep16)
-    loss64, _, summed64 = reference_grads(ref64, rank, world)
-    loss16, _, summed16 = reference_grads(ref16, rank, world)
+    _, _, summed64 = reference_grads(ref64, rank, world)
+    _, _, summed16 = reference_grads(ref16, rank, world)
     ep16.zero_grad()
     out_ep = outputs_of(ep16, batch_of(rank))
-    loss_ep = out_ep.square().mean()
-    loss_ep.backward()
+    out_ep.square().mean().backward()
     with torch.no_grad():
         out64, out16 = outputs_of(ref64, batch_of(rank)), outputs_of(ref16, batch_of(rank))
     experts = [(n, p) for n, p in ep16.named_parameters() if epmoe.is_expert_parameter(p)]
+    grads64 = torch.cat([local_slice(n, summed64[n], ep16, shards).reshape(-1) for n, _ in experts])
+    grads16 = torch.cat([local_slice(n, summed16[n], ep16, shards).reshape(-1) for n, _ in experts])
+    grads_ep = torch.cat([p.grad.double().reshape(-1) for _, p in experts])
 
-    def distance(grads):
-        diff = sum((g.double() - local_slice(n, summed64[n], ep16, shards)).square().sum() for n, g in grads)
-        norm = sum(local_slice(n, summed64[n], ep16, shards).square().sum() for n, _ in grads)
-        return (diff / norm).sqrt().item()
+    def distance(x, x64):
+        return ((x.double() - x64).norm() / x64.norm()).item()
+
+    def losses(out):
+        return out.double().square().mean(-1)
 
     return {
-        "exact": exact,
-        "outputs": {"ep": ((out_ep.double() - out64).norm() / out64.norm()).item(),
-                    "no_ep": ((out16.double() - out64).norm() / out64.norm()).item()},
-        "loss": {"ep": abs(loss_ep.item() - loss64.item()) / abs(loss64.item()),
-                 "no_ep": abs(loss16.item() - loss64.item()) / abs(loss64.item())},
-        "expert_grads": {"ep": distance([(n, p.grad) for n, p in experts]),
-                         "no_ep": distance([(n, local_slice(n, summed16[n], ep16, shards)) for n, _ in experts])},
-        "experts": len(experts),
+        "exact": exact, "exact_one": exact_one, "experts": len(experts),
+        "losses": {"ep": distance(losses(out_ep), losses(out64)), "no_ep": distance(losses(out16), losses(out64))},
+        "expert_grads": {"ep": distance(grads_ep, grads64), "no_ep": distance(grads16, grads64)},
+        "outputs_vs_no_ep": max_rel(out_ep.detach(), out16),
     }
 
 
-SHARED_KINDS = ("muse_spark", "packed", "module_list")
+SHARED_KINDS = ("muse_spark", "packed", "packed_gate", "module_list")
 
 
 def all_cases():
