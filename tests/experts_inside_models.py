@@ -150,7 +150,8 @@ class LearnedGateExperts(nn.Module):
         for e in range(self.gate_up_proj.shape[0]):
             token, k = torch.where(top_k_index == e)
             gate, up = F.linear(hidden_states[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            out.index_add_(0, token, F.linear(self.act_fn(gate) * up, self.down_proj[e]) * top_k_weights[token, k, None])
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, token, y * top_k_weights[token, k, None])
         return out
 
 

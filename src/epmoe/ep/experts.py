@@ -3,7 +3,8 @@
 An EP layer calls :meth:`LocalExperts.routed_mlp` on the rows its rank holds and the pairs they
 expand to (:mod:`epmoe.ep.routing`): ``epmoe::routed_mlp`` (:mod:`epmoe.ep.mlp`), which gathers,
 weights and sums by index and keeps little for backward, for packed experts without a post-expert
-norm and Linear triples; the others go through :meth:`LocalExperts.forward` and plain autograd.
+norm and Linear triples, holding no parameter shared by the experts; the others go through
+:meth:`LocalExperts.forward` and plain autograd.
 :meth:`LocalExperts.forward` (and :func:`experts_forward`) run the MLP on rows already sorted by
 local expert; both run :func:`epmoe.ep.mlp.expert_mlp`, the one place the MLP is written::
 
@@ -19,10 +20,23 @@ as GPT-OSS works; on an NPU the default SiLU gate runs as ``torch_npu.npu_swiglu
 ``nn.ModuleList`` experts: Linear triples have their weights stacked and run grouped, any other
 expert module is called on its own rows (idle experts on zero rows).
 
+Two things an experts module may hold besides its experts' weights are honoured:
+
+* parameters shared by every expert (:func:`~epmoe.ep.recognize.shared_parameters`: a post-expert
+  norm's weight, a learned activation scale): whole on every rank, not expert parameters; over more
+  than one rank the experts run once per source rank, each run on its own view of them, so that each
+  rank gets the gradient of its own rows (:meth:`LocalExperts._by_source`,
+  :func:`epmoe.ep.grads.shared_by_source`);
+* a compute dtype wider than the weights' (:func:`family_compute_dtype`: what the family's own
+  forward runs its matmuls and sums in, float32 for OpenAI's privacy filter, Inkling2 or Nemotron-H in
+  bfloat16): packed experts then run their MLP in it (:meth:`LocalExperts.compute_dtype`), their
+  output stays in it until the layer has summed each token's rows.
+
 :class:`LocalExperts` holds what is decided once per experts module, when EP is applied: which kind
 it is (packed, Linear triples run grouped, or experts run by their own forward), whether its gate is
-transformers' default, and its grouped-matmul backend (:meth:`LocalExperts.gmm_backend`): an
-:class:`~epmoe.gmm.BackendChoice` that every backend judges on all the grouped matmuls the module
+transformers' default, its shared parameters, its compute dtype, and its grouped-matmul backend
+(:meth:`LocalExperts.gmm_backend`): an :class:`~epmoe.gmm.BackendChoice` that every backend judges
+on all the grouped matmuls the module
 issues (:func:`gmm_probes`) once per device and dtype, judged again only for operands that differ
 from those (:class:`~epmoe.gmm.registry.Operands`). Every grouped matmul of a forward and its
 backward (the routed MLP op's, the plain path's, the fused ops') runs that one backend, asked for
@@ -49,7 +63,14 @@ from epmoe import errors, platform
 from epmoe.comm.layout import inverse_permutation
 from epmoe.ep.grads import shared_by_source
 from epmoe.ep.mlp import expert_mlp, register_experts, routed_mlp_autograd, routed_mlp_custom_op
-from epmoe.ep.recognize import is_default_silu_gate, is_silu, linear_triples, num_experts_of, shared_parameters
+from epmoe.ep.recognize import (
+    is_default_silu_gate,
+    is_packed_experts,
+    is_silu,
+    linear_triples,
+    num_experts_of,
+    shared_parameters,
+)
 from epmoe.ep.routing import RowPairs
 from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
@@ -126,15 +147,15 @@ class LocalExperts:
     """One experts module's local experts and how they run, decided once (see the module docstring).
 
     ``module``: packed experts, or an ``nn.ModuleList`` of experts; ``backend``: ``"auto"`` or a
-    registered grouped-matmul backend name (``ExpertParallelConfig.gmm_backend``).
+    registered grouped-matmul backend name (``ExpertParallelConfig.gmm_backend``); ``shared``: the
+    parameters the experts share (default: :func:`~epmoe.ep.recognize.shared_parameters` of
+    ``module``; a sharded ``ModuleList``'s, found on all its experts before sharding).
     """
 
     def __init__(self, module: nn.Module, backend: str = "auto", shared: Sequence[nn.Parameter] | None = None):
         self.module = module
         self.packed = not isinstance(module, nn.ModuleList)
-        # parameters every expert's rows go through (shared_parameters: a ModuleList's, found before sharding)
-        found = shared_parameters(module) if shared is None else None
-        ids = {id(p) for p in shared} if shared is not None else {id(p) for _, p in found}
+        ids = {id(p) for p in ([p for _, p in shared_parameters(module)] if shared is None else shared)}
         self.shared_names = tuple(n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids)
         self._compute_dtypes: dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> the MLP's (compute_dtype)
         self.default_gate = self.packed and is_default_silu_gate(module)
@@ -472,12 +493,15 @@ def family_compute_dtype(module: nn.Module) -> torch.dtype | None:
     running it once on two probe tokens routed to expert 0 with float32 routing weights (what the
     routers of such families give). OpenAI's privacy filter (matmuls in float32), Inkling2 and
     Nemotron-H (sums in float32) give float32 in a bfloat16 model; most families their weights'
-    dtype. ``None`` where it cannot run yet (meta weights); where it fails, its weights' dtype (a
+    dtype. ``None`` where it cannot run yet (meta weights, or a partition of them such as ZeRO-3's
+    outside a forward); where it fails, its weights' dtype (a
     WARNING says why). Kept per module and weight dtype: :func:`epmoe.apply_expert_parallel` asks
     before sharding (a family's forward may expect all its experts)."""
+    if not is_packed_experts(module):
+        raise TypeError(f"family_compute_dtype(module): expected packed experts, got {type(module).__name__}")
     up = getattr(module, "gate_up_proj" if module.has_gate else "up_proj")
     found = _FOUND.setdefault(module, {})
-    if up.dtype not in found and not up.is_meta:
+    if up.dtype not in found and not up.is_meta and up.dim() == 3:
         found[up.dtype] = _probe_compute_dtype(module, up)
     return found.get(up.dtype)
 

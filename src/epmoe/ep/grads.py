@@ -312,7 +312,9 @@ def shared_by_source(x: torch.Tensor, params: Sequence[torch.Tensor], group: dis
     that the rows of rank ``s`` run with. In backward, each rank's parameters get the gradient its
     own rows gave on every rank (see the module docstring); every rank of ``group`` must call it at
     the same point of its forward (the layer's experts step)."""
-    W = world_size(group)
+    if not params:
+        raise ValueError("shared_by_source(params): no parameter to split")
+    W = world_size(group, "shared_by_source")
     out = _SharedBySource.apply(group, W, x, *params)
     n = len(params)
     return out[0], [list(out[1 + s * n:1 + (s + 1) * n]) for s in range(W)]

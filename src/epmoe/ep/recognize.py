@@ -65,6 +65,9 @@ def shared_parameters(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
     of experts (those EP shards). ``nn.ModuleList`` experts: the parameters more than one expert
     holds (look before sharding: a rank may keep a single expert). EP never shards these: they are
     replicated, like the rest of the model."""
+    if not isinstance(experts, nn.ModuleList) and not is_packed_experts(experts):
+        raise TypeError(f"shared_parameters(experts): expected packed or nn.ModuleList experts, got "
+                        f"{type(experts).__name__}")
     if isinstance(experts, nn.ModuleList):
         holders: dict[int, int] = {}
         for expert in experts:
