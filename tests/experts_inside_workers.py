@@ -115,7 +115,7 @@ def float32_family_case(rank, world, family):
     without EP (the family's own experts loop), each one's distance from the float64 model on this
     rank's batch: per-token losses (the squared outputs' mean per token) and this rank's experts'
     gradients (summed over every rank's batch), ``||x - x64|| / ||x64||``; the largest difference of
-    their outputs. float64: EP against the family's loop (``"exact"``, which computes in float32
+    their outputs; the static transport's outputs against all-to-all-v's. float64: EP against the family's loop (``"exact"``, which computes in float32
     there too) and against epmoe's unsharded model (a group of one: ``"exact_one"``)."""
     groups = [dist.new_group([r]) for r in range(world)]
     ref64 = build_family(family)
@@ -135,6 +135,10 @@ def float32_family_case(rank, world, family):
     out_ep.square().mean().backward()
     with torch.no_grad():
         out64, out16 = outputs_of(ref64, batch_of(rank)), outputs_of(ref16, batch_of(rank))
+    static16 = copy.deepcopy(ref16)
+    epmoe.apply_expert_parallel(static16, config={"dispatch": "static"})
+    with torch.no_grad():
+        out_static = outputs_of(static16, batch_of(rank))
     experts = [(n, p) for n, p in ep16.named_parameters() if epmoe.is_expert_parameter(p)]
     grads64 = torch.cat([local_slice(n, summed64[n], ep16, shards).reshape(-1) for n, _ in experts])
     grads16 = torch.cat([local_slice(n, summed16[n], ep16, shards).reshape(-1) for n, _ in experts])
@@ -151,6 +155,7 @@ def float32_family_case(rank, world, family):
         "losses": {"ep": distance(losses(out_ep), losses(out64)), "no_ep": distance(losses(out16), losses(out64))},
         "expert_grads": {"ep": distance(grads_ep, grads64), "no_ep": distance(grads16, grads64)},
         "outputs_vs_no_ep": max_rel(out_ep.detach(), out16),
+        "static_vs_alltoallv": max_rel(out_static, out_ep.detach()),
     }
 
 

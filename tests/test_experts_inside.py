@@ -84,8 +84,9 @@ def test_shared_parameters_under_ddp_are_averaged(kind):
 @pytest.mark.parametrize("family", FLOAT32_FAMILIES)
 def test_float32_families_in_bf16_as_close_as_without_ep(family):
     """bfloat16 EP 2 within ``BF16_FACTOR`` of the run without EP in distance from float64 (per-token
-    losses, expert gradients); float64 EP exact against epmoe's unsharded model and float32-exact
-    against the family's own loop (which computes in float32 there)."""
+    losses, expert gradients), the static transport bitwise the all-to-all-v one; float64 EP exact
+    against epmoe's unsharded model and float32-exact against the family's own loop (which computes
+    in float32 there)."""
     out = results_of(f"float32/{family}")
     for rank, result in enumerate(out):
         assert result["experts"] > 0
@@ -95,6 +96,7 @@ def test_float32_families_in_bf16_as_close_as_without_ep(family):
         ep = sum(r[metric]["ep"] for r in out)
         no_ep = sum(r[metric]["no_ep"] for r in out)
         assert ep <= BF16_FACTOR * no_ep, f"{family} bf16 {metric}: EP {ep:.4g} from float64, without EP {no_ep:.4g}"
+    assert all(r["static_vs_alltoallv"] == 0 for r in out), "the static transport differs from all-to-all-v"
     if family == "openai_privacy_filter":  # its MLP is all float32, as epmoe runs it: the same outputs
         assert all(r["outputs_vs_no_ep"] <= 1e-6 for r in out), [r["outputs_vs_no_ep"] for r in out]
 
