@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 import epmoe
+from epmoe.ep.recognize import shared_parameters
 from experts_inside_models import FLOAT32_FAMILIES, batch_of, build_custom, build_family, loss_of, outputs_of, to_dtype
 
 
@@ -93,10 +94,11 @@ def shared_parameters_case(rank, world, kind):
     ref = build_family("muse_spark") if kind == "muse_spark" else build_custom(kind)
     model = copy.deepcopy(ref)
     shards = epmoe.apply_expert_parallel(model)
-    shared = [p for s in shards for p in model.get_submodule(s.module_name).parameters()
-              if not epmoe.is_expert_parameter(p)]
-    assert shared, "no shared parameter found in the experts modules"
-    assert not {id(p) for p in shared} & {id(p) for p in epmoe.expert_parameters(model)}
+    not_experts = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters()
+                   if not epmoe.is_expert_parameter(p)}
+    found = {id(p) for s in shards for _, p in shared_parameters(model.get_submodule(s.module_name))}
+    assert found and not_experts == found, "the shared parameters are not exactly the non-expert ones"
+    assert not found & {id(p) for p in epmoe.expert_parameters(model)}
     return compare(rank, world, ref, model, shards)
 
 

@@ -522,6 +522,8 @@ def _probe_compute_dtype(module: nn.Module, up: torch.Tensor) -> torch.dtype:
         logger.warning("epmoe: %s's own forward failed on a probe (%s: %s): its experts compute in %s",
                        type(module).__name__, type(exc).__name__, exc, up.dtype)
         return up.dtype
+    if not isinstance(out, torch.Tensor):  # not the experts contract's single tensor: its matmuls alone
+        return functools.reduce(torch.promote_types, recorder.matmuls, up.dtype)
     summed = next((source for result, source in recorder.casts if result is out), out.dtype)
     return functools.reduce(torch.promote_types, recorder.matmuls, summed)
 
