@@ -50,12 +50,12 @@ from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_gr
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.dispatch import make_dispatcher
 from epmoe.ep.dispatch.static import StaticDispatcher
-from epmoe.ep.experts import LocalExperts, experts_gmm_backends
+from epmoe.ep.experts import LocalExperts, experts_gmm_backends, family_compute_dtype
 from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
-from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of
+from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of, shared_parameters
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
 from epmoe.gmm import choose_backend
 from epmoe.integrations.blocks import (
@@ -190,7 +190,8 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
     )):
         dispatcher = make_dispatcher(transport, module, config)
         if isinstance(module, nn.ModuleList):
-            local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend)
+            shared = [p for _, p in shared_parameters(module)]  # found on all E experts, before sharding
+            local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend, shared)
             attach_state(owner, ExpertParallelState(shard, ep_model, local, transport=dispatcher,
                                                     returns_router_logits=returns_logits, layer=layer))
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
@@ -277,6 +278,8 @@ def _validate(
         checked.shards.append(
             ExpertShard(name, num_experts, local, ep_rank * local, (ep_rank + 1) * local, ep_rank, ep_size)
         )
+        if not isinstance(module, nn.ModuleList):
+            family_compute_dtype(module)  # found before sharding: the family's forward may expect every expert
         transport, reason = _resolve_transport(module, config)
         checked.transport.append(transport)
         if reason is not None:
@@ -362,6 +365,12 @@ def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tupl
     if config.dispatch != "fused" or config.capacity_factor is not None:  # capacity: see the config
         return "alltoallv", None
     reason = fused_ineligible_reason(experts)
+    if reason is None:
+        weight = experts.down_proj
+        computed = family_compute_dtype(experts)
+        if computed is not None and torch.promote_types(computed, weight.dtype) != weight.dtype:
+            reason = (f"its own forward computes its experts in {torch.promote_types(computed, weight.dtype)}, "
+                      f"its weights are {weight.dtype}: the fused ops run one dtype")
     return ("fused", None) if reason is None else ("alltoallv", reason)
 
 

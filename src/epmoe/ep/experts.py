@@ -3,7 +3,8 @@
 An EP layer calls :meth:`LocalExperts.routed_mlp` on the rows its rank holds and the pairs they
 expand to (:mod:`epmoe.ep.routing`): ``epmoe::routed_mlp`` (:mod:`epmoe.ep.mlp`), which gathers,
 weights and sums by index and keeps little for backward, for packed experts without a post-expert
-norm and Linear triples; the others go through :meth:`LocalExperts.forward` and plain autograd.
+norm and Linear triples, holding no parameter shared by the experts; the others go through
+:meth:`LocalExperts.forward` and plain autograd.
 :meth:`LocalExperts.forward` (and :func:`experts_forward`) run the MLP on rows already sorted by
 local expert; both run :func:`epmoe.ep.mlp.expert_mlp`, the one place the MLP is written::
 
@@ -19,10 +20,23 @@ as GPT-OSS works; on an NPU the default SiLU gate runs as ``torch_npu.npu_swiglu
 ``nn.ModuleList`` experts: Linear triples have their weights stacked and run grouped, any other
 expert module is called on its own rows (idle experts on zero rows).
 
+Two things an experts module may hold besides its experts' weights are honoured:
+
+* parameters shared by every expert (:func:`~epmoe.ep.recognize.shared_parameters`: a post-expert
+  norm's weight, a learned activation scale): whole on every rank, not expert parameters; over more
+  than one rank the experts run once per source rank, each run on its own view of them, so that each
+  rank gets the gradient of its own rows (:meth:`LocalExperts._by_source`,
+  :func:`epmoe.ep.grads.shared_by_source`);
+* a compute dtype wider than the weights' (:func:`family_compute_dtype`: what the family's own
+  forward runs its matmuls and sums in, float32 for OpenAI's privacy filter, Inkling2 or Nemotron-H in
+  bfloat16): packed experts then run their MLP in it (:meth:`LocalExperts.compute_dtype`), their
+  output stays in it until the layer has summed each token's rows.
+
 :class:`LocalExperts` holds what is decided once per experts module, when EP is applied: which kind
 it is (packed, Linear triples run grouped, or experts run by their own forward), whether its gate is
-transformers' default, and its grouped-matmul backend (:meth:`LocalExperts.gmm_backend`): an
-:class:`~epmoe.gmm.BackendChoice` that every backend judges on all the grouped matmuls the module
+transformers' default, its shared parameters, its compute dtype, and its grouped-matmul backend
+(:meth:`LocalExperts.gmm_backend`): an :class:`~epmoe.gmm.BackendChoice` that every backend judges
+on all the grouped matmuls the module
 issues (:func:`gmm_probes`) once per device and dtype, judged again only for operands that differ
 from those (:class:`~epmoe.gmm.registry.Operands`). Every grouped matmul of a forward and its
 backward (the routed MLP op's, the plain path's, the fused ops') runs that one backend, asked for
@@ -31,19 +45,37 @@ where the matmuls run, so nothing of the choice is traced by ``torch.compile``.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import logging
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from epmoe import errors, platform
+from epmoe.comm.layout import inverse_permutation
+from epmoe.ep.grads import shared_by_source
 from epmoe.ep.mlp import expert_mlp, register_experts, routed_mlp_autograd, routed_mlp_custom_op
-from epmoe.ep.recognize import is_default_silu_gate, is_silu, linear_triples, num_experts_of
+from epmoe.ep.recognize import (
+    is_default_silu_gate,
+    is_packed_experts,
+    is_silu,
+    linear_triples,
+    num_experts_of,
+    shared_parameters,
+)
 from epmoe.ep.routing import RowPairs
 from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
+
+logger = logging.getLogger(__name__)
 
 
 def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
@@ -115,12 +147,17 @@ class LocalExperts:
     """One experts module's local experts and how they run, decided once (see the module docstring).
 
     ``module``: packed experts, or an ``nn.ModuleList`` of experts; ``backend``: ``"auto"`` or a
-    registered grouped-matmul backend name (``ExpertParallelConfig.gmm_backend``).
+    registered grouped-matmul backend name (``ExpertParallelConfig.gmm_backend``); ``shared``: the
+    parameters the experts share (default: :func:`~epmoe.ep.recognize.shared_parameters` of
+    ``module``; a sharded ``ModuleList``'s, found on all its experts before sharding).
     """
 
-    def __init__(self, module: nn.Module, backend: str = "auto"):
+    def __init__(self, module: nn.Module, backend: str = "auto", shared: Sequence[nn.Parameter] | None = None):
         self.module = module
         self.packed = not isinstance(module, nn.ModuleList)
+        ids = {id(p) for p in ([p for _, p in shared_parameters(module)] if shared is None else shared)}
+        self.shared_names = tuple(n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids)
+        self._compute_dtypes: dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> the MLP's (compute_dtype)
         self.default_gate = self.packed and is_default_silu_gate(module)
         self.trans_weight = not module.is_transposed if self.packed else True  # nn.Linear layout: "transposed"
         self._triples = None if self.packed else linear_triples(module)
@@ -128,6 +165,8 @@ class LocalExperts:
         self._children = self._layers()
         self.gmm = BackendChoice(backend, self._gmm_family)  # the grouped matmuls' backend, chosen once
         self.key = register_experts(self)  # how epmoe::routed_mlp finds this object's gate and backend
+        if self.packed:
+            self.compute_dtype(self._weight_dtype())  # found now, so that a compiled forward has it
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy`` of the model) registers itself: the op must find the copy's gate
@@ -242,21 +281,54 @@ class LocalExperts:
     @property
     def lean(self) -> bool:
         """Whether :meth:`routed_mlp` runs ``epmoe::routed_mlp`` (packed experts without a norm after
-        the down projection, or Linear triples), keeping what :mod:`epmoe.ep.mlp` says."""
+        the down projection, or Linear triples, with no parameter shared by the experts), keeping what
+        :mod:`epmoe.ep.mlp` says."""
+        if self.shared_names:
+            return False
         if self.packed:
             return not getattr(self.module, "has_post_expert_norm", False)
         return self.triples is not None
 
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The parameters of the local experts that are per expert (what EP shards: not
+        :attr:`shared_names`), in ``module.parameters()`` order."""
+        shared = set(self.shared_names)
+        return [p for n, p in self.module.named_parameters() if n not in shared]
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the experts' MLP runs in when their weights are ``dtype``: the widest dtype the
+        family's own experts forward computes in (its matmuls, the sum of the weighted expert outputs:
+        :func:`family_compute_dtype`) where that is wider than ``dtype``, else ``dtype``. Found once per
+        ``dtype`` (``nn.ModuleList`` experts: ``dtype``; their own forwards run, or Linear triples)."""
+        known = self._compute_dtypes.get(dtype)
+        if known is not None or not self.packed or torch.compiler.is_compiling():
+            return known or dtype  # a compiled forward uses what an eager one (or EP's apply) found
+        family = family_compute_dtype(self.module)
+        if family is None:  # meta weights: the weights' dtype, asked again at the next forward
+            return dtype
+        self._compute_dtypes[dtype] = torch.promote_types(family, dtype)
+        return self._compute_dtypes[dtype]
+
     def routed_mlp(self, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs, *,
-                   sync_weights: WeightsHook | None = None) -> torch.Tensor:
+                   sync_weights: WeightsHook | None = None, sources: RowSources | None = None) -> torch.Tensor:
         """``(R, H)``: rows ``x_RH`` through the local experts their ``pairs`` name, weighted by
         ``weights_RK`` and summed per row (:mod:`epmoe.ep.mlp`): through the ``epmoe::routed_mlp``
         custom op (:func:`~epmoe.ep.mlp.routed_mlp_custom_op`), or, for experts that are not
-        :attr:`lean`, through plain autograd (:func:`~epmoe.ep.mlp.routed_mlp_autograd`)."""
+        :attr:`lean`, through plain autograd (:func:`~epmoe.ep.mlp.routed_mlp_autograd`).
+
+        The MLP runs in :meth:`compute_dtype` (the rows are cast on arrival, the result stays in it:
+        the combine sums it per token before the layer casts back). ``sources``: which ranks the rows
+        came from (the all-to-all-v transport's, over more than one rank); the parameters shared by
+        the experts then get, on each rank, the gradient of its own rows (:meth:`_by_source`)."""
         sync_weights = sync_weights or _as_is
+        if self.packed:
+            x_RH = x_RH.to(self.compute_dtype(self._weight_dtype()))
         if not self.lean:
-            return routed_mlp_autograd(
-                lambda x_PH, counts: self.forward(x_PH, counts, sync_weights=sync_weights), x_RH, weights_RK, pairs)
+            forward = functools.partial(self.forward, sync_weights=sync_weights)
+            if sources is not None and self._split_shared():
+                forward = functools.partial(self._by_source, pairs=pairs, K=weights_RK.shape[1], sources=sources,
+                                            sync_weights=sync_weights)
+            return routed_mlp_autograd(forward, x_RH, weights_RK, pairs)
         up, down, up_bias, down_bias = self.weights(sync_weights)
         return routed_mlp_custom_op(self.key, x_RH, weights_RK, pairs, up, down, up_bias, down_bias,
                                     trans_weight=self.trans_weight)
@@ -271,8 +343,61 @@ class LocalExperts:
             up, down = sync_weights(self._stacked_triples())
             return up, down, None, None
         up, down, *biases = sync_weights([getattr(self.module, name) for name in self._weight_names])
+        dtype = self.compute_dtype(up.dtype)
+        up, down, *biases = (w.to(dtype) for w in (up, down, *biases))
         up_bias, down_bias = biases if biases else (None, None)
         return up, down, up_bias, down_bias
+
+    def _weight_dtype(self) -> torch.dtype:
+        """The dtype of packed experts' up (or gate_up) projection."""
+        return getattr(self.module, self._weight_names[0]).dtype
+
+    def _split_shared(self) -> bool:
+        """Whether a forward must split the shared parameters' gradients by source rank: some need a
+        gradient and this forward records one."""
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        return torch.is_grad_enabled() and any(named[n].requires_grad for n in self.shared_names)
+
+    def _by_source(self, x_PH: torch.Tensor, counts: list[int] | torch.Tensor, *, pairs: RowPairs, K: int,
+                   sources: RowSources, sync_weights: WeightsHook) -> torch.Tensor:
+        """:meth:`forward` on the pairs ``x_PH`` (expert-major, counts ``counts``), run once per source
+        rank on that rank's pairs, each run seeing its own view of every shared parameter
+        (:func:`~epmoe.ep.grads.shared_by_source`, whose backward sends each source rank the gradient
+        its rows gave); the per-expert weights are synced once for all runs. Rows ``R`` are
+        source-major (``sources.rows_W[s]`` rows from rank ``s``); a pair's row is ``slot_P // K``.
+        Exact wherever the shared parameters act on each row alone (a norm, a scale, a bias)."""
+        named = dict(self.module.named_parameters(remove_duplicate=False))
+        modules = dict(self.module.named_modules(remove_duplicate=False))
+        params = list({id(named[n]): named[n] for n in self.shared_names}.values())
+        index = {id(p): i for i, p in enumerate(params)}
+        holders = {}  # one name per module attribute holding a shared parameter (a shared module: one)
+        for name in self.shared_names:
+            owner, _, attr = name.rpartition(".")
+            holders.setdefault((id(modules[owner]), attr), name)
+        x_PH, views = shared_by_source(x_PH, params, sources.group)
+        synced = {}
+
+        def sync_once(weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
+            key = (per_parameter, tuple(id(w) for w in weights))
+            if key not in synced:
+                synced[key] = sync_weights(weights, per_parameter=per_parameter)
+            return synced[key]
+
+        device = x_PH.device
+        ends_W = torch.tensor(list(itertools.accumulate(sources.rows_W)), device=device)
+        source_P = torch.bucketize(pairs.slot_P // K, ends_W, right=True)
+        counts_e = torch.as_tensor(counts, device=device)
+        expert_P = torch.repeat_interleave(torch.arange(counts_e.numel(), device=device), counts_e,
+                                           output_size=x_PH.shape[0])
+        call = _ExpertsCall(self.module, functools.partial(self.forward, sync_weights=sync_once))
+        outs, order = [], []
+        for s, view in enumerate(views):
+            index_p = torch.nonzero(source_P == s).squeeze(1)  # ascending: still expert-major
+            counts_s = torch.bincount(expert_P[index_p], minlength=counts_e.numel()).tolist()
+            stand_ins = {f"experts.{n}": view[index[id(named[n])]] for n in holders.values()}
+            outs.append(torch.func.functional_call(call, stand_ins, (x_PH[index_p], counts_s), tie_weights=False))
+            order.append(index_p)
+        return torch.cat(outs)[inverse_permutation(torch.cat(order))]
 
     def _stacked_triples(self) -> list[torch.Tensor]:
         """A ``ModuleList``'s Linear triples as ``[gate_up (e, 2I, H), down (e, H, I)]`` (nn.Linear layout)."""
@@ -285,7 +410,7 @@ class LocalExperts:
     def _packed_forward(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
                         ) -> torch.Tensor:
         module = self.module
-        _, y = self._grouped_mlp(x_em, counts, sync_weights)
+        _, y = self._grouped_mlp(x_em.to(self.compute_dtype(self._weight_dtype())), counts, sync_weights)
         if getattr(module, "has_post_expert_norm", False):
             y = module.post_expert_norm(y)
         return y
@@ -304,7 +429,7 @@ class LocalExperts:
         experts = self.module
         if self.triples is not None:
             return self._grouped_mlp(x_em, counts, sync_weights)[1]
-        sync_weights(list(experts.parameters()), per_parameter=True)
+        sync_weights(self.expert_parameters(), per_parameter=True)
         if isinstance(counts, torch.Tensor):
             counts = errors.int_list("experts_forward(counts)", counts)
         # Idle experts run too, on zero rows: autograd then gives their parameters exact-zero
@@ -312,6 +437,94 @@ class LocalExperts:
         # whose exchange must run in backward on every rank.
         starts = prefix(counts)
         return torch.cat([expert(x_em[starts[j]:starts[j + 1]]) for j, expert in enumerate(experts)])
+
+
+@dataclass(frozen=True)
+class RowSources:
+    """Where a layer's received rows came from: ``rows_W[s]`` rows from EP rank ``s``, source-major,
+    over ``group`` (the all-to-all-v transport's rows)."""
+
+    rows_W: list[int]
+    group: dist.ProcessGroup | None
+
+
+class _ExpertsCall(nn.Module):
+    """``run(x, counts)`` as the forward of a module holding the experts module as ``experts``, so that
+    ``torch.func.functional_call`` can stand tensors in for the experts' parameters by name."""
+
+    def __init__(self, experts: nn.Module, run: Callable[[torch.Tensor, list[int]], torch.Tensor]):
+        super().__init__()
+        self.experts = experts
+        self.run = run
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        return self.run(x, counts)
+
+
+_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+            torch.ops.aten.matmul, torch.ops.aten.linear, torch.ops.aten.mv, torch.ops.aten.addmv}
+
+
+class _DtypeRecorder(TorchDispatchMode):
+    """The dtypes a forward's matmuls produce, and the casts it makes (``(result, source dtype)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.matmuls: list[torch.dtype] = []
+        self.casts: list[tuple[torch.Tensor, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in _MATMULS:
+            self.matmuls.append(out.dtype)
+        elif func.overloadpacket is torch.ops.aten._to_copy and isinstance(args[0], torch.Tensor):
+            self.casts.append((out, args[0].dtype))
+        return out
+
+
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts module -> {weight dtype: dtype}
+
+
+def family_compute_dtype(module: nn.Module) -> torch.dtype | None:
+    """The widest dtype a packed experts module's own forward (the family's code, under
+    ``@use_experts_implementation``) computes in with its present weights: that of its matmuls and of
+    the sum of the weighted expert outputs (what it returns, before a last cast back), found by
+    running it once on two probe tokens routed to expert 0 with float32 routing weights (what the
+    routers of such families give). OpenAI's privacy filter (matmuls in float32), Inkling2 and
+    Nemotron-H (sums in float32) give float32 in a bfloat16 model; most families their weights'
+    dtype. ``None`` where it cannot run yet (meta weights, or a partition of them such as ZeRO-3's
+    outside a forward); where it fails, its weights' dtype (a
+    WARNING says why). Kept per module and weight dtype: :func:`epmoe.apply_expert_parallel` asks
+    before sharding (a family's forward may expect all its experts)."""
+    if not is_packed_experts(module):
+        raise TypeError(f"family_compute_dtype(module): expected packed experts, got {type(module).__name__}")
+    up = getattr(module, "gate_up_proj" if module.has_gate else "up_proj")
+    found = _FOUND.setdefault(module, {})
+    if up.dtype not in found and not up.is_meta and up.dim() == 3:
+        found[up.dtype] = _probe_compute_dtype(module, up)
+    return found.get(up.dtype)
+
+
+def _probe_compute_dtype(module: nn.Module, up: torch.Tensor) -> torch.dtype:
+    """:func:`family_compute_dtype`, found by running the family's forward once."""
+    hidden = up.shape[1] if module.is_transposed else up.shape[2]
+    x = torch.linspace(-1.0, 1.0, 2 * hidden, device=up.device).view(2, hidden).to(up.dtype)
+    index = torch.zeros(2, 1, dtype=torch.long, device=up.device)
+    weights = torch.full((2, 1), 0.5, dtype=torch.float32, device=up.device)
+    forward = getattr(type(module).forward, "__wrapped__", type(module).forward)  # the family's own, undecorated
+    recorder = _DtypeRecorder()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[up.device] if up.device.type == "cuda" else []):
+            with recorder:
+                out = forward(module, x, index, weights)
+    except Exception as exc:  # noqa: BLE001 - any failure of the family's own forward: computed as its weights
+        logger.warning("epmoe: %s's own forward failed on a probe (%s: %s): its experts compute in %s",
+                       type(module).__name__, type(exc).__name__, exc, up.dtype)
+        return up.dtype
+    if not isinstance(out, torch.Tensor):  # not the experts contract's single tensor: its matmuls alone
+        return functools.reduce(torch.promote_types, recorder.matmuls, up.dtype)
+    summed = next((source for result, source in recorder.casts if result is out), out.dtype)
+    return functools.reduce(torch.promote_types, recorder.matmuls, summed)
 
 
 class WeightsHook(Protocol):

@@ -39,16 +39,32 @@ exchange made them, and the reducer's mean is ``"mean"``.
 
 This module holds the policy only; which wrapper runs the model, and the step guard armed while a
 backward finishes expert gradients (``arm`` below), are the model's (:mod:`epmoe.ep.model`).
+
+**Parameters shared by the experts** (inside an experts module but not per expert: a norm after
+the down projection such as MuseSpark's ``post_expert_norm``, a scale, a bias;
+:func:`~epmoe.ep.recognize.shared_parameters`) are not expert parameters: EP leaves them whole on
+every rank, and they get the unsharded model's gradient on the rank's own batch, which data-parallel
+wrappers then average like any other. An expert's rank computes them on rows from every rank, so a
+forward over more than one rank runs them once per source rank on that rank's rows, each run on its
+own view of the parameter (:func:`shared_by_source`); in backward one all-to-all over the EP group
+(``W`` x their size, per layer) sends each source rank the gradient its rows gave::
+
+    rank 0 computes rows of ranks 0, 1:  g00 g01      rank 0 gets g00 + g10   (its own batch's)
+    rank 1 computes rows of ranks 0, 1:  g10 g11      rank 1 gets g01 + g11
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from epmoe.comm.all_to_all import all_to_all_v
 from epmoe.comm.steps import Position, StepChannel, checks_on, world_size
 from epmoe.errors import double_backward_error
 
@@ -262,3 +278,51 @@ def register_param_hooks(policy: ExpertGradPolicy, params: Sequence[nn.Parameter
             continue
         p.register_hook(lambda g, policy=policy: policy.finish([g], position(), arm)[0])
         p._epmoe_grad_hook = policy
+
+
+class _SharedBySource(torch.autograd.Function):
+    """Forward: ``x`` as it is, then ``W`` views of the parameters (source-major: ``W`` groups of
+    ``len(params)``). Backward: the views' gradients as a ``(W, N)`` buffer (row ``s``: what source
+    rank ``s``'s rows gave), row ``s`` sent to rank ``s`` (one all-to-all over ``group``), and each
+    parameter's gradient the sum of the rows received, in rank order. Its backward runs when ``x``'s
+    gradient is ready too, just before the dispatch's backward exchange: at the same point on every
+    rank."""
+
+    @staticmethod
+    def forward(ctx, group, W, x, *params):
+        ctx.group, ctx.W, ctx.params = group, W, len(params)
+        ctx.dtype = functools.reduce(torch.promote_types, [p.dtype for p in params])
+        ctx.meta = [(p.shape, p.dtype) for p in params]
+        return (x.view_as(x), *(p.view_as(p) for _ in range(W) for p in params))
+
+    @staticmethod
+    def backward(ctx, dx, *d_views):
+        refuse_double_backward("shared-parameter gradients by source rank")
+        W, n = ctx.W, ctx.params
+        sent_WN = torch.stack([torch.cat([d.reshape(-1).to(ctx.dtype) for d in d_views[s * n:(s + 1) * n]])
+                               for s in range(W)])
+        received_WN = all_to_all_v(sent_WN, [1] * W, [1] * W, ctx.group)
+        total_N = received_WN[0].clone()
+        for row in received_WN[1:]:
+            total_N += row
+        grads, offset = [], 0
+        for shape, dtype in ctx.meta:
+            size = math.prod(shape)
+            grads.append(total_N[offset:offset + size].view(shape).to(dtype))
+            offset += size
+        return (None, None, dx, *grads)
+
+
+def shared_by_source(x: torch.Tensor, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+                     ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """``(x, views)``: ``x`` (the rows an experts module runs: gradients pass through), and per source
+    rank ``s`` of ``group`` the views ``views[s]`` of ``params`` (parameters shared by the experts)
+    that the rows of rank ``s`` run with. In backward, each rank's parameters get the gradient its
+    own rows gave on every rank (see the module docstring); every rank of ``group`` must call it at
+    the same point of its forward (the layer's experts step)."""
+    if not params:
+        raise ValueError("shared_by_source(params): no parameter to split")
+    W = world_size(group, "shared_by_source")
+    out = _SharedBySource.apply(group, W, x, *params)
+    n = len(params)
+    return out[0], [list(out[1 + s * n:1 + (s + 1) * n]) for s in range(W)]

@@ -58,9 +58,9 @@ def routed_experts(
             f"{shard.module_name}: the hidden states are on the meta device: an EP model cannot run before its "
             f"weights exist (load them with epmoe.from_pretrained, or to_empty() then load a state dict)"
         )
-    if transport.traced_whole(state):
-        return _route(transport, state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
-    return _route_eagerly(transport, state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
+    route = _route if transport.traced_whole(state) else _route_eagerly
+    out_TH = route(transport, state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
+    return out_TH.to(hidden_TH.dtype)  # experts that compute in a wider dtype are summed in it, then cast
 
 
 def _route(transport: Dispatcher, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,

@@ -2,7 +2,10 @@
 
 An expert parameter is one that differs per EP rank: the sharded weights and biases of packed
 experts, the local ``nn.ModuleList`` experts' parameters, and the LoRA factors PEFT adds on them
-after :func:`epmoe.apply_expert_parallel`. Every one is marked with its model's
+after :func:`epmoe.apply_expert_parallel`. The parameters an experts module holds that are not per
+expert (a post-expert norm, a scale every expert shares: :func:`~epmoe.ep.recognize.shared_parameters`)
+are not: EP leaves them whole on every rank, each rank gets their gradient on its own batch
+(:mod:`epmoe.ep.grads`), and DDP broadcasts and averages them like the rest. Every one is marked with its model's
 :class:`~epmoe.ep.model.EPModel` (``is_expert_parameter``) when EP shards it, when a structural walk
 finds it (:func:`expert_parameters`, DDP's start-up) and at every training forward (the experts'
 weights' autograd leaves), so the mark survives wrappers that rename parameters (PEFT's

@@ -56,6 +56,29 @@ def num_experts_of(module: nn.Module) -> int:
     return module.down_proj.shape[0]
 
 
+def shared_parameters(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """``(name, parameter)`` of every parameter inside an experts module that is not per expert (a
+    norm, scale or bias every expert's rows go through: MuseSpark's ``post_expert_norm.weight``), under
+    each name it has (``named_parameters(remove_duplicate=False)``), in that order.
+
+    Packed experts: every parameter except the module's own tensors whose leading dim is the number
+    of experts (those EP shards). ``nn.ModuleList`` experts: the parameters more than one expert
+    holds (look before sharding: a rank may keep a single expert). EP never shards these: they are
+    replicated, like the rest of the model."""
+    if not isinstance(experts, nn.ModuleList) and not is_packed_experts(experts):
+        raise TypeError(f"shared_parameters(experts): expected packed or nn.ModuleList experts, got "
+                        f"{type(experts).__name__}")
+    if isinstance(experts, nn.ModuleList):
+        holders: dict[int, int] = {}
+        for expert in experts:
+            for p in {id(p): p for p in expert.parameters()}.values():
+                holders[id(p)] = holders.get(id(p), 0) + 1
+        return [(n, p) for n, p in experts.named_parameters(remove_duplicate=False) if holders.get(id(p), 0) > 1]
+    num_experts = num_experts_of(experts)
+    per_expert = {id(p) for p in experts.parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == num_experts}
+    return [(n, p) for n, p in experts.named_parameters(remove_duplicate=False) if id(p) not in per_expert]
+
+
 def peft_base(module: nn.Module) -> nn.Module | None:
     """The innermost ``base_layer`` of a PEFT LoRA wrapper (peft nests one wrapper per adapted
     parameter), or ``None`` if ``module`` is not one."""
@@ -136,4 +159,7 @@ def fused_ineligible_reason(experts: nn.Module) -> str | None:
         return "the down projection's bias would have to be added between the grouped matmul and the exchange"
     if getattr(experts, "has_post_expert_norm", False):
         return "a post-expert norm would have to run between the grouped matmul and the exchange"
+    if shared_parameters(experts):
+        return (f"its parameters shared by every expert ({shared_parameters(experts)[0][0]}...) get their gradient "
+                f"split by source rank on the all-to-all-v path only")
     return None

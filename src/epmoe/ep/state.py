@@ -99,9 +99,10 @@ class ExpertParallelState:
 
     def sharded_params(self, owner: nn.Module) -> list[nn.Parameter]:
         """The parameters that differ per EP rank (``owner``: the module this state is on): the packed
-        tensors EP sliced, or every parameter of the local ``ModuleList`` experts."""
+        tensors EP sliced, or the local ``ModuleList`` experts' parameters (not those the experts
+        share: :attr:`~epmoe.ep.experts.LocalExperts.shared_names`)."""
         if isinstance(self.local_experts, nn.ModuleList):
-            return list(self.local_experts.parameters())
+            return self.experts.expert_parameters()
         return [getattr(owner, name) for name in self.sharded_names]
 
     def sync_weights(self, weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ import torch
 from epmoe.comm import all_to_all_v
 from epmoe.ep.config import DROPPED_COUNTER
 from epmoe.ep.dispatch.base import Dispatcher, LayerCounts, SharedExpert, exchange_layer_counts
+from epmoe.ep.experts import RowSources
 from epmoe.ep.routing import (
     GatherRows,
     RowPairs,
@@ -103,7 +104,9 @@ class AllToAllVDispatcher(Dispatcher):
         ``config.capacity_factor``, only each expert's first ``C`` pairs (the global order: source
         rank, then token, then k), the others' outputs zero and counted as dropped (see
         :class:`~epmoe.ep.config.ExpertParallelConfig`)."""
-        return state.experts.routed_mlp(x_RH, meta.weights_RK, meta.pairs, sync_weights=state.sync_weights)
+        sources = None if meta.rows is None else RowSources(meta.counts.recv_rows_W, meta.counts.group)
+        return state.experts.routed_mlp(x_RH, meta.weights_RK, meta.pairs, sync_weights=state.sync_weights,
+                                        sources=sources)
 
     def combine(self, state: ExpertParallelState, y_RH: torch.Tensor, meta: AllToAllVMeta) -> torch.Tensor:
         """``(T, H)``: the rows back to their senders, summed per token in rank order; its backward

@@ -74,7 +74,7 @@ from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.dispatch.base import Dispatcher, SharedExpert
 from epmoe.ep.experts import WeightsHook
 from epmoe.ep.guard import check as check_guard
-from epmoe.ep.recognize import linear_triples
+from epmoe.ep.recognize import linear_triples, shared_parameters
 from epmoe.ep.routing import GatherRows, RowPairs, SumRows, TokenRows, pair_rows, static_token_rows
 from epmoe.ep.state import ExpertParallelState
 
@@ -148,6 +148,8 @@ class StaticDispatcher(Dispatcher):
             return None
         if getattr(experts, "has_post_expert_norm", False):
             return "a norm after the down projection runs outside the routed MLP op"
+        if shared_parameters(experts):
+            return "parameters shared by every expert run outside the routed MLP op"
         return None
 
     def traced_whole(self, state: ExpertParallelState) -> bool:
