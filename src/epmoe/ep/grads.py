@@ -297,7 +297,8 @@ class _SharedBySource(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dx, *d_views):
-        refuse_double_backward("shared-parameter gradients by source rank")
+        if torch.is_grad_enabled():
+            raise double_backward_error("shared-parameter gradients by source rank")
         W, n = ctx.W, ctx.params
         sent_WN = torch.stack([torch.cat([d.reshape(-1).to(ctx.dtype) for d in d_views[s * n:(s + 1) * n]])
                                for s in range(W)])
