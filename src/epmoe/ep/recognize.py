@@ -15,6 +15,8 @@ triples, transformers' default gate, what the fused ops can run, and PEFT wrappe
 
 from __future__ import annotations
 
+import inspect
+import re
 import weakref
 
 import torch
@@ -47,6 +49,87 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Modu
             if any(isinstance(getattr(parent, attr, None), nn.Module) for attr in ("gate", "router")):
                 found.append((name, module, parent))
     return found
+
+
+_EXPERTS_CONTRACT = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def experts_like_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module that holds a layer's experts, whether epmoe can run it or
+    not, outermost only, in ``named_modules()`` order. Found by structure: packed experts; a module
+    with parameters named, or of a class named, after experts (not a shared expert, not a single
+    ``torch.nn`` layer such as a projection into the experts); a module with an ``nn.Embedding`` of
+    one row per expert (``num_experts`` rows)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") for outer, _ in found) or not _looks_like_experts(name, module):
+            continue
+        found.append((name, module))
+    return found
+
+
+def _looks_like_experts(name: str, module: nn.Module) -> bool:
+    if is_packed_experts(module):
+        return True
+    if next(module.parameters(), None) is None:
+        return False
+    leaf, cls = name.rsplit(".", 1)[-1].lower(), type(module).__name__.lower()
+    one_layer = type(module).__module__.startswith("torch.nn") and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    if "shared" not in leaf and "shared" not in cls and not one_layer and (
+            "expert" in leaf or re.search(r"experts?$", cls)):
+        return True
+    num = getattr(module, "num_experts", None)
+    return isinstance(num, int) and any(
+        isinstance(child, nn.Embedding) and child.num_embeddings == num for child in module.children())
+
+
+def unsupported_experts(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]
+                        ) -> list[tuple[str, nn.Module, str]]:
+    """``(name, module, why epmoe cannot run it)`` for every experts-like module
+    (:func:`experts_like_modules`) that :func:`find_experts_modules` did not recognise (``found``)."""
+    recognised = {name for name, _, _ in found}
+    modules = dict(model.named_modules())
+    out = []
+    for name, module in experts_like_modules(model):
+        if name in recognised or any(name.startswith(f"{r}.") or r.startswith(f"{name}.") for r in recognised):
+            continue
+        out.append((name, module, _why_unsupported(model, modules, name, module)))
+    return out
+
+
+def _why_unsupported(model: nn.Module, modules: dict[str, nn.Module], name: str, module: nn.Module) -> str:
+    """Why an experts-like module is not one epmoe runs, read from its structure."""
+    parts = name.split(".")
+    ancestors = [modules[".".join(parts[:i])] for i in range(len(parts))]
+    config = getattr(model, "config", None)
+    where = "in an encoder-decoder model, " if getattr(config, "is_encoder_decoder", False) else ""
+    if any("attention" in type(a).__name__.lower() for a in ancestors[1:]) or any(
+            re.search(r"attn|attention", p) for p in parts[:-1]):
+        return (f"{where}experts inside attention (a mixture of attention heads): epmoe runs experts that are "
+                f"a layer's MLP, called with each token's top-k experts")
+    if any(isinstance(child, nn.Embedding) for child in module.children()):
+        return (f"{where}experts are rows of nn.Embedding tables (one vector per expert, retrieved by product "
+                f"keys), not per-expert MLP weights")
+    parent = ancestors[-1]
+    if not any(re.search(r"gate|gating|router", child_name) for child_name, _ in parent.named_children()):
+        return (f"{where}no router beside it in {type(parent).__name__} (experts chosen by "
+                f"{_signature(module)}), so there is nothing to route tokens across ranks by")
+    params = _signature(module)
+    if params != _EXPERTS_CONTRACT:
+        kind = type(module).__mro__[1].__name__ if isinstance(module, (nn.ModuleDict, nn.ModuleList)) else "its"
+        return (f"{where}{kind} forward takes ({', '.join(params)}), not the experts contract "
+                f"({', '.join(_EXPERTS_CONTRACT)}) with top-k expert ids")
+    shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters())
+    return f"{where}per-expert weights in a layout epmoe does not recognise ({shapes})"
+
+
+def _signature(module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module.forward``'s positional parameters."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
 def num_experts_of(module: nn.Module) -> int:
