@@ -6,12 +6,11 @@ holds an experts-like module (:func:`epmoe.ep.recognize.experts_like_modules`). 
 future transformers is picked up without editing anything here.
 
 Used by ``test_families.py`` (the coverage test), ``families_workers.py`` (its ranks) and
-``benchmarks/families.py`` (the README's families table).
+``benchmarks/families_table.py`` (the README's families table).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import importlib
@@ -31,14 +30,14 @@ LAYER_TRIES = (2, 4, 8)  # fewest layers first; more where the first layers are 
 _SIZES = (  # (pattern on the attribute name, value) for integer sizes, first match wins
     (r"(^|_)vocab_size($|_)", VOCAB),
     (r"num_nextn_predict_layers|num_kv_shared_layers|num_mtp", 0),
-    (r"(per_tok|top_?k|topk$|moe_topk|experts_per)", TOP_K),
-    (r"^(n_)?shared_experts?$|num_shared_experts|n_shared_experts|shared_expert_num|zero_expert_num", 1),
     (r"topk_group|n_group|num_expert_group|n_groups$", 1),
+    (r"(per_tok|top_?k|topk$|moe_topk|experts_per|^moe_k$)", TOP_K),
+    (r"^(n_)?shared_experts?$|num_shared_experts|n_shared_experts|shared_expert_num|zero_expert_num", 1),
     (r"expert.*(layer|period|offset|freq|step|interval|start)", "keep"),
     (r"expert", NUM_EXPERTS),
     (r"intermediate|ffn_hidden|ffn_dim|moe_dim|d_ff$", 32),
     (r"lora_rank", 16),
-    (r"rope_head_dim|nope_head_dim", 8),
+    (r"rope_head_dim|nope_head_dim", 16),
     (r"head_dim|v_head_dim|d_kv|key_head_dim|value_head_dim", 16),
     (r"kv_heads|key_value_heads|num_key_heads|kv_n_heads", 2),
     (r"heads", 4),
@@ -139,6 +138,7 @@ def _shrink(config, layers: int) -> None:
     MoE flags (``is_moe``, ``enable_moe_block``...) and fill MoE sizes left ``None``."""
     from transformers import PretrainedConfig
 
+    heads, kv_heads = (vars(config).get(k) for k in ("num_attention_heads", "num_key_value_heads"))
     for key, value in list(vars(config).items()):
         if key.startswith("_"):
             continue
@@ -147,7 +147,7 @@ def _shrink(config, layers: int) -> None:
         elif isinstance(value, bool):
             if not value and re.search(r"moe|expert", key) and key.startswith(("enable", "use", "is_")):
                 setattr(config, key, True)
-        elif value is None and re.search(r"expert|moe|top_?k|per_tok|group|head_dim|heads|budget|ratio$", key):
+        elif value is None and re.search(r"expert|moe|top_?k|per_tok|group|head_dim|heads|budget|ratio$|window", key):
             new = _size_for(key, 1 << 30, layers)
             if new is not None:
                 setattr(config, key, new)
@@ -162,6 +162,8 @@ def _shrink(config, layers: int) -> None:
         elif isinstance(value, list) and value and all(type(v) is int for v in value) and not re.search(
                 r"layers?$|layer_ids|indexes|indices", key):
             setattr(config, key, [_size_for(key, v, layers) or v for v in value])
+    if isinstance(heads, int) and kv_heads == heads:  # multi-head (MLA...) attention stays so
+        config.num_key_value_heads = config.num_attention_heads
     _trim_layer_lists(config, layers)
 
 
@@ -173,7 +175,7 @@ def _size_for(key: str, value: int, layers: int) -> int | None:
                 return None
             if new == "layers":
                 return layers
-            if re.search(r"per_tok|top|group", key):
+            if re.search(r"per_tok|top|group|moe_k$", key):
                 return min(new, value)
             return new if new < value or re.search(r"expert", key) else None
     return None
@@ -246,6 +248,9 @@ def build(family: Family, *, dtype: torch.dtype = torch.float64, seed: int = 0) 
         sub._experts_implementation = "eager"
         sub._attn_implementation = "eager"
     config._attn_implementation = "eager"
+    config.use_cache = False  # hybrid (Mamba, linear attention) caches need a generation loop
+    for sub in _sub_configs(config):
+        sub.use_cache = False
     module = importlib.import_module(f"transformers.models.{family.name}.modeling_{family.name}")
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
@@ -282,10 +287,7 @@ def inputs(family: Family, rank: int, length: int, batch: int = 2) -> dict:
 
 
 def loss_of(output) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out, loss)``: the model's first tensor output and a loss every element reaches."""
-    out = output[0] if isinstance(output, tuple) else next(v for v in output.values() if isinstance(v, torch.Tensor))
+    """``(out, loss)``: the model's first output (logits, or the last hidden state) and a loss every
+    element of it reaches."""
+    out = output[0]
     return out, out.square().mean()
-
-
-def copy_model(model: torch.nn.Module) -> torch.nn.Module:
-    return copy.deepcopy(model)

@@ -55,7 +55,7 @@ from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
-from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of
+from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of, unsupported_experts
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
 from epmoe.integrations.blocks import (
     block_router,
@@ -131,7 +131,8 @@ def apply_expert_parallel(
 
     found = find_experts_modules(model)
     if not found:
-        raise ValueError(f"apply_expert_parallel(model): no experts module found in {type(model).__name__}")
+        raise ValueError(_refusal(model, found) or
+                         f"apply_expert_parallel(model): no experts module found in {type(model).__name__}")
     applied = _shards_applied_before(found, ep_size)
     if applied is not None:
         return applied
@@ -259,6 +260,9 @@ def _validate(
                 f"apply_expert_parallel: {where}; apply expert parallelism first, then wrap the model "
                 f"(the wrapper would otherwise broadcast and average expert shards that differ per rank)"
             )
+    refusal = _refusal(model, found)
+    if refusal is not None:
+        raise ValueError(refusal)
     checked = _Checked([], [], [], None, [], {})
     for name, module, owner in found:
         wrapper = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
@@ -288,6 +292,22 @@ def _validate(
     checked.backend = experts_backend(experts, config.gmm_backend)  # a named backend that declines raises here
     checked.declined_backends = [f"{s.name}: {s.reason}" for s in experts_gmm_backends(experts) if not s.eligible]
     return checked
+
+
+def _refusal(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]) -> str | None:
+    """The message refusing ``model`` where it holds experts epmoe cannot run
+    (:func:`~epmoe.ep.recognize.unsupported_experts`), naming each such experts class once with its
+    first module path and the reason; ``None`` where there are none."""
+    by_class: dict[str, tuple[str, str, int]] = {}
+    for name, module, reason in unsupported_experts(model, found):
+        first = by_class.setdefault(type(module).__name__, (name, reason, 0))
+        by_class[type(module).__name__] = (first[0], first[1], first[2] + 1)
+    if not by_class:
+        return None
+    parts = [f"{cls} at {name} ({count} module{'s' if count > 1 else ''}): {reason}"
+             for cls, (name, reason, count) in by_class.items()]
+    return (f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot run, nothing was "
+            f"changed: " + "; ".join(parts))
 
 
 def _check_ranks_agree(

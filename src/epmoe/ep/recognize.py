@@ -71,7 +71,7 @@ def experts_like_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def _looks_like_experts(name: str, module: nn.Module) -> bool:
     if is_packed_experts(module):
         return True
-    if next(module.parameters(), None) is None:
+    if not any(p.dim() >= 2 for p in module.parameters()):  # weights, not only norms or scales
         return False
     leaf, cls = name.rsplit(".", 1)[-1].lower(), type(module).__name__.lower()
     one_layer = type(module).__module__.startswith("torch.nn") and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
@@ -112,12 +112,11 @@ def _why_unsupported(model: nn.Module, modules: dict[str, nn.Module], name: str,
                 f"keys), not per-expert MLP weights")
     parent = ancestors[-1]
     if not any(re.search(r"gate|gating|router", child_name) for child_name, _ in parent.named_children()):
-        return (f"{where}no router beside it in {type(parent).__name__} (experts chosen by "
-                f"{_signature(module)}), so there is nothing to route tokens across ranks by")
+        return (f"{where}no router beside it in {type(parent).__name__} (its forward takes "
+                f"{', '.join(_signature(module))}), so there is nothing to route tokens across ranks by")
     params = _signature(module)
     if params != _EXPERTS_CONTRACT:
-        kind = type(module).__mro__[1].__name__ if isinstance(module, (nn.ModuleDict, nn.ModuleList)) else "its"
-        return (f"{where}{kind} forward takes ({', '.join(params)}), not the experts contract "
+        return (f"{where}its forward takes ({', '.join(params)}), not the experts contract "
                 f"({', '.join(_EXPERTS_CONTRACT)}) with top-k expert ids")
     shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters())
     return f"{where}per-expert weights in a layout epmoe does not recognise ({shapes})"
