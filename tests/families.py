@@ -163,7 +163,7 @@ def _shrink(config, layers: int) -> None:
                 r"layers?$|layer_ids|indexes|indices", key):
             setattr(config, key, [_size_for(key, v, layers) or v for v in value])
     if isinstance(heads, int) and kv_heads == heads:  # multi-head (MLA...) attention stays so
-        config.num_key_value_heads = config.num_attention_heads
+        config.num_key_value_heads = vars(config)["num_attention_heads"]
     _trim_layer_lists(config, layers)
 
 
