@@ -5,6 +5,13 @@ triples, transformers' default gate, what the fused ops can run, and PEFT wrappe
   ``gate_up_proj`` (or ``up_proj`` when ``has_gate`` is false) and ``down_proj``; ``is_transposed``
   says whether they are ``(E, in, out)`` rather than the ``nn.Linear`` layout ``(E, out, in)``;
   ``has_bias`` adds ``*_proj_bias`` ``(E, out)``.
+* Packed experts without the decorator (Step3p7's): a module with the decorated classes' contract,
+  ``forward(hidden_states, top_k_index, top_k_weights)``, and 3-D ``gate_up_proj`` (or ``up_proj``) and
+  ``down_proj`` of one leading size ``E``. epmoe infers the layout the decorator would have declared
+  (``is_transposed`` from the shapes, ``has_bias`` from ``*_proj_bias``, the class's own ``_apply_gate``
+  or transformers' default ``act_fn(gate) * up``) and keeps it only if the module's own forward
+  computes exactly that on a probe (:func:`adopt_packed_experts`): then the module is *adopted*, given
+  the decorator's flags, and runs as packed experts.
 * ``nn.ModuleList`` experts whose every expert holds ``gate_proj`` / ``up_proj`` / ``down_proj`` (or
   Mixtral's ``w1`` / ``w3`` / ``w2``) bias-free ``nn.Linear`` layers and one ``act_fn``, with a forward
   that computes exactly ``down(act_fn(gate(x)) * up(x))`` (checked once per expert): those run
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 import weakref
 
 import torch
@@ -36,13 +44,14 @@ def is_packed_experts(module: nn.Module) -> bool:
 def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
     """``(name, experts module, module whose forward epmoe replaces)``, in ``named_modules()`` order.
 
-    Packed (transformers v5) experts replace their own forward; an ``nn.ModuleList`` named ``experts``
-    whose parent block has a ``gate`` or ``router`` module replaces the parent's.
+    Packed (transformers v5) experts replace their own forward, adopted ones too (this sets their
+    flags: :func:`adopt_packed_experts`); an ``nn.ModuleList`` named ``experts`` whose parent block
+    has a ``gate`` or ``router`` module replaces the parent's.
     """
     modules = dict(model.named_modules())
     found = []
     for name, module in modules.items():
-        if is_packed_experts(module):
+        if is_packed_experts(module) or adopt_packed_experts(module):
             found.append((name, module, module))
         elif isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(module):
             parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
@@ -141,6 +150,100 @@ def _signature(module: nn.Module) -> tuple[str, ...]:
     except (TypeError, ValueError):
         return ()
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+_ADOPTED_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+
+
+def adopt_packed_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is packed experts without transformers' decorator whose layout epmoe could
+    infer and check (see the module docstring); if so, give it the decorator's flags (instance
+    attributes its own forward does not read) and, where its class has none, transformers' default
+    gate as ``_apply_gate``. Weights on the meta device cannot be probed: only a layout the shapes
+    alone decide is taken then."""
+    if is_packed_experts(module) or _signature(module) != _EXPERTS_CONTRACT:
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    up_name = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
+    up, down = params.get(up_name), params.get("down_proj")
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3 or up.shape[0] != down.shape[0]:
+        return False
+    has_bias = f"{up_name}_bias" in params and "down_proj_bias" in params
+    if set(params) - {up_name, "down_proj"} - ({f"{up_name}_bias", "down_proj_bias"} if has_bias else set()):
+        return False  # other weights its forward may use
+    layouts = [t for t in (False, True) if _layout_fits(up, down, t, up_name == "gate_up_proj")]
+    own_gate = "_apply_gate" in {n for cls in type(module).__mro__ for n in vars(cls)}
+    if any(p.is_meta for p in params.values()):
+        layouts = layouts if len(layouts) == 1 else []
+    else:
+        layouts = [t for t in layouts if _computes_layout(module, up_name, t, has_bias, own_gate)]
+    if len(layouts) != 1:
+        return False
+    _set_flags(module, up_name == "gate_up_proj", has_bias, layouts[0], own_gate)
+    _ADOPTED.add(module)
+    return True
+
+
+_ADOPTED: weakref.WeakSet = weakref.WeakSet()
+
+
+def is_adopted(module: nn.Module) -> bool:
+    """Whether ``module`` runs as packed experts because :func:`adopt_packed_experts` adopted it."""
+    return module in _ADOPTED
+
+
+def _layout_fits(up: torch.Tensor, down: torch.Tensor, transposed: bool, gated: bool) -> bool:
+    """Whether ``up`` ``(E, H, n*I)`` / ``down`` ``(E, I, H)`` (transposed) or ``(E, n*I, H)`` /
+    ``(E, H, I)`` (the ``nn.Linear`` layout) fit together, ``n`` 2 with a gate."""
+    if transposed:
+        (hidden, up_out), (inner, out) = up.shape[1:], down.shape[1:]
+    else:
+        (up_out, hidden), (out, inner) = up.shape[1:], down.shape[1:]
+    return out == hidden and up_out == inner * (2 if gated else 1)
+
+
+def _set_flags(module: nn.Module, has_gate: bool, has_bias: bool, transposed: bool, own_gate: bool) -> None:
+    for flag, value in zip(_ADOPTED_FLAGS, (has_gate, has_bias, transposed, True, False)):
+        setattr(module, flag, value)
+    if has_gate and not own_gate:
+        module._apply_gate = types.MethodType(_default_gate, module)
+
+
+def _default_gate(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """transformers' default gate: ``act_fn`` of the first half of ``h`` times the second."""
+    gate, up = h.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def _computes_layout(module: nn.Module, up_name: str, transposed: bool, has_bias: bool, own_gate: bool) -> bool:
+    """Whether ``module``'s own forward equals the packed MLP of that layout on a probe: one token per
+    expert (top-1, weight 1), in the module's training mode and with the RNG state restored."""
+    up, down = getattr(module, up_name), module.down_proj
+    num, hidden = up.shape[0], up.shape[1 if transposed else 2]
+    x = torch.linspace(-1.0, 1.0, 2 * num * hidden, device=up.device).view(2 * num, hidden).to(up.dtype)
+    index = (torch.arange(2 * num, device=up.device) % num).unsqueeze(1)
+    devices = [up.device] if up.device.type == "cuda" else []
+    saved = {flag: vars(module)[flag] for flag in _ADOPTED_FLAGS + ("_apply_gate",) if flag in vars(module)}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            own = module(x, index, torch.ones(index.shape, dtype=up.dtype, device=up.device))
+            _set_flags(module, up_name == "gate_up_proj", has_bias, transposed, own_gate)
+            rows = []
+            for j in range(num):
+                w_up, w_down = (up[j], down[j]) if transposed else (up[j].T, down[j].T)
+                h = x[index[:, 0] == j] @ w_up + (getattr(module, f"{up_name}_bias")[j] if has_bias else 0)
+                a = module._apply_gate(h) if up_name == "gate_up_proj" else module.act_fn(h)
+                rows.append(a @ w_down + (module.down_proj_bias[j] if has_bias else 0))
+    except Exception:  # noqa: BLE001 - a forward that cannot run this probe is not this layout
+        return False
+    finally:
+        for flag in _ADOPTED_FLAGS + ("_apply_gate",):
+            vars(module).pop(flag, None)
+        vars(module).update(saved)
+    expected = torch.stack(rows, 1).reshape(2 * num, -1)  # row t: expert t % num
+    tolerance = 1e-5 if up.dtype in (torch.float32, torch.float64) else 2e-2
+    return (isinstance(own, torch.Tensor) and own.shape == expected.shape
+            and torch.allclose(own, expected, rtol=tolerance, atol=tolerance))
 
 
 def num_experts_of(module: nn.Module) -> int:
