@@ -55,8 +55,15 @@ from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
-from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of, unsupported_experts
+from epmoe.ep.recognize import (
+    find_experts_modules,
+    fused_ineligible_reason,
+    num_experts_of,
+    takes_every_token,
+    unsupported_experts,
+)
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
+from epmoe.integrations.input_weighted import input_weighted_block_forward, input_weighted_block_reason
 from epmoe.integrations.blocks import (
     block_router,
     block_top_k,
@@ -204,7 +211,9 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
                 warn_on_bare_state_dict(module)
                 if block is not None:  # LoRA factors peft makes for all E experts: narrowed before use
                     install_settle_hook(block, name.rsplit(".", 1)[1])
-            if transport == "fused" and block is not None and is_shared_expert_block(block, module):
+            if takes_every_token(module):  # the block calls them with every token: it gets epmoe's forward
+                block.forward = types.MethodType(input_weighted_block_forward, block)
+            elif transport == "fused" and block is not None and is_shared_expert_block(block, module):
                 block.forward = types.MethodType(shared_block_forward, block)
 
 
@@ -271,6 +280,12 @@ def _validate(
                 f"apply_expert_parallel: {name} is wrapped by a PEFT adapter ({type(wrapper).__name__}) that holds "
                 f"factors for all experts; call apply_expert_parallel before get_peft_model"
             )
+        if takes_every_token(module):
+            reason = input_weighted_block_reason(wrapper, module) if wrapper is not None else "it has no block"
+            if reason is not None:
+                raise ValueError(f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot "
+                                 f"run, nothing was changed: {type(module).__name__} at {name} (its forward takes "
+                                 f"every token for every expert): {reason}")
         num_experts = num_experts_of(module)
         if num_experts % ep_size:
             raise ValueError(

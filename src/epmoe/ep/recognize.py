@@ -161,7 +161,8 @@ def adopt_packed_experts(module: nn.Module) -> bool:
     attributes its own forward does not read) and, where its class has none, transformers' default
     gate as ``_apply_gate``. Weights on the meta device cannot be probed: only a layout the shapes
     alone decide is taken then."""
-    if is_packed_experts(module) or _signature(module) != _EXPERTS_CONTRACT:
+    dense = _signature(module) == ("hidden_states",)
+    if is_packed_experts(module) or (_signature(module) != _EXPERTS_CONTRACT and not dense):
         return False
     params = dict(module.named_parameters(recurse=False))
     up_name = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
@@ -176,20 +177,34 @@ def adopt_packed_experts(module: nn.Module) -> bool:
     if any(p.is_meta for p in params.values()):
         layouts = layouts if len(layouts) == 1 else []
     else:
-        layouts = [t for t in layouts if _computes_layout(module, up_name, t, has_bias, own_gate)]
+        layouts = [t for t in layouts if _computes_layout(module, up_name, t, has_bias, own_gate, dense)]
     if len(layouts) != 1:
         return False
     _set_flags(module, up_name == "gate_up_proj", has_bias, layouts[0], own_gate)
-    _ADOPTED.add(module)
+    module._epmoe_adopted = "every token" if dense else "contract"  # an attribute: copies keep it
     return True
 
 
-_ADOPTED: weakref.WeakSet = weakref.WeakSet()
+def takes_every_token(module: nn.Module) -> bool:
+    """Whether adopted experts were written to be called with every token for every expert
+    (``forward(hidden_states)`` on ``E * n`` rows, expert-major: Llama4's), so that their block, not
+    they, must be given epmoe's forward (:mod:`epmoe.integrations.input_weighted`)."""
+    return getattr(module, "_epmoe_adopted", None) == "every token"
 
 
-def is_adopted(module: nn.Module) -> bool:
-    """Whether ``module`` runs as packed experts because :func:`adopt_packed_experts` adopted it."""
-    return module in _ADOPTED
+def packed_mlp_rows(module: nn.Module, x_RH: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
+    """``(R, H)``: row ``r`` of ``x_RH`` through expert ``index_R[r]`` of packed experts ``module`` (its
+    flags, its gate), one expert at a time in plain torch: the reference recognition probes with."""
+    up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    up, down = getattr(module, up_name), module.down_proj
+    out = x_RH.new_zeros(x_RH.shape[0], down.shape[2] if module.is_transposed else down.shape[1])
+    for j in index_R.unique().tolist():
+        rows = index_R == j
+        w_up, w_down = (up[j], down[j]) if module.is_transposed else (up[j].T, down[j].T)
+        h = x_RH[rows] @ w_up + (getattr(module, f"{up_name}_bias")[j] if module.has_bias else 0)
+        a = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        out[rows] = a @ w_down + (module.down_proj_bias[j] if module.has_bias else 0)
+    return out
 
 
 def _layout_fits(up: torch.Tensor, down: torch.Tensor, transposed: bool, gated: bool) -> bool:
@@ -215,32 +230,30 @@ def _default_gate(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return module.act_fn(gate) * up
 
 
-def _computes_layout(module: nn.Module, up_name: str, transposed: bool, has_bias: bool, own_gate: bool) -> bool:
-    """Whether ``module``'s own forward equals the packed MLP of that layout on a probe: one token per
-    expert (top-1, weight 1), in the module's training mode and with the RNG state restored."""
-    up, down = getattr(module, up_name), module.down_proj
+def _computes_layout(module: nn.Module, up_name: str, transposed: bool, has_bias: bool, own_gate: bool,
+                     dense: bool) -> bool:
+    """Whether ``module``'s own forward equals the packed MLP of that layout (:func:`packed_mlp_rows`)
+    on a probe of two rows per expert: called with the contract (top-1, weight 1), or, for experts
+    that take every token (``dense``), on the rows expert-major. In the module's training mode, the
+    RNG state restored; the flags are removed again."""
+    up = getattr(module, up_name)
     num, hidden = up.shape[0], up.shape[1 if transposed else 2]
     x = torch.linspace(-1.0, 1.0, 2 * num * hidden, device=up.device).view(2 * num, hidden).to(up.dtype)
-    index = (torch.arange(2 * num, device=up.device) % num).unsqueeze(1)
+    index = torch.arange(2 * num, device=up.device) // 2 if dense else torch.arange(2 * num, device=up.device) % num
     devices = [up.device] if up.device.type == "cuda" else []
     saved = {flag: vars(module)[flag] for flag in _ADOPTED_FLAGS + ("_apply_gate",) if flag in vars(module)}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            own = module(x, index, torch.ones(index.shape, dtype=up.dtype, device=up.device))
+            ones = torch.ones(2 * num, 1, dtype=up.dtype, device=up.device)
+            own = module(x) if dense else module(x, index.unsqueeze(1), ones)
             _set_flags(module, up_name == "gate_up_proj", has_bias, transposed, own_gate)
-            rows = []
-            for j in range(num):
-                w_up, w_down = (up[j], down[j]) if transposed else (up[j].T, down[j].T)
-                h = x[index[:, 0] == j] @ w_up + (getattr(module, f"{up_name}_bias")[j] if has_bias else 0)
-                a = module._apply_gate(h) if up_name == "gate_up_proj" else module.act_fn(h)
-                rows.append(a @ w_down + (module.down_proj_bias[j] if has_bias else 0))
+            expected = packed_mlp_rows(module, x, index)
     except Exception:  # noqa: BLE001 - a forward that cannot run this probe is not this layout
         return False
     finally:
         for flag in _ADOPTED_FLAGS + ("_apply_gate",):
             vars(module).pop(flag, None)
         vars(module).update(saved)
-    expected = torch.stack(rows, 1).reshape(2 * num, -1)  # row t: expert t % num
     tolerance = 1e-5 if up.dtype in (torch.float32, torch.float64) else 2e-2
     return (isinstance(own, torch.Tensor) and own.shape == expected.shape
             and torch.allclose(own, expected, rtol=tolerance, atol=tolerance))
