@@ -100,3 +100,56 @@ def test_family_exact_or_refused_by_name(directory):
         _assert_names_class_path_reason(family, per_rank[0]["refused"])
         return
     assert line == "exact", f"{directory}: {line}\n{per_rank[0].get('error', '')}"
+
+
+def test_undecorated_experts_are_adopted_only_where_their_own_forward_agrees():
+    """Step3p7's experts (no decorator) run as packed experts because their own forward computes the
+    inferred layout; the same module scaling its output (a forward epmoe cannot reproduce from the
+    weights) is refused by name, nothing changed."""
+    import copy
+
+    import torch
+
+    import epmoe
+
+    family = found()["step3p7"]
+    reference = families.build(family)
+    model = copy.deepcopy(reference)
+    epmoe.apply_expert_parallel(model)
+    ids = families.inputs(family, 0, 9)
+    torch.testing.assert_close(model(**ids)[0], reference(**ids)[0], rtol=1e-12, atol=1e-12)
+
+    model = families.build(family)
+    experts = next(m for m in model.modules() if type(m).__name__ == "Step3p7Experts")
+    cls = type(experts)
+
+    def scaled(self, hidden_states, top_k_index, top_k_weights):
+        return 2 * cls.forward(self, hidden_states, top_k_index, top_k_weights)
+
+    experts.__class__ = type("ScaledExperts", (cls,), {"forward": scaled})
+    with pytest.raises(ValueError, match=r"ScaledExperts at language_model\.layers\.\d\.mlp\.experts .*: packed experts without"):
+        epmoe.apply_expert_parallel(model)
+    assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+
+def adopted_families() -> list:
+    """The families whose experts epmoe adopts (no decorator: :func:`epmoe.ep.recognize.adopt_packed_experts`)."""
+    from epmoe.ep.recognize import find_experts_modules
+
+    out = []
+    for family in families.families():
+        if not isinstance(family, str) and any(
+                hasattr(m, "_epmoe_adopted") for _, m, _ in find_experts_modules(families.build(family))):
+            out.append(family)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_adopted_families_exact_at_four_ranks():
+    """The families epmoe adopts (Step3p7, Llama4...) at EP 4, fp64, as at EP 2."""
+    fams = adopted_families()
+    assert {"step3p7", "llama4"} <= {f.name for f in fams}
+    out = run_ranks(check_families, 4, fams, timeout=900)
+    lines = {f.name: verdict(f, [r[f.name] for r in out]) for f in fams}
+    assert all(line == "exact" for line in lines.values()), lines
