@@ -17,7 +17,12 @@ triples, transformers' default gate, what the fused ops can run, and PEFT wrappe
   that computes exactly ``down(act_fn(gate(x)) * up(x))`` (checked once per expert): those run
   grouped (:mod:`epmoe.ep.experts`), any other expert on its own rows.
 
-:func:`find_experts_modules` finds both kinds in a model by structure, not by name.
+:func:`find_experts_modules` finds these in a model by structure, not by name.
+:func:`experts_like_modules` finds every module that holds a layer's experts, whether epmoe runs it
+or not; :func:`unsupported_experts` lists those it does not run, each with the reason read from its
+structure (experts inside attention, experts as ``nn.Embedding`` rows, no router beside them, a
+forward that is not the experts contract, weights without a per-expert layout it knows), so that
+``apply_expert_parallel`` refuses them by name before changing anything.
 """
 
 from __future__ import annotations
@@ -66,9 +71,9 @@ _EXPERTS_CONTRACT = ("hidden_states", "top_k_index", "top_k_weights")
 def experts_like_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """``(name, module)`` of every module that holds a layer's experts, whether epmoe can run it or
     not, outermost only, in ``named_modules()`` order. Found by structure: packed experts; a module
-    with parameters named, or of a class named, after experts (not a shared expert, not a single
-    ``torch.nn`` layer such as a projection into the experts); a module with an ``nn.Embedding`` of
-    one row per expert (``num_experts`` rows)."""
+    with weights named, or of a class named, after experts (not a shared expert, a router or gate,
+    nor a single ``torch.nn`` layer such as a projection into the experts); a module with an
+    ``nn.Embedding`` of one row per expert (``num_experts`` rows)."""
     found: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if any(name.startswith(f"{outer}.") for outer, _ in found) or not _looks_like_experts(name, module):
@@ -84,7 +89,7 @@ def _looks_like_experts(name: str, module: nn.Module) -> bool:
         return False
     leaf, cls = name.rsplit(".", 1)[-1].lower(), type(module).__name__.lower()
     one_layer = type(module).__module__.startswith("torch.nn") and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
-    if "shared" not in leaf and "shared" not in cls and not one_layer and (
+    if not re.search(r"shared|router|gate|gating", leaf + " " + cls) and not one_layer and (
             "expert" in leaf or re.search(r"experts?$", cls)):
         return True
     num = getattr(module, "num_experts", None)
