@@ -56,13 +56,20 @@ _SIZES = (  # (pattern on the attribute name, value) for integer sizes, first ma
     (r"compress_ratio", 4),
 )
 
-# What a family's default config lacks for any model to be built from it (not sizes): the fields a
-# released checkpoint's config.json always sets. A new family whose tiny model cannot be built fails
-# the coverage test until it gets an entry here.
+# What the generic sizes get wrong for a family, set after them: fields its default config lacks
+# (a released checkpoint's config.json sets them) and sizes tied together in ways the names do not
+# say (rotary dims of partial-rotary attention, Mamba heads). A new family whose tiny model cannot be
+# built or run fails the coverage test until it gets an entry here.
 CONFIG_FIXES = {
-    "dbrx": {"attn_config.rope_theta": 10000.0},
+    "dbrx": {"attn_config.rope_theta": 10000.0, "attn_config.clip_qkv": 8.0},
+    "qwen4_exp": {"indexer_kv_heads": 1},  # its indexer pools one key head
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "deepseek_ocr2": {"text_config.mlp_layer_types": ["dense", "sparse"]},
+    "mistral4": {"head_dim": 32},  # qk_rope_head_dim = head_dim * partial_rotary_factor 0.5
+    "dots3_note": {"head_dim": 64},  # qk_rope_head_dim = head_dim * partial_rotary_factor 0.25
+    "granitemoehybrid": {"mamba_n_heads": 8},  # mamba_expand * hidden_size / mamba_d_head
+    "glm4v_moe": {"text_config.rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                                   "rope_type": "default", "mrope_section": [2, 1, 1]}},
     "ernie4_5_vl_moe": {"text_config.rope_parameters": {"rope_theta": 500000.0, "rope_type": "default",
                                                          "mrope_section": [2, 2, 4]}},
 }
@@ -236,13 +243,13 @@ def build(family: Family, *, dtype: torch.dtype = torch.float64, seed: int = 0) 
     from transformers.models.auto import configuration_auto
 
     config = configuration_auto.CONFIG_MAPPING[family.model_type]()
+    _shrink(config, family.layers)
     for path, value in CONFIG_FIXES.get(family.name, {}).items():
         *parents, leaf = path.split(".")
         target = config
         for parent in parents:
             target = getattr(target, parent)
         setattr(target, leaf, value)
-    _shrink(config, family.layers)
     config._experts_implementation = "eager"
     for sub in _sub_configs(config):
         sub._experts_implementation = "eager"
