@@ -83,6 +83,7 @@ class Family:
     model_type: str
     model_class: str
     layers: int  # decoder layers of the tiny model
+    keep_fp32: bool = False  # the family's own forward needs its float32 modules kept so (its router...)
 
 
 def _transformers_root() -> pathlib.Path:
@@ -233,8 +234,22 @@ def _find_family(directory: str) -> Family | None:
             except Exception:  # noqa: BLE001 - a config these generic sizes do not fit: try the next
                 continue
             if experts_like_modules(model):
-                return family
+                return family if _runs(family, model) else dataclasses.replace(family, keep_fp32=True)
     return None
+
+
+def _runs(family: Family, model: torch.nn.Module) -> bool:
+    """Whether the family's tiny fp64 model runs as it is, rather than failing on a float32 / float64
+    mismatch (some compute parts in float32 and need those weights kept in float32, as transformers
+    keeps them at half precision)."""
+    try:
+        with torch.no_grad():
+            model(**inputs(family, 0, 4))
+    except RuntimeError as error:
+        return "dtype" not in str(error)  # a mismatch of float32 and float64 operands
+    except Exception:  # noqa: BLE001 - inputs this model does not take (encoder-decoder, pixels): as it is
+        return True
+    return True
 
 
 def build(family: Family, *, dtype: torch.dtype = torch.float64, seed: int = 0) -> torch.nn.Module:
@@ -266,7 +281,18 @@ def build(family: Family, *, dtype: torch.dtype = torch.float64, seed: int = 0) 
     finally:
         torch.random.set_rng_state(state)
     _no_dropout(model)
-    return model.to(dtype)
+    model = model.to(dtype)
+    return _keep_in_fp32(model) if family.keep_fp32 else model
+
+
+def _keep_in_fp32(model: torch.nn.Module) -> torch.nn.Module:
+    """Parameters and buffers the model class keeps in float32 (``_keep_in_fp32_modules_strict``) back
+    in float32, as ``from_pretrained(dtype=torch.bfloat16)`` keeps them."""
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.is_floating_point() and any(re.search(rf"(^|\.){re.escape(k)}(\.|$)", name) for k in keep):
+            tensor.data = tensor.data.float()
+    return model
 
 
 def _sub_configs(config) -> list:

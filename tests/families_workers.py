@@ -34,6 +34,7 @@ def family_parity(rank: int, world: int, family: Family) -> dict:
     except ValueError as error:
         assert not any(hasattr(m, "_epmoe") for m in model.modules()), "a refused model was changed"
         return {"refused": str(error)}
+    torch.manual_seed(rank)  # a model drawing noise in its forward (diffusion) draws the same for both
     out, loss = loss_of(model(**inputs(family, rank, LENGTHS[rank])))
     loss.backward()
 
@@ -44,6 +45,7 @@ def family_parity(rank: int, world: int, family: Family) -> dict:
     reached = set()
     for source in range(world):
         ref.zero_grad()
+        torch.manual_seed(source)
         ref_out, ref_loss = loss_of(ref(**inputs(family, source, LENGTHS[source])))
         ref_loss.backward()
         for name in expert_names:

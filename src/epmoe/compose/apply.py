@@ -191,7 +191,9 @@ def _shards_applied_before(found: list, ep_size: int) -> list[ExpertShard] | Non
 def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked, ep_model: EPModel,
                    config: ExpertParallelConfig) -> None:
     """Shard each experts module, keep its record (its dispatcher built here, once) and swap the
-    forwards that run it: the packed module's, a ``ModuleList``'s block's, a fused shared-expert block's."""
+    forwards that run it: the packed module's, a ``ModuleList``'s block's, a fused shared-expert block's.
+    Expert weights tied across modules (one parameter in two experts modules) stay tied."""
+    tied: dict[int, nn.Parameter] = {}
     for layer, ((name, module, owner), shard, transport, returns_logits) in enumerate(zip(
         found, checked.shards, checked.transport, checked.returns_logits
     )):
@@ -202,7 +204,7 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
                                                     returns_router_logits=returns_logits, layer=layer))
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
-            sharded = _shard_parameters(module, shard)
+            sharded = _shard_parameters(module, shard, tied)
             attach_state(module, ExpertParallelState(shard, ep_model, LocalExperts(module, config.gmm_backend),
                                                      transport=dispatcher, sharded_names=sharded, layer=layer))
             module.forward = types.MethodType(expert_parallel_forward, module)
@@ -398,16 +400,19 @@ def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tupl
     return ("fused", None) if reason is None else ("alltoallv", reason)
 
 
-def _shard_parameters(module: nn.Module, shard: ExpertShard) -> tuple[str, ...]:
+def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.Parameter]) -> tuple[str, ...]:
     """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases);
-    return their names."""
+    return their names. ``tied`` maps each parameter sharded so far to its shard, so a parameter
+    shared by two experts modules gets one shard, shared as before."""
     if shard.ep_size == 1:
         return ()
     names = []
     for name, param in list(module.named_parameters(recurse=False)):
         if param.dim() >= 1 and param.shape[0] == shard.num_experts:
-            local = param.detach()[shard.local_start:shard.local_end].clone()
-            setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
+            if id(param) not in tied:
+                local = param.detach()[shard.local_start:shard.local_end].clone()
+                tied[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+            setattr(module, name, tied[id(param)])
             names.append(name)
     return tuple(names)
 
