@@ -17,6 +17,11 @@ decided here, once (``config.dispatch``, ``"auto"`` resolved: :mod:`epmoe.ep.dis
 dispatcher built; where it is ``"fused"`` and the block is a known shared-expert block, the block's
 forward becomes :func:`~epmoe.integrations.blocks.shared_block_forward` (the shared expert rides in
 the fused ops' gaps).
+Experts modules it cannot run (:func:`~epmoe.ep.recognize.unsupported_experts`) are refused, on every
+rank and before anything is changed, naming each experts class, its module path and why. Packed
+experts that take every token (Llama4's, adopted by :mod:`epmoe.ep.recognize`) get their block's
+forward replaced by :func:`~epmoe.integrations.input_weighted.input_weighted_block_forward`, after a
+probe shows the block computes what that forward does.
 What EP keeps is one :class:`~epmoe.ep.model.EPModel` for the model (groups, step channels,
 gradient policy, step guard, the experts modules in order; ``epmoe.ep_model(model)``) and one
 :class:`~epmoe.ep.state.ExpertParallelState` record per module whose forward was replaced.
@@ -63,7 +68,6 @@ from epmoe.ep.recognize import (
     unsupported_experts,
 )
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
-from epmoe.integrations.input_weighted import input_weighted_block_forward, input_weighted_block_reason
 from epmoe.integrations.blocks import (
     block_router,
     block_top_k,
@@ -71,6 +75,7 @@ from epmoe.integrations.blocks import (
     is_shared_expert_block,
     shared_block_forward,
 )
+from epmoe.integrations.input_weighted import input_weighted_block_forward, input_weighted_block_reason
 from epmoe.training.generate import SyncedGenerate
 
 logger = logging.getLogger(__name__)
@@ -283,11 +288,7 @@ def _validate(
                 f"factors for all experts; call apply_expert_parallel before get_peft_model"
             )
         if takes_every_token(module):
-            reason = input_weighted_block_reason(wrapper, module) if wrapper is not None else "it has no block"
-            if reason is not None:
-                raise ValueError(f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot "
-                                 f"run, nothing was changed: {type(module).__name__} at {name} (its forward takes "
-                                 f"every token for every expert): {reason}")
+            _check_input_weighted_block(model, name, module, wrapper)
         num_experts = num_experts_of(module)
         if num_experts % ep_size:
             raise ValueError(
@@ -309,6 +310,16 @@ def _validate(
     checked.backend = experts_backend(experts, config.gmm_backend)  # a named backend that declines raises here
     checked.declined_backends = [f"{s.name}: {s.reason}" for s in experts_gmm_backends(experts) if not s.eligible]
     return checked
+
+
+def _check_input_weighted_block(model: nn.Module, name: str, experts: nn.Module, block: nn.Module | None) -> None:
+    """``ValueError`` naming the experts class, path and reason unless the block of experts that take
+    every token is one :mod:`epmoe.integrations.input_weighted` runs (checked on a probe)."""
+    reason = input_weighted_block_reason(block, experts) if block is not None else "they sit in no block"
+    if reason is not None:
+        raise ValueError(f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot run, "
+                         f"nothing was changed: {type(experts).__name__} at {name} (1 module; its forward takes "
+                         f"every token for every expert): {reason}")
 
 
 def _refusal(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]) -> str | None:
