@@ -17,6 +17,11 @@ decided here, once (``config.dispatch``, ``"auto"`` resolved: :mod:`epmoe.ep.dis
 dispatcher built; where it is ``"fused"`` and the block is a known shared-expert block, the block's
 forward becomes :func:`~epmoe.integrations.blocks.shared_block_forward` (the shared expert rides in
 the fused ops' gaps).
+Experts modules it cannot run (:func:`~epmoe.ep.recognize.unsupported_experts`) are refused, on every
+rank and before anything is changed, naming each experts class, its module path and why. Packed
+experts that take every token (Llama4's, adopted by :mod:`epmoe.ep.recognize`) get their block's
+forward replaced by :func:`~epmoe.integrations.input_weighted.input_weighted_block_forward`, after a
+probe shows the block computes what that forward does.
 What EP keeps is one :class:`~epmoe.ep.model.EPModel` for the model (groups, step channels,
 gradient policy, step guard, the experts modules in order; ``epmoe.ep_model(model)``) and one
 :class:`~epmoe.ep.state.ExpertParallelState` record per module whose forward was replaced.
@@ -55,7 +60,14 @@ from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
-from epmoe.ep.recognize import find_experts_modules, fused_ineligible_reason, num_experts_of, shared_parameters
+from epmoe.ep.recognize import (
+    find_experts_modules,
+    fused_ineligible_reason,
+    num_experts_of,
+    shared_parameters,
+    takes_every_token,
+    unsupported_experts,
+)
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
 from epmoe.gmm import choose_backend
 from epmoe.integrations.blocks import (
@@ -65,6 +77,7 @@ from epmoe.integrations.blocks import (
     is_shared_expert_block,
     shared_block_forward,
 )
+from epmoe.integrations.input_weighted import input_weighted_block_forward, input_weighted_block_reason
 from epmoe.training.generate import SyncedGenerate
 
 logger = logging.getLogger(__name__)
@@ -132,7 +145,8 @@ def apply_expert_parallel(
 
     found = find_experts_modules(model)
     if not found:
-        raise ValueError(f"apply_expert_parallel(model): no experts module found in {type(model).__name__}")
+        raise ValueError(_refusal(model, found) or
+                         f"apply_expert_parallel(model): no experts module found in {type(model).__name__}")
     applied = _shards_applied_before(found, ep_size)
     if applied is not None:
         return applied
@@ -184,7 +198,9 @@ def _shards_applied_before(found: list, ep_size: int) -> list[ExpertShard] | Non
 def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked, ep_model: EPModel,
                    config: ExpertParallelConfig) -> None:
     """Shard each experts module, keep its record (its dispatcher built here, once) and swap the
-    forwards that run it: the packed module's, a ``ModuleList``'s block's, a fused shared-expert block's."""
+    forwards that run it: the packed module's, a ``ModuleList``'s block's, a fused shared-expert block's.
+    Expert weights tied across modules (one parameter in two experts modules) stay tied."""
+    tied: dict[int, nn.Parameter] = {}
     for layer, ((name, module, owner), shard, transport, returns_logits) in enumerate(zip(
         found, checked.shards, checked.transport, checked.returns_logits
     )):
@@ -196,7 +212,7 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
                                                     returns_router_logits=returns_logits, layer=layer))
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
-            sharded = _shard_parameters(module, shard)
+            sharded = _shard_parameters(module, shard, tied)
             attach_state(module, ExpertParallelState(shard, ep_model, LocalExperts(module, config.gmm_backend),
                                                      transport=dispatcher, sharded_names=sharded, layer=layer))
             module.forward = types.MethodType(expert_parallel_forward, module)
@@ -205,7 +221,9 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
                 warn_on_bare_state_dict(module)
                 if block is not None:  # LoRA factors peft makes for all E experts: narrowed before use
                     install_settle_hook(block, name.rsplit(".", 1)[1])
-            if transport == "fused" and block is not None and is_shared_expert_block(block, module):
+            if takes_every_token(module):  # the block calls them with every token: it gets epmoe's forward
+                block.forward = types.MethodType(input_weighted_block_forward, block)
+            elif transport == "fused" and block is not None and is_shared_expert_block(block, module):
                 block.forward = types.MethodType(shared_block_forward, block)
 
 
@@ -261,6 +279,9 @@ def _validate(
                 f"apply_expert_parallel: {where}; apply expert parallelism first, then wrap the model "
                 f"(the wrapper would otherwise broadcast and average expert shards that differ per rank)"
             )
+    refusal = _refusal(model, found)
+    if refusal is not None:
+        raise ValueError(refusal)
     checked = _Checked([], [], [], None, [], {})
     for name, module, owner in found:
         wrapper = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
@@ -269,6 +290,8 @@ def _validate(
                 f"apply_expert_parallel: {name} is wrapped by a PEFT adapter ({type(wrapper).__name__}) that holds "
                 f"factors for all experts; call apply_expert_parallel before get_peft_model"
             )
+        if takes_every_token(module):
+            _check_input_weighted_block(model, name, module, wrapper)
         num_experts = num_experts_of(module)
         if num_experts % ep_size:
             raise ValueError(
@@ -293,6 +316,32 @@ def _validate(
     checked.backend = choose_backend(statuses, backend=config.gmm_backend)  # a named backend that declines raises here
     checked.declined_backends = [f"{s.name}: {s.reason}" for s in statuses if not s.eligible]
     return checked
+
+
+def _check_input_weighted_block(model: nn.Module, name: str, experts: nn.Module, block: nn.Module | None) -> None:
+    """``ValueError`` naming the experts class, path and reason unless the block of experts that take
+    every token is one :mod:`epmoe.integrations.input_weighted` runs (checked on a probe)."""
+    reason = input_weighted_block_reason(block, experts) if block is not None else "they sit in no block"
+    if reason is not None:
+        raise ValueError(f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot run, "
+                         f"nothing was changed: {type(experts).__name__} at {name} (1 module; its forward takes "
+                         f"every token for every expert): {reason}")
+
+
+def _refusal(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]) -> str | None:
+    """The message refusing ``model`` where it holds experts epmoe cannot run
+    (:func:`~epmoe.ep.recognize.unsupported_experts`), naming each such experts class once with its
+    first module path and the reason; ``None`` where there are none."""
+    by_class: dict[str, tuple[str, str, int]] = {}
+    for name, module, reason in unsupported_experts(model, found):
+        first = by_class.setdefault(type(module).__name__, (name, reason, 0))
+        by_class[type(module).__name__] = (first[0], first[1], first[2] + 1)
+    if not by_class:
+        return None
+    parts = [f"{cls} at {name} ({count} module{'s' if count > 1 else ''}): {reason}"
+             for cls, (name, reason, count) in by_class.items()]
+    return (f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot run, nothing was "
+            f"changed: " + "; ".join(parts))
 
 
 def _check_ranks_agree(
@@ -374,16 +423,19 @@ def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tupl
     return ("fused", None) if reason is None else ("alltoallv", reason)
 
 
-def _shard_parameters(module: nn.Module, shard: ExpertShard) -> tuple[str, ...]:
+def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.Parameter]) -> tuple[str, ...]:
     """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases);
-    return their names."""
+    return their names. ``tied`` maps each parameter sharded so far to its shard, so a parameter
+    shared by two experts modules gets one shard, shared as before."""
     if shard.ep_size == 1:
         return ()
     names = []
     for name, param in list(module.named_parameters(recurse=False)):
         if param.dim() >= 1 and param.shape[0] == shard.num_experts:
-            local = param.detach()[shard.local_start:shard.local_end].clone()
-            setattr(module, name, nn.Parameter(local, requires_grad=param.requires_grad))
+            if id(param) not in tied:
+                local = param.detach()[shard.local_start:shard.local_end].clone()
+                tied[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+            setattr(module, name, tied[id(param)])
             names.append(name)
     return tuple(names)
 

@@ -5,16 +5,31 @@ triples, transformers' default gate, what the fused ops can run, and PEFT wrappe
   ``gate_up_proj`` (or ``up_proj`` when ``has_gate`` is false) and ``down_proj``; ``is_transposed``
   says whether they are ``(E, in, out)`` rather than the ``nn.Linear`` layout ``(E, out, in)``;
   ``has_bias`` adds ``*_proj_bias`` ``(E, out)``.
+* Packed experts without the decorator (Step3p7's): a module with the decorated classes' contract,
+  ``forward(hidden_states, top_k_index, top_k_weights)``, and 3-D ``gate_up_proj`` (or ``up_proj``) and
+  ``down_proj`` of one leading size ``E``. epmoe infers the layout the decorator would have declared
+  (``is_transposed`` from the shapes, ``has_bias`` from ``*_proj_bias``, the class's own ``_apply_gate``
+  or transformers' default ``act_fn(gate) * up``) and keeps it only if the module's own forward
+  computes exactly that on a probe (:func:`adopt_packed_experts`): then the module is *adopted*, given
+  the decorator's flags, and runs as packed experts.
 * ``nn.ModuleList`` experts whose every expert holds ``gate_proj`` / ``up_proj`` / ``down_proj`` (or
   Mixtral's ``w1`` / ``w3`` / ``w2``) bias-free ``nn.Linear`` layers and one ``act_fn``, with a forward
   that computes exactly ``down(act_fn(gate(x)) * up(x))`` (checked once per expert): those run
   grouped (:mod:`epmoe.ep.experts`), any other expert on its own rows.
 
-:func:`find_experts_modules` finds both kinds in a model by structure, not by name.
+:func:`find_experts_modules` finds these in a model by structure, not by name.
+:func:`experts_like_modules` finds every module that holds a layer's experts, whether epmoe runs it
+or not; :func:`unsupported_experts` lists those it does not run, each with the reason read from its
+structure (experts inside attention, experts as ``nn.Embedding`` rows, no router beside them, a
+forward that is not the experts contract, weights without a per-expert layout it knows), so that
+``apply_expert_parallel`` refuses them by name before changing anything.
 """
 
 from __future__ import annotations
 
+import inspect
+import re
+import types
 import weakref
 
 import torch
@@ -34,19 +49,219 @@ def is_packed_experts(module: nn.Module) -> bool:
 def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Module]]:
     """``(name, experts module, module whose forward epmoe replaces)``, in ``named_modules()`` order.
 
-    Packed (transformers v5) experts replace their own forward; an ``nn.ModuleList`` named ``experts``
-    whose parent block has a ``gate`` or ``router`` module replaces the parent's.
+    Packed (transformers v5) experts replace their own forward, adopted ones too (this sets their
+    flags: :func:`adopt_packed_experts`); an ``nn.ModuleList`` named ``experts`` whose parent block
+    has a ``gate`` or ``router`` module replaces the parent's.
     """
     modules = dict(model.named_modules())
     found = []
     for name, module in modules.items():
-        if is_packed_experts(module):
+        if is_packed_experts(module) or adopt_packed_experts(module):
             found.append((name, module, module))
         elif isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(module):
             parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
             if any(isinstance(getattr(parent, attr, None), nn.Module) for attr in ("gate", "router")):
                 found.append((name, module, parent))
     return found
+
+
+_EXPERTS_CONTRACT = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def experts_like_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module that holds a layer's experts, whether epmoe can run it or
+    not, outermost only, in ``named_modules()`` order. Found by structure: packed experts; a module
+    with weights named, or of a class named, after experts (not a shared expert, a router or gate,
+    nor a single ``torch.nn`` layer such as a projection into the experts); a module with an
+    ``nn.Embedding`` of one row per expert (``num_experts`` rows)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") for outer, _ in found) or not _looks_like_experts(name, module):
+            continue
+        found.append((name, module))
+    return found
+
+
+def _looks_like_experts(name: str, module: nn.Module) -> bool:
+    if is_packed_experts(module):
+        return True
+    if not any(p.dim() >= 2 for p in module.parameters()):  # weights, not only norms or scales
+        return False
+    leaf, cls = name.rsplit(".", 1)[-1].lower(), type(module).__name__.lower()
+    one_layer = type(module).__module__.startswith("torch.nn") and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    if not re.search(r"shared|router|gate|gating", leaf + " " + cls) and not one_layer and (
+            "expert" in leaf or re.search(r"experts?$", cls)):
+        return True
+    num = getattr(module, "num_experts", None)
+    return isinstance(num, int) and any(
+        isinstance(child, nn.Embedding) and child.num_embeddings == num for child in module.children())
+
+
+def unsupported_experts(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]
+                        ) -> list[tuple[str, nn.Module, str]]:
+    """``(name, module, why epmoe cannot run it)`` for every experts-like module
+    (:func:`experts_like_modules`) that :func:`find_experts_modules` did not recognise (``found``)."""
+    recognised = {name for name, _, _ in found}
+    modules = dict(model.named_modules())
+    out = []
+    for name, module in experts_like_modules(model):
+        if name in recognised or any(name.startswith(f"{r}.") or r.startswith(f"{name}.") for r in recognised):
+            continue
+        out.append((name, module, _why_unsupported(model, modules, name, module)))
+    return out
+
+
+def _why_unsupported(model: nn.Module, modules: dict[str, nn.Module], name: str, module: nn.Module) -> str:
+    """Why an experts-like module is not one epmoe runs, read from its structure."""
+    parts = name.split(".")
+    ancestors = [modules[".".join(parts[:i])] for i in range(len(parts))]
+    config = getattr(model, "config", None)
+    where = "in an encoder-decoder model, " if getattr(config, "is_encoder_decoder", False) else ""
+    if any("attention" in type(a).__name__.lower() for a in ancestors[1:]) or any(
+            re.search(r"attn|attention", p) for p in parts[:-1]):
+        return (f"{where}experts inside attention (a mixture of attention heads): epmoe runs experts that are "
+                f"a layer's MLP, called with each token's top-k experts")
+    if any(isinstance(child, nn.Embedding) for child in module.children()):
+        return (f"{where}experts are rows of nn.Embedding tables (one vector per expert, retrieved by product "
+                f"keys), not per-expert MLP weights")
+    parent = ancestors[-1]
+    if not any(re.search(r"gate|gating|router", child_name) for child_name, _ in parent.named_children()):
+        return (f"{where}no router beside it in {type(parent).__name__} (its forward takes "
+                f"{', '.join(_signature(module))}), so there is nothing to route tokens across ranks by")
+    params = _signature(module)
+    if params != _EXPERTS_CONTRACT:
+        return (f"{where}its forward takes ({', '.join(params)}), not the experts contract "
+                f"({', '.join(_EXPERTS_CONTRACT)}) with top-k expert ids")
+    shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters())
+    leading = {n: p.shape[0] for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    if len(set(leading.values())) > 1:
+        return (f"{where}its 3-D weights hold different numbers of experts ({shapes}): experts without "
+                f"weights (zero-computation experts) are not sharded")
+    num = getattr(module, "num_experts", None)
+    if not leading and isinstance(num, int) and all(
+            p.dim() == 2 and p.shape[0] % num == 0 for p in module.parameters()):
+        return (f"{where}expert weights flattened to 2-D, {num} experts' rows stacked ({shapes}): the "
+                f"per-expert layout is not inferred")
+    if leading:
+        return (f"{where}packed experts without transformers' @use_experts_implementation flags (has_gate, "
+                f"is_transposed, has_bias): the layout of {shapes} is not inferred")
+    return f"{where}per-expert weights in a layout epmoe does not recognise ({shapes})"
+
+
+def _signature(module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module.forward``'s positional parameters."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+_ADOPTED_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+
+
+def adopt_packed_experts(module: nn.Module) -> bool:
+    """Whether ``module`` is packed experts without transformers' decorator whose layout epmoe could
+    infer and check (see the module docstring); if so, give it the decorator's flags (instance
+    attributes its own forward does not read) and, where its class has none, transformers' default
+    gate as ``_apply_gate``. Weights on the meta device cannot be probed: only a layout the shapes
+    alone decide is taken then."""
+    dense = _signature(module) == ("hidden_states",)
+    if is_packed_experts(module) or (_signature(module) != _EXPERTS_CONTRACT and not dense):
+        return False
+    params = dict(module.named_parameters(recurse=False))
+    up_name = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
+    up, down = params.get(up_name), params.get("down_proj")
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3 or up.shape[0] != down.shape[0]:
+        return False
+    has_bias = f"{up_name}_bias" in params and "down_proj_bias" in params
+    if set(params) - {up_name, "down_proj"} - ({f"{up_name}_bias", "down_proj_bias"} if has_bias else set()):
+        return False  # other weights its forward may use
+    layouts = [t for t in (False, True) if _layout_fits(up, down, t, up_name == "gate_up_proj")]
+    own_gate = "_apply_gate" in {n for cls in type(module).__mro__ for n in vars(cls)}
+    if any(p.is_meta for p in params.values()):
+        layouts = layouts if len(layouts) == 1 else []
+    else:
+        layouts = [t for t in layouts if _computes_layout(module, up_name, t, has_bias, own_gate, dense)]
+    if len(layouts) != 1:
+        return False
+    _set_flags(module, up_name == "gate_up_proj", has_bias, layouts[0], own_gate)
+    module._epmoe_adopted = "every token" if dense else "contract"  # an attribute: copies keep it
+    return True
+
+
+def takes_every_token(module: nn.Module) -> bool:
+    """Whether adopted experts were written to be called with every token for every expert
+    (``forward(hidden_states)`` on ``E * n`` rows, expert-major: Llama4's), so that their block, not
+    they, must be given epmoe's forward (:mod:`epmoe.integrations.input_weighted`)."""
+    return getattr(module, "_epmoe_adopted", None) == "every token"
+
+
+def packed_mlp_rows(module: nn.Module, x_RH: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
+    """``(R, H)``: row ``r`` of ``x_RH`` through expert ``index_R[r]`` of packed experts ``module`` (its
+    flags, its gate), one expert at a time in plain torch: the reference recognition probes with."""
+    up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    up, down = getattr(module, up_name), module.down_proj
+    out = x_RH.new_zeros(x_RH.shape[0], down.shape[2] if module.is_transposed else down.shape[1])
+    for j in index_R.unique().tolist():
+        rows = index_R == j
+        w_up, w_down = (up[j], down[j]) if module.is_transposed else (up[j].T, down[j].T)
+        h = x_RH[rows] @ w_up + (getattr(module, f"{up_name}_bias")[j] if module.has_bias else 0)
+        a = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        out[rows] = a @ w_down + (module.down_proj_bias[j] if module.has_bias else 0)
+    return out
+
+
+def _layout_fits(up: torch.Tensor, down: torch.Tensor, transposed: bool, gated: bool) -> bool:
+    """Whether ``up`` ``(E, H, n*I)`` / ``down`` ``(E, I, H)`` (transposed) or ``(E, n*I, H)`` /
+    ``(E, H, I)`` (the ``nn.Linear`` layout) fit together, ``n`` 2 with a gate."""
+    if transposed:
+        (hidden, up_out), (inner, out) = up.shape[1:], down.shape[1:]
+    else:
+        (up_out, hidden), (out, inner) = up.shape[1:], down.shape[1:]
+    return out == hidden and up_out == inner * (2 if gated else 1)
+
+
+def _set_flags(module: nn.Module, has_gate: bool, has_bias: bool, transposed: bool, own_gate: bool) -> None:
+    for flag, value in zip(_ADOPTED_FLAGS, (has_gate, has_bias, transposed, True, False)):
+        setattr(module, flag, value)
+    if has_gate and not own_gate:
+        module._apply_gate = types.MethodType(_default_gate, module)
+
+
+def _default_gate(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """transformers' default gate: ``act_fn`` of the first half of ``h`` times the second."""
+    gate, up = h.chunk(2, dim=-1)
+    return module.act_fn(gate) * up
+
+
+def _computes_layout(module: nn.Module, up_name: str, transposed: bool, has_bias: bool, own_gate: bool,
+                     dense: bool) -> bool:
+    """Whether ``module``'s own forward equals the packed MLP of that layout (:func:`packed_mlp_rows`)
+    on a probe of two rows per expert: called with the contract (top-1, weight 1), or, for experts
+    that take every token (``dense``), on the rows expert-major. In the module's training mode, the
+    RNG state restored; the flags are removed again."""
+    up = getattr(module, up_name)
+    num, hidden = up.shape[0], up.shape[1 if transposed else 2]
+    x = torch.linspace(-1.0, 1.0, 2 * num * hidden, device=up.device).view(2 * num, hidden).to(up.dtype)
+    index = torch.arange(2 * num, device=up.device) // 2 if dense else torch.arange(2 * num, device=up.device) % num
+    devices = [up.device] if up.device.type == "cuda" else []
+    saved = {flag: vars(module)[flag] for flag in _ADOPTED_FLAGS + ("_apply_gate",) if flag in vars(module)}
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            ones = torch.ones(2 * num, 1, dtype=up.dtype, device=up.device)
+            own = module(x) if dense else module(x, index.unsqueeze(1), ones)
+            _set_flags(module, up_name == "gate_up_proj", has_bias, transposed, own_gate)
+            expected = packed_mlp_rows(module, x, index)
+    except Exception:  # noqa: BLE001 - a forward that cannot run this probe is not this layout
+        return False
+    finally:
+        for flag in _ADOPTED_FLAGS + ("_apply_gate",):
+            vars(module).pop(flag, None)
+        vars(module).update(saved)
+    tolerance = 1e-5 if up.dtype in (torch.float32, torch.float64) else 2e-2
+    return (isinstance(own, torch.Tensor) and own.shape == expected.shape
+            and torch.allclose(own, expected, rtol=tolerance, atol=tolerance))
 
 
 def num_experts_of(module: nn.Module) -> int:

@@ -1,0 +1,61 @@
+"""Rewrite the README's families table from the coverage test's run (tests/test_families.py).
+
+    PYTHONPATH=src:tests python benchmarks/families_table.py          # prints the table
+    PYTHONPATH=src:tests python benchmarks/families_table.py --write  # and writes it into README.md
+
+Every MoE family of the installed transformers (found by structure: tests/families.py) runs at EP 2 in
+fp64 on 2 gloo ranks (tests/families_workers.py); its verdict is the table's second column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+BEGIN, END = "<!-- families table: benchmarks/families_table.py --write -->", "<!-- end of families table -->"
+
+
+def table(verdicts: dict[str, str]) -> str:
+    """The Markdown table of ``{family: verdict}``, by family name."""
+    rows = ["| family (transformers model directory) | verdict at EP 2, fp64 |", "|---|---|"]
+    rows += [f"| {name} | {verdict.replace('|', '/')} |" for name, verdict in sorted(verdicts.items())]
+    return "\n".join(rows)
+
+
+def readme_verdicts(text: str) -> dict[str, str]:
+    """``{family: verdict}`` read back from the README's table."""
+    section = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    rows = [line.strip("| ").split(" | ", 1) for line in section.strip().splitlines()[2:]]
+    return {name: verdict for name, verdict in rows}
+
+
+def run_verdicts() -> dict[str, str]:
+    """Every family's verdict from one spawned 2-rank run."""
+    from epmoe.launch import run_ranks
+    from families import families
+    from families_workers import check_families, verdict
+
+    found = [f for f in families() if not isinstance(f, str)]
+    results = run_ranks(check_families, 2, found, timeout=900)
+    out = {f.name: verdict(f, [r[f.name] for r in results]) for f in found}
+    out.update({name: "error: no tiny model of it could be built" for name in families() if isinstance(name, str)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--write", action="store_true", help="write the table into README.md")
+    args = parser.parse_args(argv)
+    text = table(run_verdicts())
+    print(text)
+    if args.write:
+        readme = ROOT / "README.md"
+        before, rest = readme.read_text().split(BEGIN, 1)
+        readme.write_text(f"{before}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Rank functions of the families coverage test (module level, so spawned ranks can import them).
+
+Every family runs in one spawned group (:func:`check_families`): apply EP to its tiny fp64 model and
+compare with the unsharded model as the parity tests do (outputs and loss against this rank's batch,
+expert gradients against the unsharded sum over ranks, every other gradient against this rank's batch),
+or record the ``ValueError`` that refused it.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import epmoe
+from families import Family, build, inputs, loss_of
+
+LENGTHS = [7, 5, 6, 9]
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor, floor: float = 1e-12) -> float:
+    """``max |a - b|`` relative to ``max |b|``, or to ``floor`` where ``b`` is smaller."""
+    scale = b.abs().max().clamp_min(floor)
+    return ((a - b).abs().max() / scale).item()
+
+
+def family_parity(rank: int, world: int, family: Family) -> dict:
+    """``{"refused": message}``, or ``{"errors": {kind: max relative error}, "compared": {kind: count}}``."""
+    ref = build(family, dtype=torch.float64)
+    model = copy.deepcopy(ref)
+    try:
+        shards = epmoe.apply_expert_parallel(model, config={"timeout": 120})
+    except ValueError as error:
+        assert not any(hasattr(m, "_epmoe") for m in model.modules()), "a refused model was changed"
+        return {"refused": str(error)}
+    torch.manual_seed(rank)  # a model drawing noise in its forward (diffusion) draws the same for both
+    out, loss = loss_of(model(**inputs(family, rank, LENGTHS[rank])))
+    loss.backward()
+
+    sharded = {id(p) for p in epmoe.expert_parameters(model)}
+    expert_names = {n for n, p in model.named_parameters() if id(p) in sharded}
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))  # tied experts: each name its own
+    expert_sum = {n: torch.zeros_like(ref_params[n]) for n in expert_names}
+    reached = set()
+    for source in range(world):
+        ref.zero_grad()
+        torch.manual_seed(source)
+        ref_out, ref_loss = loss_of(ref(**inputs(family, source, LENGTHS[source])))
+        ref_loss.backward()
+        for name in expert_names:
+            if ref_params[name].grad is not None:
+                expert_sum[name] += ref_params[name].grad
+                reached.add(name)
+        if source == rank:
+            errors = {"output": max_rel(out, ref_out), "loss": max_rel(loss, ref_loss)}
+            own = {n: p.grad.clone() for n, p in ref_params.items() if p.grad is not None}
+    errors.update(non_expert_grads=0.0, expert_grads=0.0)
+    # a gradient 1e4 times below the largest one is compared to that scale: a router nothing reaches
+    # (DeepSeek-V4's hash-routed first layers) has a gradient of rounding noise, 1e-20
+    floor = 1e-4 * max(g.abs().max().item() for g in [*own.values(), *expert_sum.values()])
+    compared = {"non_expert_grads": 0, "expert_grads": 0}
+    shard_of = {s.module_name: s for s in shards}
+    for name, param in model.named_parameters():
+        if name not in expert_names:
+            if param.grad is None:
+                assert name not in own, f"{name} has no gradient under EP"
+                continue
+            errors["non_expert_grads"] = max(errors["non_expert_grads"], max_rel(param.grad, own[name], floor))
+            compared["non_expert_grads"] += 1
+            continue
+        if param.grad is None:  # experts no token reaches (a vision tower's, on text) have none unsharded too
+            assert name not in reached, f"{name} has no gradient under EP"
+            continue
+        shard = shard_of[next(m for m in shard_of if name.startswith(f"{m}."))]
+        full = expert_sum[name].narrow(0, shard.local_start * param.shape[0] // shard.num_local_experts,
+                                       param.shape[0])
+        err = max_rel(param.grad, full, floor) if full.abs().max() > 0 else param.grad.abs().max().item()
+        errors["expert_grads"] = max(errors["expert_grads"], err)
+        compared["expert_grads"] += 1
+    return {"errors": errors, "compared": compared}
+
+
+def check_families(rank: int, world: int, families: list[Family]) -> dict[str, dict]:
+    """:func:`family_parity` of every family on this process group, by family name; a family whose
+    check raised gets ``{"error": traceback}`` (the others still run). A barrier after each keeps
+    the ranks in step."""
+    out = {}
+    for family in families:
+        try:
+            out[family.name] = family_parity(rank, world, family)
+        except BaseException:  # noqa: BLE001 - the test reports it, naming the family
+            out[family.name] = {"error": traceback.format_exc()}
+        dist.barrier()
+    return out
+
+
+def verdict(family: Family, results: list[dict]) -> str:
+    """One line for the README: ``exact``, ``refused: <reason>``, ``wrong: <kind> ...`` or
+    ``error: <exception>``, from every rank's :func:`family_parity` result."""
+    if any("error" in r for r in results):
+        last = next(r["error"] for r in results if "error" in r).strip().splitlines()[-1]
+        return f"error: {last[:120]}"
+    if any("refused" in r for r in results):
+        message = results[0].get("refused", "")
+        reason = message.split("nothing was changed: ", 1)[-1]
+        return f"refused: {reason}"
+    worst = {k: max(r["errors"][k] for r in results) for k in results[0]["errors"]}
+    bad = {k: v for k, v in worst.items() if not v <= TOL}
+    if bad or not all(n > 0 for r in results for n in r["compared"].values()):
+        return "wrong: " + ", ".join(f"{k} rel. err. {v:.2g}" for k, v in bad.items())
+    return "exact"
+
+
+TOL = 1e-10

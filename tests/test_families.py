@@ -1,0 +1,155 @@
+"""Coverage of every MoE family of the installed transformers: exact at EP 2 (fp64, 2 gloo ranks), or
+refused by name (the experts class, its module path and the reason), before anything is changed.
+
+The families are found by structure (tests/families.py), not listed: a family a new transformers adds
+is checked here without an edit, and fails until it is exact or refused by name. All families run in
+one spawned group (families_workers.check_families); the README's families table is this run's output
+(benchmarks/families_table.py --write) and is checked against it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import pathlib
+
+import pytest
+
+import families
+from epmoe.launch import run_ranks
+from families_workers import check_families, verdict
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("families_table", ROOT / "benchmarks" / "families_table.py")
+families_table = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(families_table)
+
+
+def found() -> dict[str, families.Family | str]:
+    return {f if isinstance(f, str) else f.name: f for f in families.families()}
+
+
+@functools.lru_cache(maxsize=None)
+def results() -> dict[str, list[dict]]:
+    """Every family's per-rank result from one spawned 2-rank run."""
+    fams = [f for f in families.families() if not isinstance(f, str)]
+    out = run_ranks(check_families, 2, fams, timeout=900)
+    return {f.name: [r[f.name] for r in out] for f in fams}
+
+
+def test_every_family_builds_a_tiny_model_with_its_experts():
+    """Every directory defining experts-like classes yields a tiny model holding them (else the
+    generic sizes need a CONFIG_FIXES entry); the known families are among them."""
+    by_name = found()
+    unbuilt = [name for name, f in by_name.items() if isinstance(f, str)]
+    assert not unbuilt, f"no tiny model with experts could be built for {unbuilt}"
+    assert {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4", "dbrx", "jetmoe", "switch_transformers"} <= set(by_name)
+    assert "bamba" not in by_name  # mentions experts, defines none
+
+
+def test_readme_lists_every_family():
+    """The README's families table names exactly the families found now."""
+    listed = families_table.readme_verdicts((ROOT / "README.md").read_text())
+    assert set(listed) == set(found())
+
+
+@pytest.mark.parametrize("directory", ["jetmoe", "doge", "switch_transformers", "vitpose_backbone"])
+def test_refused_by_name_before_anything_changes(directory):
+    """Experts epmoe cannot take: ValueError naming the experts class, its module path and why;
+    the model is unchanged (one process: the refusal needs no collective)."""
+    import epmoe
+
+    family = found()[directory]
+    model = families.build(family)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError) as error:
+        epmoe.apply_expert_parallel(model)
+    _assert_names_class_path_reason(family, str(error.value), model)
+    assert not any(hasattr(m, "_epmoe") for m in model.modules())
+    assert all(p.equal(before[n]) for n, p in model.named_parameters())
+
+
+def _assert_names_class_path_reason(family, message, model=None):
+    model = model if model is not None else families.build(family)
+    classes = families.experts_classes(family.name)
+    named = [(n, m) for n, m in model.named_modules() if f" at {n} (" in message]
+    assert named, f"{family.name}: no module path in {message!r}"
+    assert any(f"{type(m).__name__} at {n} (" in message and type(m).__name__ in classes for n, m in named), (
+        f"{family.name}: the experts class is not named in {message!r}")
+    assert message.split("): ", 1)[1].strip(), f"{family.name}: no reason in {message!r}"
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("directory", families.candidate_directories())
+def test_family_exact_or_refused_by_name(directory):
+    """At EP 2 in fp64: outputs, loss and non-expert gradients equal the unsharded model's on the
+    rank's batch, expert gradients its sum over both ranks' batches (1e-10); or a ValueError naming
+    the experts class, module path and reason. The README's verdict is this one."""
+    family = found().get(directory)
+    if family is None:  # the directory mentions experts but defines no experts-like class
+        return
+    assert not isinstance(family, str), f"{directory}: no tiny model could be built"
+    per_rank = results()[directory]
+    line = verdict(family, per_rank)
+    listed = families_table.readme_verdicts((ROOT / "README.md").read_text())
+    assert listed.get(directory) == line.replace("|", "/"), (
+        f"{directory}: README says {listed.get(directory)!r}, the run {line!r} (benchmarks/families_table.py --write)")
+    if line.startswith("refused"):
+        assert per_rank[0]["refused"] == per_rank[1]["refused"]
+        _assert_names_class_path_reason(family, per_rank[0]["refused"])
+        return
+    assert line == "exact", f"{directory}: {line}\n{per_rank[0].get('error', '')}"
+
+
+def test_undecorated_experts_are_adopted_only_where_their_own_forward_agrees():
+    """Step3p7's experts (no decorator) run as packed experts because their own forward computes the
+    inferred layout; the same module scaling its output (a forward epmoe cannot reproduce from the
+    weights) is refused by name, nothing changed."""
+    import copy
+
+    import torch
+
+    import epmoe
+
+    family = found()["step3p7"]
+    reference = families.build(family)
+    model = copy.deepcopy(reference)
+    epmoe.apply_expert_parallel(model)
+    ids = families.inputs(family, 0, 9)
+    torch.testing.assert_close(model(**ids)[0], reference(**ids)[0], rtol=1e-12, atol=1e-12)
+
+    model = families.build(family)
+    experts = next(m for m in model.modules() if type(m).__name__ == "Step3p7Experts")
+    cls = type(experts)
+
+    def scaled(self, hidden_states, top_k_index, top_k_weights):
+        return 2 * cls.forward(self, hidden_states, top_k_index, top_k_weights)
+
+    experts.__class__ = type("ScaledExperts", (cls,), {"forward": scaled})
+    with pytest.raises(ValueError, match=r"ScaledExperts at language_model\.layers\.\d\.mlp\.experts .*: packed experts without"):
+        epmoe.apply_expert_parallel(model)
+    assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+
+def adopted_families() -> list:
+    """The families whose experts epmoe adopts (no decorator: :func:`epmoe.ep.recognize.adopt_packed_experts`)."""
+    from epmoe.ep.recognize import find_experts_modules
+
+    out = []
+    for family in families.families():
+        if not isinstance(family, str) and any(
+                hasattr(m, "_epmoe_adopted") for _, m, _ in find_experts_modules(families.build(family))):
+            out.append(family)
+    return out
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_adopted_families_exact_at_four_ranks():
+    """The families epmoe adopts (Step3p7, Llama4...) at EP 4, fp64, as at EP 2."""
+    fams = adopted_families()
+    assert {"step3p7", "llama4"} <= {f.name for f in fams}
+    out = run_ranks(check_families, 4, fams, timeout=900)
+    lines = {f.name: verdict(f, [r[f.name] for r in out]) for f in fams}
+    assert all(line == "exact" for line in lines.values()), lines
