@@ -84,7 +84,8 @@ def _assert_names_class_path_reason(family, message, model=None):
 @pytest.mark.parametrize("directory", families.candidate_directories())
 def test_family_exact_or_refused_by_name(directory):
     """At EP 2 in fp64: outputs, loss and non-expert gradients equal the unsharded model's on the
-    rank's batch, expert gradients its sum over both ranks' batches (1e-10); or a ValueError naming
+    rank's batch, expert gradients its sum over both ranks' batches (1e-10, or 1e-4 for a family whose
+    own experts forward rounds float64 to float32); or a ValueError naming
     the experts class, module path and reason. The README's verdict is this one."""
     family = found().get(directory)
     if family is None:  # the directory mentions experts but defines no experts-like class
@@ -99,7 +100,7 @@ def test_family_exact_or_refused_by_name(directory):
         assert per_rank[0]["refused"] == per_rank[1]["refused"]
         _assert_names_class_path_reason(family, per_rank[0]["refused"])
         return
-    assert line == "exact", f"{directory}: {line}\n{per_rank[0].get('error', '')}"
+    assert line.startswith("exact"), f"{directory}: {line}\n{per_rank[0].get('error', '')}"
 
 
 def test_undecorated_experts_are_adopted_only_where_their_own_forward_agrees():
@@ -152,4 +153,4 @@ def test_adopted_families_exact_at_four_ranks():
     assert {"step3p7", "llama4"} <= {f.name for f in fams}
     out = run_ranks(check_families, 4, fams, timeout=900)
     lines = {f.name: verdict(f, [r[f.name] for r in out]) for f in fams}
-    assert all(line == "exact" for line in lines.values()), lines
+    assert all(line.startswith("exact") for line in lines.values()), lines
