@@ -60,6 +60,7 @@ def epmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     shape = hidden_states.shape
     x_TH = hidden_states.reshape(-1, shape[-1])
     _check_routing(self, x_TH, top_k_index, top_k_weights)
+    top_k_index = top_k_index.long()  # int32 ids too, as grouped_mm takes them
     num_experts = num_experts_of(self)
     if getattr(self, "_is_expert_parallel", False):  # transformers' EP: ids past num_experts are other ranks'
         num_experts = self.num_experts
@@ -77,16 +78,26 @@ def epmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
 def local_experts(module: nn.Module) -> LocalExperts:
     """The :class:`~epmoe.ep.experts.LocalExperts` ``module`` runs through (made at its first forward
     and kept on the module, so its grouped-matmul backend is chosen once per device and dtype;
-    ``copy.deepcopy`` of the model makes the copy its own)."""
+    ``copy.deepcopy`` of the model makes the copy its own). Made outside any ``torch.compile``
+    trace: a compiled model's first forward breaks the graph there once (after one forward, eager
+    or compiled, a forward traces whole)."""
     experts = module.__dict__.get(_ATTRIBUTE)
-    if experts is None:
-        if not is_packed_experts(module):
-            raise ValueError(
-                f"experts_implementation={EXPERTS_IMPLEMENTATION!r}: {type(module).__name__} is not packed experts "
-                f"(3-D gate_up_proj or up_proj and down_proj, with @use_experts_implementation's flags)")
-        experts = LocalExperts(module)
-        module.__dict__[_ATTRIBUTE] = experts
+    return _set_up(module) if experts is None else experts
+
+
+def _make_local_experts(module: nn.Module) -> LocalExperts:
+    if not is_packed_experts(module):
+        raise ValueError(
+            f"experts_implementation={EXPERTS_IMPLEMENTATION!r}: {type(module).__name__} is not packed experts "
+            f"(3-D gate_up_proj or up_proj and down_proj, with @use_experts_implementation's flags)")
+    experts = LocalExperts(module)
+    module.__dict__[_ATTRIBUTE] = experts
     return experts
+
+
+_set_up = torch.compiler.disable(
+    _make_local_experts, reason="epmoe's experts implementation sets each experts module up at its first forward: "
+    "run one forward before torch.compile(fullgraph=True)")
 
 
 def _check_routing(module: nn.Module, x_TH: torch.Tensor, top_k_index: torch.Tensor,
