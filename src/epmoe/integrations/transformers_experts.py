@@ -36,7 +36,7 @@ from torch import nn
 
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.recognize import is_packed_experts, num_experts_of
-from epmoe.ep.routing import pair_rows
+from epmoe.ep.routing import RowPairs, pair_rows
 
 try:
     from transformers.integrations.moe import ExpertsInterface
@@ -60,19 +60,24 @@ def epmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     shape = hidden_states.shape
     x_TH = hidden_states.reshape(-1, shape[-1])
     _check_routing(self, x_TH, top_k_index, top_k_weights)
-    top_k_index = top_k_index.long()  # int32 ids too, as grouped_mm takes them
-    num_experts = num_experts_of(self)
-    if getattr(self, "_is_expert_parallel", False):  # transformers' EP: ids past num_experts are other ranks'
-        num_experts = self.num_experts
-        local_TK = top_k_index.masked_fill(top_k_index >= num_experts, num_experts)
-        if experts.lean:  # every (token, k) a pair, other ranks' past the counts' sum: nothing read to the host
-            pairs = pair_rows(local_TK, num_experts, padded=True)
-        else:
-            pairs = pair_rows(local_TK, num_experts, int((local_TK < num_experts).sum()))
-    else:
-        pairs = pair_rows(top_k_index, num_experts)  # on the device: an id outside [0, E) raises
+    pairs = _pairs(self, experts, top_k_index.long())  # int32 ids too, as grouped_mm takes them
     out_TH = experts.routed_mlp(x_TH.to(up.dtype), top_k_weights, pairs)
     return out_TH.to(hidden_states.dtype).view(shape)
+
+
+def _pairs(module: nn.Module, experts: LocalExperts, top_k_index_TK: torch.Tensor) -> RowPairs:
+    """The pairs of the tokens' routing choices (:func:`~epmoe.ep.routing.pair_rows`), built on the
+    device: every choice, an id outside ``[0, E)`` raising; under transformers' EP
+    (``module._is_expert_parallel``) the choices of ids ``>= module.num_experts`` (other ranks'
+    experts) are none: padded pairs for the routed MLP op (nothing read to the host), left out
+    (their number read once) for experts run through plain autograd."""
+    if not getattr(module, "_is_expert_parallel", False):
+        return pair_rows(top_k_index_TK, num_experts_of(module))
+    num_experts = module.num_experts
+    local_TK = top_k_index_TK.masked_fill(top_k_index_TK >= num_experts, num_experts)
+    if experts.lean:
+        return pair_rows(local_TK, num_experts, padded=True)
+    return pair_rows(local_TK, num_experts, int((local_TK < num_experts).sum()))
 
 
 def local_experts(module: nn.Module) -> LocalExperts:
