@@ -46,6 +46,10 @@ def model_parity(rank, world, family, dtype_name, lengths, scenario):
     if scenario == "silent_rank":
         silence_experts_of_rank(ref, world - 1, world)
     model = copy.deepcopy(ref)
+    if scenario == "experts_implementation":  # set to epmoe's transformers experts implementation, run once
+        model.set_experts_implementation("epmoe")
+        with torch.no_grad():
+            model(batch_of(rank, lengths))
     config = {"dispatch": "fused", "num_chunks": 2} if scenario == "fused" else None
     shards = epmoe.apply_expert_parallel(model, config=config)
     if scenario == "fused":

@@ -18,6 +18,7 @@ SILENT_RANK_FAMILIES = ["deepseek_v3", "gpt_oss"]
 FUSED_CASES = [("qwen3_5_moe", "float64"), ("qwen3_5_moe", "float32"), ("deepseek_v3", "float64"),
                ("qwen3_moe", "float64")]
 MODULE_LIST_CASES = [("mlp", 2), ("biased", 2), ("mlp", 4)]
+EXPERTS_IMPLEMENTATION_FAMILIES = ["qwen3_moe", "gpt_oss"]  # models on experts_implementation="epmoe" first
 
 
 def cases_of(world):
@@ -34,6 +35,9 @@ def cases_of(world):
             cases[f"silent_rank/{family}/float64"] = (model_parity, (family, "float64", [8, 10], "silent_rank"))
         for family, dtype in FUSED_CASES:
             cases[f"fused/{family}/{dtype}"] = (model_parity, (family, dtype, [6, 13], "fused"))
+        for family in EXPERTS_IMPLEMENTATION_FAMILIES:
+            cases[f"experts_implementation/{family}/float64"] = (
+                model_parity, (family, "float64", [7, 12], "experts_implementation"))
         cases["one_rank_fails_validation"] = (one_rank_fails_validation, ())
         cases["disagreeing_config"] = (disagreeing_config, ())
     for expert_kind, w in MODULE_LIST_CASES:
@@ -105,6 +109,15 @@ def test_parity_fused_dispatch(family, dtype):
     """dispatch="fused": alltoallv_gmm / gmm_alltoallv in 2 rounds, the shared expert riding along."""
     label = f"fused/{family}/{dtype}"
     assert_parity(results_of(2, label), dtype, label)
+
+
+@pytest.mark.multirank
+@batched
+@pytest.mark.parametrize("family", EXPERTS_IMPLEMENTATION_FAMILIES)
+def test_parity_model_on_the_epmoe_experts_implementation(family):
+    """A model set to experts_implementation="epmoe" (and run so) takes apply_expert_parallel as any other."""
+    label = f"experts_implementation/{family}/float64"
+    assert_parity(results_of(2, label), "float64", label)
 
 
 @pytest.mark.multirank

@@ -203,6 +203,8 @@ def _routed_mlp_backward_op(
     dw_P = _row_dots(u_PI, a_PI, sum_dtype)
     if down_bias is not None:
         dw_P = dw_P + _row_dots(dout_PH, down_bias[expert_P], sum_dtype)
+        if padded:  # a padding pair's bias term: its weight's gradient is zero
+            dw_P = dw_P.masked_fill(padding_P.squeeze(1), 0)
     dy_PH = dout_PH.mul_(w_P.unsqueeze(1))  # the down projection's output gradient, in dout_PH's storage
     _, d_down = run_grouped_mm_backward(dy_PH, a_PI.contiguous(), down, counts, trans_weight, backend, False, True)
     d_down_bias, d_up_bias = x_RH.new_empty(0), x_RH.new_empty(0)

@@ -3,6 +3,8 @@
 * :mod:`~epmoe.integrations.blocks`: the blocks around experts (routers, shared experts) and the
   forwards epmoe puts in place of theirs, which call the engine's routed path.
 * :mod:`~epmoe.integrations.peft`: PEFT LoRA factors on expert-parallel experts and their layouts.
+* :mod:`~epmoe.integrations.transformers_experts`: ``experts_implementation="epmoe"``, epmoe's routed
+  MLP registered in transformers' ``ExpertsInterface`` (one device, no other code).
 
 The model zoo the demo, benchmarks and tests build from configs is :mod:`epmoe.models`.
 """
