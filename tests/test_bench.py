@@ -34,8 +34,8 @@ def test_bench_gmm_quick(tmp_path, capsys, one_thread):
     assert len(rows) == 3 * 2 * 2 * 5
     assert {r[3] for r in rows} == {"batched", "torch", "loop", "auto (torch)", "dense mm"}
     assert {r[2] for r in rows} == {"fwd", "fwd+bwd"} and {r[1] for r in rows} == {"fp32", "bf16"}
-    for r in rows:
-        assert float(r[4]) > 0 and float(r[5]) >= 0 and float(r[6]) > 0
+    for r in rows:  # numbers, not performance: a slow backend's ratio may print as 0.00 on a loaded machine
+        assert float(r[4]) > 0 and float(r[5]) >= 0 and float(r[6]) >= 0
     assert all(r[6] == "1.00" for r in rows if r[3] == "dense mm")
     assert "`auto` picked: torch" in printed
 

@@ -322,17 +322,17 @@ class LocalExperts:
         came from (the all-to-all-v transport's, over more than one rank); the parameters shared by
         the experts then get, on each rank, the gradient of its own rows (:meth:`_by_source`)."""
         sync_weights = sync_weights or _as_is
-        if self.packed:
-            x_RH = x_RH.to(self.compute_dtype(self._weight_dtype()))
         if not self.lean:
+            if self.packed:
+                x_RH = x_RH.to(self.compute_dtype(self._weight_dtype()))
             forward = functools.partial(self.forward, sync_weights=sync_weights)
             if sources is not None and self._split_shared():
                 forward = functools.partial(self._by_source, pairs=pairs, K=weights_RK.shape[1], sources=sources,
                                             sync_weights=sync_weights)
             return routed_mlp_autograd(forward, x_RH, weights_RK, pairs)
-        up, down, up_bias, down_bias = self.weights(sync_weights)
-        return routed_mlp_custom_op(self.key, x_RH, weights_RK, pairs, up, down, up_bias, down_bias,
-                                    trans_weight=self.trans_weight)
+        up, down, up_bias, down_bias = self.weights(sync_weights)  # in the compute dtype
+        return routed_mlp_custom_op(self.key, x_RH.to(up.dtype) if self.packed else x_RH, weights_RK, pairs,
+                                    up, down, up_bias, down_bias, trans_weight=self.trans_weight)
 
     def weights(self, sync_weights: WeightsHook | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -344,7 +344,7 @@ class LocalExperts:
             up, down = sync_weights(self._stacked_triples())
             return up, down, None, None
         up, down, *biases = sync_weights([getattr(self.module, name) for name in self._weight_names])
-        dtype = self.compute_dtype(up.dtype)
+        dtype = self._compute_dtypes.get(up.dtype) or self.compute_dtype(up.dtype)  # a step: known
         up, down, *biases = (w.to(dtype) for w in (up, down, *biases))
         up_bias, down_bias = biases if biases else (None, None)
         return up, down, up_bias, down_bias
