@@ -31,7 +31,7 @@ def test_readme_lists_the_training_recipes():
     assert [name for name, _, _ in recipes()] == ["train_ddp", "train_fsdp2", "train_ep_dp", "train_trainer",
                                                   "train_accelerate", "train_deepspeed", "generate", "train_compiled",
                                                   "save_and_reload", "load_sharded", "resume", "replay",
-                                                  "train_grpo"]
+                                                  "train_grpo", "train_dpo"]
 
 
 @pytest.mark.multirank
@@ -64,5 +64,7 @@ def test_readme_recipes_run(world, tmp_path, monkeypatch):
             assert by_name["replay"][:2] == [2, 2] and by_name["replay"][2] >= 4 + 1 + rank
         if "train_grpo" in by_name:
             assert by_name["train_grpo"] == 2
+        if "train_dpo" in by_name:
+            assert by_name["train_dpo"] is True  # the reference holds the policy's experts only
         if "resume" in by_name:
             assert by_name["resume"] == 1.0  # the optimizer resumed after its first step

@@ -29,8 +29,8 @@ from epmoe.ep.state import ep_model
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
 from epmoe.integrations import transformers_experts
 from epmoe.training import (LoadBalancer, RoutingRecord, clip_grad_norm_, prepare_accelerator, prepare_deepspeed,
-                            prepare_trainer, record_routing, replay_rollout_routing, replay_routing,
-                            routes_from_vllm)
+                            prepare_trainer, record_routing, reference_model, replay_rollout_routing,
+                            replay_routing, routes_from_vllm)
 
 transformers_experts.register()  # experts_implementation="epmoe" in transformers, where installed
 
@@ -65,6 +65,7 @@ __all__ = [
     "prepare_deepspeed",
     "prepare_trainer",
     "record_routing",
+    "reference_model",
     "register_gmm_backend",
     "replay_rollout_routing",
     "replay_routing",

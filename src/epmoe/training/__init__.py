@@ -16,6 +16,7 @@ reduced over ``"dp"`` and summed or averaged is the engine's contract: :mod:`epm
 * :mod:`epmoe.training.balance`: ``LoadBalancer``, auxiliary-loss-free balancing of expert load.
 * :mod:`epmoe.training.replay`: routing replay (R3): ``record_routing``, ``replay_routing``, ``routes_from_vllm``;
   :mod:`epmoe.training.grpo`: ``replay_rollout_routing``, the same inside TRL's ``GRPOTrainer``.
+* :mod:`epmoe.training.reference`: ``reference_model``, a frozen EP twin for DPO's / GRPO's reference.
 """
 
 from epmoe.ep.params import expert_parameters, is_expert_parameter  # their home before the engine took them
@@ -24,9 +25,10 @@ from epmoe.training.balance import LoadBalancer
 from epmoe.training.clip import clip_grad_norm_
 from epmoe.training.deepspeed import prepare_deepspeed
 from epmoe.training.grpo import replay_rollout_routing
+from epmoe.training.reference import reference_model
 from epmoe.training.replay import RoutingRecord, record_routing, replay_routing, routes_from_vllm
 from epmoe.training.trainer import prepare_trainer
 
 __all__ = ["LoadBalancer", "RoutingRecord", "clip_grad_norm_", "expert_parameters", "is_expert_parameter",
-           "prepare_accelerator", "prepare_deepspeed", "prepare_trainer", "record_routing", "replay_rollout_routing",
-           "replay_routing", "routes_from_vllm"]
+           "prepare_accelerator", "prepare_deepspeed", "prepare_trainer", "record_routing", "reference_model",
+           "replay_rollout_routing", "replay_routing", "routes_from_vllm"]

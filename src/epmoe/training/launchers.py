@@ -10,7 +10,10 @@ attribute of a DeepSpeed engine it reads, each with its signature as checked aga
 :data:`CHECKED_AGAINST` and why; tests/test_launchers.py fails when one disappears or changes
 signature (on TRL's ``SFTTrainer`` too, which inherits the Trainer methods). Besides methods, epmoe
 writes accelerate's FSDP plugin's ``ignored_modules`` (its configuration, :mod:`epmoe.training.fsdp`)
-and, for the duration of one call, a Trainer's ``is_fsdp_enabled`` (``without_fsdp_branch`` there).
+and, for the duration of one call, a Trainer's ``is_fsdp_enabled`` (``without_fsdp_branch`` there);
+where :func:`epmoe.prepare_trainer` puts an EP reference model in place of an unsharded one, it removes
+the unsharded one from the list of models the accelerator prepared (``Accelerator._models``; checked by
+tests/test_reference.py), or that list would keep it alive.
 
 What epmoe remembers about other libraries' objects (a Trainer or accelerator prepared, a Trainer
 whose optimizer gets split groups, a router with a load balancer) sits in one registry keyed by the

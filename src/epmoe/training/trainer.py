@@ -27,7 +27,9 @@ checkpoints are refused (``save_model`` works). accelerate's FSDP2 plugin
 (``TrainingArguments(fsdp=..., fsdp_config={"version": 2})``): its ``ignored_modules`` set to the
 experts, Trainer's clip and saving routed as above, see :mod:`epmoe.training.fsdp`. ZeRO stage 3 and
 FSDP1 shard every parameter, experts included: refused; so are ``save_on_each_node`` and
-``load_best_model_at_end`` (see the errors).
+``load_best_model_at_end`` (see the errors). An unsharded ``trainer.ref_model`` (TRL's DPO and GRPO
+trainers load one from the policy's path when given ``ref_model=None``) is replaced by an EP twin with
+its weights (:mod:`epmoe.training.reference`).
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ from torch import nn
 
 from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
 from epmoe.checkpoint.save import SavePretrained, adapter_state_dict
+from epmoe.ep.recognize import find_experts_modules
 from epmoe.ep.state import ep_states
 from epmoe.integrations.peft import has_expert_lora
 from epmoe.training.accelerate import prepare_accelerator
 from epmoe.training.deepspeed import prepare_deepspeed_trainer
 from epmoe.training.fsdp import is_dtensor, prepare_fsdp_trainer, without_fsdp_branch
 from epmoe.training.launchers import remember, remembered, replace
+from epmoe.training.reference import reference_model
 
 DCP_DIR = "epmoe_dcp"  # inside each Trainer checkpoint directory
 SCHEDULER_NAME = "scheduler.pt"  # transformers.trainer.SCHEDULER_NAME: the learning-rate scheduler's file
@@ -91,12 +95,27 @@ def prepare_trainer(trainer: Any) -> Any:
         clip = accelerator.clip_grad_norm_
         replace(trainer, "_mixed_mesh_grad_norm", lambda model, max_norm: clip(model.parameters(), max_norm))
 
+    if not deepspeed and not fsdp:  # those prepare the reference themselves (sharded over every rank)
+        _reference_stays_sharded(trainer, model)
     _save_from_every_rank(trainer, fsdp)
     if not deepspeed:  # DeepSpeed checkpoints are refused (epmoe.training.deepspeed)
         trainer.add_callback(_dcp_callback_class()(trainer))
         _resume_from_dcp(trainer)
     remember(trainer, PREPARED)
     return trainer
+
+
+def _reference_stays_sharded(trainer: Any, model: nn.Module) -> None:
+    """TRL's ``DPOTrainer`` / ``GRPOTrainer`` with ``ref_model=None`` load the reference again from the
+    policy's path, without EP: every expert on every rank. Put an EP twin with its weights in its place
+    (:func:`epmoe.training.reference.reference_model`), prepared by the accelerator as TRL prepared
+    the unsharded one, which the accelerator then forgets so that it is freed."""
+    ref = getattr(trainer, "ref_model", None)
+    if not isinstance(ref, nn.Module) or any(True for _ in ep_states(ref)) or not find_experts_modules(ref):
+        return
+    accelerator = trainer.accelerator
+    trainer.ref_model = accelerator.prepare_model(reference_model(model, weights_from=ref), evaluation_mode=True)
+    accelerator._models[:] = [m for m in accelerator._models if m is not ref]  # see epmoe.training.launchers
 
 
 def _save_from_every_rank(trainer: Any, fsdp: bool) -> None:
