@@ -8,24 +8,20 @@ import torch
 import torch.distributed as dist
 
 import epmoe
-from grpo_workers import _base_model, _tokenizer
+from grpo_workers import EOS, PAD, _base_model, _tokenizer
 
 
 def _param_bytes(model):
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _dpo(path, out_dir, ep):
-    """Two DPO steps of the model saved at ``path`` with ``ref_model=None`` (TRL loads the reference
-    from the path, unsharded); returns ``(policy, checks)``."""
+EAGER = {"experts_implementation": "eager"}  # fp64 on CPU: torch's grouped_mm takes no float64
+
+
+def _dpo_trainer(model, out_dir):
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
-    eager = {"experts_implementation": "eager"}  # fp64 on CPU: torch's grouped_mm takes no float64
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **eager)
-    if ep:
-        epmoe.apply_expert_parallel(model)
     words = [f"w{i}" for i in range(60)]
     pairs = Dataset.from_dict({
         "prompt": [" ".join(words[(5 * i + j) % 60] for j in range(2 + i % 3)) for i in range(8)],
@@ -34,8 +30,35 @@ def _dpo(path, out_dir, ep):
     })
     args = DPOConfig(output_dir=out_dir, per_device_train_batch_size=2, max_steps=2, learning_rate=5e-2, seed=0,
                      use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, bf16=False,
-                     model_init_kwargs=eager)  # the reference TRL loads from the path
-    trainer = DPOTrainer(model=model, ref_model=None, args=args, train_dataset=pairs, processing_class=_tokenizer())
+                     model_init_kwargs=EAGER)  # the reference TRL loads from the path
+    return DPOTrainer(model=model, ref_model=None, args=args, train_dataset=pairs, processing_class=_tokenizer())
+
+
+def _grpo_trainer(model, out_dir):
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    prompts = Dataset.from_dict({"prompt": [" ".join(f"w{(7 * i + j) % 60}" for j in range(2 + i % 3))
+                                            for i in range(16)]})
+    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=2, steps_per_generation=2, num_generations=4,
+                      max_completion_length=4, max_steps=2, learning_rate=5e-2, seed=0, use_cpu=True, report_to=[],
+                      save_strategy="no", logging_steps=1, bf16=False, beta=0.5,  # a KL term: TRL loads a reference
+                      model_init_kwargs=EAGER)
+    return GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c.split())) for c in completions],
+                       args=args, train_dataset=prompts, processing_class=_tokenizer())
+
+
+def _train(path, out_dir, ep, make_trainer):
+    """Two steps of ``make_trainer``'s trainer on the model saved at ``path`` with ``ref_model=None``
+    (TRL loads the reference from the path, unsharded); returns ``(policy, checks)``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, **EAGER)
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = PAD, EOS
+    if ep:
+        epmoe.apply_expert_parallel(model)
+    trainer = make_trainer(model, out_dir)
     checks = {}
     if ep:
         unsharded = weakref.ref(trainer.ref_model)
@@ -52,25 +75,27 @@ def _dpo(path, out_dir, ep):
     return model, checks
 
 
-def dpo_reference_parity(rank, world, out_dir):
-    """DPO with ``ref_model=None`` at EP ``world`` against the same DPO without EP (DDP): every
-    parameter after two steps (an expert shard against its rows of the unsharded parameter); the
-    EP run's reference holds only the local experts."""
+def reference_parity(rank, world, out_dir):
+    """DPO and GRPO (a KL term) with ``ref_model=None`` at EP ``world`` against the same run without
+    EP (DDP): every parameter after two steps (an expert shard against its rows of the unsharded
+    parameter); the EP run's reference holds only the local experts."""
     path = f"{out_dir}/model"
     if rank == 0:
-        base = _base_model()
-        base.save_pretrained(path)
+        _base_model().save_pretrained(path)
     dist.barrier()
-    ep_model, ep_checks = _dpo(path, f"{out_dir}/ep", ep=True)
-    ddp_model, ddp_checks = _dpo(path, f"{out_dir}/ddp", ep=False)
-    reference = dict(ddp_model.named_parameters())
-    worst = 0.0
-    for name, param in ep_model.named_parameters():
-        full = reference[name]
-        if param.shape != full.shape:  # an expert shard: this rank's rows
-            full = full[rank * param.shape[0]:(rank + 1) * param.shape[0]]
-        worst = max(worst, ((param - full).abs().max() / full.abs().max().clamp_min(1e-12)).item())
-    return {"max_rel": worst, "ep": ep_checks, "ddp_losses": ddp_checks["losses"]}
+    out = {}
+    for name, make_trainer in (("dpo", _dpo_trainer), ("grpo", _grpo_trainer)):
+        ep_model, ep_checks = _train(path, f"{out_dir}/{name}_ep", True, make_trainer)
+        ddp_model, ddp_checks = _train(path, f"{out_dir}/{name}_ddp", False, make_trainer)
+        reference = dict(ddp_model.named_parameters())
+        worst = 0.0
+        for param_name, param in ep_model.named_parameters():
+            full = reference[param_name]
+            if param.shape != full.shape:  # an expert shard: this rank's rows
+                full = full[rank * param.shape[0]:(rank + 1) * param.shape[0]]
+            worst = max(worst, ((param - full).abs().max() / full.abs().max().clamp_min(1e-12)).item())
+        out[name] = {"max_rel": worst, "ep": ep_checks, "ddp_losses": ddp_checks["losses"]}
+    return out
 
 
 def reference_weights(rank, world):

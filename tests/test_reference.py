@@ -9,7 +9,7 @@ import torch
 import epmoe
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
-from reference_workers import dpo_reference_parity, reference_weights
+from reference_workers import reference_parity, reference_weights
 
 
 def _ep_model():
@@ -65,19 +65,21 @@ def test_the_accelerator_still_lists_its_prepared_models():
 @pytest.mark.timeout(600)
 def test_references_stay_sharded_and_exact(tmp_path):
     """At EP 2: reference_model with an unsharded model's weights equals that model (packed and
-    ModuleList experts) holding the EP model's bytes; DPO with ref_model=None (TRL loads the reference
-    from the path, unsharded) under prepare_trainer trains like DPO without EP, every parameter
-    (fp64, 1e-9), its reference holding only the local experts and the unsharded one freed."""
+    ModuleList experts) holding the EP model's bytes; DPO and GRPO (beta > 0) with ref_model=None (TRL
+    loads the reference from the path, unsharded) under prepare_trainer train like the same runs without
+    EP, every parameter (fp64, 1e-9), their reference holding only the local experts and the unsharded
+    one freed."""
     twins = run_ranks(reference_weights, 2, timeout=300)
     for per_rank in twins:
         for family, got in per_rank.items():
             assert got["max_abs"] < 1e-10, (family, got)
             assert got["ref_bytes"] == got["policy_bytes"] < got["full_bytes"], (family, got)
             assert got["frozen"] and got["eval"], (family, got)
-    out = run_ranks(dpo_reference_parity, 2, str(tmp_path), timeout=600)
-    for rank, got in enumerate(out):
-        ep = got["ep"]
-        assert got["max_rel"] < 1e-9, (rank, got)
-        assert ep["unsharded_freed"] and ep["ref_is_ep"] and ep["ref_frozen"], (rank, ep)
-        assert ep["ref_bytes"] == ep["policy_bytes"] < ep["unsharded_bytes"], (rank, ep)
-        assert len(ep["losses"]) == 2 and ep["losses"] == pytest.approx(got["ddp_losses"], rel=1e-9), (rank, got)
+    out = run_ranks(reference_parity, 2, str(tmp_path), timeout=600)
+    for rank, per_trainer in enumerate(out):
+        for trainer, got in per_trainer.items():
+            ep = got["ep"]
+            assert got["max_rel"] < 1e-9, (rank, trainer, got)
+            assert ep["unsharded_freed"] and ep["ref_is_ep"] and ep["ref_frozen"], (rank, trainer, ep)
+            assert ep["ref_bytes"] == ep["policy_bytes"] < ep["unsharded_bytes"], (rank, trainer, ep)
+            assert len(ep["losses"]) == 2 and ep["losses"] == pytest.approx(got["ddp_losses"], rel=1e-9), (rank, got)
