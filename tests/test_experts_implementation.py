@@ -310,6 +310,19 @@ def test_int32_routing_ids(expert_parallel):
     torch.testing.assert_close(model(x, index.int(), weights), reference(x, index, weights))
 
 
+def test_int32_routing_ids_under_expert_parallelism():
+    """An EP model's experts take int32 routing ids (as grouped_mm does) with the int64 ids' result;
+    floating ids raise ``TypeError``."""
+    model = build_model("qwen3_moe")
+    epmoe.apply_expert_parallel(model)
+    experts = model.model.layers[0].mlp.experts
+    index, weights = _routing(9, 2, model.config.num_experts, torch.float32)
+    x = torch.randn(9, model.config.hidden_size)
+    torch.testing.assert_close(experts(x, index.int(), weights), experts(x, index, weights), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="integer top_k_index"):
+        experts(x, index.float(), weights)
+
+
 def test_mixed_dtypes_follow_grouped_mm():
     """Experts kept in fp32 under bf16 hidden states (families that compute experts in float32): the
     input is cast to the weights' dtype and the result back, as grouped_mm does."""

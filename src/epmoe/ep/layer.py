@@ -51,6 +51,9 @@ def routed_experts(
             f"{shard.module_name}: expected top_k_index and top_k_weights of shape (T, K) with T={hidden_TH.shape[0]}, "
             f"got {tuple(top_k_index_TK.shape)} and {tuple(top_k_weights_TK.shape)}"
         )
+    if top_k_index_TK.is_floating_point() or top_k_index_TK.is_complex():
+        raise TypeError(f"{shard.module_name}: expected integer top_k_index, got {top_k_index_TK.dtype}")
+    top_k_index_TK = top_k_index_TK.long()  # the rows and pairs are built in int64 (int32 ids: grouped_mm's)
     if shared is not None and not transport.carries_shared:
         raise ValueError(f"{shard.module_name}: the {transport.name!r} transport leaves a shared expert to the block")
     if hidden_TH.device.type == "meta":
