@@ -43,6 +43,10 @@ def model_static_vs_dynamic(rank, world, family, dtype_name, lengths, scenario="
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     base = build_model(family, dtype=dtype)
+    with torch.no_grad():  # GPT-OSS's expert biases start at zero: nonzero ones reach the router's gradient
+        for name, param in base.named_parameters():
+            if name.endswith("_proj_bias"):
+                param.normal_(0, 0.5)
     if scenario == "silent_rank":
         silence_experts_of_rank(base, world - 1, world)
     dynamic, static = copy.deepcopy(base), copy.deepcopy(base)
