@@ -10,6 +10,7 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import epmoe
 from epmoe.ep.recognize import shared_parameters
@@ -78,11 +79,12 @@ def compare(rank, world, ref, model, shards, scale=1.0, average=False, run=None)
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name} has no gradient under EP"
         kind = "expert" if id(p) in experts else "shared" if id(p) in inside else "other"
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # FSDP2's shards, gathered
         if kind == "expert":
             expected = local_slice(name, summed[name], model, shards) * scale
         else:
             expected = summed[name] / world if average else own[name]
-        errors[kind] = max(errors[kind], max_rel(p.grad, expected))
+        errors[kind] = max(errors[kind], max_rel(grad, expected))
         counted[kind] += 1
     errors["counted"] = counted
     return errors
@@ -110,6 +112,19 @@ def shared_parameters_ddp_case(rank, world, kind):
     shards = epmoe.apply_expert_parallel(model)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     return compare(rank, world, ref, model, shards, scale=1.0 / world, average=True, run=ddp)
+
+
+def shared_parameters_fsdp2_case(rank, world, kind):
+    """The same under FSDP2 (``fully_shard`` with the expert parameters ignored, as the README's
+    recipe): the shared parameters sharded and averaged with the rest."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    ref = build_custom(kind)
+    model = copy.deepcopy(ref)
+    shards = epmoe.apply_expert_parallel(model)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)), ignored_params=set(epmoe.expert_parameters(model)))
+    return compare(rank, world, ref, model, shards, scale=1.0 / world, average=True)
 
 
 def float32_family_case(rank, world, family):
@@ -169,6 +184,8 @@ def all_cases():
     cases = {f"shared/{kind}": (shared_parameters_case, (kind,)) for kind in SHARED_KINDS}
     cases["shared_ddp/muse_spark"] = (shared_parameters_ddp_case, ("muse_spark",))
     cases["shared_ddp/module_list"] = (shared_parameters_ddp_case, ("module_list",))
+    cases["shared_fsdp2/packed"] = (shared_parameters_fsdp2_case, ("packed",))
+    cases["shared_fsdp2/module_list"] = (shared_parameters_fsdp2_case, ("module_list",))
     for family in FLOAT32_FAMILIES:
         cases[f"float32/{family}"] = (float32_family_case, (family,))
     return cases

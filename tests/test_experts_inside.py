@@ -81,6 +81,17 @@ def test_shared_parameters_under_ddp_are_averaged(kind):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", ["packed", "module_list"])
+def test_shared_parameters_under_fsdp2_are_averaged(kind):
+    """FSDP2 (the experts ignored, as the README's recipe) shards the shared parameters with the rest
+    and averages their gradients; expert gradients are the mean over ranks."""
+    for rank, errors in enumerate(results_of(f"shared_fsdp2/{kind}")):
+        assert errors["counted"]["shared"] > 0
+        assert_exact(errors, EXACT, f"{kind} FSDP2 rank {rank}")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("family", FLOAT32_FAMILIES)
 def test_float32_families_in_bf16_as_close_as_without_ep(family):
     """bfloat16 EP 2 within ``BF16_FACTOR`` of the run without EP in distance from float64 (per-token
