@@ -154,3 +154,17 @@ def test_adopted_families_exact_at_four_ranks():
     out = run_ranks(check_families, 4, fams, timeout=900)
     lines = {f.name: verdict(f, [r[f.name] for r in out]) for f in fams}
     assert all(line.startswith("exact") for line in lines.values()), lines
+
+
+def test_input_weighted_blocks_on_the_meta_device_are_refused_with_what_to_do(tmp_path):
+    """Llama4's block can only be checked on real weights: epmoe.from_pretrained (meta weights)
+    refuses it by name and says to load first, then apply EP."""
+    import torch
+
+    import epmoe
+
+    model = families.build(found()["llama4"], dtype=torch.float64)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"Llama4TextMoe's weights are on the meta device .* then call "
+                                         r"epmoe\.apply_expert_parallel"):
+        epmoe.from_pretrained(type(model), tmp_path, dtype=torch.float64)

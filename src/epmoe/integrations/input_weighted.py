@@ -52,6 +52,10 @@ def input_weighted_block_reason(block: nn.Module, experts: nn.Module) -> str | N
     if router is None or len(others) > 1 or not isinstance(getattr(router, "weight", None), torch.Tensor):
         return f"{type(block).__name__} has no router child with a weight, or more than one other child"
     weight = router.weight
+    if weight.is_meta or any(p.is_meta for p in experts.parameters()):
+        return (f"{type(block).__name__}'s weights are on the meta device (epmoe.from_pretrained), where its "
+                f"forward cannot be checked on a probe: load the model with from_pretrained, then call "
+                f"epmoe.apply_expert_parallel")
     x_TH = torch.linspace(-1.0, 1.0, 6 * weight.shape[1], device=weight.device).view(6, -1).to(weight.dtype)
     devices = [weight.device] if weight.device.type == "cuda" else []
     try:
