@@ -112,4 +112,11 @@ def bad_routes_on_one_rank(rank, world):
             model(ids if rank else ids[:1])
     except ValueError as exc:
         raised.append(str(exc))
+    try:  # rank 1's own code raises inside the block: rank 0 learns of it at once, not after a timeout
+        with epmoe.replay_routing(model, routes):
+            model(ids)
+            if rank == 1:
+                raise RuntimeError("the user's code failed")
+    except (ValueError, RuntimeError) as exc:
+        raised.append(f"{type(exc).__name__}: {exc}")
     return raised

@@ -252,3 +252,19 @@ def test_gradient_checkpointing_replays_in_the_recomputation_or_raises():
     with pytest.raises(ValueError, match="per-position"):
         with epmoe.replay_routing(checkpointed, rec.routes()):
             checkpointed(ids, labels=ids).loss.backward()
+
+
+def test_a_record_of_micro_batches_replays_each_its_own_routes():
+    """A record of two forwards of the same batch size (two micro-batches, not generate's steps) replays
+    in call order: each forward gets its own routes, not the first one's."""
+    torch.manual_seed(0)
+    model = build_model("qwen3_moe", dtype=torch.float64)
+    first, second = _ids(model, seed=1), _ids(model, seed=2)
+    with epmoe.record_routing(model) as rec:
+        model(first)
+        model(second)
+    moved = _perturbed(model)
+    with epmoe.replay_routing(moved, rec), epmoe.record_routing(moved) as seen:
+        moved(first)
+        moved(second)
+    assert torch.equal(seen.routes(), rec.routes())

@@ -26,9 +26,13 @@ def test_replay_is_the_same_at_every_ep_size_and_bad_routes_raise_everywhere(tmp
             for key in ("loss_vs_no_ep", "loss_vs_ep1", "grads_vs_no_ep", "grads_vs_ep1"):
                 assert errors[key] <= 1e-10, (rank, family, key, errors[key])
         bad = result["bad"]
-        assert len(bad) == 2, (rank, bad)
+        assert len(bad) == 3, (rank, bad)
         assert ("not below the experts' count" if rank == 0 else "rank(s) [0]") in bad[0]
         assert ("left over" if rank == 0 else "rank(s) [0]") in bad[1]
+        if rank == 0:  # rank 1 raised inside the block: rank 0 is told at the block's end
+            assert bad[2].startswith("ValueError") and "rank(s) [1]" in bad[2], bad[2]
+        else:  # its own exception goes on
+            assert bad[2] == "RuntimeError: the user's code failed", bad[2]
         grpo = result["grpo"]
         assert grpo["max_rel"] <= 1e-9 and grpo["moved"] > 1e-3, (rank, grpo)  # two Adam steps in fp64
         for run in ("ep", "ddp"):

@@ -205,16 +205,17 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
         found, checked.shards, checked.transport, checked.returns_logits
     )):
         dispatcher = make_dispatcher(transport, module, config)
+        shared = [p for _, p in shared_parameters(module)]  # found on all E experts, before sharding
         if isinstance(module, nn.ModuleList):
-            shared = [p for _, p in shared_parameters(module)]  # found on all E experts, before sharding
             local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend, shared)
             attach_state(owner, ExpertParallelState(shard, ep_model, local, transport=dispatcher,
                                                     returns_router_logits=returns_logits, layer=layer))
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
             sharded = _shard_parameters(module, shard, tied)
-            attach_state(module, ExpertParallelState(shard, ep_model, LocalExperts(module, config.gmm_backend),
-                                                     transport=dispatcher, sharded_names=sharded, layer=layer))
+            local = LocalExperts(module, config.gmm_backend, shared)
+            attach_state(module, ExpertParallelState(shard, ep_model, local, transport=dispatcher,
+                                                     sharded_names=sharded, layer=layer))
             module.forward = types.MethodType(expert_parallel_forward, module)
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if sharded:

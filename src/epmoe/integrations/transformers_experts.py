@@ -21,7 +21,8 @@ takes at EP 1)::
 
 The contract is grouped_mm's: the same arguments and return, the module's own flags (``has_gate``,
 ``has_bias``, ``is_transposed``, ``has_post_expert_norm``), gate (``_apply_gate`` / ``act_fn``) and
-weights, hidden states cast to the weights' dtype and the result cast back. Under transformers' own
+weights, hidden states cast to the experts' compute dtype (the weights', or the wider one the family's
+own forward computes in: :meth:`~epmoe.ep.experts.LocalExperts.compute_dtype`) and the result cast back. Under transformers' own
 expert parallelism (``module._is_expert_parallel``) routing choices ``>= module.num_experts`` name
 another rank's experts and contribute nothing (forward or backward). Registration goes through the
 registry's public ``register``: models that do not ask for ``"epmoe"`` run as before, and
@@ -56,12 +57,11 @@ def epmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_in
     leading shape whose rows are the tokens; the result has the same shape); ``top_k_index``,
     ``top_k_weights``: ``(T, K)``, each token's experts and routing weights (the model's router's)."""
     experts = local_experts(self)
-    up = experts.weights()[0]
     shape = hidden_states.shape
     x_TH = hidden_states.reshape(-1, shape[-1])
     _check_routing(self, x_TH, top_k_index, top_k_weights)
     pairs = _pairs(self, experts, top_k_index.long())  # int32 ids too, as grouped_mm takes them
-    out_TH = experts.routed_mlp(x_TH.to(up.dtype), top_k_weights, pairs)
+    out_TH = experts.routed_mlp(x_TH, top_k_weights, pairs)  # cast there to the experts' compute dtype
     return out_TH.to(hidden_states.dtype).view(shape)
 
 

@@ -77,6 +77,7 @@ def static_decode_steps(model: nn.Module) -> Iterator[None]:
     swapped = []
     for _, _, state in sharded_experts(model):
         if (state.model.config.decodes_static() and not isinstance(state.transport, DecodeDispatcher)
+                and not state.experts.shared_names  # found before sharding (the local shapes cannot tell)
                 and StaticDispatcher.ineligible_reason(state.local_experts) is None):
             decode = StaticDispatcher(state.local_experts, state.model.config, read_headers=True)
             swapped.append((state, state.transport))

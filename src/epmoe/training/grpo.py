@@ -7,8 +7,8 @@ of each micro-batch (:func:`epmoe.replay_routing`)::
     _generate_single_turn            generate under record_routing: per position of the padded
                                      prompts and the completions, the K expert ids of every layer
     _generate_and_score_completions  the routes laid out as the batch TRL builds: (B, L, P + C, K),
-                                     prompt positions then completion positions, -1 where no forward
-                                     of generate saw the token (the last generated one, padding)
+                                     prompt positions (padding included) then completion positions,
+                                     -1 where no forward of generate saw the token (the last generated one)
                                      a per-sample field, so TRL's shuffle and split carry it along
     training_step                    forward and backward of the micro-batch inside replay_routing
       _compute_loss                  (the replay opens here, where the micro-batch's routes are)
@@ -67,8 +67,15 @@ def _install(trainer: Any) -> None:
         return completions
 
     def scored(inputs):
-        output = score(inputs)
-        output["routes"] = rollout_routes(rollout.pop("record"), output["prompt_ids"], output["completion_ids"])
+        try:
+            output = score(inputs)
+            record = rollout.pop("record", None)
+        finally:  # a failed scoring leaves no record to the next batch
+            rollout.pop("record", None)
+        if record is None:
+            raise ValueError("replay_rollout_routing: the batch was scored without a generation by this model's "
+                             "generate (GRPOTrainer._generate_single_turn): there are no routes to replay")
+        output["routes"] = rollout_routes(record, output["prompt_ids"], output["completion_ids"])
         return output
 
     def replayed_training_step(model, inputs, num_items_in_batch):

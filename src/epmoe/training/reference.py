@@ -66,8 +66,10 @@ def _copy_weights(reference: nn.Module, source: nn.Module) -> None:
                              if isinstance(m, nn.ModuleList) and any(e is held for e in m))
             elsewhere += [f"{prefix}{list_name}.{i}." for i in range(shard.num_experts)
                           if not shard.local_start <= i < shard.local_end]
-    targets = dict(reference.named_parameters()) | dict(reference.named_buffers())
-    sources = {name: tensor for name, tensor in [*source.named_parameters(), *source.named_buffers()]
+    # every name of a tensor held under several (a norm every expert of a ModuleList shares, tied weights)
+    targets = dict([*reference.named_parameters(remove_duplicate=False), *reference.named_buffers(remove_duplicate=False)])
+    sources = {name: tensor for name, tensor in [*source.named_parameters(remove_duplicate=False),
+                                                 *source.named_buffers(remove_duplicate=False)]
                if not name.startswith(tuple(elsewhere))}
     missing, unexpected = sorted(targets.keys() - sources.keys()), sorted(sources.keys() - targets.keys())
     if missing or unexpected:

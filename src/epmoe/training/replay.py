@@ -27,8 +27,13 @@ Routes, one ``int64`` tensor:
   :meth:`RoutingRecord.routes_by_position` (a record of ``generate``: the last generated token was
   never a forward's input, so it is not covered) and :func:`routes_from_vllm` give this layout.
 
+A :class:`RoutingRecord` replays per position when its forwards ran one batch position after position
+(``generate``'s shape; a forward shorter than the record then takes its first positions: a synced
+``generate`` keeps a finished rank stepping for the others), otherwise in call order.
+
 Ids out of range raise ``ValueError`` before anything runs, and every error of a block is raised on
-every rank of the model's EP group when the block ends (one agreement step), never a hang.
+every rank of the model's EP group when the block ends (one agreement step, also where an exception
+leaves the block on some rank: the others raise, that one's exception goes on), never a hang.
 
 Gradient checkpointing runs the routers again in backward: the backward must then run inside the block
 (checked: the replayed weights' gradient hooks must have fired by the block's end), and the routes
@@ -232,6 +237,13 @@ class record_routing:
             self._last[layer] = None
 
 
+def _generate_shaped(calls: list[tuple[int, int]]) -> bool:
+    """Whether forwards of these ``(batch, sequence)`` shapes ran one batch position after position
+    (``generate``: the prompt, then one position per step), so that a record of them replays per
+    position; any other record replays in call order."""
+    return len({batch for batch, _ in calls}) == 1 and all(length == 1 for _, length in calls[1:])
+
+
 def _batch_and_length(args: tuple, kwargs: dict[str, Any]) -> tuple[int, int]:
     """``(B, S)`` of a model forward's ``input_ids`` / ``inputs_embeds`` (``(1, T)``-like shapes otherwise)."""
     for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
@@ -251,7 +263,7 @@ class replay_routing:
         self._ep = ep_model(model)
         self._by_record = isinstance(routes, RoutingRecord)
         if self._by_record:  # the routers' own selections: nothing to validate
-            routes = routes.routes_by_position() if len({b for b, _ in routes.calls}) == 1 else routes.routes()
+            routes = routes.routes_by_position() if _generate_shaped(routes.calls) else routes.routes()
         else:
             error = _routes_error(routes, self._routers)
             self._agree(error, "were given routes they cannot replay")
@@ -271,7 +283,8 @@ class replay_routing:
 
     def __exit__(self, exc_type, *_) -> None:
         _detach(self._routers, self)
-        if exc_type is not None:
+        if exc_type is not None:  # the peers still agree (they may be waiting in it); the exception goes on
+            self._agree(f"{exc_type.__name__} raised inside the block", "raised inside their replay_routing block")
             return
         if self.routes.dim() == 3:
             left = [(r.name, self.routes.shape[1] - used) for r, used in zip(self._routers, self.used)

@@ -153,8 +153,9 @@ class StaticDispatcher(Dispatcher):
         return None
 
     def traced_whole(self, state: ExpertParallelState) -> bool:
-        """Without step checks (``check_steps`` off, or ``"auto"`` on an accelerator) the call reads
-        nothing to the host: ``torch.compile`` traces it whole."""
+        """Without step checks (``check_steps`` off, or ``"auto"`` on an accelerator) and without
+        :attr:`read_headers` (generate's decode steps) the call reads nothing to the host:
+        ``torch.compile`` traces it whole."""
         device = next(state.local_experts.parameters()).device
         return not (self.read_headers or checks_on(state.model.config.check_steps, device))
 
