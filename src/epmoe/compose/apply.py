@@ -61,12 +61,14 @@ from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
 from epmoe.ep.recognize import (
+    expert_rows,
     find_experts_modules,
     fused_ineligible_reason,
     num_experts_of,
     shared_parameters,
     takes_every_token,
     unsupported_experts,
+    zero_experts,
 )
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
 from epmoe.gmm import choose_backend
@@ -78,6 +80,7 @@ from epmoe.integrations.blocks import (
     shared_block_forward,
 )
 from epmoe.integrations.input_weighted import input_weighted_block_forward, input_weighted_block_reason
+from epmoe.integrations.zero_experts import zero_experts_forward
 from epmoe.training.generate import SyncedGenerate
 
 logger = logging.getLogger(__name__)
@@ -215,7 +218,10 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
             sharded = _shard_parameters(module, shard, tied)
             attach_state(module, ExpertParallelState(shard, ep_model, LocalExperts(module, config.gmm_backend),
                                                      transport=dispatcher, sharded_names=sharded, layer=layer))
-            module.forward = types.MethodType(expert_parallel_forward, module)
+            forward = zero_experts_forward if zero_experts(module) else expert_parallel_forward
+            module.forward = types.MethodType(forward, module)
+            if owner is not module:  # stacked-rows experts: the module around their holder calls it
+                owner.forward = module.forward
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if sharded:
                 warn_on_bare_state_dict(module)
@@ -424,20 +430,23 @@ def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tupl
 
 
 def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.Parameter]) -> tuple[str, ...]:
-    """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases);
-    return their names. ``tied`` maps each parameter sharded so far to its shard, so a parameter
-    shared by two experts modules gets one shard, shared as before."""
-    if shard.ep_size == 1:
-        return ()
+    """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases,
+    rows ``[j*rows, (j+1)*rows)`` for expert ``j``: :func:`~epmoe.ep.recognize.expert_rows`); return
+    their names (none on a group of one, where only the rows of zero-computation experts, which
+    compute nothing, are dropped). ``tied`` maps each parameter sharded so far to its shard, so a
+    parameter shared by two experts modules gets one shard, shared as before."""
     names = []
-    for name, param in list(module.named_parameters(recurse=False)):
-        if param.dim() >= 1 and param.shape[0] == shard.num_experts:
-            if id(param) not in tied:
-                local = param.detach()[shard.local_start:shard.local_end].clone()
-                tied[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
-            setattr(module, name, tied[id(param)])
-            names.append(name)
-    return tuple(names)
+    for name, rows in expert_rows(module):
+        param = getattr(module, name)
+        start, end = shard.local_start * rows, shard.local_end * rows
+        if (start, end) == (0, param.shape[0]):
+            continue
+        if id(param) not in tied:
+            local = param.detach()[start:end].clone()
+            tied[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+        setattr(module, name, tied[id(param)])
+        names.append(name)
+    return tuple(names) if shard.ep_size > 1 else ()
 
 
 def _ancestors(modules: dict[str, nn.Module], name: str) -> tuple[nn.Module, ...]:
