@@ -158,3 +158,28 @@ TOL = 1e-10
 # a family whose own experts forward rounds to float32 in a float64 model is as close to any other order
 # of its sums as float32 rounding allows, amplified through its layers and gradients
 TOL_ROUNDS_TO = {"float32": 1e-4}
+
+
+def save_round_trip(rank: int, world: int, root: str, family: Family) -> dict:
+    """``save_pretrained`` on every rank of ``family``'s EP model (fp32), then plain ``from_pretrained``
+    of the files by the family's own class: ``{"keys": (keys written, keys of a plain save of the
+    unsharded model), "unequal": names of loaded weights unlike the unsharded model's, "missing": keys
+    the plain load reported missing}``."""
+    import os
+
+    import safetensors.torch
+
+    ref = build(family, dtype=torch.float32)
+    model = copy.deepcopy(ref)
+    epmoe.apply_expert_parallel(model)
+    ep_dir, plain_dir = os.path.join(root, f"{family.name}-ep"), os.path.join(root, f"{family.name}-plain")
+    model.save_pretrained(ep_dir)
+    if rank == 0:
+        ref.save_pretrained(plain_dir)
+    dist.barrier()
+    keys = tuple(sorted(safetensors.torch.load_file(os.path.join(d, "model.safetensors")))
+                 for d in (ep_dir, plain_dir))
+    loaded, info = type(ref).from_pretrained(ep_dir, dtype=torch.float32, output_loading_info=True)
+    ref_params = dict(ref.named_parameters())
+    unequal = [n for n, p in loaded.named_parameters() if p.shape != ref_params[n].shape or not torch.equal(p, ref_params[n])]
+    return {"keys": keys, "unequal": unequal, "missing": sorted(info["missing_keys"])}

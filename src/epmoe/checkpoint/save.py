@@ -290,7 +290,7 @@ def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], ga
 
 
 class _PackedUnit:
-    """One packed experts tensor ``(E/W, ...)`` per rank. Where the class's conversion names each
+    """One packed experts tensor ``(E/W, ...)`` per rank (``(E/W * rows, ...)`` of stacked-rows experts). Where the class's conversion names each
     expert's tensors (one dot-separated number in the key, as the Hub's ``experts.{e}.gate_proj``),
     the writer receives and reverts one rank's part at a time and renumbers its keys; otherwise (a
     checkpoint layout that keeps the experts packed) it gathers all ``E`` experts at once."""
@@ -299,14 +299,16 @@ class _PackedUnit:
                  gathers: _WriterGathers):
         self.key, self.local, self.dtype, self.gathers = key, local.contiguous(), dtype, gathers
         self.channel, self.parts = state.model.channel, state.shard.ep_size
-        self.full = {key: torch.empty((state.shard.num_experts, *local.shape[1:]), dtype=dtype, device="meta")}
+        self.local_experts = state.shard.num_local_experts
+        # all E experts' rows (E of them, or E times the rows per expert of stacked-rows experts)
+        self.full = {key: torch.empty((local.shape[0] * self.parts, *local.shape[1:]), dtype=dtype, device="meta")}
         self.keys: list[str] = []  # the planned keys, in the order pieces() gives them
         self.renumber: Callable[[int, str], str] | None = None
 
     def plan(self, revert: Callable[[dict], dict]) -> dict[str, torch.Tensor]:
         whole = revert(dict(self.full))
         part = revert({self.key: torch.empty_like(self.local, dtype=self.dtype, device="meta")})
-        self.renumber = _renumbering(whole, part, self.parts, self.local.shape[0])
+        self.renumber = _renumbering(whole, part, self.parts, self.local_experts)
         if self.renumber is None:
             self.keys = list(whole)
             return whole
