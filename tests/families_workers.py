@@ -108,14 +108,56 @@ def family_parity(rank: int, world: int, family: Family) -> dict:
         if param.grad is None:  # experts no token reaches (a vision tower's, on text) have none unsharded too
             assert name not in reached, f"{name} has no gradient under EP"
             continue
-        shard = shard_of[next(m for m in shard_of if name.startswith(f"{m}."))]
-        full = expert_sum[name].narrow(0, shard.local_start * param.shape[0] // shard.num_local_experts,
-                                       param.shape[0])
+        full = local_rows(expert_sum[name], name, param, shards)
         err = max_rel(param.grad, full, floor) if full.abs().max() > 0 else param.grad.abs().max().item()
         errors["expert_grads"] = max(errors["expert_grads"], err)
         compared["expert_grads"] += 1
     narrowest = min(rounds_to, key=lambda d: torch.finfo(d).bits, default=None)
     return {"errors": errors, "compared": compared, "rounds_to": str(narrowest).removeprefix("torch.") if narrowest else None}
+
+
+def local_rows(full: torch.Tensor, name: str, param: torch.Tensor, shards: list) -> torch.Tensor:
+    """The rows of the unsharded expert tensor ``full`` this rank's ``param`` (named ``name``) holds:
+    its experts' rows (``param.shape[0] / e`` rows each: one for packed experts, ``I`` for stacked rows)."""
+    shard = next(s for s in shards if name.startswith(f"{s.module_name}."))
+    return full.narrow(0, shard.local_start * param.shape[0] // shard.num_local_experts, param.shape[0])
+
+
+def bf16_distances(rank: int, world: int, family: Family) -> dict:
+    """bfloat16 EP over every rank and the bfloat16 model without EP (the family's own experts), each
+    one's distance from the float64 model, ``||x - x64|| / ||x64||``: this rank's per-token losses (the
+    squared outputs' mean per token) and this rank's experts' gradients (summed over every rank's
+    batch), as ``{"losses": {"ep": d, "no_ep": d}, "expert_grads": {...}}``."""
+    ref64, ref16 = build(family, dtype=torch.float64), build(family, dtype=torch.bfloat16)
+    ep16 = copy.deepcopy(ref16)
+    shards = epmoe.apply_expert_parallel(ep16)
+    torch.manual_seed(rank)
+    out_ep = ep16(**inputs(family, rank, LENGTHS[rank]))[0]
+    out_ep.float().square().mean().backward()
+    experts = [(n, p) for n, p in ep16.named_parameters() if epmoe.is_expert_parameter(p)]
+    outs, grads = {}, {}  # by dtype: the unsharded model's output on this rank's batch, its experts' gradients
+    for dtype, ref in ((torch.float64, ref64), (torch.bfloat16, ref16)):
+        params = dict(ref.named_parameters())
+        for source in range(world):
+            torch.manual_seed(source)
+            out = ref(**inputs(family, source, LENGTHS[source]))[0]
+            out.float().square().mean().backward()
+            if source == rank:
+                outs[dtype] = out.detach()
+        grads[dtype] = torch.cat([local_rows(params[n].grad.double(), n, p, shards).reshape(-1) for n, p in experts])
+    grads_ep = torch.cat([p.grad.double().reshape(-1) for _, p in experts])
+
+    def distance(x: torch.Tensor, x64: torch.Tensor) -> float:
+        return ((x.double() - x64.double()).norm() / x64.double().norm()).item()
+
+    def losses(out: torch.Tensor) -> torch.Tensor:
+        return out.double().square().mean(-1)
+
+    loss64 = losses(outs[torch.float64])
+    return {"losses": {"ep": distance(losses(out_ep.detach()), loss64), "no_ep": distance(losses(outs[torch.bfloat16]), loss64)},
+            "expert_grads": {"ep": distance(grads_ep, grads[torch.float64]),
+                             "no_ep": distance(grads[torch.bfloat16], grads[torch.float64])},
+            "experts": len(experts)}
 
 
 def check_families(rank: int, world: int, families: list[Family]) -> dict[str, dict]:
