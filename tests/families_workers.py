@@ -225,3 +225,9 @@ def save_round_trip(rank: int, world: int, root: str, family: Family) -> dict:
     ref_params = dict(ref.named_parameters())
     unequal = [n for n, p in loaded.named_parameters() if p.shape != ref_params[n].shape or not torch.equal(p, ref_params[n])]
     return {"keys": keys, "unequal": unequal, "missing": sorted(info["missing_keys"])}
+
+
+def stacked_and_zero_cases(rank: int, world: int, root: str, families: list[Family]) -> dict:
+    """:func:`bf16_distances` of every family, and :func:`save_round_trip` of the first, in one spawn."""
+    return {"bf16": {f.name: bf16_distances(rank, world, f) for f in families},
+            "saved": save_round_trip(rank, world, root, families[0])}
