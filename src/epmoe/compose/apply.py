@@ -215,9 +215,10 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
                                                     returns_router_logits=returns_logits, layer=layer))
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
-            sharded = _shard_parameters(module, shard, tied)
+            sharded, unread = _shard_parameters(module, shard, tied)
             attach_state(module, ExpertParallelState(shard, ep_model, LocalExperts(module, config.gmm_backend),
-                                                     transport=dispatcher, sharded_names=sharded, layer=layer))
+                                                     transport=dispatcher, sharded_names=sharded,
+                                                     unread_rows=unread, layer=layer))
             forward = zero_experts_forward if zero_experts(module) else expert_parallel_forward
             module.forward = types.MethodType(forward, module)
             if owner is not module:  # stacked-rows experts: the module around their holder calls it
@@ -429,24 +430,26 @@ def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tupl
     return ("fused", None) if reason is None else ("alltoallv", reason)
 
 
-def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.Parameter]) -> tuple[str, ...]:
+def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.Parameter]
+                      ) -> tuple[tuple[str, ...], dict[str, int]]:
     """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases,
     rows ``[j*rows, (j+1)*rows)`` for expert ``j``: :func:`~epmoe.ep.recognize.expert_rows`); return
-    their names (none on a group of one, where only the rows of zero-computation experts, which
-    compute nothing, are dropped). ``tied`` maps each parameter sharded so far to its shard, so a
-    parameter shared by two experts modules gets one shard, shared as before."""
-    names = []
+    their names, and the rows past all experts' that were dropped (zero-computation experts', never
+    read) by name. ``tied`` maps each parameter sharded so far to its shard, so a parameter shared by
+    two experts modules gets one shard, shared as before."""
+    if shard.ep_size == 1:
+        return (), {}
+    names, unread = [], {}
     for name, rows in expert_rows(module):
         param = getattr(module, name)
-        start, end = shard.local_start * rows, shard.local_end * rows
-        if (start, end) == (0, param.shape[0]):
-            continue
         if id(param) not in tied:
-            local = param.detach()[start:end].clone()
+            local = param.detach()[shard.local_start * rows:shard.local_end * rows].clone()
             tied[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+        if param.shape[0] > shard.num_experts * rows:
+            unread[name] = param.shape[0] - shard.num_experts * rows
         setattr(module, name, tied[id(param)])
         names.append(name)
-    return tuple(names) if shard.ep_size > 1 else ()
+    return tuple(names), unread
 
 
 def _ancestors(modules: dict[str, nn.Module], name: str) -> tuple[nn.Module, ...]:

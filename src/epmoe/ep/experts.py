@@ -75,6 +75,7 @@ from epmoe.ep.recognize import (
     packed_tensors,
     shared_parameters,
     stacked_rows,
+    zero_experts,
 )
 from epmoe.ep.routing import RowPairs
 from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
@@ -167,7 +168,8 @@ class LocalExperts:
         self.trans_weight = not module.is_transposed if self.packed else True  # nn.Linear layout: "transposed"
         self._triples = None if self.packed else linear_triples(module)
         self._weight_names = packed_weight_names(module) if self.packed else None
-        self._stacked = self.packed and stacked_rows(module) is not None  # weights read as packed views
+        # weights read as packed views: stacked rows, the experts with weights beside zero-computation ones
+        self._views = self.packed and (stacked_rows(module) is not None or zero_experts(module) > 0)
         self._children = self._layers()
         self.gmm = BackendChoice(backend, self._gmm_family)  # the grouped matmuls' backend, chosen once
         self.key = register_experts(self)  # how epmoe::routed_mlp finds this object's gate and backend
@@ -343,14 +345,14 @@ class LocalExperts:
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(up, down, up_bias, down_bias)`` as a forward of :attr:`grouped` experts uses them
         (through ``sync_weights``), read with :attr:`trans_weight`: packed experts' own tensors
-        (biases ``None`` without ``has_bias``; stacked-rows experts' read as packed views), or a
+        (biases ``None`` without ``has_bias``; read as packed views: :func:`~epmoe.ep.recognize.as_packed`), or a
         ``ModuleList``'s Linear triples stacked."""
         sync_weights = sync_weights or _as_is
         if not self.packed:
             up, down = sync_weights(self._stacked_triples())
             return up, down, None, None
         up, down, *biases = sync_weights([getattr(self.module, name) for name in self._weight_names])
-        if self._stacked:  # the synced stacked-rows parameters as packed views
+        if self._views:  # the synced parameters as packed views
             up, down, *biases = as_packed(self.module, [up, down, *biases])
         dtype = self._compute_dtypes.get(up.dtype) or self.compute_dtype(up.dtype)  # a step: known
         up, down, *biases = (w.to(dtype) for w in (up, down, *biases))

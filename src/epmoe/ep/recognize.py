@@ -322,12 +322,14 @@ def _stacked_gate(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 def as_packed(module: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """A packed experts module's per-expert tensors (in :func:`packed_names` order) as the packed
-    layout its flags declare: themselves, or, for stacked-rows experts, ``[gate_up (e, H, 2I), down
-    (e, I, H)]`` (transposed layout; ``e`` the experts held now), views of the stacked rows (the
-    gate_up a concatenation: a copy)."""
+    layout its flags declare: themselves (with zero-computation experts, their first ``e`` rows: the
+    rows past the experts with weights are never read), or, for stacked-rows experts, ``[gate_up (e,
+    H, 2I), down (e, I, H)]`` (transposed layout; ``e`` the experts held now), views of the stacked
+    rows (the gate_up a concatenation: a copy)."""
     layout = stacked_rows(module)
     if layout is None:
-        return tensors
+        num = num_experts_of(module)
+        return [t[:num] for t in tensors] if zero_experts(module) else tensors
     blocks = []
     for tensor, rows, transposed in zip(tensors, layout.rows, layout.transposed):
         block = tensor.view(tensor.shape[0] // rows, rows, tensor.shape[1])
