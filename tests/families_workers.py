@@ -154,7 +154,8 @@ def bf16_distances(rank: int, world: int, family: Family) -> dict:
         return out.double().square().mean(-1)
 
     loss64 = losses(outs[torch.float64])
-    return {"losses": {"ep": distance(losses(out_ep.detach()), loss64), "no_ep": distance(losses(outs[torch.bfloat16]), loss64)},
+    return {"losses": {"ep": distance(losses(out_ep.detach()), loss64),
+                       "no_ep": distance(losses(outs[torch.bfloat16]), loss64)},
             "expert_grads": {"ep": distance(grads_ep, grads[torch.float64]),
                              "no_ep": distance(grads[torch.bfloat16], grads[torch.float64])},
             "experts": len(experts)}

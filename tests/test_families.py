@@ -175,7 +175,8 @@ def test_stacked_rows_experts_run_as_packed_views_under_their_own_names():
     epmoe.apply_expert_parallel(model)
     holders = [m for _, m, _ in find_experts_modules(model)]
     assert holders and all(stacked_rows(m).names == ("w1", "v1", "w2") for m in holders)
-    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in reference.named_parameters()]
+    shapes = [(n, p.shape) for n, p in reference.named_parameters()]
+    assert [(n, p.shape) for n, p in model.named_parameters()] == shapes
     ids = families.inputs(family, 0, 9)
     torch.manual_seed(0)
     out = model(**ids)[0]

@@ -290,12 +290,12 @@ def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], ga
 
 
 class _PackedUnit:
-    """One packed experts tensor ``(E/W, ...)`` per rank (``(E/W * rows, ...)`` of stacked-rows experts). Where the class's conversion names each
-    expert's tensors (one dot-separated number in the key, as the Hub's ``experts.{e}.gate_proj``),
-    the writer receives and reverts one rank's part at a time and renumbers its keys; otherwise (a
-    checkpoint layout that keeps the experts packed, or a tensor whose unsharded rows go past all
-    experts': zero-computation experts' rows, never read, not kept by EP, written as zeros) it
-    gathers all ``E`` experts at once."""
+    """One packed experts tensor ``(E/W, ...)`` per rank (``(E/W * rows, ...)`` of stacked-rows
+    experts). Where the class's conversion names each expert's tensors (one dot-separated number in
+    the key, as the Hub's ``experts.{e}.gate_proj``), the writer receives and reverts one rank's part
+    at a time and renumbers its keys; otherwise (a checkpoint layout that keeps the experts packed,
+    or a tensor whose unsharded rows go past all experts': zero-computation experts' rows, never
+    read, not kept by EP, written as zeros) it gathers all ``E`` experts at once."""
 
     def __init__(self, key: str, local: torch.Tensor, dtype: torch.dtype, state: ExpertParallelState,
                  gathers: _WriterGathers):

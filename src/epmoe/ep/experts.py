@@ -501,8 +501,8 @@ def family_compute_dtype(module: nn.Module) -> torch.dtype | None:
     ``@use_experts_implementation``) computes in with its present weights: that of its matmuls and of
     the sum of the weighted expert outputs (what it returns, before a last cast back), found by
     running it once on two probe tokens routed to expert 0 (and to expert 1 with weight 0: some
-    forwards need two choices) with float32 routing weights (what the routers of such families give). OpenAI's privacy filter (matmuls in float32), Inkling2 and
-    Nemotron-H (sums in float32) give float32 in a bfloat16 model; most families their weights'
+    forwards need two choices) with float32 routing weights (what the routers of such families
+    give). OpenAI's privacy filter (matmuls in float32), Inkling2 and Nemotron-H (sums in float32) give float32 in a bfloat16 model; most families their weights'
     dtype. ``None`` where it cannot run yet (meta weights, or a partition of them such as ZeRO-3's
     outside a forward); where it fails, its weights' dtype (a
     WARNING says why). Kept per module and weight dtype: :func:`epmoe.apply_expert_parallel` asks

@@ -199,7 +199,9 @@ def adopt_packed_experts(module: nn.Module) -> bool:
     up, down = params.get(up_name), params.get("down_proj")
     if up is None or down is None or up.dim() != 3 or down.dim() != 3:
         return False
-    num, zero = min(up.shape[0], down.shape[0]), abs(up.shape[0] - down.shape[0])
+    num, zero = down.shape[0], up.shape[0] - down.shape[0]  # zero > 0: zero-computation experts (LongCat-Flash's)
+    if zero < 0:
+        return False
     has_bias = f"{up_name}_bias" in params and "down_proj_bias" in params
     if set(params) - {up_name, "down_proj"} - ({f"{up_name}_bias", "down_proj_bias"} if has_bias else set()):
         return False  # other weights its forward may use
@@ -209,7 +211,8 @@ def adopt_packed_experts(module: nn.Module) -> bool:
         layouts = layouts if len(layouts) == 1 and not zero else []
     else:
         layouts = [t for t in layouts if _computes_layout(module, up_name, t, has_bias, own_gate, dense, num)]
-    if len(layouts) != 1 or (zero and (dense or not _zero_experts_are_identity(module, num, zero))):
+    if len(layouts) != 1 or (zero and (dense or not _zero_experts_are_identity(
+            module, num, zero, up.shape[1 if layouts[0] else 2]))):
         return False
     _set_flags(module, up_name == "gate_up_proj", has_bias, layouts[0], own_gate)
     module._epmoe_adopted = "every token" if dense else "contract"  # an attribute: copies keep it
@@ -224,12 +227,11 @@ def zero_experts(module: nn.Module) -> int:
     return getattr(module, "_epmoe_zero_experts", 0)
 
 
-def _zero_experts_are_identity(module: nn.Module, num: int, zero: int) -> bool:
-    """Whether ``module``'s own forward returns ``w * x`` for tokens routed to ids ``[num, num+zero)``
-    with weight ``w`` (on a probe of two rows per id, in the module's training mode, the RNG state
-    restored)."""
+def _zero_experts_are_identity(module: nn.Module, num: int, zero: int, hidden: int) -> bool:
+    """Whether ``module``'s own forward returns ``w * x`` for tokens (``hidden`` wide) routed to ids
+    ``[num, num+zero)`` with weight ``w`` (on a probe of two rows per id, in the module's training
+    mode, the RNG state restored)."""
     up = module.down_proj
-    hidden = up.shape[2] if up.shape[1] * 2 == getattr(module, "gate_up_proj", up).shape[1] else up.shape[1]
     x = torch.linspace(-1.0, 1.0, 2 * zero * hidden, device=up.device).view(2 * zero, hidden).to(up.dtype)
     index = num + torch.arange(2 * zero, device=up.device) % zero
     weights = torch.linspace(0.25, 0.75, 2 * zero, device=up.device, dtype=up.dtype).unsqueeze(1)
@@ -362,7 +364,8 @@ def expert_rows(module: nn.Module) -> list[tuple[str, int]]:
     if layout is not None:
         return list(zip(layout.names, layout.rows))
     num, zero = num_experts_of(module), zero_experts(module)
-    return [(n, 1) for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] in (num, num + zero)]
+    return [(n, 1) for n, p in module.named_parameters(recurse=False)
+            if p.dim() >= 1 and p.shape[0] in (num, num + zero)]
 
 
 def takes_every_token(module: nn.Module) -> bool:
@@ -432,10 +435,10 @@ def _agrees(module: nn.Module, holder: nn.Module, set_flags, num: int, hidden: i
             dense: bool) -> bool:
     """Whether ``module``'s own forward equals the packed MLP (:func:`packed_mlp_rows`) of ``holder``
     with the flags ``set_flags()`` gives it, on a probe of two rows per expert (``num`` experts,
-    ``hidden`` wide, in ``weight``'s dtype and device): called with the contract (top-1, weight 1),
-    (two choices, the second of weight 0: some forwards need ``K > 1``), or, for experts that take
-    every token (``dense``), on the rows expert-major. In the module's
-    training mode, the RNG state restored; the flags are removed again."""
+    ``hidden`` wide, in ``weight``'s dtype and device): called with the contract (each row's expert
+    with weight 1 and another with weight 0: some forwards need ``K > 1``), or, for experts that take
+    every token (``dense``), on the rows expert-major. In the module's training mode, the RNG state
+    restored; the flags are removed again."""
     x = torch.linspace(-1.0, 1.0, 2 * num * hidden, device=weight.device).view(2 * num, hidden).to(weight.dtype)
     index = torch.arange(2 * num, device=weight.device)
     index = index // 2 if dense else index % num
@@ -480,9 +483,10 @@ def shared_parameters(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
     norm, scale or bias every expert's rows go through: MuseSpark's ``post_expert_norm.weight``), under
     each name it has (``named_parameters(remove_duplicate=False)``), in that order.
 
-    Packed experts: every parameter except the per-expert tensors EP shards (:func:`expert_rows`). ``nn.ModuleList`` experts: the parameters more than one expert
-    holds (look before sharding: a rank may keep a single expert). EP never shards these: they are
-    replicated, like the rest of the model."""
+    Packed experts: every parameter except the per-expert tensors EP shards (:func:`expert_rows`).
+    ``nn.ModuleList`` experts: the parameters more than one expert holds (look before sharding: a
+    rank may keep a single expert). EP never shards these: they are replicated, like the rest of the
+    model."""
     if not isinstance(experts, nn.ModuleList) and not is_packed_experts(experts):
         raise TypeError(f"shared_parameters(experts): expected packed or nn.ModuleList experts, got "
                         f"{type(experts).__name__}")
