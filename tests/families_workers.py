@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import epmoe
-from epmoe.ep.recognize import find_experts_modules
+from epmoe.ep.recognize import find_experts_modules, zero_experts
 from families import Family, build, inputs, loss_of
 
 LENGTHS = [7, 5, 6, 9]
@@ -242,7 +242,35 @@ def save_round_trip(rank: int, world: int, root: str, family: Family) -> dict:
     return {"keys": keys, "unequal": unequal, "missing": sorted(info["missing_keys"]), "logits": max_rel(out, expected)}
 
 
+def zero_experts_only(rank: int, world: int, family: Family) -> dict:
+    """``family``'s zero-computation experts module under EP called on a batch that chooses only zero
+    experts on the last rank (it sends nothing) and real and zero experts on the others: ``{"output":
+    max relative error, "hidden_grad": ...}`` against the family's own module (fp64)."""
+    ref = build(family)
+    model = copy.deepcopy(ref)
+    epmoe.apply_expert_parallel(model)
+    experts, ref_experts = (find_experts_modules(x)[0][1] for x in (model, ref))
+    assert zero_experts(experts), f"{family.name}: no zero-computation experts"
+    num = ref_experts.down_proj.shape[0]
+    g = torch.Generator().manual_seed(rank)
+    hidden = torch.randn(6, ref_experts.down_proj.shape[1], dtype=torch.float64, generator=g)
+    index = torch.stack([torch.arange(6) % num, torch.full((6,), num)], 1)
+    if rank == world - 1:
+        index[:, 0] = num
+    weights = torch.rand(6, 2, dtype=torch.float64, generator=g)
+    results = []
+    for module in (experts, ref_experts):
+        x = hidden.clone().requires_grad_()
+        out = module(x, index, weights)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad))
+    (out, grad), (ref_out, ref_grad) = results
+    return {"output": max_rel(out, ref_out), "hidden_grad": max_rel(grad, ref_grad)}
+
+
 def stacked_and_zero_cases(rank: int, world: int, root: str, families: list[Family]) -> dict:
-    """:func:`bf16_distances` and :func:`save_round_trip` of every family, in one spawn."""
+    """:func:`bf16_distances` and :func:`save_round_trip` of every family, and
+    :func:`zero_experts_only` of LongCat-Flash, in one spawn."""
     return {"bf16": {f.name: bf16_distances(rank, world, f) for f in families},
-            "saved": {f.name: save_round_trip(rank, world, root, f) for f in families}}
+            "saved": {f.name: save_round_trip(rank, world, root, f) for f in families},
+            "zero_only": zero_experts_only(rank, world, next(f for f in families if f.name == "longcat_flash"))}

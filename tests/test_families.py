@@ -262,7 +262,8 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
     rank writes the keys a plain save of the unsharded model writes, and the family's own
     ``from_pretrained`` loads every weight of the unsharded model bitwise (LongCat-Flash's
     ``gate_up_proj`` rows of its zero-computation experts, never read, as zeros), nothing missing,
-    the same logits (fp32, 1e-6)."""
+    the same logits (fp32, 1e-6). LongCat-Flash's experts with one rank's tokens choosing zero experts
+    only (that rank sends no row): the family's own output and input gradient on every rank."""
     fams = [found()["dbrx"], found()["longcat_flash"]]
     out = run_ranks(stacked_and_zero_cases, 2, str(tmp_path), fams, timeout=900)
     for family in fams:
@@ -271,6 +272,8 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
         for metric in ("losses", "expert_grads"):
             ep, no_ep = (sum(r[metric][k] for r in per_rank) for k in ("ep", "no_ep"))
             assert ep <= BF16_FACTOR * no_ep, f"{family.name} bf16 {metric}: EP {ep:.4g}, without EP {no_ep:.4g}"
+    for zero_only in (r["zero_only"] for r in out):  # the last rank's tokens chose zero experts only
+        assert zero_only["output"] <= 1e-12 and zero_only["hidden_grad"] <= 1e-12, zero_only
     for saved in (r["saved"][f.name] for r in out for f in fams):
         written, plain = saved["keys"]
         assert written == plain and not saved["unequal"] and not saved["missing"], saved
