@@ -161,7 +161,7 @@ def test_stacked_rows_experts_run_as_packed_views_under_their_own_names():
     """DBRX's experts (``mlp.w1`` / ``v1`` / ``w2``, each ``(E*I, H)``) are adopted: their holder runs as
     packed experts, the parameters keep their names and 2-D shapes, outputs and gradients are the
     family's own (fp64, one process); the same module whose forward scales its output is refused by
-    name, nothing changed."""
+    name, nothing changed, and so are its weights on the meta device (no forward to probe), saying so."""
     import copy
 
     import torch
@@ -200,6 +200,10 @@ def test_stacked_rows_experts_run_as_packed_views_under_their_own_names():
     with pytest.raises(ValueError, match=r"ScaledExperts at transformer\.blocks\.\d\.ffn\.experts .*flattened to 2-D"):
         epmoe.apply_expert_parallel(model)
     assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+    model = families.build(family).to("meta")  # epmoe.from_pretrained's start: nothing to probe with
+    with pytest.raises(ValueError, match=r"DbrxExperts at .*flattened to 2-D.*meta device"):
+        epmoe.apply_expert_parallel(model)
 
 
 def test_zero_computation_experts_add_the_token_times_its_weight():

@@ -158,15 +158,18 @@ def _why_unsupported(model: nn.Module, modules: dict[str, nn.Module], name: str,
                 f"({', '.join(_EXPERTS_CONTRACT)}) with top-k expert ids")
     shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters())
     leading = {n: p.shape[0] for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    # only running its own forward tells these layouts apart, which weights on the meta device cannot
+    probed = ("its weights are on the meta device, where its own forward cannot be probed (load them, then "
+              "apply expert parallelism)" if any(p.is_meta for p in module.parameters()) else "its own forward")
     if len(set(leading.values())) > 1:
-        return (f"{where}its 3-D weights hold different numbers of experts ({shapes}), and its own forward "
-                f"is not a packed MLP on the experts with weights returning the token times its weight for the "
-                f"ids past them (zero-computation experts)")
+        return (f"{where}its 3-D weights hold different numbers of experts ({shapes}), and {probed} is not "
+                f"shown to be a packed MLP on the experts with weights returning the token times its weight "
+                f"for the ids past them (zero-computation experts)")
     num = getattr(module, "num_experts", None)
     if not leading and isinstance(num, int) and all(
             p.dim() == 2 and p.shape[0] % num == 0 for p in module.parameters()):
         return (f"{where}expert weights flattened to 2-D, {num} experts' rows stacked ({shapes}): no reading "
-                f"of them as one gated MLP's gate, up and down projections agrees with its own forward")
+                f"of them as one gated MLP's gate, up and down projections is shown to agree with {probed}")
     if leading:
         return (f"{where}packed experts without transformers' @use_experts_implementation flags (has_gate, "
                 f"is_transposed, has_bias): the layout of {shapes} is not inferred")
