@@ -210,7 +210,8 @@ def test_zero_computation_experts_add_the_token_times_its_weight():
     """LongCat-Flash's experts called with ids of zero-computation experts (``>= E``) among the real
     ones, under EP (one process, fp64): the family's own output and gradients (hidden states, routing
     weights, the real experts' weights). The
-    same module whose zero experts return twice the token is refused by name, nothing changed."""
+    same module whose zero experts return twice the token is refused by name, nothing changed, and so
+    is the module on the meta device (no forward to probe), saying so."""
     import copy
 
     import torch
@@ -251,6 +252,10 @@ def test_zero_computation_experts_add_the_token_times_its_weight():
     with pytest.raises(ValueError, match=r"DoubledZeroExperts at model\.layers\.\d\.mlp\.experts .*zero-computation"):
         epmoe.apply_expert_parallel(model)
     assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+    model = families.build(family).to("meta")  # epmoe.from_pretrained's start: nothing to probe with
+    with pytest.raises(ValueError, match=r"LongcatFlashExperts at .*zero-computation experts.*meta device"):
+        epmoe.apply_expert_parallel(model)
 
 
 # bfloat16: EP's distance from float64 at most this factor times the distance of the run without EP

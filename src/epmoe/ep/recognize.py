@@ -159,17 +159,20 @@ def _why_unsupported(model: nn.Module, modules: dict[str, nn.Module], name: str,
     shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters())
     leading = {n: p.shape[0] for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
     # only running its own forward tells these layouts apart, which weights on the meta device cannot
-    probed = ("its weights are on the meta device, where its own forward cannot be probed (load them, then "
-              "apply expert parallelism)" if any(p.is_meta for p in module.parameters()) else "its own forward")
+    meta = ("{} only its own forward can tell, and its weights are on the meta device (load them, then apply "
+            "expert parallelism)") if any(p.is_meta for p in module.parameters()) else ""
     if len(set(leading.values())) > 1:
-        return (f"{where}its 3-D weights hold different numbers of experts ({shapes}), and {probed} is not "
-                f"shown to be a packed MLP on the experts with weights returning the token times its weight "
-                f"for the ids past them (zero-computation experts)")
+        return (f"{where}its 3-D weights hold different numbers of experts ({shapes})" + (meta.format(
+                ": whether the ids past the experts with weights are zero-computation experts") or (
+                ", and its own forward is not a packed MLP on the experts with weights returning the token "
+                "times its weight for the ids past them (zero-computation experts)")))
     num = getattr(module, "num_experts", None)
     if not leading and isinstance(num, int) and all(
             p.dim() == 2 and p.shape[0] % num == 0 for p in module.parameters()):
-        return (f"{where}expert weights flattened to 2-D, {num} experts' rows stacked ({shapes}): no reading "
-                f"of them as one gated MLP's gate, up and down projections is shown to agree with {probed}")
+        return (f"{where}expert weights flattened to 2-D, {num} experts' rows stacked ({shapes})" + (meta.format(
+                ": which is the gate, the up and the down projection") or (
+                ": no reading of them as one gated MLP's gate, up and down projections agrees with its own "
+                "forward")))
     if leading:
         return (f"{where}packed experts without transformers' @use_experts_implementation flags (has_gate, "
                 f"is_transposed, has_bias): the layout of {shapes} is not inferred")
