@@ -10,7 +10,9 @@ of every experts module::
 The expert weights stay plain ``nn.Parameter``s under their own names, sliced to ``e = E/W`` experts
 (an ``nn.ModuleList`` keeps its length; entries of other ranks become empty placeholders, so the
 local experts keep their global index in their names). Routers, shared experts and everything else
-are untouched. A packed experts module's forward becomes :func:`~epmoe.ep.layer.expert_parallel_forward`;
+are untouched. A packed experts module's forward becomes :func:`~epmoe.ep.layer.expert_parallel_forward`
+(with zero-computation experts, :func:`~epmoe.integrations.zero_experts.zero_experts_forward`; the
+module around a holder of stacked-rows experts calls the holder's);
 for ``nn.ModuleList`` experts the enclosing block's forward becomes
 :func:`~epmoe.integrations.blocks.expert_parallel_block_forward`. Each experts module's transport is
 decided here, once (``config.dispatch``, ``"auto"`` resolved: :mod:`epmoe.ep.dispatch`), and its
