@@ -67,7 +67,8 @@ CONFIG_FIXES = {
     "deepseek_ocr2": {"text_config.mlp_layer_types": ["dense", "sparse"]},
     "mistral4": {"head_dim": 32},  # qk_rope_head_dim = head_dim * partial_rotary_factor 0.5
     "dots3_note": {"head_dim": 64},  # qk_rope_head_dim = head_dim * partial_rotary_factor 0.25
-    "granitemoehybrid": {"mamba_n_heads": 8},  # mamba_expand * hidden_size / mamba_d_head
+    "granitemoehybrid": {"mamba_n_heads": 8},
+    "longcat_flash": {"qk_head_dim": 32, "expert_ffn_hidden_size": 32},  # qk_nope + qk_rope; the expert width  # mamba_expand * hidden_size / mamba_d_head
     "glm4v_moe": {"text_config.rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                                    "rope_type": "default", "mrope_section": [2, 1, 1]}},
     "ernie4_5_vl_moe": {"text_config.rope_parameters": {"rope_theta": 500000.0, "rope_type": "default",

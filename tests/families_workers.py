@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import epmoe
-from epmoe.ep.recognize import find_experts_modules
+from epmoe.ep.recognize import find_experts_modules, zero_experts
 from families import Family, build, inputs, loss_of
 
 LENGTHS = [7, 5, 6, 9]
@@ -108,14 +108,57 @@ def family_parity(rank: int, world: int, family: Family) -> dict:
         if param.grad is None:  # experts no token reaches (a vision tower's, on text) have none unsharded too
             assert name not in reached, f"{name} has no gradient under EP"
             continue
-        shard = shard_of[next(m for m in shard_of if name.startswith(f"{m}."))]
-        full = expert_sum[name].narrow(0, shard.local_start * param.shape[0] // shard.num_local_experts,
-                                       param.shape[0])
+        full = local_rows(expert_sum[name], name, param, shards)
         err = max_rel(param.grad, full, floor) if full.abs().max() > 0 else param.grad.abs().max().item()
         errors["expert_grads"] = max(errors["expert_grads"], err)
         compared["expert_grads"] += 1
     narrowest = min(rounds_to, key=lambda d: torch.finfo(d).bits, default=None)
     return {"errors": errors, "compared": compared, "rounds_to": str(narrowest).removeprefix("torch.") if narrowest else None}
+
+
+def local_rows(full: torch.Tensor, name: str, param: torch.Tensor, shards: list) -> torch.Tensor:
+    """The rows of the unsharded expert tensor ``full`` this rank's ``param`` (named ``name``) holds:
+    its experts' rows (``param.shape[0] / e`` rows each: one for packed experts, ``I`` for stacked rows)."""
+    shard = next(s for s in shards if name.startswith(f"{s.module_name}."))
+    return full.narrow(0, shard.local_start * param.shape[0] // shard.num_local_experts, param.shape[0])
+
+
+def bf16_distances(rank: int, world: int, family: Family) -> dict:
+    """bfloat16 EP over every rank and the bfloat16 model without EP (the family's own experts), each
+    one's distance from the float64 model, ``||x - x64|| / ||x64||``: this rank's per-token losses (the
+    squared outputs' mean per token) and this rank's experts' gradients (summed over every rank's
+    batch), as ``{"losses": {"ep": d, "no_ep": d}, "expert_grads": {...}}``."""
+    ref64, ref16 = build(family, dtype=torch.float64), build(family, dtype=torch.bfloat16)
+    ep16 = copy.deepcopy(ref16)
+    shards = epmoe.apply_expert_parallel(ep16)
+    torch.manual_seed(rank)
+    out_ep = ep16(**inputs(family, rank, LENGTHS[rank]))[0]
+    out_ep.float().square().mean().backward()
+    experts = [(n, p) for n, p in ep16.named_parameters() if epmoe.is_expert_parameter(p)]
+    outs, grads = {}, {}  # by dtype: the unsharded model's output on this rank's batch, its experts' gradients
+    for dtype, ref in ((torch.float64, ref64), (torch.bfloat16, ref16)):
+        params = dict(ref.named_parameters())
+        for source in range(world):
+            torch.manual_seed(source)
+            out = ref(**inputs(family, source, LENGTHS[source]))[0]
+            out.float().square().mean().backward()
+            if source == rank:
+                outs[dtype] = out.detach()
+        grads[dtype] = torch.cat([local_rows(params[n].grad.double(), n, p, shards).reshape(-1) for n, p in experts])
+    grads_ep = torch.cat([p.grad.double().reshape(-1) for _, p in experts])
+
+    def distance(x: torch.Tensor, x64: torch.Tensor) -> float:
+        return ((x.double() - x64.double()).norm() / x64.double().norm()).item()
+
+    def losses(out: torch.Tensor) -> torch.Tensor:
+        return out.double().square().mean(-1)
+
+    loss64 = losses(outs[torch.float64])
+    return {"losses": {"ep": distance(losses(out_ep.detach()), loss64),
+                       "no_ep": distance(losses(outs[torch.bfloat16]), loss64)},
+            "expert_grads": {"ep": distance(grads_ep, grads[torch.float64]),
+                             "no_ep": distance(grads[torch.bfloat16], grads[torch.float64])},
+            "experts": len(experts)}
 
 
 def check_families(rank: int, world: int, families: list[Family]) -> dict[str, dict]:
@@ -158,3 +201,76 @@ TOL = 1e-10
 # a family whose own experts forward rounds to float32 in a float64 model is as close to any other order
 # of its sums as float32 rounding allows, amplified through its layers and gradients
 TOL_ROUNDS_TO = {"float32": 1e-4}
+
+
+def save_round_trip(rank: int, world: int, root: str, family: Family) -> dict:
+    """``save_pretrained`` on every rank of ``family``'s EP model (fp32), then plain ``from_pretrained``
+    of the files by the family's own class: ``{"keys": (keys written, keys of a plain save of the
+    unsharded model), "unequal": names of loaded weights unlike the unsharded model's (rows no expert
+    reads, which EP does not keep, must be zeros instead), "missing": keys the plain load reported
+    missing, "logits": the loaded model's largest relative difference from the unsharded one's}``."""
+    import os
+
+    import safetensors.torch
+
+    from epmoe.ep.state import state_of
+
+    ref = build(family, dtype=torch.float32)
+    model = copy.deepcopy(ref)
+    epmoe.apply_expert_parallel(model)
+    ep_dir, plain_dir = os.path.join(root, f"{family.name}-ep"), os.path.join(root, f"{family.name}-plain")
+    model.save_pretrained(ep_dir)
+    if rank == 0:
+        ref.save_pretrained(plain_dir)
+    dist.barrier()
+    keys = tuple(sorted(safetensors.torch.load_file(os.path.join(d, "model.safetensors")))
+                 for d in (ep_dir, plain_dir))
+    loaded, info = type(ref).from_pretrained(ep_dir, dtype=torch.float32, output_loading_info=True)
+    unread = {f"{name}.{key}": rows for name, module in model.named_modules() if state_of(module) is not None
+              for key, rows in state_of(module).unread_rows.items()}
+    ref_params, unequal = dict(ref.named_parameters()), []
+    for name, param in loaded.named_parameters():
+        kept = param.shape[0] - unread.get(name, 0) if param.dim() else None
+        if param.shape != ref_params[name].shape or not torch.equal(param[:kept], ref_params[name][:kept]) or (
+                kept is not None and param[kept:].any()):
+            unequal.append(name)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        out = loaded(**inputs(family, rank, LENGTHS[rank]))[0]
+        torch.manual_seed(0)
+        expected = ref(**inputs(family, rank, LENGTHS[rank]))[0]
+    return {"keys": keys, "unequal": unequal, "missing": sorted(info["missing_keys"]), "logits": max_rel(out, expected)}
+
+
+def zero_experts_only(rank: int, world: int, family: Family) -> dict:
+    """``family``'s zero-computation experts module under EP called on a batch that chooses only zero
+    experts on the last rank (it sends nothing) and real and zero experts on the others: ``{"output":
+    max relative error, "hidden_grad": ...}`` against the family's own module (fp64)."""
+    ref = build(family)
+    model = copy.deepcopy(ref)
+    epmoe.apply_expert_parallel(model)
+    experts, ref_experts = (find_experts_modules(x)[0][1] for x in (model, ref))
+    assert zero_experts(experts), f"{family.name}: no zero-computation experts"
+    num = ref_experts.down_proj.shape[0]
+    g = torch.Generator().manual_seed(rank)
+    hidden = torch.randn(6, ref_experts.down_proj.shape[1], dtype=torch.float64, generator=g)
+    index = torch.stack([torch.arange(6) % num, torch.full((6,), num)], 1)
+    if rank == world - 1:
+        index[:, 0] = num
+    weights = torch.rand(6, 2, dtype=torch.float64, generator=g)
+    results = []
+    for module in (experts, ref_experts):
+        x = hidden.clone().requires_grad_()
+        out = module(x, index, weights)
+        out.square().sum().backward()
+        results.append((out.detach(), x.grad))
+    (out, grad), (ref_out, ref_grad) = results
+    return {"output": max_rel(out, ref_out), "hidden_grad": max_rel(grad, ref_grad)}
+
+
+def stacked_and_zero_cases(rank: int, world: int, root: str, families: list[Family]) -> dict:
+    """:func:`bf16_distances` and :func:`save_round_trip` of every family, and
+    :func:`zero_experts_only` of LongCat-Flash, in one spawn."""
+    return {"bf16": {f.name: bf16_distances(rank, world, f) for f in families},
+            "saved": {f.name: save_round_trip(rank, world, root, f) for f in families},
+            "zero_only": zero_experts_only(rank, world, next(f for f in families if f.name == "longcat_flash"))}

@@ -17,7 +17,7 @@ import pytest
 
 import families
 from epmoe.launch import run_ranks
-from families_workers import check_families, verdict
+from families_workers import check_families, stacked_and_zero_cases, verdict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("families_table", ROOT / "benchmarks" / "families_table.py")
@@ -148,12 +148,145 @@ def adopted_families() -> list:
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 def test_adopted_families_exact_at_four_ranks():
-    """The families epmoe adopts (Step3p7, Llama4...) at EP 4, fp64, as at EP 2."""
+    """The families epmoe adopts (Step3p7, Llama4, DBRX's stacked rows, LongCat-Flash's zero-computation
+    experts...) at EP 4, fp64, as at EP 2."""
     fams = adopted_families()
-    assert {"step3p7", "llama4"} <= {f.name for f in fams}
+    assert {"step3p7", "llama4", "dbrx", "longcat_flash"} <= {f.name for f in fams}
     out = run_ranks(check_families, 4, fams, timeout=900)
     lines = {f.name: verdict(f, [r[f.name] for r in out]) for f in fams}
     assert all(line.startswith("exact") for line in lines.values()), lines
+
+
+def test_stacked_rows_experts_run_as_packed_views_under_their_own_names():
+    """DBRX's experts (``mlp.w1`` / ``v1`` / ``w2``, each ``(E*I, H)``) are adopted: their holder runs as
+    packed experts, the parameters keep their names and 2-D shapes, outputs and gradients are the
+    family's own (fp64, one process); the same module whose forward scales its output is refused by
+    name, nothing changed, and so are its weights on the meta device (no forward to probe), saying so."""
+    import copy
+
+    import torch
+
+    import epmoe
+    from epmoe.ep.recognize import find_experts_modules, stacked_rows
+
+    family = found()["dbrx"]
+    reference = families.build(family)
+    model = copy.deepcopy(reference)
+    epmoe.apply_expert_parallel(model)
+    holders = [m for _, m, _ in find_experts_modules(model)]
+    assert holders and all(stacked_rows(m).names == ("w1", "v1", "w2") for m in holders)
+    shapes = [(n, p.shape) for n, p in reference.named_parameters()]
+    assert [(n, p.shape) for n, p in model.named_parameters()] == shapes
+    ids = families.inputs(family, 0, 9)
+    torch.manual_seed(0)
+    out = model(**ids)[0]
+    torch.manual_seed(0)
+    expected = reference(**ids)[0]
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.square().mean().backward()
+    expected.square().mean().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if ".experts." in name:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-14)
+
+    model = families.build(family)
+    experts = next(m for m in model.modules() if type(m).__name__ == "DbrxExperts")
+    cls = type(experts)
+
+    def scaled(self, hidden_states, top_k_index, top_k_weights):
+        return 2 * cls.forward(self, hidden_states, top_k_index, top_k_weights)
+
+    experts.__class__ = type("ScaledExperts", (cls,), {"forward": scaled})
+    with pytest.raises(ValueError, match=r"ScaledExperts at transformer\.blocks\.\d\.ffn\.experts .*flattened to 2-D"):
+        epmoe.apply_expert_parallel(model)
+    assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+    model = families.build(family).to("meta")  # epmoe.from_pretrained's start: nothing to probe with
+    with pytest.raises(ValueError, match=r"DbrxExperts at .*flattened to 2-D.*meta device"):
+        epmoe.apply_expert_parallel(model)
+
+
+def test_zero_computation_experts_add_the_token_times_its_weight():
+    """LongCat-Flash's experts called with ids of zero-computation experts (``>= E``) among the real
+    ones, under EP (one process, fp64): the family's own output and gradients (hidden states, routing
+    weights, the real experts' weights). The
+    same module whose zero experts return twice the token is refused by name, nothing changed, and so
+    is the module on the meta device (no forward to probe), saying so."""
+    import copy
+
+    import torch
+
+    import epmoe
+
+    family = found()["longcat_flash"]
+    reference = families.build(family)
+    model = copy.deepcopy(reference)
+    epmoe.apply_expert_parallel(model)
+    ref_experts, experts = (next(m for m in x.modules() if type(m).__name__ == "LongcatFlashExperts")
+                            for x in (reference, model))
+    num = experts.down_proj.shape[0]
+    assert experts.gate_up_proj.shape[0] > num  # one rank: nothing sharded, the unread rows kept
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(12, experts.down_proj.shape[1], dtype=torch.float64, generator=g)
+    index = torch.stack([torch.arange(12) % num, num + torch.arange(12) % (ref_experts.gate_up_proj.shape[0] - num)], 1)
+    index[::3, 0] = index[::3, 1]  # some tokens choose only zero experts
+    weights = torch.rand(12, 2, dtype=torch.float64, generator=g)
+    grads = []
+    for module in (experts, ref_experts):
+        x, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = module(x, index, w)
+        out.square().sum().backward()
+        grads.append((out, x.grad, w.grad, module.gate_up_proj.grad[:num], module.down_proj.grad))
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
+
+    model = families.build(family)
+    module = next(m for m in model.modules() if type(m).__name__ == "LongcatFlashExperts")
+    cls = type(module)
+
+    def doubled(self, hidden_states, top_k_index, top_k_weights):
+        zero = (top_k_weights * (top_k_index >= self.num_routed_experts)).sum(-1, keepdim=True)
+        return cls.forward(self, hidden_states, top_k_index, top_k_weights) + zero * hidden_states
+
+    module.__class__ = type("DoubledZeroExperts", (cls,), {"forward": doubled})
+    with pytest.raises(ValueError, match=r"DoubledZeroExperts at model\.layers\.\d\.mlp\.experts .*zero-computation"):
+        epmoe.apply_expert_parallel(model)
+    assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+    model = families.build(family).to("meta")  # epmoe.from_pretrained's start: nothing to probe with
+    with pytest.raises(ValueError, match=r"LongcatFlashExperts at .*zero-computation experts.*meta device"):
+        epmoe.apply_expert_parallel(model)
+
+
+# bfloat16: EP's distance from float64 at most this factor times the distance of the run without EP
+# (summed over the ranks; the runs differ by rounding order), as tests/test_experts_inside.py bounds it
+BF16_FACTOR = 1.15
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
+    """DBRX and LongCat-Flash at EP 2 in bfloat16: as close to float64 (per-token losses, expert
+    gradients) as the bfloat16 run without EP. Each EP model saved with ``save_pretrained`` on every
+    rank writes the keys a plain save of the unsharded model writes, and the family's own
+    ``from_pretrained`` loads every weight of the unsharded model bitwise (LongCat-Flash's
+    ``gate_up_proj`` rows of its zero-computation experts, never read, as zeros), nothing missing,
+    the same logits (fp32, 1e-6). LongCat-Flash's experts with one rank's tokens choosing zero experts
+    only (that rank sends no row): the family's own output and input gradient on every rank."""
+    fams = [found()["dbrx"], found()["longcat_flash"]]
+    out = run_ranks(stacked_and_zero_cases, 2, str(tmp_path), fams, timeout=900)
+    for family in fams:
+        per_rank = [r["bf16"][family.name] for r in out]
+        assert all(r["experts"] > 0 for r in per_rank)
+        for metric in ("losses", "expert_grads"):
+            ep, no_ep = (sum(r[metric][k] for r in per_rank) for k in ("ep", "no_ep"))
+            assert ep <= BF16_FACTOR * no_ep, f"{family.name} bf16 {metric}: EP {ep:.4g}, without EP {no_ep:.4g}"
+    for zero_only in (r["zero_only"] for r in out):  # the last rank's tokens chose zero experts only
+        assert zero_only["output"] <= 1e-12 and zero_only["hidden_grad"] <= 1e-12, zero_only
+    for saved in (r["saved"][f.name] for r in out for f in fams):
+        written, plain = saved["keys"]
+        assert written == plain and not saved["unequal"] and not saved["missing"], saved
+        assert saved["logits"] <= 1e-6, saved
 
 
 def test_input_weighted_blocks_on_the_meta_device_are_refused_with_what_to_do(tmp_path):

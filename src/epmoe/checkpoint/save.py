@@ -290,23 +290,30 @@ def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], ga
 
 
 class _PackedUnit:
-    """One packed experts tensor ``(E/W, ...)`` per rank. Where the class's conversion names each
-    expert's tensors (one dot-separated number in the key, as the Hub's ``experts.{e}.gate_proj``),
-    the writer receives and reverts one rank's part at a time and renumbers its keys; otherwise (a
-    checkpoint layout that keeps the experts packed) it gathers all ``E`` experts at once."""
+    """One packed experts tensor ``(E/W, ...)`` per rank (``(E/W * rows, ...)`` of stacked-rows
+    experts). Where the class's conversion names each expert's tensors (one dot-separated number in
+    the key, as the Hub's ``experts.{e}.gate_proj``), the writer receives and reverts one rank's part
+    at a time and renumbers its keys; otherwise (a checkpoint layout that keeps the experts packed,
+    or a tensor whose unsharded rows go past all experts': zero-computation experts' rows, never
+    read, not kept by EP, written as zeros) it gathers all ``E`` experts at once."""
 
     def __init__(self, key: str, local: torch.Tensor, dtype: torch.dtype, state: ExpertParallelState,
                  gathers: _WriterGathers):
         self.key, self.local, self.dtype, self.gathers = key, local.contiguous(), dtype, gathers
         self.channel, self.parts = state.model.channel, state.shard.ep_size
-        self.full = {key: torch.empty((state.shard.num_experts, *local.shape[1:]), dtype=dtype, device="meta")}
+        self.local_experts = state.shard.num_local_experts
+        # rows past all experts' that EP did not keep (zero-computation experts': never read), written as zeros
+        self.unread = state.unread_rows.get(key.rsplit(".", 1)[-1], 0)
+        # all E experts' rows (E of them, or E times the rows per expert of stacked-rows experts)
+        rows = local.shape[0] * self.parts + self.unread
+        self.full = {key: torch.empty((rows, *local.shape[1:]), dtype=dtype, device="meta")}
         self.keys: list[str] = []  # the planned keys, in the order pieces() gives them
         self.renumber: Callable[[int, str], str] | None = None
 
     def plan(self, revert: Callable[[dict], dict]) -> dict[str, torch.Tensor]:
         whole = revert(dict(self.full))
         part = revert({self.key: torch.empty_like(self.local, dtype=self.dtype, device="meta")})
-        self.renumber = _renumbering(whole, part, self.parts, self.local.shape[0])
+        self.renumber = None if self.unread else _renumbering(whole, part, self.parts, self.local_experts)
         if self.renumber is None:
             self.keys = list(whole)
             return whole
@@ -331,7 +338,10 @@ class _PackedUnit:
 
     def _whole(self, revert: Callable[[dict], dict]) -> dict[str, torch.Tensor] | None:
         gathered = self.gathers.gather_rows(self.channel, self.local)
-        return None if gathered is None else revert({self.key: gathered.to(self.dtype)})
+        if gathered is None:
+            return None
+        gathered = torch.cat([gathered, gathered.new_zeros(self.unread, *gathered.shape[1:])])
+        return revert({self.key: gathered.to(self.dtype)})
 
 
 def _renumbering(whole: dict, part: dict, parts: int, local_experts: int) -> Callable[[int, str], str] | None:

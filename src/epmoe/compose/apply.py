@@ -10,7 +10,9 @@ of every experts module::
 The expert weights stay plain ``nn.Parameter``s under their own names, sliced to ``e = E/W`` experts
 (an ``nn.ModuleList`` keeps its length; entries of other ranks become empty placeholders, so the
 local experts keep their global index in their names). Routers, shared experts and everything else
-are untouched. A packed experts module's forward becomes :func:`~epmoe.ep.layer.expert_parallel_forward`;
+are untouched. A packed experts module's forward becomes :func:`~epmoe.ep.layer.expert_parallel_forward`
+(with zero-computation experts, :func:`~epmoe.integrations.zero_experts.zero_experts_forward`; the
+module around a holder of stacked-rows experts calls the holder's);
 for ``nn.ModuleList`` experts the enclosing block's forward becomes
 :func:`~epmoe.integrations.blocks.expert_parallel_block_forward`. Each experts module's transport is
 decided here, once (``config.dispatch``, ``"auto"`` resolved: :mod:`epmoe.ep.dispatch`), and its
@@ -61,12 +63,14 @@ from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
 from epmoe.ep.recognize import (
+    expert_rows,
     find_experts_modules,
     fused_ineligible_reason,
     num_experts_of,
     shared_parameters,
     takes_every_token,
     unsupported_experts,
+    zero_experts,
 )
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
 from epmoe.gmm import choose_backend
@@ -78,6 +82,7 @@ from epmoe.integrations.blocks import (
     shared_block_forward,
 )
 from epmoe.integrations.input_weighted import input_weighted_block_forward, input_weighted_block_reason
+from epmoe.integrations.zero_experts import zero_experts_forward
 from epmoe.training.generate import SyncedGenerate
 
 logger = logging.getLogger(__name__)
@@ -212,11 +217,14 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
                                                     returns_router_logits=returns_logits, layer=layer))
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
-            sharded = _shard_parameters(module, shard, tied)
+            sharded, unread = _shard_parameters(module, shard, tied)
             local = LocalExperts(module, config.gmm_backend, shared)
-            attach_state(module, ExpertParallelState(shard, ep_model, local, transport=dispatcher,
-                                                     sharded_names=sharded, layer=layer))
-            module.forward = types.MethodType(expert_parallel_forward, module)
+            attach_state(module, ExpertParallelState(shard, ep_model, local, transport=dispatcher, sharded_names=sharded,
+                                                     unread_rows=unread, layer=layer))
+            forward = zero_experts_forward if zero_experts(module) else expert_parallel_forward
+            module.forward = types.MethodType(forward, module)
+            if owner is not module:  # stacked-rows experts: the module around their holder calls it
+                owner.forward = module.forward
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if sharded:
                 warn_on_bare_state_dict(module)
@@ -424,21 +432,26 @@ def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tupl
     return ("fused", None) if reason is None else ("alltoallv", reason)
 
 
-def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.Parameter]) -> tuple[str, ...]:
-    """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases);
-    return their names. ``tied`` maps each parameter sharded so far to its shard, so a parameter
-    shared by two experts modules gets one shard, shared as before."""
+def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.Parameter]
+                      ) -> tuple[tuple[str, ...], dict[str, int]]:
+    """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases,
+    rows ``[j*rows, (j+1)*rows)`` for expert ``j``: :func:`~epmoe.ep.recognize.expert_rows`); return
+    their names, and the rows past all experts' that were dropped (zero-computation experts', never
+    read) by name. ``tied`` maps each parameter sharded so far to its shard, so a parameter shared by
+    two experts modules gets one shard, shared as before."""
     if shard.ep_size == 1:
-        return ()
-    names = []
-    for name, param in list(module.named_parameters(recurse=False)):
-        if param.dim() >= 1 and param.shape[0] == shard.num_experts:
-            if id(param) not in tied:
-                local = param.detach()[shard.local_start:shard.local_end].clone()
-                tied[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
-            setattr(module, name, tied[id(param)])
-            names.append(name)
-    return tuple(names)
+        return (), {}
+    names, unread = [], {}
+    for name, rows in expert_rows(module):
+        param = getattr(module, name)
+        if id(param) not in tied:
+            local = param.detach()[shard.local_start * rows:shard.local_end * rows].clone()
+            tied[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+        if param.shape[0] > shard.num_experts * rows:
+            unread[name] = param.shape[0] - shard.num_experts * rows
+        setattr(module, name, tied[id(param)])
+        names.append(name)
+    return tuple(names), unread
 
 
 def _ancestors(modules: dict[str, nn.Module], name: str) -> tuple[nn.Module, ...]:

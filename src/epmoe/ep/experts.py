@@ -65,12 +65,17 @@ from epmoe.comm.layout import inverse_permutation
 from epmoe.ep.grads import shared_by_source
 from epmoe.ep.mlp import expert_mlp, register_experts, routed_mlp_autograd, routed_mlp_custom_op
 from epmoe.ep.recognize import (
+    as_packed,
     is_default_silu_gate,
     is_packed_experts,
     is_silu,
     linear_triples,
     num_experts_of,
+    packed_names,
+    packed_tensors,
     shared_parameters,
+    stacked_rows,
+    zero_experts,
 )
 from epmoe.ep.routing import RowPairs
 from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
@@ -101,7 +106,7 @@ def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor,
         trans_weight = True
     else:
         up_name = "gate_up_proj" if module.has_gate else "up_proj"
-        weights = {up_name: getattr(module, up_name), "down_proj": module.down_proj}
+        weights = dict(zip((up_name, "down_proj"), packed_tensors(module)))
         trans_weight = not module.is_transposed
     return projection_calls(weights, trans_weight)
 
@@ -163,6 +168,8 @@ class LocalExperts:
         self.trans_weight = not module.is_transposed if self.packed else True  # nn.Linear layout: "transposed"
         self._triples = None if self.packed else linear_triples(module)
         self._weight_names = packed_weight_names(module) if self.packed else None
+        # weights read as packed views: stacked rows, the experts with weights beside zero-computation ones
+        self._views = self.packed and (stacked_rows(module) is not None or zero_experts(module) > 0)
         self._children = self._layers()
         self.gmm = BackendChoice(backend, self._gmm_family)  # the grouped matmuls' backend, chosen once
         self.key = register_experts(self)  # how epmoe::routed_mlp finds this object's gate and backend
@@ -338,12 +345,15 @@ class LocalExperts:
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(up, down, up_bias, down_bias)`` as a forward of :attr:`grouped` experts uses them
         (through ``sync_weights``), read with :attr:`trans_weight`: packed experts' own tensors
-        (biases ``None`` without ``has_bias``), or a ``ModuleList``'s Linear triples stacked."""
+        (biases ``None`` without ``has_bias``; read as packed views: :func:`~epmoe.ep.recognize.as_packed`), or a
+        ``ModuleList``'s Linear triples stacked."""
         sync_weights = sync_weights or _as_is
         if not self.packed:
             up, down = sync_weights(self._stacked_triples())
             return up, down, None, None
         up, down, *biases = sync_weights([getattr(self.module, name) for name in self._weight_names])
+        if self._views:  # the synced parameters as packed views
+            up, down, *biases = as_packed(self.module, [up, down, *biases])
         dtype = self._compute_dtypes.get(up.dtype) or self.compute_dtype(up.dtype)  # a step: known
         up, down, *biases = (w.to(dtype) for w in (up, down, *biases))
         up_bias, down_bias = biases if biases else (None, None)
@@ -490,16 +500,16 @@ def family_compute_dtype(module: nn.Module) -> torch.dtype | None:
     """The widest dtype a packed experts module's own forward (the family's code, under
     ``@use_experts_implementation``) computes in with its present weights: that of its matmuls and of
     the sum of the weighted expert outputs (what it returns, before a last cast back), found by
-    running it once on two probe tokens routed to expert 0 with float32 routing weights (what the
-    routers of such families give). OpenAI's privacy filter (matmuls in float32), Inkling2 and
-    Nemotron-H (sums in float32) give float32 in a bfloat16 model; most families their weights'
+    running it once on two probe tokens routed to expert 0 (and to expert 1 with weight 0: some
+    forwards need two choices) with float32 routing weights (what the routers of such families
+    give). OpenAI's privacy filter (matmuls in float32), Inkling2 and Nemotron-H (sums in float32) give float32 in a bfloat16 model; most families their weights'
     dtype. ``None`` where it cannot run yet (meta weights, or a partition of them such as ZeRO-3's
     outside a forward); where it fails, its weights' dtype (a
     WARNING says why). Kept per module and weight dtype: :func:`epmoe.apply_expert_parallel` asks
     before sharding (a family's forward may expect all its experts)."""
     if not is_packed_experts(module):
         raise TypeError(f"family_compute_dtype(module): expected packed experts, got {type(module).__name__}")
-    up = getattr(module, "gate_up_proj" if module.has_gate else "up_proj")
+    up = packed_tensors(module)[0]
     found = _FOUND.setdefault(module, {})
     if up.dtype not in found and not up.is_meta and up.dim() == 3:
         found[up.dtype] = _probe_compute_dtype(module, up)
@@ -510,8 +520,8 @@ def _probe_compute_dtype(module: nn.Module, up: torch.Tensor) -> torch.dtype:
     """:func:`family_compute_dtype`, found by running the family's forward once."""
     hidden = up.shape[1] if module.is_transposed else up.shape[2]
     x = torch.linspace(-1.0, 1.0, 2 * hidden, device=up.device).view(2, hidden).to(up.dtype)
-    index = torch.zeros(2, 1, dtype=torch.long, device=up.device)
-    weights = torch.full((2, 1), 0.5, dtype=torch.float32, device=up.device)
+    index = torch.tensor([[0, 1 % up.shape[0]]] * 2, dtype=torch.long, device=up.device)
+    weights = torch.tensor([[0.5, 0.0]] * 2, dtype=torch.float32, device=up.device)
     forward = getattr(type(module).forward, "__wrapped__", type(module).forward)  # the family's own, undecorated
     try:
         inspect.signature(forward).bind(module, x, index, weights)
@@ -541,7 +551,6 @@ def _as_is(weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[
 
 
 def packed_weight_names(module: nn.Module) -> list[str]:
-    """The per-expert tensors of a packed experts module: up (or gate_up), down, and their biases."""
-    up_name = "gate_up_proj" if module.has_gate else "up_proj"
-    names = [up_name, "down_proj"]
-    return names + [f"{name}_bias" for name in names] if module.has_bias else names
+    """The per-expert tensors of a packed experts module: up (or gate_up), down, and their biases;
+    stacked-rows experts: their gate, up and down (:func:`~epmoe.ep.recognize.packed_names`)."""
+    return packed_names(module)

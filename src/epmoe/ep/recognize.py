@@ -11,7 +11,18 @@ triples, transformers' default gate, what the fused ops can run, and PEFT wrappe
   (``is_transposed`` from the shapes, ``has_bias`` from ``*_proj_bias``, the class's own ``_apply_gate``
   or transformers' default ``act_fn(gate) * up``) and keeps it only if the module's own forward
   computes exactly that on a probe (:func:`adopt_packed_experts`): then the module is *adopted*, given
-  the decorator's flags, and runs as packed experts.
+  the decorator's flags, and runs as packed experts. Its up (or gate_up) projection may hold ``Z`` more
+  experts than its down projection (LongCat-Flash's): ids ``[E, E+Z)`` are then *zero-computation
+  experts*, kept only where the module's own forward returns the token times its weight for them
+  (:func:`zero_experts`); EP routes the ``E`` real experts and adds their term locally
+  (:mod:`epmoe.integrations.zero_experts`).
+* Experts whose per-expert weights are flattened to 2-D, ``E`` experts' rows stacked (DBRX's
+  ``mlp.w1`` / ``mlp.v1`` / ``mlp.w2``, each ``(E*I, H)``), in one child (the *holder*) of a module with
+  the experts contract and a ``num_experts``: each tensor is read as ``(E, I, H)`` views (expert ``e``
+  = rows ``[e*I, (e+1)*I)``); which is the gate, the up and the down projection, and each one's
+  layout, is the one assignment the module's own forward agrees with on a probe
+  (:func:`adopt_stacked_experts`). The holder is then the packed experts module EP shards (rows, the
+  parameter names and their 2-D layout kept: :func:`expert_rows`) and runs (:func:`as_packed`).
 * ``nn.ModuleList`` experts whose every expert holds ``gate_proj`` / ``up_proj`` / ``down_proj`` (or
   Mixtral's ``w1`` / ``w3`` / ``w2``) bias-free ``nn.Linear`` layers and one ``act_fn``, with a forward
   that computes exactly ``down(act_fn(gate(x)) * up(x))`` (checked once per expert): those run
@@ -27,7 +38,9 @@ forward that is not the experts contract, weights without a per-expert layout it
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import itertools
 import re
 import types
 import weakref
@@ -42,6 +55,8 @@ def is_packed_experts(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers v5 packed experts module (``@use_experts_implementation``)."""
     if not all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed")):
         return False
+    if stacked_rows(module) is not None:
+        return True
     first = "gate_up_proj" if module.has_gate else "up_proj"
     return all(isinstance(getattr(module, name, None), torch.Tensor) for name in (first, "down_proj"))
 
@@ -50,13 +65,22 @@ def find_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module, nn.Modu
     """``(name, experts module, module whose forward epmoe replaces)``, in ``named_modules()`` order.
 
     Packed (transformers v5) experts replace their own forward, adopted ones too (this sets their
-    flags: :func:`adopt_packed_experts`); an ``nn.ModuleList`` named ``experts`` whose parent block
-    has a ``gate`` or ``router`` module replaces the parent's.
+    flags: :func:`adopt_packed_experts`); stacked-rows experts are their holder, and the module
+    around it replaces its forward by the holder's (:func:`adopt_stacked_experts`); an
+    ``nn.ModuleList`` named ``experts`` whose parent block has a ``gate`` or ``router`` module
+    replaces the parent's.
     """
     modules = dict(model.named_modules())
-    found = []
+    found, holders = [], set()
     for name, module in modules.items():
-        if is_packed_experts(module) or adopt_packed_experts(module):
+        if id(module) in holders:
+            continue
+        stacked = None if is_packed_experts(module) else adopt_stacked_experts(module)
+        if stacked is not None:
+            holder_name, holder = stacked
+            found.append((f"{name}.{holder_name}" if name else holder_name, holder, module))
+            holders.add(id(holder))
+        elif is_packed_experts(module) or adopt_packed_experts(module):
             found.append((name, module, module))
         elif isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts" and len(module):
             parent = modules[name.rsplit(".", 1)[0]] if "." in name else model
@@ -134,14 +158,21 @@ def _why_unsupported(model: nn.Module, modules: dict[str, nn.Module], name: str,
                 f"({', '.join(_EXPERTS_CONTRACT)}) with top-k expert ids")
     shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters())
     leading = {n: p.shape[0] for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
+    # only running its own forward tells these layouts apart, which weights on the meta device cannot
+    meta = ("{} only its own forward can tell, and its weights are on the meta device (load them, then apply "
+            "expert parallelism)") if any(p.is_meta for p in module.parameters()) else ""
     if len(set(leading.values())) > 1:
-        return (f"{where}its 3-D weights hold different numbers of experts ({shapes}): experts without "
-                f"weights (zero-computation experts) are not sharded")
+        return (f"{where}its 3-D weights hold different numbers of experts ({shapes})" + (meta.format(
+                ": whether the ids past the experts with weights are zero-computation experts") or (
+                ", and its own forward is not a packed MLP on the experts with weights returning the token "
+                "times its weight for the ids past them (zero-computation experts)")))
     num = getattr(module, "num_experts", None)
     if not leading and isinstance(num, int) and all(
             p.dim() == 2 and p.shape[0] % num == 0 for p in module.parameters()):
-        return (f"{where}expert weights flattened to 2-D, {num} experts' rows stacked ({shapes}): the "
-                f"per-expert layout is not inferred")
+        return (f"{where}expert weights flattened to 2-D, {num} experts' rows stacked ({shapes})" + (meta.format(
+                ": which is the gate, the up and the down projection") or (
+                ": no reading of them as one gated MLP's gate, up and down projections agrees with its own "
+                "forward")))
     if leading:
         return (f"{where}packed experts without transformers' @use_experts_implementation flags (has_gate, "
                 f"is_transposed, has_bias): the layout of {shapes} is not inferred")
@@ -165,14 +196,17 @@ def adopt_packed_experts(module: nn.Module) -> bool:
     infer and check (see the module docstring); if so, give it the decorator's flags (instance
     attributes its own forward does not read) and, where its class has none, transformers' default
     gate as ``_apply_gate``. Weights on the meta device cannot be probed: only a layout the shapes
-    alone decide is taken then."""
+    alone decide is taken then (and no zero-computation experts)."""
     dense = _signature(module) == ("hidden_states",)
     if is_packed_experts(module) or (_signature(module) != _EXPERTS_CONTRACT and not dense):
         return False
     params = dict(module.named_parameters(recurse=False))
     up_name = "gate_up_proj" if "gate_up_proj" in params else "up_proj"
     up, down = params.get(up_name), params.get("down_proj")
-    if up is None or down is None or up.dim() != 3 or down.dim() != 3 or up.shape[0] != down.shape[0]:
+    if up is None or down is None or up.dim() != 3 or down.dim() != 3:
+        return False
+    num, zero = down.shape[0], up.shape[0] - down.shape[0]  # zero > 0: zero-computation experts (LongCat-Flash's)
+    if zero < 0:
         return False
     has_bias = f"{up_name}_bias" in params and "down_proj_bias" in params
     if set(params) - {up_name, "down_proj"} - ({f"{up_name}_bias", "down_proj_bias"} if has_bias else set()):
@@ -180,14 +214,164 @@ def adopt_packed_experts(module: nn.Module) -> bool:
     layouts = [t for t in (False, True) if _layout_fits(up, down, t, up_name == "gate_up_proj")]
     own_gate = "_apply_gate" in {n for cls in type(module).__mro__ for n in vars(cls)}
     if any(p.is_meta for p in params.values()):
-        layouts = layouts if len(layouts) == 1 else []
+        layouts = layouts if len(layouts) == 1 and not zero else []
     else:
-        layouts = [t for t in layouts if _computes_layout(module, up_name, t, has_bias, own_gate, dense)]
-    if len(layouts) != 1:
+        layouts = [t for t in layouts if _computes_layout(module, up_name, t, has_bias, own_gate, dense, num)]
+    if len(layouts) != 1 or (zero and (dense or not _zero_experts_are_identity(
+            module, num, zero, up.shape[1 if layouts[0] else 2]))):
         return False
     _set_flags(module, up_name == "gate_up_proj", has_bias, layouts[0], own_gate)
     module._epmoe_adopted = "every token" if dense else "contract"  # an attribute: copies keep it
+    if zero:
+        module._epmoe_zero_experts = zero
     return True
+
+
+def zero_experts(module: nn.Module) -> int:
+    """How many zero-computation experts adopted packed experts have (ids ``[E, E+Z)`` after their
+    ``E`` real ones, each returning the token times its routing weight), ``0`` for others."""
+    return getattr(module, "_epmoe_zero_experts", 0)
+
+
+def _zero_experts_are_identity(module: nn.Module, num: int, zero: int, hidden: int) -> bool:
+    """Whether ``module``'s own forward returns ``w * x`` for tokens (``hidden`` wide) routed to ids
+    ``[num, num+zero)`` with weight ``w`` (on a probe of two rows per id, in the module's training
+    mode, the RNG state restored)."""
+    up = module.down_proj
+    x = torch.linspace(-1.0, 1.0, 2 * zero * hidden, device=up.device).view(2 * zero, hidden).to(up.dtype)
+    index = num + torch.arange(2 * zero, device=up.device) % zero
+    weights = torch.linspace(0.25, 0.75, 2 * zero, device=up.device, dtype=up.dtype).unsqueeze(1)
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[up.device] if up.device.type == "cuda" else []):
+            own = module(x, *_top_two(index, num + (index - num + 1) % zero, weights, x.dtype))
+    except Exception:  # noqa: BLE001 - a forward that cannot run this probe has no such experts
+        return False
+    return isinstance(own, torch.Tensor) and own.shape == x.shape and _close(own, weights * x)
+
+
+def _top_two(first_R: torch.Tensor, second_R: torch.Tensor, weight: float | torch.Tensor, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(top_k_index (R, 2), top_k_weights (R, 2))`` of a probe, weights in ``dtype``: each row's
+    ``first_R`` expert with ``weight``, its ``second_R`` with weight 0."""
+    weights = torch.zeros(first_R.shape[0], 2, dtype=dtype, device=first_R.device)
+    weights[:, :1] = weight
+    return torch.stack([first_R, second_R], dim=1), weights
+
+
+@dataclasses.dataclass(frozen=True)
+class StackedRows:
+    """How stacked-rows experts hold their weights (see the module docstring): the holder's
+    parameter names of the gate, up and down projections, each one's rows per expert, whether each
+    expert's block of rows is ``(in, out)`` (``x @ block``) rather than ``(out, in)`` (``x @
+    block.T``), and the holder's child that is the activation."""
+
+    names: tuple[str, str, str]
+    rows: tuple[int, int, int]
+    transposed: tuple[bool, bool, bool]
+    act: str
+
+
+def stacked_rows(module: nn.Module) -> StackedRows | None:
+    """The :class:`StackedRows` of an adopted holder of stacked-rows experts, else ``None``."""
+    return getattr(module, "_epmoe_stacked", None)
+
+
+def adopt_stacked_experts(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """``(child name, holder)`` where ``module`` (the experts contract, a ``num_experts``, no weights of
+    its own) holds stacked-rows experts in its one child with weights, three 2-D tensors of ``E``
+    experts' rows, that its own forward computes as a gated MLP under exactly one assignment of the
+    tensors' roles and layouts (and of the holder's parameter-free children as the activation), on a
+    probe; the holder then gets the decorator's flags (transposed layout: :func:`as_packed`), its
+    :class:`StackedRows` and a gate. ``None`` otherwise, and for weights on the meta device."""
+    num = getattr(module, "num_experts", None)
+    children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
+    if (_signature(module) != _EXPERTS_CONTRACT or not isinstance(num, int) or num < 1 or len(children) != 1
+            or any(True for _ in module.parameters(recurse=False))):
+        return None
+    holder_name, holder = children[0]
+    if stacked_rows(holder) is not None:  # adopted before (its weights may be sharded since)
+        return holder_name, holder
+    params = dict(holder.named_parameters())
+    if len(params) != 3 or any(p.dim() != 2 or p.shape[0] % num or p.is_meta for p in params.values()):
+        return None
+    acts = [n for n, c in holder.named_children() if not any(True for _ in c.parameters())]
+    fits = [layout for layout in _stacked_layouts(params, num, acts) if _computes_stacked(module, holder, layout, num)]
+    if len(fits) != 1:
+        return None
+    _set_stacked(holder, fits[0])
+    holder._epmoe_adopted = "contract"
+    return holder_name, holder
+
+
+def _stacked_layouts(params: dict[str, torch.Tensor], num: int, acts: list[str]) -> list[StackedRows]:
+    """Every assignment of ``params`` to gate / up / down, with each one's block layout, whose
+    shapes fit a gated MLP: gate and up ``(H, I)``, down ``(I, H)`` read as ``(in, out)``."""
+    out = []
+    for names in itertools.permutations(params):
+        for transposed in itertools.product((False, True), repeat=3):
+            blocks = [(params[n].shape[0] // num, params[n].shape[1]) for n in names]
+            in_out = [block if t else block[::-1] for block, t in zip(blocks, transposed)]
+            if in_out[0] == in_out[1] == in_out[2][::-1]:
+                out += [StackedRows(names, tuple(b[0] for b in blocks), transposed, act) for act in acts]
+    return out
+
+
+def _set_stacked(holder: nn.Module, layout: StackedRows) -> None:
+    _set_flags(holder, True, False, True, True)
+    holder._epmoe_stacked = layout
+    holder._apply_gate = types.MethodType(_stacked_gate, holder)
+
+
+def _stacked_gate(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """The stacked-rows experts' gate: their activation of the gate half of ``h`` times the up half."""
+    gate, up = h.chunk(2, dim=-1)
+    return getattr(module, stacked_rows(module).act)(gate) * up
+
+
+def as_packed(module: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A packed experts module's per-expert tensors (in :func:`packed_names` order) as the packed
+    layout its flags declare: themselves (with zero-computation experts, their first ``e`` rows: the
+    rows past the experts with weights are never read), or, for stacked-rows experts, ``[gate_up (e,
+    H, 2I), down (e, I, H)]`` (transposed layout; ``e`` the experts held now), views of the stacked
+    rows (the gate_up a concatenation: a copy)."""
+    layout = stacked_rows(module)
+    if layout is None:
+        num = num_experts_of(module)
+        return [t[:num] for t in tensors] if zero_experts(module) else tensors
+    blocks = []
+    for tensor, rows, transposed in zip(tensors, layout.rows, layout.transposed):
+        block = tensor.view(tensor.shape[0] // rows, rows, tensor.shape[1])
+        blocks.append(block if transposed else block.transpose(1, 2))
+    return [torch.cat(blocks[:2], dim=2), blocks[2]]
+
+
+def packed_names(module: nn.Module) -> list[str]:
+    """The per-expert tensors of a packed experts module: up (or gate_up), down, and their biases;
+    stacked-rows experts: their gate, up and down."""
+    layout = stacked_rows(module)
+    if layout is not None:
+        return list(layout.names)
+    up_name = "gate_up_proj" if module.has_gate else "up_proj"
+    names = [up_name, "down_proj"]
+    return names + [f"{name}_bias" for name in names] if module.has_bias else names
+
+
+def packed_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """``[up, down, *biases]`` of a packed experts module in its declared layout (:func:`as_packed`)."""
+    return as_packed(module, [getattr(module, name) for name in packed_names(module)])
+
+
+def expert_rows(module: nn.Module) -> list[tuple[str, int]]:
+    """``(name, rows per expert)`` of every per-expert tensor a packed experts module holds itself
+    (what EP shards: expert ``j``'s rows ``[j*rows, (j+1)*rows)``): tensors whose leading dim is the
+    number of experts (or, with zero-computation experts, that plus their number), one row each;
+    stacked-rows experts' three tensors."""
+    layout = stacked_rows(module)
+    if layout is not None:
+        return list(zip(layout.names, layout.rows))
+    num, zero = num_experts_of(module), zero_experts(module)
+    return [(n, 1) for n, p in module.named_parameters(recurse=False)
+            if p.dim() >= 1 and p.shape[0] in (num, num + zero)]
 
 
 def takes_every_token(module: nn.Module) -> bool:
@@ -200,15 +384,14 @@ def takes_every_token(module: nn.Module) -> bool:
 def packed_mlp_rows(module: nn.Module, x_RH: torch.Tensor, index_R: torch.Tensor) -> torch.Tensor:
     """``(R, H)``: row ``r`` of ``x_RH`` through expert ``index_R[r]`` of packed experts ``module`` (its
     flags, its gate), one expert at a time in plain torch: the reference recognition probes with."""
-    up_name = "gate_up_proj" if module.has_gate else "up_proj"
-    up, down = getattr(module, up_name), module.down_proj
+    up, down, *biases = packed_tensors(module)
     out = x_RH.new_zeros(x_RH.shape[0], down.shape[2] if module.is_transposed else down.shape[1])
     for j in index_R.unique().tolist():
         rows = index_R == j
         w_up, w_down = (up[j], down[j]) if module.is_transposed else (up[j].T, down[j].T)
-        h = x_RH[rows] @ w_up + (getattr(module, f"{up_name}_bias")[j] if module.has_bias else 0)
+        h = x_RH[rows] @ w_up + (biases[0][j] if module.has_bias else 0)
         a = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-        out[rows] = a @ w_down + (module.down_proj_bias[j] if module.has_bias else 0)
+        out[rows] = a @ w_down + (biases[1][j] if module.has_bias else 0)
     return out
 
 
@@ -236,38 +419,68 @@ def _default_gate(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def _computes_layout(module: nn.Module, up_name: str, transposed: bool, has_bias: bool, own_gate: bool,
-                     dense: bool) -> bool:
-    """Whether ``module``'s own forward equals the packed MLP of that layout (:func:`packed_mlp_rows`)
-    on a probe of two rows per expert: called with the contract (top-1, weight 1), or, for experts
-    that take every token (``dense``), on the rows expert-major. In the module's training mode, the
-    RNG state restored; the flags are removed again."""
+                     dense: bool, num: int) -> bool:
+    """Whether ``module``'s own forward equals the packed MLP of that layout (:func:`_agrees`);
+    ``num``: the experts with weights."""
     up = getattr(module, up_name)
-    num, hidden = up.shape[0], up.shape[1 if transposed else 2]
-    x = torch.linspace(-1.0, 1.0, 2 * num * hidden, device=up.device).view(2 * num, hidden).to(up.dtype)
-    index = torch.arange(2 * num, device=up.device) // 2 if dense else torch.arange(2 * num, device=up.device) % num
-    devices = [up.device] if up.device.type == "cuda" else []
-    saved = {flag: vars(module)[flag] for flag in _ADOPTED_FLAGS + ("_apply_gate",) if flag in vars(module)}
+    return _agrees(module, module, lambda: _set_flags(module, up_name == "gate_up_proj", has_bias, transposed,
+                                                      own_gate), num, up.shape[1 if transposed else 2], up, dense)
+
+
+def _computes_stacked(module: nn.Module, holder: nn.Module, layout: StackedRows, num: int) -> bool:
+    """Whether ``module``'s own forward equals the packed MLP of its holder read as ``layout``."""
+    gate = holder.get_parameter(layout.names[0])
+    hidden = layout.rows[0] if layout.transposed[0] else gate.shape[1]
+    return _agrees(module, holder, lambda: _set_stacked(holder, layout), num, hidden, gate, False)
+
+
+_PROBE_ATTRIBUTES = _ADOPTED_FLAGS + ("_apply_gate", "_epmoe_stacked")
+
+
+def _agrees(module: nn.Module, holder: nn.Module, set_flags, num: int, hidden: int, weight: torch.Tensor,
+            dense: bool) -> bool:
+    """Whether ``module``'s own forward equals the packed MLP (:func:`packed_mlp_rows`) of ``holder``
+    with the flags ``set_flags()`` gives it, on a probe of two rows per expert (``num`` experts,
+    ``hidden`` wide, in ``weight``'s dtype and device): called with the contract (each row's expert
+    with weight 1 and another with weight 0: some forwards need ``K > 1``), or, for experts that take
+    every token (``dense``), on the rows expert-major. In the module's training mode, the RNG state
+    restored; the flags are removed again."""
+    x = torch.linspace(-1.0, 1.0, 2 * num * hidden, device=weight.device).view(2 * num, hidden).to(weight.dtype)
+    index = torch.arange(2 * num, device=weight.device)
+    index = index // 2 if dense else index % num
+    devices = [weight.device] if weight.device.type == "cuda" else []
+    saved = {flag: vars(holder)[flag] for flag in _PROBE_ATTRIBUTES if flag in vars(holder)}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            ones = torch.ones(2 * num, 1, dtype=up.dtype, device=up.device)
-            own = module(x) if dense else module(x, index.unsqueeze(1), ones)
-            _set_flags(module, up_name == "gate_up_proj", has_bias, transposed, own_gate)
-            expected = packed_mlp_rows(module, x, index)
+            own = module(x) if dense else module(x, *_top_two(index, (index + 1) % num, 1.0, x.dtype))
+            set_flags()
+            expected = packed_mlp_rows(holder, x, index)
     except Exception:  # noqa: BLE001 - a forward that cannot run this probe is not this layout
         return False
     finally:
-        for flag in _ADOPTED_FLAGS + ("_apply_gate",):
-            vars(module).pop(flag, None)
-        vars(module).update(saved)
-    tolerance = 1e-5 if up.dtype in (torch.float32, torch.float64) else 2e-2
-    return (isinstance(own, torch.Tensor) and own.shape == expected.shape
-            and torch.allclose(own, expected, rtol=tolerance, atol=tolerance))
+        for flag in _PROBE_ATTRIBUTES:
+            vars(holder).pop(flag, None)
+        vars(holder).update(saved)
+    return (isinstance(own, torch.Tensor) and own.numel() == expected.numel()  # (T, 1, H) from DBRX's: reshaped
+            and _close(own.reshape(expected.shape), expected))
+
+
+def _close(own: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether a probe's ``own`` equals ``expected`` up to rounding, relative to ``expected``'s largest
+    magnitude (a probe through small weights has small outputs, which an absolute tolerance for
+    16-bit floats would not tell apart)."""
+    tolerance = 1e-5 if expected.dtype in (torch.float32, torch.float64) else 2e-2
+    scale = expected.abs().max().clamp_min(torch.finfo(expected.dtype).tiny)
+    return bool(((own.to(expected.dtype) - expected).abs().max() <= tolerance * scale).item())
 
 
 def num_experts_of(module: nn.Module) -> int:
     """Number of experts a packed or ``nn.ModuleList`` experts module holds now."""
     if isinstance(module, nn.ModuleList):
         return len(module)
+    layout = stacked_rows(module)
+    if layout is not None:
+        return module.get_parameter(layout.names[2]).shape[0] // layout.rows[2]
     return module.down_proj.shape[0]
 
 
@@ -276,10 +489,10 @@ def shared_parameters(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
     norm, scale or bias every expert's rows go through: MuseSpark's ``post_expert_norm.weight``), under
     each name it has (``named_parameters(remove_duplicate=False)``), in that order.
 
-    Packed experts: every parameter except the module's own tensors whose leading dim is the number
-    of experts (those EP shards). ``nn.ModuleList`` experts: the parameters more than one expert
-    holds (look before sharding: a rank may keep a single expert). EP never shards these: they are
-    replicated, like the rest of the model."""
+    Packed experts: every parameter except the per-expert tensors EP shards (:func:`expert_rows`).
+    ``nn.ModuleList`` experts: the parameters more than one expert holds (look before sharding: a
+    rank may keep a single expert). EP never shards these: they are replicated, like the rest of the
+    model."""
     if not isinstance(experts, nn.ModuleList) and not is_packed_experts(experts):
         raise TypeError(f"shared_parameters(experts): expected packed or nn.ModuleList experts, got "
                         f"{type(experts).__name__}")
@@ -289,8 +502,7 @@ def shared_parameters(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
             for p in {id(p): p for p in expert.parameters()}.values():
                 holders[id(p)] = holders.get(id(p), 0) + 1
         return [(n, p) for n, p in experts.named_parameters(remove_duplicate=False) if holders.get(id(p), 0) > 1]
-    num_experts = num_experts_of(experts)
-    per_expert = {id(p) for p in experts.parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == num_experts}
+    per_expert = {id(experts.get_parameter(name)) for name, _ in expert_rows(experts)}
     return [(n, p) for n, p in experts.named_parameters(remove_duplicate=False) if id(p) not in per_expert]
 
 
@@ -370,6 +582,10 @@ def fused_ineligible_reason(experts: nn.Module) -> str | None:
     """Why ``experts`` cannot run through ``alltoallv_gmm`` / ``gmm_alltoallv``, or ``None``."""
     if isinstance(experts, nn.ModuleList):
         return "nn.ModuleList experts have no packed weight for the fused ops"
+    if stacked_rows(experts) is not None:
+        return "stacked-rows experts have no packed gate_up weight for the fused ops (it is built each forward)"
+    if zero_experts(experts):
+        return "zero-computation experts: their term is added beside the routed experts, on the all-to-all-v path"
     if experts.has_bias:
         return "the down projection's bias would have to be added between the grouped matmul and the exchange"
     if getattr(experts, "has_post_expert_norm", False):

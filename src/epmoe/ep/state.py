@@ -52,6 +52,8 @@ class ExpertParallelState:
     transport: Any = None  # the layer's Dispatcher (epmoe.ep.dispatch): how its tokens move, built when EP was applied
     returns_router_logits: bool = False  # ModuleList blocks only: the block's own return convention
     sharded_names: tuple[str, ...] = ()  # packed experts: the per-expert parameters EP sliced
+    # of those, the ones whose unsharded tensor has rows no expert reads (zero-computation experts'): how many
+    unread_rows: dict[str, int] = field(default_factory=dict)
     layer: int = 0  # this experts module's index among the model's (step headers name it)
     calls: int = 0  # forwards that read their counts so far (step headers name them)
     loads: dict[str, torch.Tensor] = field(default_factory=dict)  # counter -> (e,) int64 slots per local expert, host
