@@ -134,7 +134,8 @@ def bf16_distances(rank: int, world: int, family: Family) -> dict:
     torch.manual_seed(rank)
     out_ep = ep16(**inputs(family, rank, LENGTHS[rank]))[0]
     out_ep.float().square().mean().backward()
-    experts = [(n, p) for n, p in ep16.named_parameters() if epmoe.is_expert_parameter(p)]
+    # experts no token reaches (a vision tower's, on text) have no gradient, unsharded or not
+    experts = [(n, p) for n, p in ep16.named_parameters() if epmoe.is_expert_parameter(p) and p.grad is not None]
     outs, grads = {}, {}  # by dtype: the unsharded model's output on this rank's batch, its experts' gradients
     for dtype, ref in ((torch.float64, ref64), (torch.bfloat16, ref16)):
         params = dict(ref.named_parameters())
@@ -147,8 +148,8 @@ def bf16_distances(rank: int, world: int, family: Family) -> dict:
         grads[dtype] = torch.cat([local_rows(params[n].grad.double(), n, p, shards).reshape(-1) for n, p in experts])
     grads_ep = torch.cat([p.grad.double().reshape(-1) for _, p in experts])
 
-    def distance(x: torch.Tensor, x64: torch.Tensor) -> float:
-        return ((x.double() - x64.double()).norm() / x64.double().norm()).item()
+    def distance(x: torch.Tensor, x64: torch.Tensor) -> float:  # 0 where float64 has nothing (no gradient)
+        return ((x.double() - x64.double()).norm() / x64.double().norm().clamp_min(1e-300)).item()
 
     def losses(out: torch.Tensor) -> torch.Tensor:
         return out.double().square().mean(-1)
@@ -162,13 +163,16 @@ def bf16_distances(rank: int, world: int, family: Family) -> dict:
 
 
 def check_families(rank: int, world: int, families: list[Family]) -> dict[str, dict]:
-    """:func:`family_parity` of every family on this process group, by family name; a family whose
+    """:func:`family_parity` (and, where it runs, :func:`bf16_distances` as ``"bf16"``) of every family
+    on this process group, by family name; a family whose
     check raised gets ``{"error": traceback}`` (the others still run). A barrier after each keeps
     the ranks in step."""
     out = {}
     for family in families:
         try:
             out[family.name] = family_parity(rank, world, family)
+            if "refused" not in out[family.name]:
+                out[family.name]["bf16"] = bf16_distances(rank, world, family)
         except BaseException:  # noqa: BLE001 - the test reports it, naming the family
             out[family.name] = {"error": traceback.format_exc()}
         dist.barrier()
@@ -190,8 +194,13 @@ def verdict(family: Family, results: list[dict]) -> str:
     rounds_to = results[0]["rounds_to"]
     tol = TOL_ROUNDS_TO.get(rounds_to, TOL) if rounds_to else TOL
     bad = {k: v for k, v in worst.items() if not v <= tol}
+    for metric in ("losses", "expert_grads"):  # bfloat16: as close to float64 as without EP
+        ep, no_ep = (max(r["bf16"][metric][run] for r in results) for run in ("ep", "no_ep"))
+        if ep > BF16_BOUND * no_ep:
+            bad[f"bf16 {metric}"] = ep / no_ep if no_ep else float("inf")
     if bad or not all(n > 0 for r in results for n in r["compared"].values()):
-        return "wrong: " + ", ".join(f"{k} rel. err. {v:.2g}" for k, v in bad.items())
+        return "wrong: " + ", ".join(f"{k} rel. err. {v:.2g}" if not k.startswith("bf16") else
+                                     f"{k} {v:.2f}x the distance from float64 without EP" for k, v in bad.items())
     if max(worst.values()) > TOL:
         return f"exact to {rounds_to} rounding (its own experts forward rounds float64 to {rounds_to}; epmoe does not)"
     return "exact"
@@ -201,6 +210,11 @@ TOL = 1e-10
 # a family whose own experts forward rounds to float32 in a float64 model is as close to any other order
 # of its sums as float32 rounding allows, amplified through its layers and gradients
 TOL_ROUNDS_TO = {"float32": 1e-4}
+# bfloat16: EP's distance from float64 (per-token losses, expert gradients; the largest rank's) at most this
+# factor times the run without EP's. Other summation orders of the same bf16 sums land 0.86-1.38x apart on
+# these tiny models; computing experts in a narrower dtype than the family (1.7x and 5x on OpenAI's
+# privacy filter before epmoe followed its float32) does not fit.
+BF16_BOUND = 1.5
 
 
 def save_round_trip(rank: int, world: int, root: str, family: Family) -> dict:
