@@ -220,7 +220,7 @@ class EPModel:
         by :meth:`use_weights` in a forward with gradients); parameters are remembered as checked."""
         leaves = [leaf for w in weights for leaf in _leaves(w)]
         self.started = True
-        if any(hasattr(p, "ds_id") for p in leaves):
+        if any(hasattr(p, "ds_id") and getattr(p, "ds_zero_placement_family", None) != "autoep_expert" for p in leaves):
             raise ValueError(
                 "epmoe: DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts included, "
                 "which differ on every EP rank (and DeepSpeed's own MoE support refuses stage 3): use ZeRO "

@@ -52,6 +52,7 @@ from epmoe.ep.params import expert_parameters
 from epmoe.ep.state import ep_model, require_ep_states
 
 MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
+EXPERT_FAMILY = "autoep_expert"  # DeepSpeed's ZeRO-3 placement family of expert parameters
 REDUCER = "DeepSpeed"
 
 
@@ -86,6 +87,8 @@ def prepare_deepspeed(model: nn.Module) -> nn.Module:
     for p in expert_parameters(model):  # LoRA factors on the experts narrowed to this rank's first
         p.allreduce = False
         p.group_name = name
+        p.ds_zero_placement_family = EXPERT_FAMILY  # ZeRO-3: partitioned over the expert-data-parallel group
+        p.ds_zero_partition_group_name = name
     clear_full_shapes(model)  # DeepSpeed reads ds_shape as ZeRO-3's (e.g. its checkpoints' param_shapes)
     if not isinstance(getattr(model, MARKER, None), _groups_class()):
         model.add_module(MARKER, _groups_class()(model, sync.ep_size, _num_experts(states)))
@@ -217,11 +220,14 @@ def _check_and_hand_over(root: nn.Module, name: str) -> None:
 def _groups_class() -> type:
     """:class:`DeepSpeedExpertGroups`, built on first use (deepspeed is an optional dependency)."""
     try:
-        from deepspeed.moe.layer import MoE
-    except ImportError as error:
-        raise ImportError("prepare_deepspeed: deepspeed is not installed (pip install deepspeed)") from error
+        from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer as Base
+    except ImportError:
+        try:
+            from deepspeed.moe.layer import MoE as Base
+        except ImportError as error:
+            raise ImportError("prepare_deepspeed: deepspeed is not installed (pip install deepspeed)") from error
 
-    class DeepSpeedExpertGroups(MoE):
+    class DeepSpeedExpertGroups(Base):
         """Tells DeepSpeed's engine that the model has expert parameters and creates their groups.
 
         A ``deepspeed.moe.layer.MoE`` without parameters or computation: the engine enables its
