@@ -360,6 +360,22 @@ def zero3_refused_initialize(rank, prepare, offload):
     return "no error", steps
 
 
+def zero3_expert_lora_initialize(rank):
+    """deepspeed.initialize under ZeRO-3 of a PeftModel with LoRA on the EP model's experts: the error."""
+    import deepspeed
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(fresh_model(ep=True, dtype=torch.float32), LoraConfig(
+        r=2, lora_alpha=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    epmoe.prepare_deepspeed(model)
+    try:
+        deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                             config=ds_config(3))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def zero3_offload_trainer(tmp, offload):
     """prepare_trainer under ZeRO-3 with ``offload``: its error."""
     from transformers import Trainer, TrainingArguments
@@ -403,6 +419,7 @@ def run_all(rank, world, tmp):
         "zero3_unprepared_initialize": _guard(zero3_refused_initialize, rank, False, None),
         "zero3_offload_param_initialize": _guard(zero3_refused_initialize, rank, True, "offload_param"),
         "zero3_offload_optimizer_initialize": _guard(zero3_refused_initialize, rank, True, "offload_optimizer"),
+        "zero3_expert_lora_initialize": _guard(zero3_expert_lora_initialize, rank),
         "zero3_trainer_ds_optimizer_sgd": _guard(trainer_case, rank, 3, "SGD", tmp),
         "zero3_trainer_trainer_optimizer": _guard(trainer_case, rank, 3, None, tmp),
         "zero3_accelerate_ds_optimizer": _guard(accelerate_case, rank, 3, True),

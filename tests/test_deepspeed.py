@@ -13,7 +13,8 @@ equal the same ZeRO-3 run without EP: losses, norms, every parameter gathered wi
 ``deepspeed.zero.GatheredParameters``; the experts partitioned by DeepSpeed over their expert-data-parallel
 group (the "dp" replicas), the rest over all ranks; ``save_pretrained`` / ``trainer.save_model`` reloaded by
 plain transformers equal the plain run's parameters. Parameter and optimizer offload are refused before the
-first step, naming the option; an unprepared EP model is refused at its first forward.
+first step, naming the option, and so is LoRA on the experts; an unprepared EP model is refused at its first
+forward.
 
 Tolerances: the model is float64 (ZeRO 3: float32), but ZeRO keeps float32 master weights, optimizer state and gradient
 partitions and compute the norm in float32, and transformers computes the loss from float32-upcast logits.
@@ -141,6 +142,12 @@ def test_zero3_offload_is_refused_before_a_step_naming_the_option(results):
             option = "offload_param" if "offload_param" in case else "offload_optimizer"
             assert caller in message and f"zero_optimization.{option}" in message, (case, message)
             assert steps == 0, (case, steps)
+
+
+def test_zero3_with_expert_lora_is_refused_inside_initialize(results):
+    for by_case in results:
+        message = by_case["zero3_expert_lora_initialize"]
+        assert "ZeRO stage 3 with LoRA factors on the experts" in message, message
 
 
 def test_zero3_without_preparation_is_refused_at_the_first_forward(results):

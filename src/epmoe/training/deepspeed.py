@@ -49,8 +49,9 @@ module's included, so epmoe's experts forward reads the gathered weights. Saving
 the parameters are partitions, so the model's ``save_pretrained`` (every rank) gathers every
 parameter first (each rank then holds the non-expert parameters and its own experts whole, as
 without ZeRO) and writes the complete checkpoint; a prepared Trainer's ``save_model`` goes through
-it. Refused before the first step: parameter and optimizer offload under stage 3
-(``offload_param``, ``offload_optimizer``), and stage 3 with a DeepSpeed that has no AutoEP.
+it. Refused inside ``deepspeed.initialize`` (before the first step) under stage 3: parameter and
+optimizer offload (``offload_param``, ``offload_optimizer``; a Trainer or accelerator already at
+``prepare_trainer`` / ``prepare_accelerator``), LoRA factors on the experts, and a DeepSpeed without AutoEP.
 
 Refused: ``expert_grad="sum"`` (DeepSpeed divides every gradient), DeepSpeed's data-before-expert
 layout and model parallelism. DeepSpeed's own checkpoints (``engine.save_checkpoint``) write each
@@ -74,6 +75,7 @@ from epmoe.ep.lora import clear_full_shapes
 from epmoe.ep.model import DEEPSPEED_EXPERT_FAMILY
 from epmoe.ep.params import expert_parameters
 from epmoe.ep.state import ep_model, require_ep_states
+from epmoe.integrations.peft import has_expert_lora
 from epmoe.training.launchers import replace
 
 MARKER = "epmoe_deepspeed"  # the DeepSpeedExpertGroups child of a prepared model
@@ -81,15 +83,16 @@ REDUCER = "DeepSpeed"
 
 
 def prepare_deepspeed(model: nn.Module) -> nn.Module:
-    """Make ``model`` (expert-parallel, or a PeftModel around one) exact under DeepSpeed ZeRO stage 1 or 2;
-    returns it.
+    """Make ``model`` (expert-parallel, or a PeftModel around one) exact under DeepSpeed ZeRO stage 1, 2 or
+    3 (3: not with LoRA factors on the experts, refused inside ``deepspeed.initialize``); returns it.
 
     Call on every rank after :func:`epmoe.apply_expert_parallel` (and after adding LoRA factors to
     the experts, if any) and before ``deepspeed.initialize(model=model, ...)``. Idempotent. Give
     DeepSpeed the optimizer in its config (``"optimizer"``, built from ``model_parameters=list(...)``)
     or an optimizer whose param groups went through
     ``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer`` (any other torch
-    optimizer raises ``ValueError`` inside ``deepspeed.initialize``, naming this fix).
+    optimizer raises ``ValueError`` inside ``deepspeed.initialize``, naming this fix). The model's
+    ``save_pretrained`` becomes :class:`GatheredSavePretrained` (ZeRO-3's partitions gathered first).
     """
     states = [state for _, state in require_ep_states(model, "prepare_deepspeed")]
     ep_models = list({id(s.model): s.model for s in states if s.model.sharded}.values())
@@ -243,11 +246,6 @@ def check_plugin(plugin: Any, caller: str) -> None:
         check_zero_config(config.get("zero_optimization") or {}, caller)
 
 
-def zero_stage(plugin: Any) -> Any:
-    """The ZeRO stage of an accelerate ``DeepSpeedPlugin`` (``None``: no plugin)."""
-    return getattr(plugin, "zero_stage", None)
-
-
 @functools.cache
 def _has_autoep() -> bool:
     try:
@@ -336,6 +334,9 @@ def _groups_class() -> type:
             engine = _calling_engine()
             if engine is not None:  # before the optimizer partitions anything
                 check_zero_config(engine._config.zero_config, "deepspeed.initialize on an EP model")
+                if engine.zero_optimization_stage() == 3 and has_expert_lora(self._root):
+                    raise ValueError("deepspeed.initialize on an EP model: DeepSpeed ZeRO stage 3 with LoRA factors "
+                                     "on the experts is not supported; use ZeRO stage 1 or 2")
             client_optimizer = getattr(engine, "client_optimizer", None)
             if isinstance(client_optimizer, torch.optim.Optimizer):  # before DeepSpeed's own checks of its groups
                 check_moe_param_groups(client_optimizer.param_groups, "deepspeed.initialize on an EP model")
@@ -373,7 +374,7 @@ def prepare_deepspeed_trainer(trainer: Any) -> None:
             "TrainingArguments(save_strategy='no') and save with trainer.save_model() or model.save_pretrained (every rank)"
         )
     prepare_deepspeed(trainer.model)
-    if zero_stage(plugin) == 3:
+    if getattr(plugin, "zero_stage", None) == 3:
         replace(trainer, "save_model", lambda output_dir=None, _internal_call=False: without_deepspeed_branch(
             trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call))
 
