@@ -10,9 +10,9 @@ at ZeRO stage 2 and at stage 3 (every parameter partitioned: ``stage3_param_pers
 
 * Step time: both engines in one spawn, their steps (forward, backward, step) interleaved round by
   round (``epmoe.bench.common.measure``: median, the slowest rank's).
-* Memory per rank, from the tensors each engine holds after its steps: the model's parameters as they
-  sit between steps (ZeRO-3: the rank's partitions), the optimizer's float32 master partitions and its
-  Adam moments; and the peak resident set size of a rank that ran only that stage (one spawn per stage,
+* Memory per rank, from the storages each engine holds after its steps (each counted once): the
+  model's parameters as they sit between steps (ZeRO-3: the rank's partitions), the optimizer's float32
+  master partitions (where not the parameters' own storage) and its Adam moments; and the peak resident set size of a rank that ran only that stage (one spawn per stage,
   ``ru_maxrss``; on CPU it includes the Python, torch and DeepSpeed runtime).
 """
 
@@ -69,15 +69,27 @@ def _step(engine, ids: torch.Tensor) -> None:
 
 
 def _held_mib(engine) -> dict:
-    """What the engine holds between steps: the model's parameters (ZeRO-3: this rank's partitions),
-    the optimizer's float32 master partitions and its state (Adam's moments), in MiB."""
-    params = sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size()
-                 for p in engine.module.parameters())
+    """What the engine holds between steps, in MiB: the model's parameters (ZeRO-3: this rank's
+    partitions), the optimizer's float32 master partitions (where not the parameters' own storage) and
+    its state (Adam's moments)."""
+    params = [p.ds_tensor if hasattr(p, "ds_tensor") else p for p in engine.module.parameters()]
     inner = engine.optimizer.optimizer
-    master = sum(p.numel() * p.element_size() for group in inner.param_groups for p in group["params"])
-    state = sum(t.numel() * t.element_size() for s in inner.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return {"params": params / MIB, "master": master / MIB, "state": state / MIB}
+    master = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)  # ZeRO-3 (its groups: only in step)
+    if master is None:
+        master = [p for group in inner.param_groups for p in group["params"]]
+    state = [t for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    seen: set[int] = set()
+
+    def mib(tensors: list) -> float:
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total / MIB
+
+    return {"params": mib(params), "master": mib(master), "state": mib(state)}
 
 
 def _ids(rank: int, vocab: int) -> torch.Tensor:
@@ -129,7 +141,8 @@ def main() -> None:
             f"{load_average()}.\n- Qwen3-MoE (epmoe.models, fp32, {MODEL}), {layout} over {args.ranks} gloo "
             f"ranks, `epmoe.prepare_deepspeed` + `deepspeed.initialize` (AdamW), {TOKENS[0]} x {TOKENS[1]} "
             f"tokens per rank and step, one thread per rank. Step: the slowest rank's median of {args.steps} "
-            f"interleaved rounds. Memory: the largest over ranks; held = params + fp32 master + Adam state.\n\n"
+            f"interleaved rounds. Memory: the largest over ranks; held = params + fp32 master + Adam state (storages "
+            f"counted once); peak RSS: a rank that ran only that stage (runtime included).\n\n"
             f"{table}\n")
     print(text)
     if args.out:
