@@ -12,8 +12,9 @@ at ZeRO stage 2 and at stage 3 (every parameter partitioned: ``stage3_param_pers
   round (``epmoe.bench.common.measure``: median, the slowest rank's).
 * Memory per rank, from the storages each engine holds after its steps (each counted once): the
   model's parameters as they sit between steps (ZeRO-3: the rank's partitions), the optimizer's float32
-  master partitions (where not the parameters' own storage) and its Adam moments; and the peak resident set size of a rank that ran only that stage (one spawn per stage,
-  ``ru_maxrss``; on CPU it includes the Python, torch and DeepSpeed runtime).
+  master partitions (where not the parameters' own storage) and its Adam moments; and the peak
+  resident set size of a rank that ran only that stage (one spawn per stage, ``ru_maxrss``; on CPU it
+  includes the Python, torch and DeepSpeed runtime).
 """
 
 from __future__ import annotations

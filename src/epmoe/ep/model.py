@@ -227,7 +227,8 @@ class EPModel:
                 "epmoe: DeepSpeed ZeRO stage 3 partitions the expert parameters, which differ on every EP rank, "
                 "over all ranks: call epmoe.prepare_deepspeed(model) after apply_expert_parallel and before "
                 "deepspeed.initialize (a Trainer: epmoe.prepare_trainer(trainer)), which puts them on DeepSpeed's "
-                "expert placement, or use FSDP2 with fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
+                "expert placement, or use FSDP2 with "
+                "fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
             )
         if self.policy.reducer is None and (self._deepspeed or any(hasattr(p, "_hp_mapping") for p in leaves)):
             raise ValueError(

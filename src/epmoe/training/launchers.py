@@ -5,8 +5,8 @@ use the libraries' public hooks where they have one: a ``TrainerCallback`` (the 
 checkpoint), accelerate's FSDP2 plugin (``ignored_modules``), DeepSpeed's MoE protocol (parameter
 marks, ``'moe'`` param groups, a DeepSpeed MoE layer child). Where none exists, a method is
 replaced *on the instance* (the class is untouched). :data:`TABLE` lists every such method, each
-DeepSpeed method epmoe overrides, each private function of another library epmoe calls and the one
-attribute of a DeepSpeed engine it reads, each with its signature as checked against
+DeepSpeed method epmoe overrides, each private function of another library epmoe calls and the
+attributes of a DeepSpeed engine it reads, each with its signature as checked against
 :data:`CHECKED_AGAINST` and why; tests/test_launchers.py fails when one disappears or changes
 signature (on TRL's ``SFTTrainer`` too, which inherits the Trainer methods). Besides methods, epmoe
 writes accelerate's FSDP plugin's ``ignored_modules`` (its configuration, :mod:`epmoe.training.fsdp`)
@@ -107,8 +107,9 @@ TABLE = (
     Entry("deepspeed", "deepspeed.utils.groups", "_get_expert_data_parallel_group", "(group_name)",
           CALLED, "checked against epmoe's 'dp' replicas"),
     Entry("deepspeed", "deepspeed.runtime.engine.DeepSpeedEngine", "_configure_distributed_model", "(self, model)",
-          READ, "calls set_deepspeed_parallelism with engine.client_optimizer set: its param groups are checked "
-                "there, before DeepSpeed's own assertion about unmarked groups"),
+          READ, "calls set_deepspeed_parallelism with engine.client_optimizer and engine._config set: the "
+                "optimizer's param groups and the ZeRO config (stage 3 offload) are checked there, before "
+                "DeepSpeed's own assertion about unmarked groups and before anything is partitioned"),
 )
 
 _ALSO_ON = {"transformers.Trainer": ("trl.SFTTrainer",)}  # subclasses users prepare, whose methods must match
