@@ -31,8 +31,9 @@ def ds_config(stage, *, optimizer="AdamW", clip=CLIP, auto=False, offload=None):
     if stage == 3:  # every parameter partitioned, however small; Trainer's save_model of the plain run gathers
         config["zero_optimization"].update(stage3_param_persistence_threshold=0,
                                            stage3_gather_16bit_weights_on_model_save=True)
-    if offload is not None:  # "offload_param" or "offload_optimizer"
-        config["zero_optimization"][offload] = {"device": "cpu"}
+    if offload is not None:  # ("offload_param" or "offload_optimizer", "cpu" or "nvme")
+        option, device = offload
+        config["zero_optimization"][option] = {"device": device, **({"nvme_path": "/tmp"} if device == "nvme" else {})}
     if optimizer == "AdamW":
         config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto" if auto else 1e-2,
                                                             "weight_decay": "auto" if auto else 0.01,
@@ -230,7 +231,7 @@ def accelerate_case(rank, stage, ds_optimizer):
 
 def accelerate_refused(stage, prepare_first, offload=None):
     """prepare_accelerator where it cannot be exact under accelerate's DeepSpeed plugin: ZeRO 3 with
-    ``offload``, or an engine that accelerator.prepare has already built for the EP model
+    ``offload`` to NVMe, or an engine that accelerator.prepare has already built for the EP model
     (``prepare_first``): its error."""
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.state import AcceleratorState
@@ -291,14 +292,13 @@ def unprepared_trainer(tmp):
     return "no error", trainer.state.global_step
 
 
-def zero3_initialize_case(rank, tmp, mesh=False):
-    """deepspeed.initialize under ZeRO-3 (SGD): EP (prepare_deepspeed) vs the same recipe without EP, the
-    parameters gathered; then the EP model's save_pretrained (every rank), reloaded by plain transformers
-    on rank 0 and compared with the plain run's gathered parameters; where DeepSpeed put the experts."""
-    import deepspeed
-
+def zero3_initialize_case(rank, tmp, mesh=False, offload=None):
+    """deepspeed.initialize under ZeRO-3 (SGD; ``offload``: see :func:`ds_config`): EP (prepare_deepspeed)
+    vs the same recipe without EP, the parameters gathered; then the EP model's save_pretrained (every
+    rank), reloaded by plain transformers on rank 0 and compared with the plain run's gathered
+    parameters; where DeepSpeed put the experts."""
     world = torch.distributed.get_world_size()
-    config = ds_config(3, optimizer="SGD")
+    config = ds_config(3, optimizer="SGD", offload=offload)
     ref_losses, ref_norms, ref_engine = train_engine(fresh_model(False, torch.float32), config, rank)
     model = epmoe.prepare_deepspeed(fresh_model(True, torch.float32, mesh))
     losses, norms, engine = train_engine(model, config, rank)
@@ -312,7 +312,7 @@ def zero3_initialize_case(rank, tmp, mesh=False):
                                 expert.ds_numel, expert.numel()],
            "other_partition": [torch.distributed.get_world_size(other.ds_process_group), other.ds_tensor.numel(),
                                other.ds_numel]}
-    path = f"{tmp}/z3-save-{world}"
+    path = f"{tmp}/z3-save-{world}-{offload and offload[0]}"
     engine.module.save_pretrained(path)
     out.update(reloaded(path, ref_engine.module, rank))
     return out
@@ -339,7 +339,7 @@ def reloaded(path, ref_module, rank):
 
 
 def zero3_refused_initialize(rank, prepare, offload):
-    """deepspeed.initialize under ZeRO-3 where it cannot be exact: ``offload`` set (after
+    """deepspeed.initialize under ZeRO-3 where it cannot be exact: ``offload`` to NVMe (after
     prepare_deepspeed), or the EP model not prepared (refused at the first forward): the error and the
     number of steps taken."""
     import deepspeed
@@ -377,11 +377,11 @@ def zero3_expert_lora_initialize(rank):
 
 
 def zero3_offload_trainer(tmp, offload):
-    """prepare_trainer under ZeRO-3 with ``offload``: its error."""
+    """prepare_trainer under ZeRO-3 with ``offload`` (to NVMe): its error."""
     from transformers import Trainer, TrainingArguments
 
     model = fresh_model(ep=True, dtype=torch.float32)
-    args = TrainingArguments(output_dir=f"{tmp}/z3-{offload}", max_steps=1, per_device_train_batch_size=2,
+    args = TrainingArguments(output_dir=f"{tmp}/z3-{offload[0]}", max_steps=1, per_device_train_batch_size=2,
                              report_to=[], save_strategy="no", deepspeed=ds_config(3, auto=True, offload=offload),
                              disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
@@ -417,15 +417,18 @@ def run_all(rank, world, tmp):
         # stage 3 last (a Trainer or accelerator under it turns on transformers' zero3 mode), initialize first
         "zero3_initialize_sgd": _guard(zero3_initialize_case, rank, tmp),
         "zero3_unprepared_initialize": _guard(zero3_refused_initialize, rank, False, None),
-        "zero3_offload_param_initialize": _guard(zero3_refused_initialize, rank, True, "offload_param"),
-        "zero3_offload_optimizer_initialize": _guard(zero3_refused_initialize, rank, True, "offload_optimizer"),
+        "zero3_offload_param_initialize": _guard(zero3_initialize_case, rank, tmp, False, ("offload_param", "cpu")),
+        "zero3_offload_optimizer_initialize": _guard(zero3_initialize_case, rank, tmp, False,
+                                                     ("offload_optimizer", "cpu")),
+        "zero3_nvme_param_initialize": _guard(zero3_refused_initialize, rank, True, ("offload_param", "nvme")),
+        "zero3_nvme_optimizer_initialize": _guard(zero3_refused_initialize, rank, True, ("offload_optimizer", "nvme")),
         "zero3_expert_lora_initialize": _guard(zero3_expert_lora_initialize, rank),
         "zero3_trainer_ds_optimizer_sgd": _guard(trainer_case, rank, 3, "SGD", tmp),
         "zero3_trainer_trainer_optimizer": _guard(trainer_case, rank, 3, None, tmp),
         "zero3_accelerate_ds_optimizer": _guard(accelerate_case, rank, 3, True),
-        "zero3_offload_param_trainer": _guard(zero3_offload_trainer, tmp, "offload_param"),
-        "zero3_offload_optimizer_trainer": _guard(zero3_offload_trainer, tmp, "offload_optimizer"),
-        "zero3_offload_optimizer_accelerate": _guard(accelerate_refused, 3, False, "offload_optimizer"),
+        "zero3_nvme_param_trainer": _guard(zero3_offload_trainer, tmp, ("offload_param", "nvme")),
+        "zero3_nvme_optimizer_trainer": _guard(zero3_offload_trainer, tmp, ("offload_optimizer", "nvme")),
+        "zero3_nvme_optimizer_accelerate": _guard(accelerate_refused, 3, False, ("offload_optimizer", "nvme")),
     }
     return results
 

@@ -12,9 +12,9 @@ ZeRO 3 (float32: DeepSpeed partitions no float64 parameter; every parameter part
 equal the same ZeRO-3 run without EP: losses, norms, every parameter gathered with
 ``deepspeed.zero.GatheredParameters``; the experts partitioned by DeepSpeed over their expert-data-parallel
 group (the "dp" replicas), the rest over all ranks; ``save_pretrained`` / ``trainer.save_model`` reloaded by
-plain transformers equal the plain run's parameters. Parameter and optimizer offload are refused before the
-first step, naming the option, and so is LoRA on the experts; an unprepared EP model is refused at its first
-forward.
+plain transformers equal the plain run's parameters; the same with parameter or optimizer offload to "cpu".
+Offload to NVMe is refused before the first step, naming the option, and so is LoRA on the experts; an
+unprepared EP model is refused at its first forward.
 
 Tolerances: the model is float64 (ZeRO 3: float32), but ZeRO keeps float32 master weights, optimizer state and gradient
 partitions and compute the norm in float32, and transformers computes the loss from float32-upcast logits.
@@ -89,6 +89,8 @@ def test_unsplit_optimizer_groups_raise_epmoe_error_naming_the_fix(results):
 
 ZERO3_CASES = {  # case: parameter tolerance
     "zero3_initialize_sgd": 1e-6,
+    "zero3_offload_param_initialize": 1e-6,
+    "zero3_offload_optimizer_initialize": 1e-6,
     "zero3_trainer_ds_optimizer_sgd": 1e-6,
     "zero3_trainer_trainer_optimizer": 3e-4,
     "zero3_accelerate_ds_optimizer": 3e-4,
@@ -130,17 +132,17 @@ def test_zero3_on_an_ep_by_dp_mesh_equals_the_recipe_without_ep(mesh_results, ca
     check_zero3(mesh_results, case, ZERO3_CASES[case], ep_world=2)
 
 
-def test_zero3_offload_is_refused_before_a_step_naming_the_option(results):
+def test_zero3_nvme_offload_is_refused_before_a_step_naming_the_option(results):
     for by_case in results:
-        for case, caller in (("zero3_offload_param_initialize", "deepspeed.initialize"),
-                             ("zero3_offload_optimizer_initialize", "deepspeed.initialize"),
-                             ("zero3_offload_param_trainer", "prepare_trainer(trainer)"),
-                             ("zero3_offload_optimizer_trainer", "prepare_trainer(trainer)"),
-                             ("zero3_offload_optimizer_accelerate", "prepare_accelerator(accelerator)")):
+        for case, caller in (("zero3_nvme_param_initialize", "deepspeed.initialize"),
+                             ("zero3_nvme_optimizer_initialize", "deepspeed.initialize"),
+                             ("zero3_nvme_param_trainer", "prepare_trainer(trainer)"),
+                             ("zero3_nvme_optimizer_trainer", "prepare_trainer(trainer)"),
+                             ("zero3_nvme_optimizer_accelerate", "prepare_accelerator(accelerator)")):
             got = by_case[case]
             message, steps = got if isinstance(got, (tuple, list)) else (got, 0)
-            option = "offload_param" if "offload_param" in case else "offload_optimizer"
-            assert caller in message and f"zero_optimization.{option}" in message, (case, message)
+            option = "offload_param" if "_param_" in case else "offload_optimizer"
+            assert caller in message and f"zero_optimization.{option} (device 'nvme')" in message, (case, message)
             assert steps == 0, (case, steps)
 
 

@@ -39,7 +39,7 @@ def prepare_accelerator(accelerator: Any) -> Any:
     Call once on every rank, before the training loop: before or after ``accelerator.prepare``
     (DDP, FSDP2), before it (DeepSpeed, whose engine is built there). Idempotent. FSDP1 (it shards
     every parameter, experts included) and DeepSpeed ZeRO stage 3 with parameter or optimizer offload
-    raise ``ValueError``.
+    to NVMe raise ``ValueError``.
     """
     try:
         from accelerate import Accelerator

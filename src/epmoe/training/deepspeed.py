@@ -49,9 +49,11 @@ module's included, so epmoe's experts forward reads the gathered weights. Saving
 the parameters are partitions, so the model's ``save_pretrained`` (every rank) gathers every
 parameter first (each rank then holds the non-expert parameters and its own experts whole, as
 without ZeRO) and writes the complete checkpoint; a prepared Trainer's ``save_model`` goes through
-it. Refused inside ``deepspeed.initialize`` (before the first step) under stage 3: parameter and
-optimizer offload (``offload_param``, ``offload_optimizer``; a Trainer or accelerator already at
-``prepare_trainer`` / ``prepare_accelerator``), LoRA factors on the experts, and a DeepSpeed without AutoEP.
+it. Parameter and optimizer offload to ``"cpu"`` (``offload_param``, ``offload_optimizer``) change
+where DeepSpeed keeps the partitions, not what it computes: exact too. Refused inside
+``deepspeed.initialize`` (before the first step) under stage 3: offload to NVMe (a Trainer or
+accelerator already at ``prepare_trainer`` / ``prepare_accelerator``), LoRA factors on the experts, and
+a DeepSpeed without AutoEP.
 
 Refused: ``expert_grad="sum"`` (DeepSpeed divides every gradient), DeepSpeed's data-before-expert
 layout and model parallelism. DeepSpeed's own checkpoints (``engine.save_checkpoint``) write each
@@ -213,14 +215,14 @@ def check_moe_param_groups(param_groups: Any, caller: str) -> None:
             )
 
 
-OFFLOADS = ("offload_param", "offload_optimizer")  # ZeRO options refused under stage 3
+OFFLOADS = ("offload_param", "offload_optimizer")  # ZeRO-3 options: device "cpu" is exact, "nvme" refused
 
 
 def check_zero_config(zero: Any, caller: str) -> None:
     """``ValueError`` for a DeepSpeed ``zero_optimization`` config (a dict, or DeepSpeed's own config
     object) that epmoe cannot train exactly: stage 3 with a DeepSpeed without AutoEP (no expert
-    placement under ZeRO-3), or with parameter or optimizer offload. ``caller`` names the public
-    function in errors."""
+    placement under ZeRO-3), or with parameter or optimizer offload to NVMe (offload to ``"cpu"`` is
+    exact). ``caller`` names the public function in errors."""
     read = zero.get if isinstance(zero, dict) else lambda name, default=None: getattr(zero, name, default)
     stage = getattr(read("stage"), "value", read("stage"))
     if stage != 3:
@@ -233,10 +235,10 @@ def check_zero_config(zero: Any, caller: str) -> None:
         device = (settings.get("device", "none") if isinstance(settings, dict)
                   else getattr(settings, "device", "none"))
         device = getattr(device, "value", device)
-        if device not in (None, "none"):
+        if device not in (None, "none", "cpu"):
             raise ValueError(
                 f"{caller}: DeepSpeed ZeRO stage 3 with zero_optimization.{option} (device {device!r}) is not "
-                f"supported on an expert-parallel model; remove {option} (or use ZeRO stage 1 or 2)")
+                f"supported on an expert-parallel model; offload to device 'cpu', or remove {option}")
 
 
 def check_plugin(plugin: Any, caller: str) -> None:

@@ -26,7 +26,7 @@ support, see :mod:`epmoe.training.deepspeed` (the expert param groups made at th
 checkpoints are refused (``save_model`` works; under ZeRO-3 it gathers the partitions). accelerate's FSDP2 plugin
 (``TrainingArguments(fsdp=..., fsdp_config={"version": 2})``): its ``ignored_modules`` set to the
 experts, Trainer's clip and saving routed as above, see :mod:`epmoe.training.fsdp`. FSDP1 shards
-every parameter, experts included: refused; so are ZeRO-3 with offload, ``save_on_each_node`` and
+every parameter, experts included: refused; so are ZeRO-3 with NVMe offload, ``save_on_each_node`` and
 ``load_best_model_at_end`` (see the errors).
 """
 
