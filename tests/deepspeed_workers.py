@@ -360,14 +360,16 @@ def zero3_refused_initialize(rank, prepare, offload):
     return "no error", steps
 
 
-def zero3_expert_lora_initialize(rank):
-    """deepspeed.initialize under ZeRO-3 of a PeftModel with LoRA on the EP model's experts: the error."""
+def zero3_lora_initialize(rank, experts):
+    """deepspeed.initialize under ZeRO-3 of a PeftModel around the EP model (LoRA on its experts, or on
+    attention only): the error."""
     import deepspeed
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(fresh_model(ep=True, dtype=torch.float32), LoraConfig(
-        r=2, lora_alpha=4, target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
-    epmoe.prepare_deepspeed(model)
+    lora = (LoraConfig(r=2, lora_alpha=4, target_modules=[],
+                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) if experts
+            else LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    model = epmoe.prepare_deepspeed(get_peft_model(fresh_model(ep=True, dtype=torch.float32), lora))
     try:
         deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                              config=ds_config(3))
@@ -422,7 +424,8 @@ def run_all(rank, world, tmp):
                                                      ("offload_optimizer", "cpu")),
         "zero3_nvme_param_initialize": _guard(zero3_refused_initialize, rank, True, ("offload_param", "nvme")),
         "zero3_nvme_optimizer_initialize": _guard(zero3_refused_initialize, rank, True, ("offload_optimizer", "nvme")),
-        "zero3_expert_lora_initialize": _guard(zero3_expert_lora_initialize, rank),
+        "zero3_expert_lora_initialize": _guard(zero3_lora_initialize, rank, True),
+        "zero3_attention_lora_initialize": _guard(zero3_lora_initialize, rank, False),
         "zero3_trainer_ds_optimizer_sgd": _guard(trainer_case, rank, 3, "SGD", tmp),
         "zero3_trainer_trainer_optimizer": _guard(trainer_case, rank, 3, None, tmp),
         "zero3_accelerate_ds_optimizer": _guard(accelerate_case, rank, 3, True),

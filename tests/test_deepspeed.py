@@ -13,7 +13,7 @@ equal the same ZeRO-3 run without EP: losses, norms, every parameter gathered wi
 ``deepspeed.zero.GatheredParameters``; the experts partitioned by DeepSpeed over their expert-data-parallel
 group (the "dp" replicas), the rest over all ranks; ``save_pretrained`` / ``trainer.save_model`` reloaded by
 plain transformers equal the plain run's parameters; the same with parameter or optimizer offload to "cpu".
-Offload to NVMe is refused before the first step, naming the option, and so is LoRA on the experts; an
+Offload to NVMe is refused before the first step, naming the option, and so is a PEFT model; an
 unprepared EP model is refused at its first forward.
 
 Tolerances: the model is float64 (ZeRO 3: float32), but ZeRO keeps float32 master weights, optimizer state and gradient
@@ -146,10 +146,11 @@ def test_zero3_nvme_offload_is_refused_before_a_step_naming_the_option(results):
             assert steps == 0, (case, steps)
 
 
-def test_zero3_with_expert_lora_is_refused_inside_initialize(results):
+def test_zero3_with_peft_is_refused_inside_initialize(results):
     for by_case in results:
-        message = by_case["zero3_expert_lora_initialize"]
-        assert "ZeRO stage 3 with LoRA factors on the experts" in message, message
+        for case in ("zero3_expert_lora_initialize", "zero3_attention_lora_initialize"):
+            message = by_case[case]
+            assert "ZeRO stage 3 with a PEFT model (LoRA)" in message, (case, message)
 
 
 def test_zero3_without_preparation_is_refused_at_the_first_forward(results):

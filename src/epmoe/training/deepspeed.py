@@ -52,8 +52,9 @@ without ZeRO) and writes the complete checkpoint; a prepared Trainer's ``save_mo
 it. Parameter and optimizer offload to ``"cpu"`` (``offload_param``, ``offload_optimizer``) change
 where DeepSpeed keeps the partitions, not what it computes: exact too. Refused inside
 ``deepspeed.initialize`` (before the first step) under stage 3: offload to NVMe (a Trainer or
-accelerator already at ``prepare_trainer`` / ``prepare_accelerator``), LoRA factors on the experts, and
-a DeepSpeed without AutoEP.
+accelerator already at ``prepare_trainer`` / ``prepare_accelerator``), a PEFT model (LoRA on the
+experts or elsewhere: not tested under ZeRO-3, and peft's ``save_pretrained`` would read partitions),
+and a DeepSpeed without AutoEP.
 
 Refused: ``expert_grad="sum"`` (DeepSpeed divides every gradient), DeepSpeed's data-before-expert
 layout and model parallelism. DeepSpeed's own checkpoints (``engine.save_checkpoint``) write each
@@ -86,7 +87,7 @@ REDUCER = "DeepSpeed"
 
 def prepare_deepspeed(model: nn.Module) -> nn.Module:
     """Make ``model`` (expert-parallel, or a PeftModel around one) exact under DeepSpeed ZeRO stage 1, 2 or
-    3 (3: not with LoRA factors on the experts, refused inside ``deepspeed.initialize``); returns it.
+    3 (3: not a PeftModel, refused inside ``deepspeed.initialize``); returns it.
 
     Call on every rank after :func:`epmoe.apply_expert_parallel` (and after adding LoRA factors to
     the experts, if any) and before ``deepspeed.initialize(model=model, ...)``. Idempotent. Give
@@ -336,9 +337,11 @@ def _groups_class() -> type:
             engine = _calling_engine()
             if engine is not None:  # before the optimizer partitions anything
                 check_zero_config(engine._config.zero_config, "deepspeed.initialize on an EP model")
-                if engine.zero_optimization_stage() == 3 and has_expert_lora(self._root):
-                    raise ValueError("deepspeed.initialize on an EP model: DeepSpeed ZeRO stage 3 with LoRA factors "
-                                     "on the experts is not supported; use ZeRO stage 1 or 2")
+                if engine.zero_optimization_stage() == 3 and (has_expert_lora(self._root)
+                                                              or hasattr(self._root, "peft_config")):
+                    raise ValueError("deepspeed.initialize on an EP model: DeepSpeed ZeRO stage 3 with a PEFT model "
+                                     "(LoRA) around an expert-parallel model is not supported (its adapters would be "
+                                     "saved from ZeRO-3's partitions); use ZeRO stage 1 or 2")
             client_optimizer = getattr(engine, "client_optimizer", None)
             if isinstance(client_optimizer, torch.optim.Optimizer):  # before DeepSpeed's own checks of its groups
                 check_moe_param_groups(client_optimizer.param_groups, "deepspeed.initialize on an EP model")
