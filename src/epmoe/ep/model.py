@@ -54,6 +54,7 @@ from epmoe.ep.guard import StepGuard
 
 _MARK = "_epmoe_expert"  # on an expert parameter: the EPModel whose expert it is (read it through expert_owner)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # every EPModel alive (EPModel.holding)
+DEEPSPEED_EXPERT_FAMILY = "autoep_expert"  # DeepSpeed's ZeRO-3 placement of expert parameters (epmoe.prepare_deepspeed)
 
 
 class EPModel:
@@ -220,11 +221,13 @@ class EPModel:
         by :meth:`use_weights` in a forward with gradients); parameters are remembered as checked."""
         leaves = [leaf for w in weights for leaf in _leaves(w)]
         self.started = True
-        if any(hasattr(p, "ds_id") for p in leaves):
+        if any(hasattr(p, "ds_id") and getattr(p, "ds_zero_placement_family", None) != DEEPSPEED_EXPERT_FAMILY
+               for p in leaves):
             raise ValueError(
-                "epmoe: DeepSpeed ZeRO stage 3 partitions every parameter over all ranks, experts included, "
-                "which differ on every EP rank (and DeepSpeed's own MoE support refuses stage 3): use ZeRO "
-                "stage 1 or 2 with epmoe.prepare_deepspeed(model), or FSDP2 with "
+                "epmoe: DeepSpeed ZeRO stage 3 partitions the expert parameters, which differ on every EP rank, "
+                "over all ranks: call epmoe.prepare_deepspeed(model) after apply_expert_parallel and before "
+                "deepspeed.initialize (a Trainer: epmoe.prepare_trainer(trainer)), which puts them on DeepSpeed's "
+                "expert placement, or use FSDP2 with "
                 "fully_shard(..., ignored_params=set(epmoe.expert_parameters(model)))"
             )
         if self.policy.reducer is None and (self._deepspeed or any(hasattr(p, "_hp_mapping") for p in leaves)):
@@ -233,7 +236,7 @@ class EPModel:
                 "ones: its start-up broadcast has overwritten this rank's experts with rank 0's and its reduction "
                 "would mix different experts' gradients. Call epmoe.prepare_deepspeed(model) after "
                 "apply_expert_parallel and before deepspeed.initialize (a Trainer: epmoe.prepare_trainer(trainer) "
-                "before train()); ZeRO stages 1 and 2 are supported"
+                "before train()); ZeRO stages 1, 2 and 3 are supported"
             )
         if layer < len(self._fsdp) and self._fsdp[layer] and not all(is_marked(p) for p in leaves):
             raise ValueError(

@@ -9,7 +9,7 @@ replaces that one method *of this accelerator* (the class is untouched) by
 :func:`epmoe.clip_grad_norm_` after accelerate's own ``unscale_gradients``. Without it, the step
 guard (:mod:`epmoe.ep.guard`) raises at the next forward.
 
-With accelerate's DeepSpeed plugin (ZeRO stage 1 or 2) the DeepSpeed path of
+With accelerate's DeepSpeed plugin (ZeRO stage 1, 2 or 3) the DeepSpeed path of
 :mod:`epmoe.training.deepspeed` is taken instead: this accelerator's ``prepare`` runs
 :func:`epmoe.prepare_deepspeed` on every EP model it is given and moves the expert parameters of
 every torch optimizer it is given into DeepSpeed's MoE param groups (what
@@ -27,7 +27,7 @@ from typing import Any
 from torch import nn
 
 from epmoe.ep.state import ep_states
-from epmoe.training.deepspeed import MARKER, prepare_deepspeed, refuse_zero3, split_moe_param_groups
+from epmoe.training.deepspeed import MARKER, check_plugin, prepare_deepspeed, split_moe_param_groups
 from epmoe.training.launchers import accelerator_clip, remember, remembered, replace
 
 PREPARED = "prepare_accelerator"
@@ -38,7 +38,8 @@ def prepare_accelerator(accelerator: Any) -> Any:
 
     Call once on every rank, before the training loop: before or after ``accelerator.prepare``
     (DDP, FSDP2), before it (DeepSpeed, whose engine is built there). Idempotent. FSDP1 (it shards
-    every parameter, experts included) and DeepSpeed ZeRO stage 3 raise ``ValueError``.
+    every parameter, experts included) and DeepSpeed ZeRO stage 3 with parameter or optimizer offload
+    to NVMe raise ``ValueError``.
     """
     try:
         from accelerate import Accelerator
@@ -62,7 +63,7 @@ def _prepare_deepspeed_path(accelerator: Any) -> None:
     """Under accelerate's DeepSpeed plugin: this accelerator's ``prepare`` makes every EP model it is
     given DeepSpeed's (see the module docstring)."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    refuse_zero3(getattr(plugin, "zero_stage", None), "prepare_accelerator(accelerator)")
+    check_plugin(plugin, "prepare_accelerator(accelerator)")
     engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
     module = getattr(engine, "module", None)
     if isinstance(module, nn.Module) and any(True for _ in ep_states(module)) and not hasattr(module, MARKER):

@@ -3,16 +3,17 @@
 :func:`epmoe.prepare_trainer`, :func:`epmoe.prepare_accelerator` and :func:`epmoe.prepare_deepspeed`
 use the libraries' public hooks where they have one: a ``TrainerCallback`` (the DCP half of a Trainer
 checkpoint), accelerate's FSDP2 plugin (``ignored_modules``), DeepSpeed's MoE protocol (parameter
-marks, ``'moe'`` param groups, a ``deepspeed.moe.layer.MoE`` child). Where none exists, a method is
+marks, ``'moe'`` param groups, a DeepSpeed MoE layer child). Where none exists, a method is
 replaced *on the instance* (the class is untouched). :data:`TABLE` lists every such method, each
-DeepSpeed method epmoe overrides, each private function of another library epmoe calls and the one
-attribute of a DeepSpeed engine it reads, each with its signature as checked against
+DeepSpeed method epmoe overrides, each private function of another library epmoe calls and the
+attributes of a DeepSpeed engine it reads, each with its signature as checked against
 :data:`CHECKED_AGAINST` and why; tests/test_launchers.py fails when one disappears or changes
 signature (on TRL's ``SFTTrainer`` too, which inherits the Trainer methods). Besides methods, epmoe
 writes accelerate's FSDP plugin's ``ignored_modules`` (its configuration, :mod:`epmoe.training.fsdp`)
-and, for the duration of one call, a Trainer's ``is_fsdp_enabled`` (``without_fsdp_branch`` there);
-where :func:`epmoe.prepare_trainer` puts an EP reference model in place of an unsharded one, it removes
-the unsharded one from the list of models the accelerator prepared (``Accelerator._models``; checked by
+and, for the duration of one call, a Trainer's ``is_fsdp_enabled`` (``without_fsdp_branch`` there) or
+``is_deepspeed_enabled`` (``without_deepspeed_branch`` in :mod:`epmoe.training.deepspeed`); where
+:func:`epmoe.prepare_trainer` puts an EP reference model in place of an unsharded one, it removes the
+unsharded one from the list of models the accelerator prepared (``Accelerator._models``; checked by
 tests/test_reference.py), or that list would keep it alive.
 
 What epmoe remembers about other libraries' objects (a Trainer or accelerator prepared, a Trainer
@@ -78,7 +79,8 @@ TABLE = (
     Entry("transformers", "transformers.Trainer", "_save", "(self, output_dir=None, state_dict=None)",
           REPLACED, "the experts are gathered from every rank: the non-writing ranks join save_pretrained"),
     Entry("transformers", "transformers.Trainer", "save_model", "(self, output_dir=None, _internal_call=False)",
-          REPLACED, "FSDP2: Trainer's FSDP branch would save this rank's experts only"),
+          REPLACED, "FSDP2: Trainer's FSDP branch would save this rank's experts only; DeepSpeed ZeRO-3: its branch "
+                    "would gather rank 0's experts only"),
     Entry("transformers", "transformers.Trainer", "_save_optimizer_and_scheduler", "(self, output_dir)",
           REPLACED, "FSDP2: the plugin's optimizer files hold rank 0's experts only"),
     Entry("transformers", "transformers.Trainer", "_load_from_checkpoint", "(self, resume_from_checkpoint, model=None)",
@@ -94,9 +96,10 @@ TABLE = (
           REPLACED, "replay_rollout_routing: the replay stays open through the backward (recomputation)"),
     Entry("trl", "trl.GRPOTrainer", "_compute_loss", "(self, model, inputs)",
           REPLACED, "replay_rollout_routing: the micro-batch's routes are replayed from its forward on"),
-    Entry("deepspeed", "deepspeed.moe.layer.MoE", "set_deepspeed_parallelism",
-          "(self, use_data_before_expert_parallel_=False)",
-          OVERRIDDEN, "the engine calls it on a model's MoE layers: epmoe's expert groups become DeepSpeed's"),
+    Entry("deepspeed", "deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer", "set_deepspeed_parallelism",
+          "(self, use_data_before_expert_parallel_=False, folding_group_handles=None)",
+          OVERRIDDEN, "the engine calls it on a model's MoE layers (AutoEP's: accepted under ZeRO-3 too): epmoe's "
+                      "expert groups become DeepSpeed's"),
     Entry("deepspeed", "deepspeed.utils.groups", "_create_expert_and_data_parallel",
           "(expert_parallel_size_, mp_size=None, pp_size=None, mp_mode='tp', use_data_before_expert_parallel_=False, "
           "folding_spec=None)", CALLED, "what DeepSpeed's own MoE layers call to create the expert groups"),
@@ -107,8 +110,9 @@ TABLE = (
     Entry("deepspeed", "deepspeed.utils.groups", "_get_expert_data_parallel_group", "(group_name)",
           CALLED, "checked against epmoe's 'dp' replicas"),
     Entry("deepspeed", "deepspeed.runtime.engine.DeepSpeedEngine", "_configure_distributed_model", "(self, model)",
-          READ, "calls set_deepspeed_parallelism with engine.client_optimizer set: its param groups are checked "
-                "there, before DeepSpeed's own assertion about unmarked groups"),
+          READ, "calls set_deepspeed_parallelism with engine.client_optimizer and engine._config set: the "
+                "optimizer's param groups and the ZeRO config (stage 3 offload) are checked there, before "
+                "DeepSpeed's own assertion about unmarked groups and before anything is partitioned"),
 )
 
 _ALSO_ON = {"transformers.Trainer": ("trl.SFTTrainer",)}  # subclasses users prepare, whose methods must match

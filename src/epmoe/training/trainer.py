@@ -20,13 +20,13 @@ model's ``save_pretrained`` (:mod:`epmoe.checkpoint.save`) without writing. Trai
 continues exactly, at any world size. Which methods of this trainer are replaced, and why: the
 launcher table, :mod:`epmoe.training.launchers`.
 
-DeepSpeed (``TrainingArguments(deepspeed=...)``): ZeRO stages 1 and 2 through DeepSpeed's own MoE
+DeepSpeed (``TrainingArguments(deepspeed=...)``): ZeRO stages 1, 2 and 3 through DeepSpeed's own MoE
 support, see :mod:`epmoe.training.deepspeed` (the expert param groups made at the accelerator's
 ``prepare``, :mod:`epmoe.training.accelerate`); there DeepSpeed clips and reduces, and Trainer
-checkpoints are refused (``save_model`` works). accelerate's FSDP2 plugin
+checkpoints are refused (``save_model`` works; under ZeRO-3 it gathers the partitions). accelerate's FSDP2 plugin
 (``TrainingArguments(fsdp=..., fsdp_config={"version": 2})``): its ``ignored_modules`` set to the
-experts, Trainer's clip and saving routed as above, see :mod:`epmoe.training.fsdp`. ZeRO stage 3 and
-FSDP1 shard every parameter, experts included: refused; so are ``save_on_each_node`` and
+experts, Trainer's clip and saving routed as above, see :mod:`epmoe.training.fsdp`. FSDP1 shards
+every parameter, experts included: refused; so are ZeRO-3 with NVMe offload, ``save_on_each_node`` and
 ``load_best_model_at_end`` (see the errors). An unsharded ``trainer.ref_model`` (TRL's DPO and GRPO
 trainers load one from the policy's path when given ``ref_model=None``) is replaced by an EP twin with
 its weights (:mod:`epmoe.training.reference`).
