@@ -325,18 +325,19 @@ def pretrained_any_size(rank, world, root):
 def sharded_load(rank, world, root, families):
     """For each family, in the Hub layout (a plain save_pretrained: per-expert keys) and, for the first,
     the packed v5 layout: epmoe.from_pretrained vs from_pretrained then apply_expert_parallel: every
-    parameter and buffer bitwise, and the logits; the first family also with a named grouped-matmul
-    backend."""
+    parameter and buffer bitwise (dtypes included), and the logits; the first family also with a named
+    grouped-matmul backend, and from bf16 checkpoints in both layouts (loaded as float32: cast)."""
     from epmoe.models import _family_config
     import transformers
 
     out = {}
-    cases = [(family, layout) for family in families
-             for layout in (("hub", "packed", "named backend") if family == families[0] else ("hub",))]
+    firsts = ("hub", "packed", "named backend", "hub bf16", "packed bf16")
+    cases = [(family, layout) for family in families for layout in (firsts if family == families[0] else ("hub",))]
     for family, layout in cases:
         path = os.path.join(root, f"{family}-{layout}")
         if rank == 0:
-            build_model(family, dtype=torch.float32).save_pretrained(path, save_original_format=layout != "packed")
+            saved = torch.bfloat16 if layout.endswith("bf16") else torch.float32
+            build_model(family, dtype=saved).save_pretrained(path, save_original_format=not layout.startswith("packed"))
         dist.barrier()
         cls = getattr(transformers, _family_config(family, 8, 2)[1])
         ref = cls.from_pretrained(path, dtype=torch.float32)
@@ -352,7 +353,8 @@ def sharded_load(rank, world, root, families):
         theirs = dict(ref.named_parameters()) | dict(ref.named_buffers())
         out[f"{family}/{layout}"] = {
             "same_names": set(mine) == set(theirs),
-            "unequal": sorted(k for k in theirs if k in mine and not torch.equal(mine[k], theirs[k])),
+            "unequal": sorted(k for k in theirs if k in mine and not (mine[k].dtype == theirs[k].dtype
+                                                                      and torch.equal(mine[k], theirs[k]))),
             "logits_error": err,
             "class": type(model) is cls,
             "local_experts": all(s.num_local_experts == 8 // world for s in shards),

@@ -88,13 +88,15 @@ def check_pair_then_world(rank, pair_then_world, apply_without_peers):
 
 def test_from_pretrained_reads_only_local_experts(tmp_path):
     """epmoe.from_pretrained equals from_pretrained then apply_expert_parallel (every parameter and buffer
-    bitwise, logits to 1e-6) for every family epmoe.models builds, from the Hub layout and the packed layout,
-    and with a named grouped-matmul backend (chosen at the first forward, not on the meta weights)."""
+    bitwise, dtypes included, logits to 1e-6) for every family epmoe.models builds, from the Hub layout and
+    the packed layout, with a named grouped-matmul backend (chosen at the first forward, not on the meta
+    weights), and from bf16 checkpoints of both layouts loaded as float32 (the experts cast while packed,
+    or after reading)."""
     from checkpoint_workers import sharded_load
     from epmoe.models import FAMILIES
 
     for rank, by_case in enumerate(run_ranks(sharded_load, 2, str(tmp_path), list(FAMILIES), timeout=300)):
-        assert len(by_case) == len(FAMILIES) + 2
+        assert len(by_case) == len(FAMILIES) + 4
         for case, result in by_case.items():
             assert result["same_names"] and not result["unequal"], (rank, case, result["unequal"][:4])
             # the same weights, bit for bit; BLAS may round differently on differently aligned buffers
@@ -107,8 +109,8 @@ def test_from_pretrained_materialises_only_local_experts(tmp_path):
     """4 ranks, a Hub-layout checkpoint of 16 experts in 2 layers, loaded at EP 4 and at EP 2 (a ("dp",
     "ep") mesh): each rank reads its own experts' per-expert tensors and no other (6 per local expert:
     gate, up, down of 2 layers), each expert converter is handed exactly its E/W local tensors per key,
-    and the gate and up pieces are packed once per layer by MergeConcatenate; the model keeps
-    transformers' own conversions (MergeModulelist, Concatenate) for saving."""
+    and MergeConcatenate packs them, once per packed tensor (gate_up_proj, down_proj of 2 layers); the
+    model keeps transformers' own conversions (MergeModulelist, Concatenate) for saving."""
     from checkpoint_workers import local_reads
 
     for rank, by_case in enumerate(run_ranks(local_reads, 4, str(tmp_path), timeout=300)):
@@ -119,7 +121,7 @@ def test_from_pretrained_materialises_only_local_experts(tmp_path):
             assert seen["read"] == sorted(local * 6), (rank, case, seen["read"])
             assert seen["skipped"] == (16 - len(local)) * 6, (rank, case, seen["skipped"])
             assert seen["handed"] == [16 // ep_size] * 6, (rank, case, seen["handed"])
-            assert seen["packed"] == 2, (rank, case, seen["packed"])
+            assert seen["packed"] == 4, (rank, case, seen["packed"])
             assert seen["kept_ops"] == ["Concatenate", "MergeModulelist"], (rank, case, seen["kept_ops"])
 
 

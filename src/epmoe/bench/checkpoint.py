@@ -9,6 +9,7 @@ ranks (peak memory is per process), side by side in one run::
     epmoe.from_pretrained  every rank reads only its experts (shard-on-read)
     ... packed layout      the same from a checkpoint saved in transformers' packed layout
                            (save_original_format=False): no per-expert conversion while loading
+    ... bf16 checkpoint    the same from the Hub layout saved in bfloat16 (loaded as float32: cast)
     save_pretrained        epmoe.from_pretrained, then save_pretrained on every rank (rank 0 writes)
 
 Per rank: the peak of ``RssAnon`` (private anonymous memory, the number that must fit; clean
@@ -48,7 +49,9 @@ from epmoe.ep.state import sharded_experts
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
 
-VARIANTS = ("build then EP", "from_pretrained + EP", "epmoe.from_pretrained", "... packed layout", "save_pretrained")
+VARIANTS = ("build then EP", "from_pretrained + EP", "epmoe.from_pretrained", "... packed layout",
+            "... bf16 checkpoint", "save_pretrained")
+CHECKPOINTS = {"... packed layout": "-packed", "... bf16 checkpoint": "-bf16"}  # the variant's path suffix
 EP_SIZES = (2, 4)
 ALLOCATORS = {"default": {}, "tuned": {"MALLOC_MMAP_THRESHOLD_": str(2**20)}}  # the ranks' malloc variables
 MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
@@ -102,7 +105,8 @@ def measure(kwargs: dict, ep_sizes, variants=VARIANTS, allocators=tuple(ALLOCATO
         path = os.path.join(root, "model")
         model = build_model("qwen3_moe", **kwargs)
         model.save_pretrained(path)
-        model.save_pretrained(path + "-packed", save_original_format=False)
+        model.save_pretrained(path + CHECKPOINTS["... packed layout"], save_original_format=False)
+        model.to(torch.bfloat16).save_pretrained(path + CHECKPOINTS["... bf16 checkpoint"])
         del model
         for ep_size in ep_sizes:
             for variant in variants:
@@ -183,8 +187,7 @@ def _rank(rank: int, world: int, path: str, kwargs: dict, variant: str, save_dir
         model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
         epmoe.apply_expert_parallel(model)
     else:
-        packed = variant == "... packed layout"
-        model, _ = epmoe.from_pretrained(Qwen3MoeForCausalLM, path + "-packed" * packed, dtype=torch.float32)
+        model, _ = epmoe.from_pretrained(Qwen3MoeForCausalLM, path + CHECKPOINTS.get(variant, ""), dtype=torch.float32)
         if variant == "save_pretrained":
             gc.collect()
             sampler.stop()

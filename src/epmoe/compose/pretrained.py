@@ -41,12 +41,12 @@ def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=
         def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
             found["shards"] = apply_expert_parallel(model, ep_group, config=ep_config)
             expert_keys = as_meta_dtensors(model)
-            load_config, originals = one_copy_conversions(load_config)
+            load_config, originals = one_copy_conversions(load_config, expert_keys)
             info = model_class._load_pretrained_model(model, state_dict, checkpoint_files, load_config,
                                                       expected_keys)
             restore_conversions(model, originals)
             raise_on_every_rank(load_error(info[0], expert_keys), found["shards"], model)
-            as_local_parameters(model)
+            as_local_parameters(model, expert_keys)
             return info
 
     ShardedLoad.__name__ = ShardedLoad.__qualname__ = model_class.__name__
