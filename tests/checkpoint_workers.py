@@ -325,18 +325,19 @@ def pretrained_any_size(rank, world, root):
 def sharded_load(rank, world, root, families):
     """For each family, in the Hub layout (a plain save_pretrained: per-expert keys) and, for the first,
     the packed v5 layout: epmoe.from_pretrained vs from_pretrained then apply_expert_parallel: every
-    parameter and buffer bitwise, and the logits; the first family also with a named grouped-matmul
-    backend."""
+    parameter and buffer bitwise (dtypes included), and the logits; the first family also with a named
+    grouped-matmul backend, and from bf16 checkpoints in both layouts (loaded as float32: cast)."""
     from epmoe.models import _family_config
     import transformers
 
     out = {}
-    cases = [(family, layout) for family in families
-             for layout in (("hub", "packed", "named backend") if family == families[0] else ("hub",))]
+    firsts = ("hub", "packed", "named backend", "hub bf16", "packed bf16")
+    cases = [(family, layout) for family in families for layout in (firsts if family == families[0] else ("hub",))]
     for family, layout in cases:
         path = os.path.join(root, f"{family}-{layout}")
         if rank == 0:
-            build_model(family, dtype=torch.float32).save_pretrained(path, save_original_format=layout != "packed")
+            saved = torch.bfloat16 if layout.endswith("bf16") else torch.float32
+            build_model(family, dtype=saved).save_pretrained(path, save_original_format=not layout.startswith("packed"))
         dist.barrier()
         cls = getattr(transformers, _family_config(family, 8, 2)[1])
         ref = cls.from_pretrained(path, dtype=torch.float32)
@@ -352,12 +353,69 @@ def sharded_load(rank, world, root, families):
         theirs = dict(ref.named_parameters()) | dict(ref.named_buffers())
         out[f"{family}/{layout}"] = {
             "same_names": set(mine) == set(theirs),
-            "unequal": sorted(k for k in theirs if k in mine and not torch.equal(mine[k], theirs[k])),
+            "unequal": sorted(k for k in theirs if k in mine and not (mine[k].dtype == theirs[k].dtype
+                                                                      and torch.equal(mine[k], theirs[k]))),
             "logits_error": err,
             "class": type(model) is cls,
             "local_experts": all(s.num_local_experts == 8 // world for s in shards),
             "marked": len(epmoe.expert_parameters(model)) == len(epmoe.expert_parameters(ref)) > 0,
         }
+    return out
+
+
+def local_reads(rank, world, root):
+    """epmoe.from_pretrained of a Hub-layout checkpoint (16 experts, 2 layers) at EP 4 (the whole
+    world) and at EP 2 (a ("dp", "ep") mesh), counting what transformers' loader materialises on this
+    rank: the experts whose per-expert tensors it read (``DtensorShardOperation.shard_tensor`` not
+    returning None), how many tensors each expert converter was handed, and how many packed tensors
+    MergeConcatenate built. Also: the conversions kept for saving are transformers' own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import Qwen3MoeForCausalLM
+    from transformers.core_model_loading import WeightConverter
+    from transformers.distributed.sharding_utils import DtensorShardOperation
+
+    from epmoe.checkpoint.load import MergeConcatenate
+
+    path = os.path.join(root, "hub")
+    if rank == 0:
+        build_model("qwen3_moe", num_experts=16).save_pretrained(path)
+    dist.barrier()
+    seen = {"read": [], "skipped": 0, "handed": [], "packed": 0}
+    shard_tensor, materialize, convert = (DtensorShardOperation.shard_tensor, WeightConverter.materialize_tensors,
+                                          MergeConcatenate.convert)
+
+    def counting_shard(self, source, tensor_idx=None, device=None, dtype=None):
+        out = shard_tensor(self, source, tensor_idx, device, dtype)
+        if tensor_idx is not None and out is None:
+            seen["skipped"] += 1
+        elif tensor_idx is not None:
+            seen["read"].append(tensor_idx)
+        return out
+
+    def counting_materialize(self):
+        tensors = materialize(self)
+        seen["handed"].extend(len(group) for group in tensors.values())
+        return tensors
+
+    def counting_convert(self, *args, **kwargs):
+        seen["packed"] += 1
+        return convert(self, *args, **kwargs)
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "ep"))
+    out = {}
+    DtensorShardOperation.shard_tensor, WeightConverter.materialize_tensors = counting_shard, counting_materialize
+    MergeConcatenate.convert = counting_convert
+    try:
+        for case, group in (("ep4", None), ("ep2", mesh)):
+            seen.update(read=[], skipped=0, handed=[], packed=0)
+            model, shards = epmoe.from_pretrained(Qwen3MoeForCausalLM, path, group, dtype=torch.float32)
+            kept = [type(op).__name__ for conversion in model._weight_conversions
+                    for op in getattr(conversion, "operations", ())]
+            local = list(range(shards[0].local_start, shards[0].local_end))
+            out[case] = {**seen, "read": sorted(seen["read"]), "local": local, "kept_ops": sorted(set(kept))}
+    finally:
+        DtensorShardOperation.shard_tensor, WeightConverter.materialize_tensors = shard_tensor, materialize
+        MergeConcatenate.convert = convert
     return out
 
 

@@ -9,21 +9,25 @@ ranks (peak memory is per process), side by side in one run::
     epmoe.from_pretrained  every rank reads only its experts (shard-on-read)
     ... packed layout      the same from a checkpoint saved in transformers' packed layout
                            (save_original_format=False): no per-expert conversion while loading
+    ... bf16 checkpoint    the same from the Hub layout saved in bfloat16 (loaded as float32: cast)
     save_pretrained        epmoe.from_pretrained, then save_pretrained on every rank (rank 0 writes)
 
-Per rank, sampled every 2 ms by a thread: the peak of ``RssAnon`` (private anonymous memory, the
-number that must fit; clean file-backed pages of the memory-mapped checkpoint are not in it) above
-the baseline, and ``VmHWM`` (peak resident set, file pages included). The baseline is taken after
-imports, and for ``save_pretrained`` after loading (what it holds beyond the loaded model). The
-reference is what the rank must hold anyway: for loading, non-expert weights + its own experts'
-weights (goal: ``epmoe.from_pretrained`` within 1.25x of it); for saving, one experts module's
-gathered weights (all ``E`` experts of one layer; goal: within 1x of it beyond the loaded model).
-Linux only (``/proc/self/status``).
+Per rank: the peak of ``RssAnon`` (private anonymous memory, the number that must fit; clean
+file-backed pages of the memory-mapped checkpoint are not in it), sampled every 2 ms by a thread,
+and the peak resident set (``VmHWM``, file pages included, reset through ``/proc/self/clear_refs``
+at the baseline), each above its value at the baseline. The baseline is taken after imports, and
+for ``save_pretrained`` after loading (what it holds beyond the loaded model). The reference is
+what the rank must hold anyway: for loading, non-expert weights + its own experts' weights (goal:
+``epmoe.from_pretrained`` within 1.25x of it in private memory, within 2.5x in resident set); for
+saving, one experts module's gathered weights (all ``E`` experts of one layer; goal: within 1x of
+it beyond the loaded model). Linux only (``/proc/self/status``).
 
-The ranks run with ``MALLOC_MMAP_THRESHOLD_=1048576`` unless it is set already: with glibc's default
-(a threshold that rises to the largest buffer freed, up to 32 MiB) freed buffers of this model's
-sizes (16-32 MiB) stay in the heap and count in ``RssAnon`` though no tensor holds them, while the
-experts tensors of real models (hundreds of MiB) are returned to the system either way.
+Every variant runs twice, side by side, under two settings of glibc's allocator: ``default``
+(the ranks' environment without ``MALLOC_*`` or ``GLIBC_TUNABLES`` variables: what a user gets)
+and ``tuned`` (``MALLOC_MMAP_THRESHOLD_=1048576``). With the default, the threshold above which a
+buffer is mapped on its own rises to the largest buffer freed (up to 32 MiB), so freed buffers of
+this model's sizes (1-32 MiB) stay in the heap and count in ``RssAnon`` though no tensor holds
+them; the tuned setting maps every buffer above 1 MiB on its own and returns it when freed.
 """
 
 from __future__ import annotations
@@ -45,10 +49,17 @@ from epmoe.ep.state import sharded_experts
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
 
-VARIANTS = ("build then EP", "from_pretrained + EP", "epmoe.from_pretrained", "... packed layout", "save_pretrained")
+VARIANTS = ("build then EP", "from_pretrained + EP", "epmoe.from_pretrained", "... packed layout",
+            "... bf16 checkpoint", "save_pretrained")
+CHECKPOINTS = {"... packed layout": "-packed", "... bf16 checkpoint": "-bf16"}  # the variant's path suffix
 EP_SIZES = (2, 4)
-HEADERS = ("EP size", "variant", "peak private MiB above baseline (max rank)", "reference MiB", "peak / reference",
-           "VmHWM MiB (max rank)", "seconds")
+ALLOCATORS = {"default": {}, "tuned": {"MALLOC_MMAP_THRESHOLD_": str(2**20)}}  # the ranks' malloc variables
+MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
+                    "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST", "GLIBC_TUNABLES")
+HEADERS = ("EP size", "variant", "reference MiB",
+           *(f"{what} ({allocator})" for allocator in ALLOCATORS
+             for what in ("private MiB", "private / ref", "RSS MiB", "RSS / ref")),
+           "seconds (default)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("epmoe bench checkpoint reads /proc/self/status: Linux only")
     settings = common.configure(args)
     rows = measure(model_kwargs(args, settings.quick), EP_SIZES[:1] if settings.quick else EP_SIZES)
-    table = common.markdown_table(HEADERS, rows, align="llrrrrr")
+    table = common.markdown_table(HEADERS, rows, align="ll" + "r" * (len(HEADERS) - 2))
     print(table)
     if settings.out:
         with open(settings.out, "w") as out:
@@ -82,38 +93,48 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(kwargs: dict, ep_sizes) -> list[tuple]:
-    """One row per (EP size, variant): the max over ranks of each rank's numbers."""
+def measure(kwargs: dict, ep_sizes, variants=VARIANTS, allocators=tuple(ALLOCATORS)) -> list[tuple]:
+    """One row per (EP size, variant): the reference, then per allocator setting (``ALLOCATORS``)
+    the peak private memory and peak resident set above the baseline, in MiB and over the reference,
+    each the max over ranks; last the seconds under the first setting."""
+    for allocator in allocators:
+        if allocator not in ALLOCATORS:
+            raise ValueError(f"measure(allocators): expected names from {tuple(ALLOCATORS)}, got {allocator!r}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="epmoe-bench-checkpoint-") as root:
         path = os.path.join(root, "model")
         model = build_model("qwen3_moe", **kwargs)
         model.save_pretrained(path)
-        model.save_pretrained(path + "-packed", save_original_format=False)
+        model.save_pretrained(path + CHECKPOINTS["... packed layout"], save_original_format=False)
+        model.to(torch.bfloat16).save_pretrained(path + CHECKPOINTS["... bf16 checkpoint"])
         del model
         for ep_size in ep_sizes:
-            for variant in VARIANTS:
-                with _environment(MALLOC_MMAP_THRESHOLD_=str(2**20)):
-                    results = run_ranks(_rank, ep_size, path, kwargs, variant, os.path.join(root, "saved"),
-                                        threads_per_rank=1, timeout=900)
-                peak = max(r["peak_anon"] for r in results)
-                reference = max(r["reference"] for r in results)
-                rows.append((str(ep_size), variant, f"{peak / 2**20:.1f}", f"{reference / 2**20:.1f}",
-                             f"{peak / reference:.2f}", f"{max(r['hwm'] for r in results) / 2**20:.1f}",
-                             f"{max(r['seconds'] for r in results):.1f}"))
+            for variant in variants:
+                row, seconds = [], []
+                for allocator in allocators:
+                    with _allocator(ALLOCATORS[allocator]):
+                        results = run_ranks(_rank, ep_size, path, kwargs, variant, os.path.join(root, "saved"),
+                                            threads_per_rank=1, timeout=900)
+                    reference = max(r["reference"] for r in results)
+                    for key in ("peak_anon", "peak_rss"):
+                        peak = max(r[key] for r in results)
+                        row += [f"{peak / 2**20:.1f}", f"{peak / reference:.2f}"]
+                    seconds.append(max(r["seconds"] for r in results))
+                rows.append((str(ep_size), variant, f"{reference / 2**20:.1f}", *row, f"{seconds[0]:.1f}"))
     return rows
 
 
 @contextlib.contextmanager
-def _environment(**defaults: str) -> Iterator[None]:
-    """``defaults`` in the environment the ranks are spawned with, where not set already."""
-    added = {k: v for k, v in defaults.items() if k not in os.environ}
-    os.environ.update(added)
+def _allocator(variables: dict[str, str]) -> Iterator[None]:
+    """The environment the ranks are spawned with: glibc's malloc variables exactly ``variables``."""
+    saved = {key: os.environ.pop(key) for key in MALLOC_VARIABLES if key in os.environ}
+    os.environ.update(variables)
     try:
         yield
     finally:
-        for key in added:
-            del os.environ[key]
+        for key in variables:
+            os.environ.pop(key, None)
+        os.environ.update(saved)
 
 
 class _Peak:
@@ -135,6 +156,13 @@ class _Peak:
         return max(self.peak, _status("RssAnon"))
 
 
+def _reset_peak_rss() -> int:
+    """Resets ``VmHWM`` to the current resident set (``/proc/self/clear_refs``); returns that (bytes)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status("VmRSS")
+
+
 def _status(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -149,7 +177,7 @@ def _rank(rank: int, world: int, path: str, kwargs: dict, variant: str, save_dir
     from transformers import Qwen3MoeForCausalLM
 
     gc.collect()
-    baseline = _status("RssAnon")
+    baseline, baseline_rss = _status("RssAnon"), _reset_peak_rss()
     sampler = _Peak()
     start = time.perf_counter()
     if variant == "build then EP":
@@ -159,12 +187,12 @@ def _rank(rank: int, world: int, path: str, kwargs: dict, variant: str, save_dir
         model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
         epmoe.apply_expert_parallel(model)
     else:
-        packed = variant == "... packed layout"
-        model, _ = epmoe.from_pretrained(Qwen3MoeForCausalLM, path + "-packed" * packed, dtype=torch.float32)
+        model, _ = epmoe.from_pretrained(Qwen3MoeForCausalLM, path + CHECKPOINTS.get(variant, ""), dtype=torch.float32)
         if variant == "save_pretrained":
             gc.collect()
             sampler.stop()
-            baseline, sampler, start = _status("RssAnon"), _Peak(), time.perf_counter()
+            baseline, baseline_rss = _status("RssAnon"), _reset_peak_rss()
+            sampler, start = _Peak(), time.perf_counter()
             model.save_pretrained(save_dir)
     seconds = time.perf_counter() - start
     peak = sampler.stop()
@@ -173,7 +201,8 @@ def _rank(rank: int, world: int, path: str, kwargs: dict, variant: str, save_dir
                         for _, module, state in sharded_experts(model))
     else:  # local: non-experts + own experts
         reference = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"peak_anon": peak - baseline, "reference": reference, "hwm": _status("VmHWM"), "seconds": seconds}
+    return {"peak_anon": peak - baseline, "peak_rss": _status("VmHWM") - baseline_rss, "reference": reference,
+            "seconds": seconds}
 
 
 def _document(args: argparse.Namespace, settings: common.Settings, table: str) -> str:

@@ -2,8 +2,9 @@
 
 transformers distributes a model before loading in ``_load_pretrained_model``; epmoe loads through a
 subclass of the user's class, made for the call, whose ``_load_pretrained_model`` first applies EP
-to the meta model, then lets transformers' loader read this rank's experts only
-(:mod:`epmoe.checkpoint.load`). Everything else (buffers such as rotary ``inv_freq``, tied weights,
+to the meta model, then lets transformers' loader read this rank's experts only, packing the Hub's
+per-expert keys with one copy (through a copy of the call's ``load_config``:
+:mod:`epmoe.checkpoint.load`). Everything else (buffers such as rotary ``inv_freq``, tied weights,
 missing-key initialisation, dtype handling, ``config=`` and every other keyword) is transformers'
 own. The result equals ``from_pretrained`` followed by :func:`epmoe.apply_expert_parallel`.
 
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 
 from epmoe.checkpoint.state_dict_warning import own_state_dict
-from epmoe.checkpoint.load import as_local_parameters, as_meta_dtensors, load_error, raise_on_every_rank
+from epmoe.checkpoint.load import (as_local_parameters, as_meta_dtensors, load_error, one_copy_conversions,
+                                   raise_on_every_rank, restore_conversions)
 from epmoe.compose.apply import apply_expert_parallel
 from epmoe.ep.lora import mark_full_shapes
 from epmoe.ep.params import expert_parameters
@@ -39,10 +41,12 @@ def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=
         def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
             found["shards"] = apply_expert_parallel(model, ep_group, config=ep_config)
             expert_keys = as_meta_dtensors(model)
+            load_config, originals = one_copy_conversions(load_config, expert_keys)
             info = model_class._load_pretrained_model(model, state_dict, checkpoint_files, load_config,
                                                       expected_keys)
+            restore_conversions(model, originals)
             raise_on_every_rank(load_error(info[0], expert_keys), found["shards"], model)
-            as_local_parameters(model)
+            as_local_parameters(model, expert_keys)
             return info
 
     ShardedLoad.__name__ = ShardedLoad.__qualname__ = model_class.__name__
