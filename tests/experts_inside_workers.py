@@ -127,6 +127,52 @@ def shared_parameters_fsdp2_case(rank, world, kind):
     return compare(rank, world, ref, model, shards, scale=1.0 / world, average=True)
 
 
+class _WithLoss(torch.nn.Module):
+    """A Trainer-facing model: ``forward(input_ids) -> {"loss": loss_of(inner, input_ids[0])}`` (one
+    sample per device, itself a batch)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids):
+        return {"loss": loss_of(self.inner, input_ids[0])}
+
+
+def shared_parameters_trainer_case(rank, world, kind):
+    """The same under ``transformers.Trainer`` (``prepare_trainer``; DDP inside): one SGD step of
+    learning rate 1 on each rank's batch moves every parameter by minus the unsharded model's gradient
+    averaged over the ranks' batches (experts: their rows of it), whichever rank got which batch."""
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    ref = build_custom(kind)
+    model = _WithLoss(copy.deepcopy(ref))  # the module DDP wraps is the EP model
+    shards = epmoe.apply_expert_parallel(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    samples = Dataset.from_dict({"input_ids": [batch_of(source).tolist() for source in range(world)]})
+    samples.set_format("torch")
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=1, optim="sgd",
+                             learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+                             use_cpu=True, report_to=[], save_strategy="no", remove_unused_columns=False)
+    trainer = epmoe.prepare_trainer(Trainer(model=model, args=args, train_dataset=samples))
+    trainer.train()
+    _, _, summed = reference_grads(ref, rank, world)
+    experts = {id(p) for p in epmoe.expert_parameters(model)}
+    inside = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters()}
+    errors = {"loss": 0.0, "expert": 0.0, "shared": 0.0, "other": 0.0}
+    counted = {"expert": 0, "shared": 0, "other": 0}
+    for name, p in model.named_parameters():
+        kind_of = "expert" if id(p) in experts else "shared" if id(p) in inside else "other"
+        expected = -local_slice(name, summed[name.removeprefix("inner.")], model, shards) / world
+        errors[kind_of] = max(errors[kind_of], max_rel(p.detach() - before[name], expected))
+        counted[kind_of] += 1
+    errors["counted"] = counted
+    return errors
+
+
 def float32_family_case(rank, world, family):
     """A family whose experts forward computes in float32. bfloat16: EP over every rank and the model
     without EP (the family's own experts loop), each one's distance from the float64 model on this
@@ -186,6 +232,8 @@ def all_cases():
     cases["shared_ddp/module_list"] = (shared_parameters_ddp_case, ("module_list",))
     cases["shared_fsdp2/packed"] = (shared_parameters_fsdp2_case, ("packed",))
     cases["shared_fsdp2/module_list"] = (shared_parameters_fsdp2_case, ("module_list",))
+    cases["shared_trainer/packed"] = (shared_parameters_trainer_case, ("packed",))
+    cases["shared_trainer/module_list"] = (shared_parameters_trainer_case, ("module_list",))
     for family in FLOAT32_FAMILIES:
         cases[f"float32/{family}"] = (float32_family_case, (family,))
     return cases

@@ -92,6 +92,18 @@ def test_shared_parameters_under_fsdp2_are_averaged(kind):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("kind", ["packed", "module_list"])
+def test_shared_parameters_under_trainer_are_averaged(kind):
+    """transformers.Trainer (prepare_trainer, DDP inside): one SGD step moves the shared parameters,
+    like every other, by the mean over ranks of the unsharded model's gradients on their batches."""
+    for rank, errors in enumerate(results_of(f"shared_trainer/{kind}")):
+        assert errors["counted"]["shared"] > 0 and errors["counted"]["expert"] > 0
+        for what in ("expert", "shared", "other"):
+            assert errors[what] <= EXACT, f"{kind} Trainer rank {rank}: {what} relative error {errors[what]:.3g}"
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("family", FLOAT32_FAMILIES)
 def test_float32_families_in_bf16_as_close_as_without_ep(family):
     """bfloat16 EP 2 within ``BF16_FACTOR`` of the run without EP in distance from float64 (per-token
