@@ -159,16 +159,42 @@ def shared_parameters_trainer_case(rank, world, kind):
                              use_cpu=True, report_to=[], save_strategy="no", remove_unused_columns=False)
     trainer = epmoe.prepare_trainer(Trainer(model=model, args=args, train_dataset=samples))
     trainer.train()
+    return _step_errors(rank, world, ref, model, shards, before, learning_rate=1.0)
+
+
+def shared_parameters_deepspeed_case(rank, world, kind):
+    """The same under DeepSpeed ZeRO-2 (``prepare_deepspeed``, DeepSpeed's SGD, no clipping): one step
+    moves every parameter by minus the learning rate times that mean gradient."""
+    import deepspeed
+
+    from deepspeed_workers import ds_config  # sets DS_ACCELERATOR=cpu before deepspeed is imported
+
+    ref = build_custom(kind)
+    model = _WithLoss(copy.deepcopy(ref))
+    shards = epmoe.apply_expert_parallel(model)
+    epmoe.prepare_deepspeed(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = ds_config(2, optimizer="SGD", clip=0.0)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=config)
+    engine.backward(engine(batch_of(rank).unsqueeze(0))["loss"])
+    engine.step()
+    return _step_errors(rank, world, ref, model, shards, before, learning_rate=config["optimizer"]["params"]["lr"])
+
+
+def _step_errors(rank, world, ref, model, shards, before, learning_rate):
+    """Relative errors of one SGD step of ``model`` (a :class:`_WithLoss`, its parameters ``before``
+    the step) against ``-learning_rate`` times the unsharded ``ref``'s gradient averaged over the
+    ranks' batches (experts: their rows of it), by kind (``expert``, ``shared``, ``other``)."""
     _, _, summed = reference_grads(ref, rank, world)
     experts = {id(p) for p in epmoe.expert_parameters(model)}
     inside = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters()}
     errors = {"loss": 0.0, "expert": 0.0, "shared": 0.0, "other": 0.0}
     counted = {"expert": 0, "shared": 0, "other": 0}
     for name, p in model.named_parameters():
-        kind_of = "expert" if id(p) in experts else "shared" if id(p) in inside else "other"
-        expected = -local_slice(name, summed[name.removeprefix("inner.")], model, shards) / world
-        errors[kind_of] = max(errors[kind_of], max_rel(p.detach() - before[name], expected))
-        counted[kind_of] += 1
+        kind = "expert" if id(p) in experts else "shared" if id(p) in inside else "other"
+        expected = -learning_rate * local_slice(name, summed[name.removeprefix("inner.")], model, shards) / world
+        errors[kind] = max(errors[kind], max_rel(p.detach() - before[name], expected))
+        counted[kind] += 1
     errors["counted"] = counted
     return errors
 
@@ -234,6 +260,8 @@ def all_cases():
     cases["shared_fsdp2/module_list"] = (shared_parameters_fsdp2_case, ("module_list",))
     cases["shared_trainer/packed"] = (shared_parameters_trainer_case, ("packed",))
     cases["shared_trainer/module_list"] = (shared_parameters_trainer_case, ("module_list",))
+    cases["shared_deepspeed/packed"] = (shared_parameters_deepspeed_case, ("packed",))
+    cases["shared_deepspeed/module_list"] = (shared_parameters_deepspeed_case, ("module_list",))
     for family in FLOAT32_FAMILIES:
         cases[f"float32/{family}"] = (float32_family_case, (family,))
     return cases

@@ -92,14 +92,19 @@ def test_shared_parameters_under_fsdp2_are_averaged(kind):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("launcher", ["trainer", "deepspeed"])
 @pytest.mark.parametrize("kind", ["packed", "module_list"])
-def test_shared_parameters_under_trainer_are_averaged(kind):
-    """transformers.Trainer (prepare_trainer, DDP inside): one SGD step moves the shared parameters,
-    like every other, by the mean over ranks of the unsharded model's gradients on their batches."""
-    for rank, errors in enumerate(results_of(f"shared_trainer/{kind}")):
+def test_shared_parameters_under_trainer_and_deepspeed_are_averaged(kind, launcher):
+    """transformers.Trainer (prepare_trainer, DDP inside) and DeepSpeed ZeRO-2 (prepare_deepspeed): one
+    SGD step moves the shared parameters, like every other, by the mean over ranks of the unsharded
+    model's gradients on their batches (experts: their rows of it)."""
+    # DeepSpeed's ZeRO steps float32 copies of the weights: their rounding, relative to the step's size
+    # (not the weights'), reaches 2e-5; a gradient averaged wrongly misses by tens of percent
+    bound = 1e-4 if launcher == "deepspeed" else EXACT
+    for rank, errors in enumerate(results_of(f"shared_{launcher}/{kind}")):
         assert errors["counted"]["shared"] > 0 and errors["counted"]["expert"] > 0
         for what in ("expert", "shared", "other"):
-            assert errors[what] <= EXACT, f"{kind} Trainer rank {rank}: {what} relative error {errors[what]:.3g}"
+            assert errors[what] <= bound, f"{kind} {launcher} rank {rank}: {what} relative error {errors[what]:.3g}"
 
 
 @pytest.mark.multirank
