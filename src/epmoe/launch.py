@@ -1,7 +1,8 @@
 """Run a function on N local ranks of a fresh process group, with bounded time and honest errors.
 
-Used by ``epmoe demo`` and by the multi-rank tests. Each rank is a spawned process that joins a
-process group over 127.0.0.1 on a free port; the first rank to fail ends every other rank, and its
+Used by ``epmoe demo`` and by the multi-rank tests. Each rank is a new process (spawned, or forked
+from a server that imported epmoe once: :data:`START_METHODS`) that joins a process group over
+127.0.0.1 on a free port; the first rank to fail ends every other rank, and its
 traceback is raised in the parent as :class:`RankError`. A rank that dies without a word (killed
 by a signal, ``os._exit``) is the one blamed, not the survivors whose collectives then fail
 ("Connection reset by peer"). Nothing waits forever: collectives carry the group's timeout and the
@@ -37,7 +38,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, backend, timeout, threads, results, args) -> None:
+# How ranks start. "spawn": a fresh interpreter each, which imports torch, transformers and epmoe
+# again (seconds per rank). "forkserver": forked from one server process started at the first such
+# call with epmoe imported, kept for this process's lifetime; a rank gets the caller's environment
+# variables as they are at the call, but what a process reads only when it starts (glibc's MALLOC_*
+# variables, OpenMP's) it has from when the server started. EPMOE_START_METHOD sets the default.
+START_METHODS = ("spawn", "forkserver")
+FORKSERVER_PRELOAD = ["epmoe"]
+
+
+def _worker(fn, rank, world_size, port, backend, timeout, threads, results, args, env) -> None:
+    if env is not None:  # forked from the server: the caller's environment, not the server's
+        os.environ.clear()
+        os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     os.environ.setdefault("LOCAL_RANK", str(rank))
     try:
@@ -86,13 +99,18 @@ def _died(rank: int, exitcode: int) -> str:
 
 
 def _start_ranks(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float,
-                 threads: int) -> tuple[list, Any]:
-    """``(processes, results queue)``: ``world_size`` spawned ranks running :func:`_worker` on a free port."""
-    ctx = mp.get_context("spawn")
+                 threads: int, start_method: str) -> tuple[list, Any]:
+    """``(processes, results queue)``: ``world_size`` ranks running :func:`_worker` on a free port."""
+    ctx = mp.get_context(start_method)
+    env = None
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+        env = dict(os.environ)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, timeout, threads, results, args),
-                         daemon=True) for rank in range(world_size)]
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(fn, rank, world_size, port, backend, timeout, threads, results, args, env))
+             for rank in range(world_size)]
     for proc in procs:
         proc.start()
     return procs, results
@@ -121,11 +139,14 @@ def run_ranks(
     backend: str = "gloo",
     timeout: float = 300.0,
     threads_per_rank: int | None = None,
+    start_method: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; return results by rank.
 
     ``fn`` must be importable (module level). ``threads_per_rank`` defaults to an even share of the
-    machine's cores. Raises :class:`RankError` naming the ranks that died without a word (signal or
+    machine's cores. ``start_method`` (one of :data:`START_METHODS`; default ``EPMOE_START_METHOD``,
+    else ``"spawn"``): ``"forkserver"`` saves each rank the imports, for callers that start ranks
+    many times; a measurement of what a fresh process holds needs ``"spawn"``. Raises :class:`RankError` naming the ranks that died without a word (signal or
     exit code) and the first failing rank's traceback, or ``TimeoutError`` after ``timeout``
     seconds; either way every rank is stopped.
     """
@@ -133,8 +154,12 @@ def run_ranks(
         raise ValueError(f"run_ranks(world_size): expected a positive int, got {world_size!r}")
     if timeout <= 0:
         raise ValueError(f"run_ranks(timeout): expected a positive number of seconds, got {timeout!r}")
+    start_method = start_method or os.environ.get("EPMOE_START_METHOD") or "spawn"
+    if start_method not in START_METHODS:
+        raise ValueError(f"run_ranks(start_method) (or EPMOE_START_METHOD): expected one of {START_METHODS}, "
+                         f"got {start_method!r}")
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
-    procs, results = _start_ranks(fn, world_size, args, backend, timeout, threads)
+    procs, results = _start_ranks(fn, world_size, args, backend, timeout, threads, start_method)
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}  # rank -> traceback, in the order they arrived
     deaths: dict[int, int] = {}  # rank -> exit code, for ranks that exited without reporting
