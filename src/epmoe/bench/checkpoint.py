@@ -22,9 +22,9 @@ what the rank must hold anyway: for loading, non-expert weights + its own expert
 saving, one experts module's gathered weights (all ``E`` experts of one layer; goal: within 1x of
 it beyond the loaded model). Linux only (``/proc/self/status``).
 
-Every variant runs twice, side by side, under two settings of glibc's allocator: ``default``
-(the ranks' environment without ``MALLOC_*`` or ``GLIBC_TUNABLES`` variables: what a user gets)
-and ``tuned`` (``MALLOC_MMAP_THRESHOLD_=1048576``). With the default, the threshold above which a
+Every variant runs twice, side by side, under two settings of glibc's allocator (``--quick``: the
+first only): ``default`` (the ranks' environment without ``MALLOC_*`` or ``GLIBC_TUNABLES``
+variables: what a user gets) and ``tuned`` (``MALLOC_MMAP_THRESHOLD_=1048576``). With the default, the threshold above which a
 buffer is mapped on its own rises to the largest buffer freed (up to 32 MiB), so freed buffers of
 this model's sizes (1-32 MiB) stay in the heap and count in ``RssAnon`` though no tensor holds
 them; the tuned setting maps every buffer above 1 MiB on its own and returns it when freed.
@@ -56,10 +56,14 @@ EP_SIZES = (2, 4)
 ALLOCATORS = {"default": {}, "tuned": {"MALLOC_MMAP_THRESHOLD_": str(2**20)}}  # the ranks' malloc variables
 MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
                     "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST", "GLIBC_TUNABLES")
-HEADERS = ("EP size", "variant", "reference MiB",
-           *(f"{what} ({allocator})" for allocator in ALLOCATORS
-             for what in ("private MiB", "private / ref", "RSS MiB", "RSS / ref")),
-           "seconds (default)")
+
+
+def headers(allocators: tuple[str, ...]) -> tuple[str, ...]:
+    """The table's columns for the allocator settings measured (``ALLOCATORS``' names, in order)."""
+    return ("EP size", "variant", "reference MiB",
+            *(f"{what} ({allocator})" for allocator in allocators
+              for what in ("private MiB", "private / ref", "RSS MiB", "RSS / ref")),
+            f"seconds ({allocators[0]})")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,8 +87,12 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.exists("/proc/self/status"):
         raise ValueError("epmoe bench checkpoint reads /proc/self/status: Linux only")
     settings = common.configure(args)
-    rows = measure(model_kwargs(args, settings.quick), EP_SIZES[:1] if settings.quick else EP_SIZES)
-    table = common.markdown_table(HEADERS, rows, align="ll" + "r" * (len(HEADERS) - 2))
+    # --quick: one EP size under the default allocator only, a smoke run of every variant
+    allocators = ("default",) if settings.quick else tuple(ALLOCATORS)
+    rows = measure(model_kwargs(args, settings.quick), EP_SIZES[:1] if settings.quick else EP_SIZES,
+                   allocators=allocators)
+    columns = headers(allocators)
+    table = common.markdown_table(columns, rows, align="ll" + "r" * (len(columns) - 2))
     print(table)
     if settings.out:
         with open(settings.out, "w") as out:
@@ -113,8 +121,9 @@ def measure(kwargs: dict, ep_sizes, variants=VARIANTS, allocators=tuple(ALLOCATO
                 row, seconds = [], []
                 for allocator in allocators:
                     with _allocator(ALLOCATORS[allocator]):
+                        # fresh interpreters: glibc reads its malloc variables at process start
                         results = run_ranks(_rank, ep_size, path, kwargs, variant, os.path.join(root, "saved"),
-                                            threads_per_rank=1, timeout=900)
+                                            threads_per_rank=1, timeout=900, start_method="spawn")
                     reference = max(r["reference"] for r in results)
                     for key in ("peak_anon", "peak_rss"):
                         peak = max(r[key] for r in results)
