@@ -75,22 +75,14 @@ def family_parity(rank: int, world: int, family: Family) -> dict:
     sharded = {id(p) for p in epmoe.expert_parameters(model)}
     expert_names = {n for n, p in model.named_parameters() if id(p) in sharded}
     ref_params = dict(ref.named_parameters(remove_duplicate=False))  # tied experts: each name its own
-    expert_sum = {n: torch.zeros_like(ref_params[n]) for n in expert_names}
-    reached, rounds_to = set(), set()
-    for source in range(world):
-        ref.zero_grad()
-        torch.manual_seed(source)
-        with _Narrowing(ref) as narrowing:
-            ref_out, ref_loss = loss_of(ref(**inputs(family, source, LENGTHS[source])))
-        rounds_to.update(narrowing.to)
-        ref_loss.backward()
-        for name in expert_names:
-            if ref_params[name].grad is not None:
-                expert_sum[name] += ref_params[name].grad
-                reached.add(name)
-        if source == rank:
-            errors = {"output": max_rel(out, ref_out), "loss": max_rel(loss, ref_loss)}
-            own = {n: p.grad.clone() for n, p in ref_params.items() if p.grad is not None}
+    torch.manual_seed(rank)
+    with _Narrowing(ref) as narrowing:
+        ref_out, ref_loss = loss_of(ref(**inputs(family, rank, LENGTHS[rank])))
+    ref_loss.backward()
+    errors = {"output": max_rel(out, ref_out), "loss": max_rel(loss, ref_loss)}
+    own = {n: p.grad.clone() for n, p in ref_params.items() if p.grad is not None}
+    expert_sum, reached = summed_over_ranks({n: ref_params[n].grad for n in expert_names}, ref_params)
+    rounds_to = set().union(*gathered(narrowing.to))
     errors.update(non_expert_grads=0.0, expert_grads=0.0)
     # a gradient 1e4 times below the largest one is compared to that scale: a router nothing reaches
     # (DeepSeek-V4's hash-routed first layers) has a gradient of rounding noise, 1e-20
@@ -116,6 +108,28 @@ def family_parity(rank: int, world: int, family: Family) -> dict:
     return {"errors": errors, "compared": compared, "rounds_to": str(narrowest).removeprefix("torch.") if narrowest else None}
 
 
+def gathered(obj) -> list:
+    """Every rank's ``obj``, by rank."""
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def summed_over_ranks(grads: dict[str, torch.Tensor | None], params: dict) -> tuple[dict, set[str]]:
+    """The unsharded model's gradients summed over every rank's batch, from each rank's own
+    (``grads``, by name; ``None`` where its batch reaches none): added in rank order into zeros, as one
+    process accumulating every rank's batch in turn would (bitwise, in the gradients' dtype); and the
+    names some rank's batch reaches. Each rank runs the unsharded model on its own batch only."""
+    total = {n: torch.zeros_like(params[n]) for n in grads}
+    reached = set()
+    for per_rank in gathered(grads):
+        for name, grad in per_rank.items():
+            if grad is not None:
+                total[name] += grad
+                reached.add(name)
+    return total, reached
+
+
 def local_rows(full: torch.Tensor, name: str, param: torch.Tensor, shards: list) -> torch.Tensor:
     """The rows of the unsharded expert tensor ``full`` this rank's ``param`` (named ``name``) holds:
     its experts' rows (``param.shape[0] / e`` rows each: one for packed experts, ``I`` for stacked rows)."""
@@ -139,13 +153,12 @@ def bf16_distances(rank: int, world: int, family: Family) -> dict:
     outs, grads = {}, {}  # by dtype: the unsharded model's output on this rank's batch, its experts' gradients
     for dtype, ref in ((torch.float64, ref64), (torch.bfloat16, ref16)):
         params = dict(ref.named_parameters())
-        for source in range(world):
-            torch.manual_seed(source)
-            out = ref(**inputs(family, source, LENGTHS[source]))[0]
-            out.float().square().mean().backward()
-            if source == rank:
-                outs[dtype] = out.detach()
-        grads[dtype] = torch.cat([local_rows(params[n].grad.double(), n, p, shards).reshape(-1) for n, p in experts])
+        torch.manual_seed(rank)
+        out = ref(**inputs(family, rank, LENGTHS[rank]))[0]
+        out.float().square().mean().backward()
+        outs[dtype] = out.detach()
+        summed, _ = summed_over_ranks({n: params[n].grad for n, _ in experts}, params)
+        grads[dtype] = torch.cat([local_rows(summed[n].double(), n, p, shards).reshape(-1) for n, p in experts])
     grads_ep = torch.cat([p.grad.double().reshape(-1) for _, p in experts])
 
     def distance(x: torch.Tensor, x64: torch.Tensor) -> float:  # 0 where float64 has nothing (no gradient)
