@@ -269,3 +269,10 @@ def exits_quietly(rank, world):
     time.sleep(0.5)
     dist.barrier()
     return "unreachable"
+
+
+def what_a_rank_sees(rank, world):
+    """This rank's process id and its ``EPMOE_PROBE`` environment variable."""
+    import os
+
+    return os.getpid(), os.environ.get("EPMOE_PROBE")

@@ -9,7 +9,9 @@ libraries' objects in one registry, not in attributes on them."""
 import dataclasses
 import gc
 import importlib.metadata
+import os
 import re
+import time
 import weakref
 
 import pytest
@@ -103,6 +105,21 @@ def test_run_ranks_blames_a_rank_that_exits_with_code_0_without_reporting():
     with pytest.raises(RankError) as caught:
         run_ranks(exits_quietly, 2, timeout=60)
     assert str(caught.value).startswith("rank 1 died with exit code 0 without reporting an error"), str(caught.value)
+
+
+@pytest.mark.multirank
+def test_run_ranks_start_methods_give_fresh_ranks_the_callers_environment(monkeypatch):
+    """Both start methods: new processes each call, the caller's environment variables as they are
+    at the call (forkserver: not the server's from when it started); a bad method is refused by name."""
+    from launcher_workers import what_a_rank_sees
+
+    for method in ("spawn", "forkserver", "forkserver"):
+        monkeypatch.setenv("EPMOE_PROBE", f"{method} {time.monotonic()}")
+        seen = run_ranks(what_a_rank_sees, 2, timeout=120, start_method=method)
+        assert [probe for _, probe in seen] == [os.environ["EPMOE_PROBE"]] * 2, (method, seen)
+        assert len({pid for pid, _ in seen} | {os.getpid()}) == 3, (method, seen)
+    with pytest.raises(ValueError, match=r"run_ranks\(start_method\).*'fork'"):
+        run_ranks(what_a_rank_sees, 2, start_method="fork")
 
 
 def _installed(library):
