@@ -2,8 +2,8 @@
 
 Used by ``epmoe demo`` and by the multi-rank tests. Each rank is a new process (spawned, or forked
 from a server that imported epmoe once: :data:`START_METHODS`) that joins a process group over
-127.0.0.1 on a free port; the first rank to fail ends every other rank, and its
-traceback is raised in the parent as :class:`RankError`. A rank that dies without a word (killed
+127.0.0.1 on a free port; the first rank to fail ends every other rank, and its traceback is raised
+in the parent as :class:`RankError`. A rank that dies without a word (killed
 by a signal, ``os._exit``) is the one blamed, not the survivors whose collectives then fail
 ("Connection reset by peer"). Nothing waits forever: collectives carry the group's timeout and the
 parent gives up after ``timeout`` seconds.
@@ -146,9 +146,10 @@ def run_ranks(
     ``fn`` must be importable (module level). ``threads_per_rank`` defaults to an even share of the
     machine's cores. ``start_method`` (one of :data:`START_METHODS`; default ``EPMOE_START_METHOD``,
     else ``"spawn"``): ``"forkserver"`` saves each rank the imports, for callers that start ranks
-    many times; a measurement of what a fresh process holds needs ``"spawn"``. Raises :class:`RankError` naming the ranks that died without a word (signal or
-    exit code) and the first failing rank's traceback, or ``TimeoutError`` after ``timeout``
-    seconds; either way every rank is stopped.
+    many times; a measurement of what a fresh process holds needs ``"spawn"``. Raises
+    :class:`RankError` naming the ranks that died without a word (signal or exit code) and the first
+    failing rank's traceback, or ``TimeoutError`` after ``timeout`` seconds; either way every rank
+    is stopped.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"run_ranks(world_size): expected a positive int, got {world_size!r}")

@@ -24,10 +24,10 @@ it beyond the loaded model). Linux only (``/proc/self/status``).
 
 Every variant runs twice, side by side, under two settings of glibc's allocator (``--quick``: the
 first only): ``default`` (the ranks' environment without ``MALLOC_*`` or ``GLIBC_TUNABLES``
-variables: what a user gets) and ``tuned`` (``MALLOC_MMAP_THRESHOLD_=1048576``). With the default, the threshold above which a
-buffer is mapped on its own rises to the largest buffer freed (up to 32 MiB), so freed buffers of
-this model's sizes (1-32 MiB) stay in the heap and count in ``RssAnon`` though no tensor holds
-them; the tuned setting maps every buffer above 1 MiB on its own and returns it when freed.
+variables: what a user gets) and ``tuned`` (``MALLOC_MMAP_THRESHOLD_=1048576``). With the default,
+the threshold above which a buffer is mapped on its own rises to the largest buffer freed (up to 32
+MiB), so freed buffers of this model's sizes (1-32 MiB) stay in the heap and count in ``RssAnon``
+though no tensor holds them; the tuned setting maps every buffer above 1 MiB on its own and returns it when freed.
 """
 
 from __future__ import annotations
