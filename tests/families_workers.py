@@ -269,6 +269,61 @@ def save_round_trip(rank: int, world: int, root: str, family: Family) -> dict:
     return {"keys": keys, "unequal": unequal, "missing": sorted(info["missing_keys"]), "logits": max_rel(out, expected)}
 
 
+def dcp_round_trip(rank: int, world: int, root: str, family: Family) -> dict:
+    """``family``'s EP model (fp64) after one AdamW step, ``epmoe.get_state_dict`` -> ``dcp.save``; then
+    ``dcp.load`` into a fresh EP model and optimizer (``epmoe.set_state_dict``) and into the unsharded
+    model's plain state dict (the experts with weights: zero-computation experts' rows are never read
+    and not kept): ``{"resumed": names of parameters or Adam moments not bitwise the saved ones,
+    "unsharded": names whose full tensor's rows of this rank's experts (the rest: the whole tensor)
+    are not bitwise the EP model's, "experts": expert tensors compared}``."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    def trained():
+        model = build(family)
+        shards = epmoe.apply_expert_parallel(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, shards, optimizer
+
+    model, shards, optimizer = trained()
+    torch.manual_seed(rank)
+    loss_of(model(**inputs(family, rank, LENGTHS[rank])))[1].backward()
+    optimizer.step()
+    experts = {id(p) for p in epmoe.expert_parameters(model)}
+    for param in model.parameters():  # replicas as data parallelism keeps them: rank 0's (each rank's batch differs)
+        if id(param) not in experts:
+            for tensor in (param.data, *optimizer.state[param].values()):
+                dist.broadcast(tensor, 0)
+    path = os.path.join(root, f"{family.name}-dcp")
+    saved = epmoe.get_state_dict(model, optimizer)
+    dcp.save(saved, checkpoint_id=path)
+
+    fresh, _, fresh_optimizer = trained()
+    state = epmoe.get_state_dict(fresh, fresh_optimizer)
+    dcp.load(state, checkpoint_id=path)
+    epmoe.set_state_dict(fresh, fresh_optimizer, state=state)
+    saved_moments, loaded_moments = (dict(zip((n for n, _ in model.named_parameters()), opt.state.values()))
+                                     for opt in (optimizer, fresh_optimizer))
+    resumed = [n for (n, p), q in zip(model.named_parameters(), fresh.parameters()) if not torch.equal(p, q)]
+    resumed += [f"{n}.{k}" for n, moments in saved_moments.items() for k, v in moments.items()
+                if not torch.equal(v, loaded_moments[n][k])]
+
+    # tied weights once; zero-computation experts' rows (never read, not kept under EP) left out
+    full = {k: v[:saved["model"][k].shape[0]].clone() for k, v in get_model_state_dict(build(family)).items()
+            if k in saved["model"]}
+    dcp.load({"model": full}, checkpoint_id=path)
+    unsharded, compared = [], 0
+    for name, param in model.named_parameters():
+        expected = full[name]
+        if id(param) in experts:
+            expected, compared = local_rows(expected, name, param, shards), compared + 1
+        if not torch.equal(param.detach(), expected):
+            unsharded.append(name)
+    return {"resumed": resumed, "unsharded": unsharded, "experts": compared}
+
+
 def zero_experts_only(rank: int, world: int, family: Family) -> dict:
     """``family``'s zero-computation experts module under EP called on a batch that chooses only zero
     experts on the last rank (it sends nothing) and real and zero experts on the others: ``{"output":
@@ -296,8 +351,9 @@ def zero_experts_only(rank: int, world: int, family: Family) -> dict:
 
 
 def stacked_and_zero_cases(rank: int, world: int, root: str, families: list[Family]) -> dict:
-    """:func:`bf16_distances` and :func:`save_round_trip` of every family, and
+    """:func:`bf16_distances`, :func:`save_round_trip` and :func:`dcp_round_trip` of every family, and
     :func:`zero_experts_only` of LongCat-Flash, in one spawn."""
     return {"bf16": {f.name: bf16_distances(rank, world, f) for f in families},
             "saved": {f.name: save_round_trip(rank, world, root, f) for f in families},
+            "dcp": {f.name: dcp_round_trip(rank, world, root, f) for f in families},
             "zero_only": zero_experts_only(rank, world, next(f for f in families if f.name == "longcat_flash"))}

@@ -273,8 +273,11 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
     rank writes the keys a plain save of the unsharded model writes, and the family's own
     ``from_pretrained`` loads every weight of the unsharded model bitwise (LongCat-Flash's
     ``gate_up_proj`` rows of its zero-computation experts, never read, as zeros), nothing missing,
-    the same logits (fp32, 1e-6). LongCat-Flash's experts with one rank's tokens choosing zero experts
-    only (that rank sends no row): the family's own output and input gradient on every rank."""
+    the same logits (fp32, 1e-6). A DCP checkpoint of each (``epmoe.get_state_dict`` after an AdamW
+    step) resumes bitwise into a fresh EP model and optimizer, and loads into the unsharded model's
+    state dict with every expert under its global index. LongCat-Flash's experts with one rank's
+    tokens choosing zero experts only (that rank sends no row): the family's own output and input
+    gradient on every rank."""
     fams = [found()["dbrx"], found()["longcat_flash"]]
     out = run_ranks(stacked_and_zero_cases, 2, str(tmp_path), fams, timeout=900)
     for family in fams:
@@ -283,6 +286,10 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
         for metric in ("losses", "expert_grads"):
             ep, no_ep = (sum(r[metric][k] for r in per_rank) for k in ("ep", "no_ep"))
             assert ep <= BF16_FACTOR * no_ep, f"{family.name} bf16 {metric}: EP {ep:.4g}, without EP {no_ep:.4g}"
+    for family in fams:
+        for rank, dcp in enumerate(r["dcp"][family.name] for r in out):
+            assert dcp["experts"] > 0, (family.name, rank, dcp)
+            assert not dcp["resumed"] and not dcp["unsharded"], (family.name, rank, dcp)
     for zero_only in (r["zero_only"] for r in out):  # the last rank's tokens chose zero experts only
         assert zero_only["output"] <= 1e-12 and zero_only["hidden_grad"] <= 1e-12, zero_only
     for saved in (r["saved"][f.name] for r in out for f in fams):
