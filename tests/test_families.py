@@ -310,3 +310,25 @@ def test_input_weighted_blocks_on_the_meta_device_are_refused_with_what_to_do(tm
     with pytest.raises(ValueError, match=r"Llama4TextMoe's weights are on the meta device .* then call "
                                          r"epmoe\.apply_expert_parallel"):
         epmoe.from_pretrained(type(model), tmp_path, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("with_attention", [False, True])
+def test_lora_on_stacked_rows_experts_is_refused_not_left_out(with_attention):
+    """PEFT LoRA on DBRX's stacked-rows expert weights after epmoe (one process): its factors would span
+    every expert and the module around the holder calls epmoe's forward, not peft's wrapper, so the
+    LoRA would silently do nothing (with LoRA on attention too, training would run). The first forward,
+    and epmoe.expert_parameters, raise naming the module and what to do instead."""
+    peft = pytest.importorskip("peft")
+    import epmoe
+
+    family = found()["dbrx"]
+    model = families.build(family)
+    epmoe.apply_expert_parallel(model)
+    config = peft.LoraConfig(r=2, target_modules=["Wqkv"] if with_attention else [],
+                             target_parameters=["w1", "v1", "w2"])
+    model = peft.get_peft_model(model, config)
+    match = r"transformer\.blocks\.0\.ffn\.experts\.mlp: PEFT LoRA on stacked-rows expert weights \(w1, v1, w2.*target_parameters"
+    with pytest.raises(ValueError, match=match):
+        model(**families.inputs(family, 0, 5))
+    with pytest.raises(ValueError, match=match):
+        epmoe.expert_parameters(model)

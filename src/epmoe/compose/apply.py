@@ -228,8 +228,9 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if sharded:
                 warn_on_bare_state_dict(module)
-                if block is not None:  # LoRA factors peft makes for all E experts: narrowed before use
-                    install_settle_hook(block, name.rsplit(".", 1)[1])
+            if block is not None and (sharded or owner is not module):
+                # LoRA factors peft makes for all E experts: narrowed before use (on stacked rows: refused)
+                install_settle_hook(block, name.rsplit(".", 1)[1])
             if takes_every_token(module):  # the block calls them with every token: it gets epmoe's forward
                 block.forward = types.MethodType(input_weighted_block_forward, block)
             elif transport == "fused" and block is not None and is_shared_expert_block(block, module):

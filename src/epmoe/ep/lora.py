@@ -29,6 +29,7 @@ Not covered: a further adapter added to an existing wrapper after it settled (pe
 from ``num_experts``, the local ``e``: a correct start, drawn differently from the unsharded
 model's), LoRA on ``nn.ModuleList`` experts' Linears (only the local experts have Linears to wrap),
 and a ``copy.deepcopy`` of an EP model (``nn.Parameter`` copies drop attributes, ``ds_shape`` included).
+Refused (:func:`refuse_unsupported`): LoRA on stacked-rows experts.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import functools
 import torch
 from torch import nn
 
-from epmoe.ep.recognize import peft_base
+from epmoe.ep.recognize import peft_base, stacked_rows
 from epmoe.ep.state import ExpertParallelState, sharded_experts, state_of
 
 FULL_SHAPE = "ds_shape"  # the attribute peft reads for a partitioned parameter's whole shape
@@ -62,8 +63,10 @@ def clear_full_shapes(model: nn.Module) -> None:
 
 def settle_expert_lora(model: nn.Module) -> None:
     """Narrow every PEFT LoRA wrapper of ``model`` that holds factors for all ``E`` experts of sharded
-    packed experts to this rank's experts (see the module docstring). Idempotent, local (no collective)."""
+    packed experts to this rank's experts (see the module docstring). Idempotent, local (no collective).
+    Raises ``ValueError`` for a wrapper epmoe cannot run (:func:`refuse_unsupported`)."""
     for module in model.modules():
+        refuse_unsupported(module)
         state = _unsettled(module)
         if state is not None:
             _narrow(module, state)
@@ -77,10 +80,27 @@ def install_settle_hook(block: nn.Module, attribute: str) -> None:
 def _settle_before_forward(attribute: str, block: nn.Module, args) -> None:
     module = block._modules.get(attribute)
     while module is not None and hasattr(module, "lora_A"):  # peft nests one wrapper per adapted parameter
+        refuse_unsupported(module)
         if _unsettled(module) is not None:
             _settle_now(module)
             return
         module = getattr(module, "base_layer", None)
+
+
+def refuse_unsupported(module: nn.Module) -> None:
+    """``ValueError`` if ``module`` is a PEFT LoRA wrapper of stacked-rows experts (DBRX's ``w1`` /
+    ``v1`` / ``w2``, each expert's rows in one 2-D tensor) that epmoe runs: LoRA factors on such a
+    tensor span every expert, so an expert-parallel rank cannot hold its experts' part of them, and
+    the module around the holder calls epmoe's forward, not the wrapper (its LoRA would be left out)."""
+    base = peft_base(module)
+    state = state_of(base) if base is not None else None
+    layout = stacked_rows(base) if state is not None else None
+    if layout is not None:
+        raise ValueError(
+            f"epmoe: {state.shard.module_name}: PEFT LoRA on stacked-rows expert weights ({', '.join(layout.names)}: "
+            "every expert's rows in one 2-D tensor) is not supported: its factors span every expert, which "
+            "expert parallelism splits (the family's own forward does not run such a wrapper either). Leave "
+            "these weights out of target_parameters (LoRA on attention and other Linears works)")
 
 
 @torch.compiler.disable
