@@ -350,10 +350,27 @@ def zero_experts_only(rank: int, world: int, family: Family) -> dict:
     return {"output": max_rel(out, ref_out), "hidden_grad": max_rel(grad, ref_grad)}
 
 
+def lora_on_experts(rank: int, world: int, family: Family) -> str | None:
+    """PEFT LoRA on every per-expert weight of ``family``'s EP model: the error of its first forward
+    (``None`` if it ran)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = build(family)
+    epmoe.apply_expert_parallel(model)
+    experts = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if epmoe.is_expert_parameter(p)}
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=[], target_parameters=sorted(experts)))
+    try:
+        model(**inputs(family, rank, LENGTHS[rank]))
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def stacked_and_zero_cases(rank: int, world: int, root: str, families: list[Family]) -> dict:
-    """:func:`bf16_distances`, :func:`save_round_trip` and :func:`dcp_round_trip` of every family, and
-    :func:`zero_experts_only` of LongCat-Flash, in one spawn."""
+    """:func:`bf16_distances`, :func:`save_round_trip`, :func:`dcp_round_trip` and :func:`lora_on_experts`
+    of every family, and :func:`zero_experts_only` of LongCat-Flash, in one spawn."""
     return {"bf16": {f.name: bf16_distances(rank, world, f) for f in families},
             "saved": {f.name: save_round_trip(rank, world, root, f) for f in families},
             "dcp": {f.name: dcp_round_trip(rank, world, root, f) for f in families},
+            "lora": {f.name: lora_on_experts(rank, world, f) for f in families},
             "zero_only": zero_experts_only(rank, world, next(f for f in families if f.name == "longcat_flash"))}

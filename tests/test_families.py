@@ -277,7 +277,8 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
     step) resumes bitwise into a fresh EP model and optimizer, and loads into the unsharded model's
     state dict with every expert under its global index. LongCat-Flash's experts with one rank's
     tokens choosing zero experts only (that rank sends no row): the family's own output and input
-    gradient on every rank."""
+    gradient on every rank. PEFT LoRA on either's experts raises at the first forward on every rank,
+    naming the module (see :func:`test_lora_on_stacked_rows_experts_is_refused_not_left_out`)."""
     fams = [found()["dbrx"], found()["longcat_flash"]]
     out = run_ranks(stacked_and_zero_cases, 2, str(tmp_path), fams, timeout=900)
     for family in fams:
@@ -290,6 +291,9 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
         for rank, dcp in enumerate(r["dcp"][family.name] for r in out):
             assert dcp["experts"] > 0, (family.name, rank, dcp)
             assert not dcp["resumed"] and not dcp["unsharded"], (family.name, rank, dcp)
+    for family, what in (("dbrx", "stacked-rows expert weights"), ("longcat_flash", "experts beside zero-computation")):
+        for lora in (r["lora"][family] for r in out):
+            assert lora is not None and f"PEFT LoRA on {what}" in lora and ".experts" in lora, (family, lora)
     for zero_only in (r["zero_only"] for r in out):  # the last rank's tokens chose zero experts only
         assert zero_only["output"] <= 1e-12 and zero_only["hidden_grad"] <= 1e-12, zero_only
     for saved in (r["saved"][f.name] for r in out for f in fams):

@@ -29,7 +29,8 @@ Not covered: a further adapter added to an existing wrapper after it settled (pe
 from ``num_experts``, the local ``e``: a correct start, drawn differently from the unsharded
 model's), LoRA on ``nn.ModuleList`` experts' Linears (only the local experts have Linears to wrap),
 and a ``copy.deepcopy`` of an EP model (``nn.Parameter`` copies drop attributes, ``ds_shape`` included).
-Refused (:func:`refuse_unsupported`): LoRA on stacked-rows experts.
+Refused (:func:`refuse_unsupported`): LoRA on stacked-rows experts, and on sharded experts beside
+zero-computation experts.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import functools
 import torch
 from torch import nn
 
-from epmoe.ep.recognize import peft_base, stacked_rows
+from epmoe.ep.recognize import peft_base, stacked_rows, zero_experts
 from epmoe.ep.state import ExpertParallelState, sharded_experts, state_of
 
 FULL_SHAPE = "ds_shape"  # the attribute peft reads for a partitioned parameter's whole shape
@@ -88,19 +89,30 @@ def _settle_before_forward(attribute: str, block: nn.Module, args) -> None:
 
 
 def refuse_unsupported(module: nn.Module) -> None:
-    """``ValueError`` if ``module`` is a PEFT LoRA wrapper of stacked-rows experts (DBRX's ``w1`` /
-    ``v1`` / ``w2``, each expert's rows in one 2-D tensor) that epmoe runs: LoRA factors on such a
-    tensor span every expert, so an expert-parallel rank cannot hold its experts' part of them, and
-    the module around the holder calls epmoe's forward, not the wrapper (its LoRA would be left out)."""
+    """``ValueError`` if ``module`` is a PEFT LoRA wrapper of experts epmoe cannot give LoRA exactly:
+    stacked-rows experts (DBRX's ``w1`` / ``v1`` / ``w2``, each expert's rows in one 2-D tensor: factors
+    spanning every expert, which expert parallelism splits, and the module around the holder calls
+    epmoe's forward, not the wrapper, whose LoRA would be left out), and sharded experts beside
+    zero-computation experts (LongCat-Flash's: peft sizes the unsharded model's factors over every row
+    of ``gate_up_proj``, the zero experts' never-read rows included, which a shard does not keep, so
+    the factors would be drawn unlike the unsharded model's)."""
     base = peft_base(module)
     state = state_of(base) if base is not None else None
-    layout = stacked_rows(base) if state is not None else None
+    if state is None:
+        return
+    layout = stacked_rows(base)
     if layout is not None:
-        raise ValueError(
-            f"epmoe: {state.shard.module_name}: PEFT LoRA on stacked-rows expert weights ({', '.join(layout.names)}: "
-            "every expert's rows in one 2-D tensor) is not supported: its factors span every expert, which "
-            "expert parallelism splits (the family's own forward does not run such a wrapper either). Leave "
-            "these weights out of target_parameters (LoRA on attention and other Linears works)")
+        what = f"stacked-rows expert weights ({', '.join(layout.names)}: every expert's rows in one 2-D tensor)"
+        why = ("its factors span every expert, which expert parallelism splits (the family's own forward does "
+               "not run such a wrapper either)")
+    elif zero_experts(base) and state.shard.ep_size > 1:
+        what = "experts beside zero-computation experts"
+        why = ("peft sizes the unsharded model's factors over the zero experts' never-read rows too, which a "
+               "shard does not keep, so they would start unlike the unsharded model's")
+    else:
+        return
+    raise ValueError(f"epmoe: {state.shard.module_name}: PEFT LoRA on {what} is not supported: {why}. Leave these "
+                     "weights out of target_parameters (LoRA on attention and other Linears works)")
 
 
 @torch.compiler.disable
