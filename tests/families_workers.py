@@ -175,9 +175,62 @@ def bf16_distances(rank: int, world: int, family: Family) -> dict:
             "experts": len(experts)}
 
 
+def lora_parity(rank: int, world: int, family: Family) -> dict:
+    """PEFT LoRA (``target_parameters``: every per-expert tensor, random A and B) on ``family``'s EP model
+    against the same LoRA on the unsharded model, the same seed: ``{"errors": {"output": ..., "lora_grads":
+    ...}, "compared": LoRA factors}``, each factor's gradient against the unsharded one's summed over the
+    ranks' batches, narrowed to this rank's experts (``lora_A`` ``(r*E, in)`` expert-major, ``lora_B``
+    ``(out, r*E)`` expert-minor); or ``{"refused": message}`` (epmoe's ``ValueError``), or
+    ``{"without_ep": error}`` where peft's LoRA does not run on the unsharded model either."""
+    from peft import LoraConfig, get_peft_model
+
+    ref = build(family)
+    model = copy.deepcopy(ref)
+    shards = epmoe.apply_expert_parallel(model)
+    targets = sorted({n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if epmoe.is_expert_parameter(p)})
+    config = LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=[], target_parameters=targets)
+    torch.manual_seed(1)
+    ref = get_peft_model(ref, config)
+    torch.manual_seed(rank)
+    try:
+        ref_out, ref_loss = loss_of(ref(**inputs(family, rank, LENGTHS[rank])))
+    except Exception as error:  # noqa: BLE001 - peft's own limit, whatever it raises
+        return {"without_ep": f"{type(error).__name__}: {error}"}
+    ref_loss.backward()
+    torch.manual_seed(1)
+    model = get_peft_model(model, config)
+    torch.manual_seed(rank)
+    try:
+        out, loss = loss_of(model(**inputs(family, rank, LENGTHS[rank])))
+    except ValueError as error:
+        return {"refused": str(error)}
+    loss.backward()
+    ref_params = dict(ref.named_parameters())
+    shard_of = {f"base_model.model.{s.module_name}.": s for s in shards}
+    expert_factors = {n for n in ref_params if "lora_" in n and any(n.startswith(prefix) for prefix in shard_of)}
+    summed, reached = summed_over_ranks({n: ref_params[n].grad for n in expert_factors}, ref_params)
+    errors, compared = {"output": max_rel(out, ref_out), "lora_grads": 0.0}, 0
+    for name, param in model.named_parameters():
+        if "lora_" not in name:
+            continue
+        if param.grad is None:  # experts no token reaches (a vision tower's, on text): none unsharded either
+            assert name not in reached and ref_params[name].grad is None, f"{name} has no gradient under EP"
+            continue
+        if name not in expert_factors:  # LoRA on a module the targets' names also match (a shared expert)
+            expected = ref_params[name].grad
+        else:
+            shard = next(s for prefix, s in shard_of.items() if name.startswith(prefix))
+            full, E, start, end = summed[name], shard.num_experts, shard.local_start, shard.local_end
+            expected = (full.reshape(E, -1, full.shape[1])[start:end].reshape(param.shape) if ".lora_A." in name
+                        else full.reshape(full.shape[0], -1, E)[:, :, start:end].reshape(param.shape))
+        errors["lora_grads"] = max(errors["lora_grads"], max_rel(param.grad, expected))
+        compared += 1
+    return {"errors": errors, "compared": compared}
+
+
 def check_families(rank: int, world: int, families: list[Family]) -> dict[str, dict]:
-    """:func:`family_parity` (and, where it runs, :func:`bf16_distances` as ``"bf16"``) of every family
-    on this process group, by family name; a family whose
+    """:func:`family_parity` (and, where it runs, :func:`bf16_distances` as ``"bf16"`` and, on 2 ranks,
+    :func:`lora_parity` as ``"lora"``) of every family on this process group, by family name; a family whose
     check raised gets ``{"error": traceback}`` (the others still run). A barrier after each keeps
     the ranks in step."""
     out = {}
@@ -186,6 +239,11 @@ def check_families(rank: int, world: int, families: list[Family]) -> dict[str, d
             out[family.name] = family_parity(rank, world, family)
             if "refused" not in out[family.name]:
                 out[family.name]["bf16"] = bf16_distances(rank, world, family)
+                if world == 2:
+                    try:
+                        out[family.name]["lora"] = lora_parity(rank, world, family)
+                    except BaseException:  # noqa: BLE001 - the LoRA test reports it; the verdict stands
+                        out[family.name]["lora"] = {"error": traceback.format_exc()}
         except BaseException:  # noqa: BLE001 - the test reports it, naming the family
             out[family.name] = {"error": traceback.format_exc()}
         dist.barrier()

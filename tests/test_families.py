@@ -17,7 +17,7 @@ import pytest
 
 import families
 from epmoe.launch import run_ranks
-from families_workers import check_families, stacked_and_zero_cases, verdict
+from families_workers import TOL, TOL_ROUNDS_TO, check_families, stacked_and_zero_cases, verdict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("families_table", ROOT / "benchmarks" / "families_table.py")
@@ -101,6 +101,39 @@ def test_family_exact_or_refused_by_name(directory):
         _assert_names_class_path_reason(family, per_rank[0]["refused"])
         return
     assert line.startswith("exact"), f"{directory}: {line}\n{per_rank[0].get('error', '')}"
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_lora_on_every_familys_experts_is_exact_or_refused():
+    """PEFT LoRA on every per-expert tensor (``target_parameters``) of every family epmoe runs, at EP 2
+    in fp64 (the same spawn as the verdicts): outputs on the rank's batch and every LoRA factor's
+    gradient (the unsharded sum over ranks, this rank's experts' part) equal the unsharded peft model's
+    with the same seed (1e-10, or the family's own float32 rounding); or epmoe refuses it by name (LoRA
+    on biases, on stacked rows, beside zero-computation experts); or peft's LoRA does not run on the
+    unsharded model either (DBRX). Before, GPT-OSS's bias LoRA and Llama4's LoRA (peft read epmoe's
+    layout flag) ran silently unlike the unsharded model, and Llama4's crashed."""
+    outcomes = {}
+    for family in (f for f in families.families() if not isinstance(f, str)):
+        per_rank = results()[family.name]
+        if any("refused" in r or "error" in r for r in per_rank):
+            continue  # EP itself refused (or failed: test_family_exact_or_refused_by_name says so)
+        loras = [r["lora"] for r in per_rank]
+        assert not any("error" in lora for lora in loras), (family.name, [lora.get("error") for lora in loras])
+        kinds = {next(iter({"refused", "without_ep"} & set(lora)), "ran") for lora in loras}
+        assert len(kinds) == 1, (family.name, loras)
+        outcomes[family.name] = kind = kinds.pop()
+        if kind == "refused":
+            assert all("PEFT LoRA on" in lora["refused"] and "target_parameters" in lora["refused"]
+                       for lora in loras), (family.name, loras)
+        elif kind == "ran":
+            rounds_to = per_rank[0]["rounds_to"]
+            tol = TOL_ROUNDS_TO.get(rounds_to, TOL) if rounds_to else TOL
+            for rank, lora in enumerate(loras):
+                assert lora["compared"] > 0 and max(lora["errors"].values()) <= tol, (family.name, rank, lora)
+    expected = {"gpt_oss": "refused", "longcat_flash": "refused", "dbrx": "without_ep", "llama4": "ran",
+                "qwen3_moe": "ran", "step3p7": "ran"}
+    assert {name: outcomes.get(name) for name in expected} == expected, outcomes
 
 
 def test_undecorated_experts_are_adopted_only_where_their_own_forward_agrees():

@@ -75,6 +75,7 @@ from epmoe.ep.recognize import (
     packed_tensors,
     shared_parameters,
     stacked_rows,
+    weights_transposed,
     zero_experts,
 )
 from epmoe.ep.routing import RowPairs
@@ -107,7 +108,7 @@ def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor,
     else:
         up_name = "gate_up_proj" if module.has_gate else "up_proj"
         weights = dict(zip((up_name, "down_proj"), packed_tensors(module)))
-        trans_weight = not module.is_transposed
+        trans_weight = not weights_transposed(module)
     return projection_calls(weights, trans_weight)
 
 
@@ -165,7 +166,7 @@ class LocalExperts:
         self.shared_names = tuple(n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids)
         self._compute_dtypes: dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> the MLP's (compute_dtype)
         self.default_gate = self.packed and is_default_silu_gate(module)
-        self.trans_weight = not module.is_transposed if self.packed else True  # nn.Linear layout: "transposed"
+        self.trans_weight = not weights_transposed(module) if self.packed else True  # nn.Linear layout: "transposed"
         self._triples = None if self.packed else linear_triples(module)
         self._weight_names = packed_weight_names(module) if self.packed else None
         # weights read as packed views: stacked rows, the experts with weights beside zero-computation ones
@@ -518,7 +519,7 @@ def family_compute_dtype(module: nn.Module) -> torch.dtype | None:
 
 def _probe_compute_dtype(module: nn.Module, up: torch.Tensor) -> torch.dtype:
     """:func:`family_compute_dtype`, found by running the family's forward once."""
-    hidden = up.shape[1] if module.is_transposed else up.shape[2]
+    hidden = up.shape[1] if weights_transposed(module) else up.shape[2]
     x = torch.linspace(-1.0, 1.0, 2 * hidden, device=up.device).view(2, hidden).to(up.dtype)
     index = torch.tensor([[0, 1 % up.shape[0]]] * 2, dtype=torch.long, device=up.device)
     weights = torch.tensor([[0.5, 0.0]] * 2, dtype=torch.float32, device=up.device)

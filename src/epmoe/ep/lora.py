@@ -29,8 +29,8 @@ Not covered: a further adapter added to an existing wrapper after it settled (pe
 from ``num_experts``, the local ``e``: a correct start, drawn differently from the unsharded
 model's), LoRA on ``nn.ModuleList`` experts' Linears (only the local experts have Linears to wrap),
 and a ``copy.deepcopy`` of an EP model (``nn.Parameter`` copies drop attributes, ``ds_shape`` included).
-Refused (:func:`refuse_unsupported`): LoRA on stacked-rows experts, and on sharded experts beside
-zero-computation experts.
+Refused (:func:`refuse_unsupported`): LoRA on stacked-rows experts, on sharded per-expert tensors that
+are not 3-D (biases), and on sharded experts beside zero-computation experts.
 """
 
 from __future__ import annotations
@@ -92,19 +92,25 @@ def refuse_unsupported(module: nn.Module) -> None:
     """``ValueError`` if ``module`` is a PEFT LoRA wrapper of experts epmoe cannot give LoRA exactly:
     stacked-rows experts (DBRX's ``w1`` / ``v1`` / ``w2``, each expert's rows in one 2-D tensor: factors
     spanning every expert, which expert parallelism splits, and the module around the holder calls
-    epmoe's forward, not the wrapper, whose LoRA would be left out), and sharded experts beside
-    zero-computation experts (LongCat-Flash's: peft sizes the unsharded model's factors over every row
-    of ``gate_up_proj``, the zero experts' never-read rows included, which a shard does not keep, so
-    the factors would be drawn unlike the unsharded model's)."""
+    epmoe's forward, not the wrapper, whose LoRA would be left out), sharded per-expert tensors that
+    are not 3-D (GPT-OSS's ``(E, out)`` biases: peft lays a 2-D tensor's factors out as one matrix's,
+    spanning every expert), and sharded experts beside zero-computation experts (LongCat-Flash's: peft
+    sizes the unsharded model's factors over every row of ``gate_up_proj``, the zero experts'
+    never-read rows included, which a shard does not keep, so the factors would be drawn unlike the
+    unsharded model's)."""
     base = peft_base(module)
     state = state_of(base) if base is not None else None
     if state is None:
         return
     layout = stacked_rows(base)
+    param = getattr(base, getattr(module, "parameter_name", ""), None)  # the one this wrapper adapts
     if layout is not None:
         what = f"stacked-rows expert weights ({', '.join(layout.names)}: every expert's rows in one 2-D tensor)"
         why = ("its factors span every expert, which expert parallelism splits (the family's own forward does "
                "not run such a wrapper either)")
+    elif state.shard.ep_size > 1 and isinstance(param, torch.Tensor) and param.dim() != 3:
+        what = f"the per-expert {module.parameter_name} ({param.dim()}-D)"
+        why = "peft lays its factors out as for one matrix spanning every expert, which expert parallelism splits"
     elif zero_experts(base) and state.shard.ep_size > 1:
         what = "experts beside zero-computation experts"
         why = ("peft sizes the unsharded model's factors over the zero experts' never-read rows too, which a "

@@ -52,8 +52,10 @@ _LINEAR_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
 
 def is_packed_experts(module: nn.Module) -> bool:
-    """Whether ``module`` is a transformers v5 packed experts module (``@use_experts_implementation``)."""
-    if not all(hasattr(module, flag) for flag in ("has_gate", "has_bias", "is_transposed")):
+    """Whether ``module`` is a transformers v5 packed experts module (``@use_experts_implementation``),
+    or packed experts epmoe adopted (:func:`adopt_packed_experts`)."""
+    if not (hasattr(module, "has_gate") and hasattr(module, "has_bias")
+            and (hasattr(module, "is_transposed") or ADOPTED_TRANSPOSED in vars(module))):
         return False
     if stacked_rows(module) is not None:
         return True
@@ -188,7 +190,18 @@ def _signature(module: nn.Module) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
 
 
-_ADOPTED_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+# The decorator's flags an adopted module gets; its layout flag under epmoe's own name, since other
+# libraries read ``is_transposed`` where a module has it (peft lays LoRA factors out by it) and must
+# see the module as it is without epmoe
+ADOPTED_TRANSPOSED = "_epmoe_transposed"
+_ADOPTED_FLAGS = ("has_gate", "has_bias", ADOPTED_TRANSPOSED, "is_concatenated", "has_post_expert_norm")
+
+
+def weights_transposed(module: nn.Module) -> bool:
+    """Whether a packed experts module's weights are laid out ``(E, in, out)`` (transformers'
+    ``is_transposed``; for adopted experts, :data:`ADOPTED_TRANSPOSED`)."""
+    adopted = vars(module).get(ADOPTED_TRANSPOSED)
+    return module.is_transposed if adopted is None else adopted
 
 
 def adopt_packed_experts(module: nn.Module) -> bool:
@@ -385,10 +398,10 @@ def packed_mlp_rows(module: nn.Module, x_RH: torch.Tensor, index_R: torch.Tensor
     """``(R, H)``: row ``r`` of ``x_RH`` through expert ``index_R[r]`` of packed experts ``module`` (its
     flags, its gate), one expert at a time in plain torch: the reference recognition probes with."""
     up, down, *biases = packed_tensors(module)
-    out = x_RH.new_zeros(x_RH.shape[0], down.shape[2] if module.is_transposed else down.shape[1])
+    out = x_RH.new_zeros(x_RH.shape[0], down.shape[2] if weights_transposed(module) else down.shape[1])
     for j in index_R.unique().tolist():
         rows = index_R == j
-        w_up, w_down = (up[j], down[j]) if module.is_transposed else (up[j].T, down[j].T)
+        w_up, w_down = (up[j], down[j]) if weights_transposed(module) else (up[j].T, down[j].T)
         h = x_RH[rows] @ w_up + (biases[0][j] if module.has_bias else 0)
         a = module._apply_gate(h) if module.has_gate else module.act_fn(h)
         out[rows] = a @ w_down + (biases[1][j] if module.has_bias else 0)

@@ -11,11 +11,12 @@ Its experts are adopted packed experts that take every token
 probe and before anything is changed, that the block's own forward computes exactly that with the
 router's top-k (the chosen scores are its ``k`` largest); :func:`input_weighted_block_forward` then
 replaces the block's forward: each (token, chosen expert) pair becomes one row ``scores * x`` sent to
-its expert with weight 1 (:func:`epmoe.ep.layer.routed_experts`), the ``K`` outputs of a token summed,
-the shared expert added as the block adds it::
+its expert with weight 1 (the experts module called with the contract: its forward is epmoe's
+:func:`~epmoe.ep.layer.expert_parallel_forward`, and a PEFT LoRA wrapper around it runs), the ``K``
+outputs of a token summed, the shared expert added as the block adds it::
 
     x_TH, scores_TE -> top-k -> rows_SH = scores_TK[..., None] * x_TH[:, None]   (S = T*K, token-major)
-      -> routed_experts(rows_SH, index_SK = top-k ids, weights_SK = 1) -> (T, K, H) summed over K
+      -> experts(rows_SH, index_SK = top-k ids, weights_SK = 1) -> (T, K, H) summed over K
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from epmoe.ep.layer import routed_experts
 from epmoe.ep.recognize import packed_mlp_rows
-from epmoe.ep.state import state_of
 
 
 def _parts(block: nn.Module, experts: nn.Module) -> tuple[nn.Module | None, list[nn.Module]]:
@@ -85,7 +84,8 @@ def input_weighted_block_forward(block: nn.Module, hidden_states: torch.Tensor):
     weights_TK, index_TK, logits = _route(block, router, x_TH)
     rows_SH = (weights_TK.unsqueeze(-1) * x_TH.unsqueeze(1)).reshape(-1, x_TH.shape[1])
     ones_S1 = torch.ones(rows_SH.shape[0], 1, dtype=rows_SH.dtype, device=rows_SH.device)
-    out_TH = routed_experts(state_of(experts), rows_SH, index_TK.reshape(-1, 1), ones_S1)
+    # through the module (its forward is epmoe's, as the contract's): a PEFT LoRA wrapper around it runs
+    out_TH = experts(rows_SH, index_TK.reshape(-1, 1), ones_S1)
     out_TH = out_TH.view(*index_TK.shape, -1).sum(1)
     for other in others:
         out_TH = other(x_TH) + out_TH

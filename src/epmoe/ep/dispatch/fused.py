@@ -31,6 +31,7 @@ from epmoe.comm.layout import inverse_permutation
 from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.dispatch.base import Dispatcher, LayerCounts, SharedExpert, exchange_layer_counts
 from epmoe.ep.experts import packed_weight_names
+from epmoe.ep.recognize import weights_transposed
 from epmoe.ep.state import ExpertParallelState
 from epmoe.gmm import GmmBackend
 
@@ -109,7 +110,7 @@ class FusedDispatcher(Dispatcher):
     carries_shared = True
 
     def __init__(self, experts: nn.Module, config: ExpertParallelConfig):
-        self.trans_weight = not experts.is_transposed  # nn.Linear layout (E, out, in) is our "transposed"
+        self.trans_weight = not weights_transposed(experts)  # nn.Linear layout (E, out, in) is our "transposed"
         self.weight_names = tuple(packed_weight_names(experts))  # (up or gate_up, down): no bias
         self.options = dict(num_chunks=config.num_chunks,
                             check=False)  # the counts were exchanged (and agreed) by exchange_layer_counts
