@@ -311,9 +311,13 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
     state dict with every expert under its global index. LongCat-Flash's experts with one rank's
     tokens choosing zero experts only (that rank sends no row): the family's own output and input
     gradient on every rank. PEFT LoRA on either's experts raises at the first forward on every rank,
-    naming the module (see :func:`test_lora_on_stacked_rows_experts_is_refused_not_left_out`)."""
+    naming the module (see :func:`test_lora_on_stacked_rows_experts_is_refused_not_left_out`). Two
+    families whose checkpoint layout transformers converts: Qwen3-VL-MoE round-trips as above in it;
+    Ernie-4.5-VL's (text and vision experts in one list) is refused by name, and round-trips with
+    ``save_original_format=False``."""
     fams = [found()["dbrx"], found()["longcat_flash"]]
-    out = run_ranks(stacked_and_zero_cases, 2, str(tmp_path), fams, timeout=900)
+    converted = [found()["qwen3_vl_moe"], found()["ernie4_5_vl_moe"]]
+    out = run_ranks(stacked_and_zero_cases, 2, str(tmp_path), fams, converted, timeout=900)
     for family in fams:
         per_rank = [r["bf16"][family.name] for r in out]
         assert all(r["experts"] > 0 for r in per_rank)
@@ -329,7 +333,14 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
             assert lora is not None and f"PEFT LoRA on {what}" in lora and ".experts" in lora, (family, lora)
     for zero_only in (r["zero_only"] for r in out):  # the last rank's tokens chose zero experts only
         assert zero_only["output"] <= 1e-12 and zero_only["hidden_grad"] <= 1e-12, zero_only
-    for saved in (r["saved"][f.name] for r in out for f in fams):
+    for rank, by_family in enumerate(r["converted"] for r in out):
+        # Qwen3-VL-MoE: transformers' Transpose(check_dims=True) compared the gathered experts with this
+        # rank's shard and transposed them; the square gate_up_proj (2I == H) then loaded unchanged
+        assert "refused" not in by_family["qwen3_vl_moe"], by_family["qwen3_vl_moe"]
+        # Ernie-4.5-VL: text and vision experts go into one checkpoint list: refused, naming the way out
+        assert "save_original_format=False" in by_family["ernie4_5_vl_moe"].get("refused", ""), by_family
+    for saved in [*(r["saved"][f.name] for r in out for f in fams),
+                  *(r["converted"][f.name]["saved"] for r in out for f in converted)]:
         written, plain = saved["keys"]
         assert written == plain and not saved["unequal"] and not saved["missing"], saved
         assert saved["logits"] <= 1e-6, saved

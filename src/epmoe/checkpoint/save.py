@@ -228,7 +228,7 @@ class StreamedWeights:
             return state_dict
         from transformers.core_model_loading import revert_weight_conversion
 
-        return revert_weight_conversion(self.model, state_dict)
+        return revert_weight_conversion(_SavedAs(self.model, state_dict), state_dict)
 
     def _write_file(self, filename: str, keys: list[str], planned: dict, owner: dict[str, int],
                     units: list[_PackedUnit | _ModuleListUnit]) -> None:
@@ -287,6 +287,25 @@ def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], ga
                 full.update(unit.full)
                 units.append(unit)
     return full, units
+
+
+class _SavedAs:
+    """``model`` as transformers' reverse conversions see it while saving ``state_dict``: each
+    parameter is the tensor saved for it (an expert-parallel one: all ``E`` experts, not this rank's
+    shard). A conversion that compares a tensor with its parameter's shape before acting
+    (``Transpose(check_dims=True)``, Qwen3-VL-MoE's experts) then acts as in a save without EP;
+    against the shard it transposed the whole tensor, which a square one (``2I == H``) never undoes
+    when loaded. Everything else is the model's."""
+
+    def __init__(self, model: nn.Module, state_dict: dict[str, torch.Tensor]):
+        self._model, self._state_dict = model, state_dict
+
+    def get_parameter(self, target: str) -> torch.Tensor:
+        saved = self._state_dict.get(target)
+        return saved if saved is not None else self._model.get_parameter(target)
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
 
 
 class _PackedUnit:
@@ -412,7 +431,15 @@ def _owners(planned: dict[str, torch.Tensor], units: list[_PackedUnit | _ModuleL
     anything is written. ``stand_ins``: ids of the meta tensors standing for FSDP2's DTensors."""
     owner: dict[str, int] = {}
     for index, unit in enumerate(units):
-        for key, tensor in unit.plan(revert).items():
+        try:
+            unit_planned = unit.plan(revert)
+        except ValueError as error:  # the conversion needs other tensors beside this unit's (Ernie-4.5-VL's
+            # text and vision experts into one checkpoint list)
+            raise NotImplementedError(
+                f"epmoe: save_pretrained cannot write the experts one tensor at a time (the class's weight "
+                f"conversion combines them with other tensors: {error}); save with save_original_format=False"
+            ) from error
+        for key, tensor in unit_planned.items():
             if key in owner or key not in planned or planned[key].shape != tensor.shape:
                 raise NotImplementedError(
                     f"epmoe: save_pretrained cannot write {key!r} one experts tensor at a time (the class's weight "
