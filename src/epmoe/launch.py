@@ -132,6 +132,40 @@ def _note_deaths(procs: list, reported: set[int], deaths: dict[int, int], exited
     return added
 
 
+def _collect(procs: list, results: Any, outputs: dict[int, Any], timeout: float) -> None:
+    """Fill ``outputs`` (rank -> result) from the ranks' queue until every rank reported; raise
+    :class:`RankError` once a rank failed or died (after a grace for the others' reports), or
+    ``TimeoutError`` after ``timeout`` seconds."""
+    world_size = len(procs)
+    failures: dict[int, str] = {}  # rank -> traceback, in the order they arrived
+    deaths: dict[int, int] = {}  # rank -> exit code, for ranks that exited without reporting
+    exited_quietly: dict[int, float] = {}  # rank -> when it was seen exited with code 0, no result yet
+    deadline = time.monotonic() + timeout
+    trouble_since = None
+    while len(outputs) + len(failures) + len(deaths) < world_size:
+        now = time.monotonic()
+        if trouble_since is not None and now - trouble_since > (DEATH_GRACE_S if deaths else FAILURE_GRACE_S):
+            break  # the others are stuck in collectives with the failed rank: stop waiting for them
+        if now >= deadline:
+            if trouble_since is not None:
+                break
+            missing = sorted(set(range(world_size)) - set(outputs))
+            raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
+        try:
+            rank, ok, value = results.get(timeout=0.2 if trouble_since is not None else min(deadline - now, 1.0))
+        except queue.Empty:
+            if _note_deaths(procs, {*outputs, *failures}, deaths, exited_quietly, now):
+                trouble_since = trouble_since or time.monotonic()
+            continue
+        if ok:
+            outputs[rank] = value
+        else:
+            failures[rank] = value
+            trouble_since = trouble_since or time.monotonic()
+    if deaths or failures:
+        raise RankError(_report(deaths, failures))
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -162,34 +196,8 @@ def run_ranks(
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     procs, results = _start_ranks(fn, world_size, args, backend, timeout, threads, start_method)
     outputs: dict[int, Any] = {}
-    failures: dict[int, str] = {}  # rank -> traceback, in the order they arrived
-    deaths: dict[int, int] = {}  # rank -> exit code, for ranks that exited without reporting
-    exited_quietly: dict[int, float] = {}  # rank -> when it was seen exited with code 0, no result yet
-    deadline = time.monotonic() + timeout
-    trouble_since = None
     try:
-        while len(outputs) + len(failures) + len(deaths) < world_size:
-            now = time.monotonic()
-            if trouble_since is not None and now - trouble_since > (DEATH_GRACE_S if deaths else FAILURE_GRACE_S):
-                break  # the others are stuck in collectives with the failed rank: stop waiting for them
-            if now >= deadline:
-                if trouble_since is not None:
-                    break
-                missing = sorted(set(range(world_size)) - set(outputs))
-                raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
-            try:
-                rank, ok, value = results.get(timeout=0.2 if trouble_since is not None else min(deadline - now, 1.0))
-            except queue.Empty:
-                if _note_deaths(procs, {*outputs, *failures}, deaths, exited_quietly, now):
-                    trouble_since = trouble_since or time.monotonic()
-                continue
-            if ok:
-                outputs[rank] = value
-            else:
-                failures[rank] = value
-                trouble_since = trouble_since or time.monotonic()
-        if deaths or failures:
-            raise RankError(_report(deaths, failures))
+        _collect(procs, results, outputs, timeout)
     finally:
         for proc in procs:
             proc.join(timeout=5 if len(outputs) == world_size else 0.1)
