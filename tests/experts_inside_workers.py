@@ -72,22 +72,30 @@ def compare(rank, world, ref, model, shards, scale=1.0, average=False, run=None)
     model.zero_grad()
     loss = loss_of(run or model, batch_of(rank))
     loss.backward()
-    experts = {id(p) for p in epmoe.expert_parameters(model)}
-    inside = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters()}
-    errors = {"loss": max_rel(loss, loss_ref), "expert": 0.0, "shared": 0.0, "other": 0.0}
-    counted = {"expert": 0, "shared": 0, "other": 0}
-    for name, p in model.named_parameters():
+
+    def grad_and_expected(name, p, kind):
         assert p.grad is not None, f"{name} has no gradient under EP"
-        kind = "expert" if id(p) in experts else "shared" if id(p) in inside else "other"
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad  # FSDP2's shards, gathered
         if kind == "expert":
-            expected = local_slice(name, summed[name], model, shards) * scale
-        else:
-            expected = summed[name] / world if average else own[name]
-        errors[kind] = max(errors[kind], max_rel(grad, expected))
+            return grad, local_slice(name, summed[name], model, shards) * scale
+        return grad, summed[name] / world if average else own[name]
+
+    return {"loss": max_rel(loss, loss_ref), **errors_by_kind(model, shards, grad_and_expected)}
+
+
+def errors_by_kind(model, shards, compared) -> dict:
+    """The largest relative error of ``compared(name, param, kind) -> (actual, expected)`` over
+    ``model``'s parameters by kind (``expert``; ``shared``: the experts modules' other parameters;
+    ``other``), and ``"counted"``: how many of each."""
+    experts = {id(p) for p in epmoe.expert_parameters(model)}
+    inside = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters()}
+    errors = {"expert": 0.0, "shared": 0.0, "other": 0.0}
+    counted = {"expert": 0, "shared": 0, "other": 0}
+    for name, p in model.named_parameters():
+        kind = "expert" if id(p) in experts else "shared" if id(p) in inside else "other"
+        errors[kind] = max(errors[kind], max_rel(*compared(name, p, kind)))
         counted[kind] += 1
-    errors["counted"] = counted
-    return errors
+    return {**errors, "counted": counted}
 
 
 def shared_parameters_case(rank, world, kind):
@@ -186,17 +194,12 @@ def _step_errors(rank, world, ref, model, shards, before, learning_rate):
     the step) against ``-learning_rate`` times the unsharded ``ref``'s gradient averaged over the
     ranks' batches (experts: their rows of it), by kind (``expert``, ``shared``, ``other``)."""
     _, _, summed = reference_grads(ref, rank, world)
-    experts = {id(p) for p in epmoe.expert_parameters(model)}
-    inside = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters()}
-    errors = {"loss": 0.0, "expert": 0.0, "shared": 0.0, "other": 0.0}
-    counted = {"expert": 0, "shared": 0, "other": 0}
-    for name, p in model.named_parameters():
-        kind = "expert" if id(p) in experts else "shared" if id(p) in inside else "other"
+
+    def step_and_expected(name, p, kind):
         expected = -learning_rate * local_slice(name, summed[name.removeprefix("inner.")], model, shards) / world
-        errors[kind] = max(errors[kind], max_rel(p.detach() - before[name], expected))
-        counted[kind] += 1
-    errors["counted"] = counted
-    return errors
+        return p.detach() - before[name], expected
+
+    return errors_by_kind(model, shards, step_and_expected)
 
 
 def float32_family_case(rank, world, family):
