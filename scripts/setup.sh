@@ -4,7 +4,8 @@
 # Needs Python 3.10+. A torch >= 2.9 that python3 can already import is kept (the venv sees system
 # site-packages). Otherwise torch is installed as $EPMOE_TORCH (default torch==2.13.0: a CPU build
 # from local disk on the project's CI machines; set EPMOE_TORCH=torch on a GPU machine to take
-# PyPI's CUDA build).
+# PyPI's CUDA build). Everything else is installed at the exact versions of constraints/test.txt
+# (`pip install -c`; scripts/update-pins.sh moves them to the newest releases).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=${1:-demo}
@@ -23,6 +24,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if ! .venv/bin/python -c "$has_torch" 2>/dev/null; then
-  "${pip[@]}" "${EPMOE_TORCH:-torch==2.13.0}"
+  "${pip[@]}" -c constraints/test.txt "${EPMOE_TORCH:-torch==2.13.0}"
 fi
-"${pip[@]}" -e ".[$extras]"
+"${pip[@]}" -c constraints/test.txt -e ".[$extras]"

@@ -19,6 +19,7 @@ import re
 
 import torch
 
+import experts_variants
 from epmoe.ep.recognize import experts_like_modules
 
 VOCAB = 128
@@ -85,6 +86,12 @@ class Family:
     model_class: str
     layers: int  # decoder layers of the tiny model
     keep_fp32: bool = False  # the family's own forward needs its float32 modules kept so (its router...)
+    variant: str = ""  # an experts class made for the purpose installed in it (experts_variants.py)
+
+    @property
+    def key(self) -> str:
+        """The name results are kept under: the directory, ``+variant`` for a made experts class."""
+        return f"{self.name}+{self.variant}" if self.variant else self.name
 
 
 def _transformers_root() -> pathlib.Path:
@@ -283,7 +290,15 @@ def build(family: Family, *, dtype: torch.dtype = torch.float64, seed: int = 0) 
         torch.random.set_rng_state(state)
     _no_dropout(model)
     model = model.to(dtype)
+    if family.variant:
+        experts_variants.install(model, family.variant)
     return _keep_in_fp32(model) if family.keep_fp32 else model
+
+
+def variants() -> list[Family]:
+    """The Qwen3-MoE family with each experts class made for the purpose (experts_variants.py)."""
+    return [dataclasses.replace(_find_family(experts_variants.BASES.get(v, experts_variants.BASE)), variant=v)
+            for v in experts_variants.CLASSES]
 
 
 def _keep_in_fp32(model: torch.nn.Module) -> torch.nn.Module:

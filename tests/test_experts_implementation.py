@@ -235,11 +235,23 @@ def _pair(cls, dtype):
     return model, reference
 
 
-def _run(module, x, index, weights, dy):
-    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_()
+def _run(module, x, index, weights, dy, weight_grad=True):
+    x, weights = x.clone().requires_grad_(), weights.clone().requires_grad_(weight_grad)
     y = module(x, index, weights)
-    grads = torch.autograd.grad(y, [x, weights, *module.parameters()], dy)
+    grads = torch.autograd.grad(y, [x, *[weights] * weight_grad, *module.parameters()], dy)
     return [y, *grads]
+
+
+def _one_route_per_row(model, x, index, weights) -> bool:
+    """Whether a decorated class's own eager forward takes one route per row only (it fails on two
+    choices per token): Ergo's projections, which its experts call once per route with weight one."""
+    model.config._experts_implementation = "eager"
+    try:
+        with torch.no_grad():
+            model.double()(x, index, weights)
+    except (IndexError, RuntimeError):
+        return True
+    return False
 
 
 def _routing(T, K, E, dtype, seed=0, num_ids=None):
@@ -418,8 +430,9 @@ def decorated_experts_classes():
 
 
 def tiny_experts(module, cls, implementation):
-    """``cls`` built from the first of its modeling module's configs (and their sub-configs) it accepts,
-    every int size above 16 made 16 (4 for expert counts), sizes left unset made so; ``None`` if none fits."""
+    """``cls`` built from the first of its modeling module's configs (and their sub-configs) it accepts
+    (as layer 0 where it takes a ``layer_idx``), every int size above 16 made 16 (4 for expert counts),
+    sizes left unset made so; ``None`` if none fits."""
     import inspect
 
     candidates = []
@@ -440,7 +453,8 @@ def tiny_experts(module, cls, implementation):
                         sized and all(isinstance(v, int) for v in value):
                     setattr(config, key, 4 if "expert" in key else 16)
             config._experts_implementation = implementation
-            return cls(config)
+            takes_layer = "layer_idx" in inspect.signature(cls.__init__).parameters  # per-layer settings (Step3p7)
+            return cls(config, layer_idx=0) if takes_layer else cls(config)
         except Exception:  # noqa: BLE001 - this config does not build this class; try the next
             continue
     return None
@@ -455,7 +469,9 @@ def test_every_decorated_experts_class_of_transformers():
     """Every @use_experts_implementation class of the installed transformers (found by structure), built
     tiny: output, input / routing-weight / parameter gradients equal grouped_mm's in fp32 (1e-5) and
     batched_mm's and the class's own eager forward's in fp64 (1e-10; where transformers' batched_mm
-    and eager already differ, computing experts or a norm in float32 on purpose, within twice that)."""
+    and eager already differ, computing experts or a norm in float32 on purpose, within twice that).
+    A class whose eager forward takes one route per row (Ergo's projections) is checked so: one
+    choice per token, weight one, no routing-weight gradient."""
     found = decorated_experts_classes()
     assert len(found) >= 60, f"only {len(found)} decorated experts classes found"
     built, failures = 0, []
@@ -469,14 +485,17 @@ def test_every_decorated_experts_class_of_transformers():
         index, weights = _routing(T, min(2, E), E, torch.float64, seed=2)
         width = model.down_proj.shape[2 if model.is_transposed else 1]
         x, dy = torch.randn(T, width, dtype=torch.float64), torch.randn(T, width, dtype=torch.float64)
+        per_route = _one_route_per_row(model, x, index, weights)
+        if per_route:  # its callers give each route a row and weight one: so does this check
+            index, weights = index[:, :1], torch.ones(T, 1, dtype=torch.float64)
         runs = {}
         for name in ("epmoe", "batched_mm", "eager"):
             model.config._experts_implementation = name
-            runs[name] = _run(model.double(), x, index, weights, dy)
+            runs[name] = _run(model.double(), x, index, weights, dy, not per_route)
         model.config._experts_implementation = "grouped_mm"
-        fp32_reference = _run(model.float(), x.float(), index, weights.float(), dy.float())
+        fp32_reference = _run(model.float(), x.float(), index, weights.float(), dy.float(), not per_route)
         model.config._experts_implementation = "epmoe"
-        fp32 = _run(model, x.float(), index, weights.float(), dy.float())
+        fp32 = _run(model, x.float(), index, weights.float(), dy.float(), not per_route)
         fp64_tol = max(1e-10, 2 * error(runs["batched_mm"], runs["eager"]))  # transformers' own disagreement
         checks = {"batched_mm fp64": (error(runs["epmoe"], runs["batched_mm"]), fp64_tol),
                   "eager fp64": (error(runs["epmoe"], runs["eager"]), fp64_tol),

@@ -12,11 +12,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import pathlib
+import re
 
 import pytest
 
+import experts_variants
 import families
 from epmoe.launch import run_ranks
+from epmoe.ep.recognize import find_experts_modules
 from families_workers import TOL, TOL_ROUNDS_TO, check_families, stacked_and_zero_cases, verdict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -29,12 +32,20 @@ def found() -> dict[str, families.Family | str]:
     return {f if isinstance(f, str) else f.name: f for f in families.families()}
 
 
+def variant(name: str) -> families.Family:
+    return next(f for f in families.variants() if f.variant == name)
+
+
+def checked() -> list[families.Family]:
+    """Every family, then the experts classes made for the purpose (experts_variants.py)."""
+    return [f for f in families.families() if not isinstance(f, str)] + families.variants()
+
+
 @functools.lru_cache(maxsize=None)
-def results() -> dict[str, list[dict]]:
-    """Every family's per-rank result from one spawned 2-rank run."""
-    fams = [f for f in families.families() if not isinstance(f, str)]
-    out = run_ranks(check_families, 2, fams, timeout=900)
-    return {f.name: [r[f.name] for r in out] for f in fams}
+def results(world: int = 2) -> dict[str, list[dict]]:
+    """Every checked family's per-rank result from one spawned run of ``world`` ranks, by ``Family.key``."""
+    out = run_ranks(check_families, world, checked(), timeout=900)
+    return {f.key: [r[f.key] for r in out] for f in checked()}
 
 
 def test_every_family_builds_a_tiny_model_with_its_experts():
@@ -114,15 +125,15 @@ def test_lora_on_every_familys_experts_is_exact_or_refused():
     unsharded model either (DBRX). Before, GPT-OSS's bias LoRA and Llama4's LoRA (peft read epmoe's
     layout flag) ran silently unlike the unsharded model, and Llama4's crashed."""
     outcomes = {}
-    for family in (f for f in families.families() if not isinstance(f, str)):
-        per_rank = results()[family.name]
+    for family in checked():
+        per_rank = results()[family.key]
         if any("refused" in r or "error" in r for r in per_rank):
             continue  # EP itself refused (or failed: test_family_exact_or_refused_by_name says so)
         loras = [r["lora"] for r in per_rank]
         assert not any("error" in lora for lora in loras), (family.name, [lora.get("error") for lora in loras])
         kinds = {next(iter({"refused", "without_ep"} & set(lora)), "ran") for lora in loras}
         assert len(kinds) == 1, (family.name, loras)
-        outcomes[family.name] = kind = kinds.pop()
+        outcomes[family.key] = kind = kinds.pop()
         if kind == "refused":
             assert all("PEFT LoRA on" in lora["refused"] and "target_parameters" in lora["refused"]
                        for lora in loras), (family.name, loras)
@@ -131,39 +142,64 @@ def test_lora_on_every_familys_experts_is_exact_or_refused():
             tol = TOL_ROUNDS_TO.get(rounds_to, TOL) if rounds_to else TOL
             for rank, lora in enumerate(loras):
                 assert lora["compared"] > 0 and max(lora["errors"].values()) <= tol, (family.name, rank, lora)
-    expected = {"gpt_oss": "refused", "longcat_flash": "refused", "dbrx": "without_ep", "llama4": "ran",
-                "qwen3_moe": "ran", "step3p7": "ran"}
+    expected = {"gpt_oss": "refused", "longcat_flash+zero_experts": "refused", "dbrx": "without_ep", "llama4": "ran",
+                "qwen3_moe": "ran", "step3p7": "ran", "longcat_flash": "ran", "ergo": "ran",
+                "qwen3_moe+per_route_norm": "ran", "qwen3_moe+undecorated": "ran"}
     assert {name: outcomes.get(name) for name in expected} == expected, outcomes
 
 
-def test_undecorated_experts_are_adopted_only_where_their_own_forward_agrees():
-    """Step3p7's experts (no decorator) run as packed experts because their own forward computes the
-    inferred layout; the same module scaling its output (a forward epmoe cannot reproduce from the
-    weights) is refused by name, nothing changed."""
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_made_experts_classes_are_exact_or_refused_by_name():
+    """Experts classes made for the purpose (experts_variants.py), whose forward does more than the
+    decorated contract (a per-expert output scale, a clamp of the output, a bias added after the
+    sum), as much as Ergo's per-route norm, or nothing more (a subclass that changes nothing): at EP 2
+    and EP 4 (the families' spawns, fp64 and bf16), exact, or refused by name before anything
+    changed, the class, its module path, what departs and the probe's difference in the message."""
+    for world in (2, 4):
+        for family in families.variants():
+            line = verdict(family, results(world)[family.key])
+            expected = experts_variants.EXPECTED[family.variant]
+            assert line.startswith(expected), (world, family.key, line)
+            if expected == "refused":
+                cls = experts_variants.CLASSES[family.variant].__name__
+                assert re.search(rf"^refused: {cls} at model\.layers\.\d\.mlp\.experts \(\d modules?\): its forward "
+                                 rf"is overridden in {cls}.*differs from epmoe's routed MLP on a probe", line), line
+
+
+def test_decorated_subclass_overriding_forward_is_refused_not_trusted():
+    """Step3p7's experts carry transformers' decorator (5.25); a subclass scaling their output (the
+    decorator's forward overridden below it) is refused by name, nothing changed, where epmoe once
+    trusted the decorator and ran the parent's contract silently. The same experts without the
+    decorator are adopted where their own forward agrees (exact), and refused by name where it does
+    not."""
     import copy
 
     import torch
 
     import epmoe
 
-    family = found()["step3p7"]
-    reference = families.build(family)
-    model = copy.deepcopy(reference)
-    epmoe.apply_expert_parallel(model)
-    ids = families.inputs(family, 0, 9)
-    torch.testing.assert_close(model(**ids)[0], reference(**ids)[0], rtol=1e-12, atol=1e-12)
-
-    model = families.build(family)
-    experts = next(m for m in model.modules() if type(m).__name__ == "Step3p7Experts")
-    cls = type(experts)
-
-    def scaled(self, hidden_states, top_k_index, top_k_weights):
-        return 2 * cls.forward(self, hidden_states, top_k_index, top_k_weights)
-
-    experts.__class__ = type("ScaledExperts", (cls,), {"forward": scaled})
-    with pytest.raises(ValueError, match=r"ScaledExperts at language_model\.layers\.\d\.mlp\.experts .*: packed experts without"):
+    for family, match in ((found()["step3p7"], r"ScaledExperts at language_model\.layers\.\d\.mlp\.experts .*: its "
+                                               r"forward is overridden in ScaledExperts.*differs"),
+                          (variant("undecorated"), r"ScaledExperts at model\.layers\.\d\.mlp\.experts .*: packed "
+                                                   r"experts without")):
+        reference = families.build(family)
+        model = copy.deepcopy(reference)
         epmoe.apply_expert_parallel(model)
-    assert not any(hasattr(m, "_epmoe") for m in model.modules())
+        ids = families.inputs(family, 0, 9)
+        torch.testing.assert_close(model(**ids)[0], reference(**ids)[0], rtol=1e-12, atol=1e-12)
+
+        model = families.build(family)
+        cls = type(find_experts_modules(model)[0][1])
+
+        def scaled(self, hidden_states, top_k_index, top_k_weights, cls=cls):
+            return 2 * cls.forward(self, hidden_states, top_k_index, top_k_weights)
+
+        for module in [m for m in model.modules() if type(m) is cls]:
+            module.__class__ = type("ScaledExperts", (cls,), {"forward": scaled})
+        with pytest.raises(ValueError, match=match):
+            epmoe.apply_expert_parallel(model)
+        assert not any(hasattr(m, "_epmoe") for m in model.modules())
 
 
 def adopted_families() -> list:
@@ -171,8 +207,8 @@ def adopted_families() -> list:
     from epmoe.ep.recognize import find_experts_modules
 
     out = []
-    for family in families.families():
-        if not isinstance(family, str) and any(
+    for family in checked():
+        if any(
                 hasattr(m, "_epmoe_adopted") for _, m, _ in find_experts_modules(families.build(family))):
             out.append(family)
     return out
@@ -183,12 +219,12 @@ def adopted_families() -> list:
 def test_every_family_has_its_verdict_at_four_ranks():
     """Every family at EP 4 (fp64, bf16 as at EP 2, one spawn of 4 ranks) gets the verdict it gets at
     EP 2: exact (or exact to its own float32 rounding), or refused by name; the families epmoe adopts
-    (Step3p7, Llama4, DBRX's stacked rows, LongCat-Flash's zero-computation experts...) among them."""
-    assert {"step3p7", "llama4", "dbrx", "longcat_flash"} <= {f.name for f in adopted_families()}
-    fams = [f for f in families.families() if not isinstance(f, str)]
-    out = run_ranks(check_families, 4, fams, timeout=900)
-    at_four = {f.name: verdict(f, [r[f.name] for r in out]) for f in fams}
-    at_two = {f.name: verdict(f, results()[f.name]) for f in fams}
+    (Llama4, DBRX's stacked rows, undecorated and zero-computation experts made for the purpose) among
+    them; the experts classes made for the purpose too."""
+    assert {"llama4", "dbrx", "qwen3_moe+undecorated", "longcat_flash+zero_experts"} <= {
+        f.key for f in adopted_families()}
+    at_four = {f.key: verdict(f, results(4)[f.key]) for f in checked()}
+    at_two = {f.key: verdict(f, results()[f.key]) for f in checked()}
     assert at_four == at_two, {name: (at_two[name], line) for name, line in at_four.items() if line != at_two[name]}
 
 
@@ -242,9 +278,10 @@ def test_stacked_rows_experts_run_as_packed_views_under_their_own_names():
 
 
 def test_zero_computation_experts_add_the_token_times_its_weight():
-    """LongCat-Flash's experts called with ids of zero-computation experts (``>= E``) among the real
-    ones, under EP (one process, fp64): the family's own output and gradients (hidden states, routing
-    weights, the real experts' weights). The
+    """Zero-computation experts (LongCat-Flash's as transformers 5.24 wrote them: experts_variants.py)
+    called with ids of zero-computation experts (``>= E``) among the real ones, under EP (one
+    process, fp64): the module's own output and gradients (hidden states, routing weights, the real
+    experts' weights). The
     same module whose zero experts return twice the token is refused by name, nothing changed, and so
     is the module on the meta device (no forward to probe), saying so."""
     import copy
@@ -253,11 +290,11 @@ def test_zero_computation_experts_add_the_token_times_its_weight():
 
     import epmoe
 
-    family = found()["longcat_flash"]
+    family = variant("zero_experts")
     reference = families.build(family)
     model = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(model)
-    ref_experts, experts = (next(m for m in x.modules() if type(m).__name__ == "LongcatFlashExperts")
+    ref_experts, experts = (next(m for m in x.modules() if type(m).__name__ == "ZeroComputationExperts")
                             for x in (reference, model))
     num = experts.down_proj.shape[0]
     assert experts.gate_up_proj.shape[0] > num  # one rank: nothing sharded, the unread rows kept
@@ -276,20 +313,20 @@ def test_zero_computation_experts_add_the_token_times_its_weight():
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
 
     model = families.build(family)
-    module = next(m for m in model.modules() if type(m).__name__ == "LongcatFlashExperts")
-    cls = type(module)
+    cls = experts_variants.ZeroComputationExperts
 
     def doubled(self, hidden_states, top_k_index, top_k_weights):
         zero = (top_k_weights * (top_k_index >= self.num_routed_experts)).sum(-1, keepdim=True)
         return cls.forward(self, hidden_states, top_k_index, top_k_weights) + zero * hidden_states
 
-    module.__class__ = type("DoubledZeroExperts", (cls,), {"forward": doubled})
+    for module in [m for m in model.modules() if type(m) is cls]:
+        module.__class__ = type("DoubledZeroExperts", (cls,), {"forward": doubled})
     with pytest.raises(ValueError, match=r"DoubledZeroExperts at model\.layers\.\d\.mlp\.experts .*zero-computation"):
         epmoe.apply_expert_parallel(model)
     assert not any(hasattr(m, "_epmoe") for m in model.modules())
 
     model = families.build(family).to("meta")  # epmoe.from_pretrained's start: nothing to probe with
-    with pytest.raises(ValueError, match=r"LongcatFlashExperts at .*zero-computation experts.*meta device"):
+    with pytest.raises(ValueError, match=r"ZeroComputationExperts at .*zero-computation experts.*meta device"):
         epmoe.apply_expert_parallel(model)
 
 
@@ -301,34 +338,35 @@ BF16_FACTOR = 1.15
 @pytest.mark.multirank
 @pytest.mark.timeout(900)
 def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
-    """DBRX and LongCat-Flash at EP 2 in bfloat16: as close to float64 (per-token losses, expert
-    gradients) as the bfloat16 run without EP. Each EP model saved with ``save_pretrained`` on every
-    rank writes the keys a plain save of the unsharded model writes, and the family's own
-    ``from_pretrained`` loads every weight of the unsharded model bitwise (LongCat-Flash's
-    ``gate_up_proj`` rows of its zero-computation experts, never read, as zeros), nothing missing,
-    the same logits (fp32, 1e-6). A DCP checkpoint of each (``epmoe.get_state_dict`` after an AdamW
+    """DBRX, zero-computation experts (LongCat-Flash's as transformers 5.24 wrote them) and Ergo (a
+    per-expert norm sharded with its experts) at EP 2 in bfloat16: as close to float64 (per-token
+    losses, expert gradients) as the bfloat16 run without EP. Each EP model saved with
+    ``save_pretrained`` on every rank writes the keys a plain save of the unsharded model writes, and
+    the family's own ``from_pretrained`` (the made class: its state dict) loads every weight of the
+    unsharded model bitwise (the ``gate_up_proj`` rows of zero-computation experts, never read, as
+    zeros), nothing missing, the same logits (fp32, 1e-6). A DCP checkpoint of each (``epmoe.get_state_dict`` after an AdamW
     step) resumes bitwise into a fresh EP model and optimizer, and loads into the unsharded model's
-    state dict with every expert under its global index. LongCat-Flash's experts with one rank's
-    tokens choosing zero experts only (that rank sends no row): the family's own output and input
-    gradient on every rank. PEFT LoRA on either's experts raises at the first forward on every rank,
+    state dict with every expert under its global index. Zero-computation experts with one rank's
+    tokens choosing zero experts only (that rank sends no row): the module's own output and input
+    gradient on every rank. PEFT LoRA on DBRX's or the zero-computation experts raises at the first forward on every rank,
     naming the module (see :func:`test_lora_on_stacked_rows_experts_is_refused_not_left_out`). Two
     families whose checkpoint layout transformers converts: Qwen3-VL-MoE round-trips as above in it;
     Ernie-4.5-VL's (text and vision experts in one list) is refused by name, and round-trips with
     ``save_original_format=False``."""
-    fams = [found()["dbrx"], found()["longcat_flash"]]
+    fams = [found()["dbrx"], variant("zero_experts"), found()["ergo"]]
     converted = [found()["qwen3_vl_moe"], found()["ernie4_5_vl_moe"]]
     out = run_ranks(stacked_and_zero_cases, 2, str(tmp_path), fams, converted, timeout=900)
     for family in fams:
-        per_rank = [r["bf16"][family.name] for r in out]
+        per_rank = [r["bf16"][family.key] for r in out]
         assert all(r["experts"] > 0 for r in per_rank)
         for metric in ("losses", "expert_grads"):
             ep, no_ep = (sum(r[metric][k] for r in per_rank) for k in ("ep", "no_ep"))
             assert ep <= BF16_FACTOR * no_ep, f"{family.name} bf16 {metric}: EP {ep:.4g}, without EP {no_ep:.4g}"
     for family in fams:
-        for rank, dcp in enumerate(r["dcp"][family.name] for r in out):
+        for rank, dcp in enumerate(r["dcp"][family.key] for r in out):
             assert dcp["experts"] > 0, (family.name, rank, dcp)
             assert not dcp["resumed"] and not dcp["unsharded"], (family.name, rank, dcp)
-    for family, what in (("dbrx", "stacked-rows expert weights"), ("longcat_flash", "experts beside zero-computation")):
+    for family, what in (("dbrx", "stacked-rows expert weights"), ("longcat_flash+zero_experts", "experts beside zero-computation")):
         for lora in (r["lora"][family] for r in out):
             assert lora is not None and f"PEFT LoRA on {what}" in lora and ".experts" in lora, (family, lora)
     for zero_only in (r["zero_only"] for r in out):  # the last rank's tokens chose zero experts only
@@ -339,7 +377,7 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
         assert "refused" not in by_family["qwen3_vl_moe"], by_family["qwen3_vl_moe"]
         # Ernie-4.5-VL: text and vision experts go into one checkpoint list: refused, naming the way out
         assert "save_original_format=False" in by_family["ernie4_5_vl_moe"].get("refused", ""), by_family
-    for saved in [*(r["saved"][f.name] for r in out for f in fams),
+    for saved in [*(r["saved"][f.key] for r in out for f in fams),
                   *(r["converted"][f.name]["saved"] for r in out for f in converted)]:
         written, plain = saved["keys"]
         assert written == plain and not saved["unequal"] and not saved["missing"], saved

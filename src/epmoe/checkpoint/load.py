@@ -51,6 +51,7 @@ except ImportError:  # transformers is an optional extra; epmoe.from_pretrained 
 from epmoe import platform
 from epmoe.checkpoint.dcp import expert_dtensor
 from epmoe.comm.steps import AGREE, StepChannel, step_timeout_s
+from epmoe.ep.recognize import set_parameter
 from epmoe.ep.state import ep_group_of, sharded_experts
 
 
@@ -60,9 +61,9 @@ def as_meta_dtensors(model: nn.Module) -> dict[str, torch.dtype]:
     keys, meshes = {}, {}
     for name, module, state in sharded_experts(model, packed_only=True):
         for param_name in state.sharded_names:
-            local = getattr(module, param_name)
+            local = module.get_parameter(param_name)
             full = expert_dtensor(torch.empty_like(local, device="meta"), state, meshes)
-            setattr(module, param_name, nn.Parameter(full, requires_grad=local.requires_grad))
+            set_parameter(module, param_name, nn.Parameter(full, requires_grad=local.requires_grad))
             keys[f"{name}.{param_name}" if name else param_name] = local.dtype
     return keys
 
@@ -189,9 +190,9 @@ def as_local_parameters(model: nn.Module, expert_keys: dict[str, torch.dtype]) -
 
     for name, module, state in sharded_experts(model, packed_only=True):
         for param_name in state.sharded_names:
-            param = getattr(module, param_name)
+            param = module.get_parameter(param_name)
             if isinstance(param, DTensor):
                 dtype = expert_keys[f"{name}.{param_name}" if name else param_name]
                 local = nn.Parameter(param.to_local().detach().to(dtype), requires_grad=param.requires_grad)
                 local._is_hf_initialized = True
-                setattr(module, param_name, local)
+                set_parameter(module, param_name, local)

@@ -282,7 +282,7 @@ def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], ga
         prefix = f"{module_name}." if module_name else ""
         for name in state.sharded_names:
             if prefix + name in full:
-                unit = _PackedUnit(prefix + name, getattr(module, name).detach(), full[prefix + name].dtype, state,
+                unit = _PackedUnit(prefix + name, module.get_parameter(name).detach(), full[prefix + name].dtype, state,
                                    gathers)
                 full.update(unit.full)
                 units.append(unit)

@@ -55,6 +55,7 @@ from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe import platform
 from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
+from epmoe.ep.contract import unfaithful_experts
 from epmoe.ep.dispatch import make_dispatcher
 from epmoe.ep.dispatch.static import StaticDispatcher
 from epmoe.ep.experts import LocalExperts, experts_gmm_backends, family_compute_dtype
@@ -67,6 +68,8 @@ from epmoe.ep.recognize import (
     find_experts_modules,
     fused_ineligible_reason,
     num_experts_of,
+    per_expert_post,
+    set_parameter,
     shared_parameters,
     takes_every_token,
     unsupported_experts,
@@ -218,7 +221,7 @@ def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
             sharded, unread = _shard_parameters(module, shard, tied)
-            local = LocalExperts(module, config.gmm_backend, shared)
+            local = LocalExperts(module, config.gmm_backend, shared, post=per_expert_post(module))
             attach_state(module, ExpertParallelState(shard, ep_model, local, transport=dispatcher, sharded_names=sharded,
                                                      unread_rows=unread, layer=layer))
             forward = zero_experts_forward if zero_experts(module) else expert_parallel_forward
@@ -340,10 +343,11 @@ def _check_input_weighted_block(model: nn.Module, name: str, experts: nn.Module,
 
 def _refusal(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]) -> str | None:
     """The message refusing ``model`` where it holds experts epmoe cannot run
-    (:func:`~epmoe.ep.recognize.unsupported_experts`), naming each such experts class once with its
+    (:func:`~epmoe.ep.recognize.unsupported_experts`) or would not run as their own forward does
+    (:func:`~epmoe.ep.contract.unfaithful_experts`), naming each such experts class once with its
     first module path and the reason; ``None`` where there are none."""
     by_class: dict[str, tuple[str, str, int]] = {}
-    for name, module, reason in unsupported_experts(model, found):
+    for name, module, reason in [*unsupported_experts(model, found), *unfaithful_experts(found)]:
         first = by_class.setdefault(type(module).__name__, (name, reason, 0))
         by_class[type(module).__name__] = (first[0], first[1], first[2] + 1)
     if not by_class:
@@ -444,13 +448,13 @@ def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.
         return (), {}
     names, unread = [], {}
     for name, rows in expert_rows(module):
-        param = getattr(module, name)
+        param = module.get_parameter(name)
         if id(param) not in tied:
             local = param.detach()[shard.local_start * rows:shard.local_end * rows].clone()
             tied[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
         if param.shape[0] > shard.num_experts * rows:
             unread[name] = param.shape[0] - shard.num_experts * rows
-        setattr(module, name, tied[id(param)])
+        set_parameter(module, name, tied[id(param)])
         names.append(name)
     return tuple(names), unread
 

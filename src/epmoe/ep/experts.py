@@ -156,11 +156,16 @@ class LocalExperts:
     ``module``: packed experts, or an ``nn.ModuleList`` of experts; ``backend``: ``"auto"`` or a
     registered grouped-matmul backend name (``ExpertParallelConfig.gmm_backend``); ``shared``: the
     parameters the experts share (default: :func:`~epmoe.ep.recognize.shared_parameters` of
-    ``module``; a sharded ``ModuleList``'s, found on all its experts before sharding).
+    ``module``; a sharded ``ModuleList``'s, found on all its experts before sharding); ``post``: the
+    name of a per-expert post module to run on each route's output
+    (:func:`~epmoe.ep.recognize.per_expert_post`: EP runs the module's whole forward, of which it is
+    part; as ``experts_implementation="epmoe"`` the module's own forward runs it).
     """
 
-    def __init__(self, module: nn.Module, backend: str = "auto", shared: Sequence[nn.Parameter] | None = None):
+    def __init__(self, module: nn.Module, backend: str = "auto", shared: Sequence[nn.Parameter] | None = None,
+                 post: str | None = None):
         self.module = module
+        self.post = post
         self.packed = not isinstance(module, nn.ModuleList)
         ids = {id(p) for p in ([p for _, p in shared_parameters(module)] if shared is None else shared)}
         self.shared_names = tuple(n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids)
@@ -292,7 +297,7 @@ class LocalExperts:
         """Whether :meth:`routed_mlp` runs ``epmoe::routed_mlp`` (packed experts without a norm after
         the down projection, or Linear triples, with no parameter shared by the experts), keeping what
         :mod:`epmoe.ep.mlp` says."""
-        if self.shared_names:
+        if self.shared_names or self.post is not None:
             return False
         if self.packed:
             return not getattr(self.module, "has_post_expert_norm", False)
@@ -422,10 +427,33 @@ class LocalExperts:
     def _packed_forward(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
                         ) -> torch.Tensor:
         module = self.module
+        if self.post is not None:
+            return self._with_post(x_em, counts, sync_weights)
         _, y = self._grouped_mlp(x_em.to(self.compute_dtype(self._weight_dtype())), counts, sync_weights)
         if getattr(module, "has_post_expert_norm", False):
             y = module.post_expert_norm(y)
         return y
+
+    def _with_post(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
+                   ) -> torch.Tensor:
+        """The grouped MLP, then the per-expert post module on each row with its local expert's id
+        (``ids_em``, expert-major as the rows). Its parameters are per expert: synced with the MLP's
+        weights, in one call of ``sync_weights``, and stood in for by name."""
+        post = self.module.get_submodule(self.post)
+        names = [name for name, _ in post.named_parameters()]
+        post_weights = [post.get_parameter(name) for name in names]
+        synced = {}
+
+        def with_post_weights(weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
+            out = sync_weights([*weights, *post_weights], per_parameter=per_parameter)
+            synced.update(zip(names, out[len(weights):]))
+            return out[:len(weights)]
+
+        _, y_em = self._grouped_mlp(x_em.to(self.compute_dtype(self._weight_dtype())), counts, with_post_weights)
+        counts_e = torch.as_tensor(counts, device=y_em.device)
+        ids_em = torch.repeat_interleave(torch.arange(counts_e.numel(), device=y_em.device), counts_e,
+                                         output_size=y_em.shape[0])
+        return torch.func.functional_call(post, synced, (y_em, ids_em), tie_weights=False)
 
     def _grouped_mlp(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
                      ) -> tuple[torch.Tensor, torch.Tensor]:

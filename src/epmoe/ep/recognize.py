@@ -383,8 +383,29 @@ def expert_rows(module: nn.Module) -> list[tuple[str, int]]:
     if layout is not None:
         return list(zip(layout.names, layout.rows))
     num, zero = num_experts_of(module), zero_experts(module)
-    return [(n, 1) for n, p in module.named_parameters(recurse=False)
-            if p.dim() >= 1 and p.shape[0] in (num, num + zero)]
+    own = [(n, 1) for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] in (num, num + zero)]
+    post = per_expert_post(module)
+    return own if post is None else own + [(f"{post}.{n}", 1) for n, _ in module.get_submodule(post).named_parameters()]
+
+
+def per_expert_post(module: nn.Module) -> str | None:
+    """The name of packed experts' *per-expert post module*, if they hold one: their one child with
+    parameters, all of one row per expert, whose forward takes ``(rows, expert ids)`` (Ergo's
+    ``post_expert_norm``, a learned RMSNorm scale per expert, applied to each route's output before the
+    weighted sum). EP shards its parameters with the experts and runs it on each route's rows on the
+    expert's rank, with local expert ids; whether the module's own forward does exactly that is
+    :mod:`epmoe.ep.contract`'s probe."""
+    num = num_experts_of(module)
+    found = [name for name, child in module.named_children()
+             if (params := list(child.parameters())) and all(p.dim() >= 1 and p.shape[0] == num for p in params)
+             and len(_signature(child)) == 2]
+    return found[0] if len(found) == 1 and not getattr(module, "has_post_expert_norm", False) else None
+
+
+def set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """``module``'s parameter ``name`` (dotted: a submodule's) set to ``param``."""
+    owner, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, attr, param)
 
 
 def takes_every_token(module: nn.Module) -> bool:
@@ -601,7 +622,7 @@ def fused_ineligible_reason(experts: nn.Module) -> str | None:
         return "zero-computation experts: their term is added beside the routed experts, on the all-to-all-v path"
     if experts.has_bias:
         return "the down projection's bias would have to be added between the grouped matmul and the exchange"
-    if getattr(experts, "has_post_expert_norm", False):
+    if getattr(experts, "has_post_expert_norm", False) or per_expert_post(experts) is not None:
         return "a post-expert norm would have to run between the grouped matmul and the exchange"
     if shared_parameters(experts):
         return (f"its parameters shared by every expert ({shared_parameters(experts)[0][0]}...) get their gradient "

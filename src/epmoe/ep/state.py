@@ -105,7 +105,7 @@ class ExpertParallelState:
         share: :attr:`~epmoe.ep.experts.LocalExperts.shared_names`)."""
         if isinstance(self.local_experts, nn.ModuleList):
             return self.experts.expert_parameters()
-        return [getattr(owner, name) for name in self.sharded_names]
+        return [owner.get_parameter(name) for name in self.sharded_names]
 
     def sync_weights(self, weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
         """The experts' weights as this forward uses them, gradients finished by the model's policy

@@ -24,7 +24,10 @@ The contract is grouped_mm's: the same arguments and return, the module's own fl
 weights, hidden states cast to the experts' compute dtype (the weights', or the wider one the family's
 own forward computes in: :meth:`~epmoe.ep.experts.LocalExperts.compute_dtype`) and the result cast back. Under transformers' own
 expert parallelism (``module._is_expert_parallel``) routing choices ``>= module.num_experts`` name
-another rank's experts and contribute nothing (forward or backward). Registration goes through the
+another rank's experts and contribute nothing (forward or backward). A module whose class departs
+from the decorated contract (tensors or flags epmoe does not know) runs only where its own decorated
+forward equals epmoe's on a probe (:func:`~epmoe.ep.contract.unfaithful_reason`), else its first
+forward raises ``ValueError`` naming the class and what differs. Registration goes through the
 registry's public ``register``: models that do not ask for ``"epmoe"`` run as before, and
 ``apply_expert_parallel`` replaces these modules' forwards as it does any other's. Without
 transformers (or with one that has no ``ExpertsInterface``) nothing is registered.
@@ -35,6 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from epmoe.ep.contract import unfaithful_reason
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.recognize import is_packed_experts, num_experts_of
 from epmoe.ep.routing import RowPairs, pair_rows
@@ -95,6 +99,10 @@ def _make_local_experts(module: nn.Module) -> LocalExperts:
         raise ValueError(
             f"experts_implementation={EXPERTS_IMPLEMENTATION!r}: {type(module).__name__} is not packed experts "
             f"(3-D gate_up_proj or up_proj and down_proj, with @use_experts_implementation's flags)")
+    reason = unfaithful_reason(module, whole=False)
+    if reason is not None:
+        raise ValueError(f"experts_implementation={EXPERTS_IMPLEMENTATION!r}: {type(module).__name__} cannot run "
+                         f"through epmoe: {reason}; load it with experts_implementation='eager'")
     experts = LocalExperts(module)
     module.__dict__[_ATTRIBUTE] = experts
     return experts

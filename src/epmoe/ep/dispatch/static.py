@@ -74,7 +74,7 @@ from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.dispatch.base import Dispatcher, SharedExpert
 from epmoe.ep.experts import WeightsHook
 from epmoe.ep.guard import check as check_guard
-from epmoe.ep.recognize import linear_triples, shared_parameters
+from epmoe.ep.recognize import linear_triples, per_expert_post, shared_parameters
 from epmoe.ep.routing import GatherRows, RowPairs, SumRows, TokenRows, pair_rows, static_token_rows
 from epmoe.ep.state import ExpertParallelState
 
@@ -146,7 +146,7 @@ class StaticDispatcher(Dispatcher):
             if linear_triples(experts) is None:
                 return "its experts run their own forwards, which slice their rows by counts read to the host"
             return None
-        if getattr(experts, "has_post_expert_norm", False):
+        if getattr(experts, "has_post_expert_norm", False) or per_expert_post(experts) is not None:
             return "a norm after the down projection runs outside the routed MLP op"
         if shared_parameters(experts):
             return "parameters shared by every expert run outside the routed MLP op"
