@@ -67,9 +67,9 @@ changes() {
 
 main() {
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
-  local python=${PYTHON:-python3} tmp py
+  local python=${PYTHON:-python3} py
   local has_torch='import sys, torch; sys.exit(tuple(map(int, torch.__version__.split(".")[:2])) < (2, 9))'
-  tmp=$(mktemp -d)
+  tmp=$(mktemp -d) # global: the EXIT trap runs after main has returned
   trap 'rm -rf "$tmp"' EXIT
   if "$python" -c "$has_torch" 2>/dev/null; then
     "$python" -m venv --system-site-packages "$tmp/venv"
@@ -82,7 +82,7 @@ main() {
     "${pip[@]}" "${EPMOE_TORCH:-torch==2.13.0}"
   fi
   # The newest releases, torch kept as it is; eager so that packages the system site already has move too.
-  "$py" -c 'import torch; print("torch==" + torch.__version__)' >"$tmp/torch.txt"
+  "$py" -W ignore -c 'import torch; print("torch==" + torch.__version__)' >"$tmp/torch.txt"
   echo "Installing -e \".[test]\" at the newest releases into $tmp/venv ..."
   "${pip[@]}" --upgrade --upgrade-strategy eager -c "$tmp/torch.txt" -e ".[test]"
   "$py" -m pip check

@@ -2,8 +2,8 @@
 
 * Tiny transformers models, from their configs (no download), of the families whose experts module
   holds a parameter shared by every expert (MuseSpark's ``post_expert_norm``) or whose own experts
-  forward computes in float32 whatever the model's dtype (Inkling2, Inkling2Loop, Nemotron-H,
-  OpenAI's privacy filter).
+  forward computes in float32 whatever the model's dtype (Inkling2, Inkling2Loop, OpenAI's privacy
+  filter; Nemotron-H's did up to transformers 5.24).
 * Custom models: packed experts (``@use_experts_implementation(has_post_expert_norm=True)``)
   whose post-expert "norm" is a learned scale and bias shared by all experts, packed experts whose
   activation has a learned scale, and ``nn.ModuleList`` experts that all hold one shared norm module.
@@ -31,14 +31,10 @@ FAMILIES = {  # family -> (config class, model class, config kwargs)
     "inkling2_loop": ("Inkling2LoopTextConfig", "Inkling2LoopForCausalLM", dict(
         _INKLING, num_hidden_layers=3, loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
         loop_gate_rank=8)),
-    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", dict(
-        _COMMON, layers_block_type=["mamba", "moe"], moe_intermediate_size=32,
-        moe_shared_expert_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1,
-        ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, chunk_size=8, intermediate_size=64)),
     "openai_privacy_filter": ("OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterForTokenClassification", dict(
         _COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)),
 }
-FLOAT32_FAMILIES = ("inkling2", "inkling2_loop", "nemotron_h", "openai_privacy_filter")
+FLOAT32_FAMILIES = ("inkling2", "inkling2_loop", "openai_privacy_filter")
 
 
 def build_family(family, dtype=torch.float64, seed=0):

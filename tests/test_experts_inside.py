@@ -5,7 +5,7 @@
   rank, and with exactly the unsharded model's gradient on the rank's own batch at EP 2 without a
   wrapper; under DDP averaged like the rest.
 * Families whose own experts forward computes in float32 in a bfloat16 model (Inkling2, Inkling2Loop,
-  Nemotron-H, OpenAI's privacy filter): EP computes in float32 too, so the bfloat16 EP run is as close
+  OpenAI's privacy filter): EP computes in float32 too, so the bfloat16 EP run is as close
   to float64 as the bfloat16 run without EP.
 
 The 2-rank cases run in one spawned run (``experts_inside_workers.all_cases``)."""

@@ -28,7 +28,7 @@ Two things an experts module may hold besides its experts' weights are honoured:
   rank gets the gradient of its own rows (:meth:`LocalExperts._by_source`,
   :func:`epmoe.ep.grads.shared_by_source`);
 * a compute dtype wider than the weights' (:func:`family_compute_dtype`: what the family's own
-  forward runs its matmuls and sums in, float32 for OpenAI's privacy filter, Inkling2 or Nemotron-H in
+  forward runs its matmuls and sums in, float32 for OpenAI's privacy filter or Inkling2 in
   bfloat16): packed experts then run their MLP in it (:meth:`LocalExperts.compute_dtype`), their
   output stays in it until the layer has summed each token's rows.
 
@@ -73,6 +73,7 @@ from epmoe.ep.recognize import (
     num_experts_of,
     packed_names,
     packed_tensors,
+    peft_base,
     shared_parameters,
     stacked_rows,
     weights_transposed,
@@ -440,6 +441,12 @@ class LocalExperts:
         (``ids_em``, expert-major as the rows). Its parameters are per expert: synced with the MLP's
         weights, in one call of ``sync_weights``, and stood in for by name."""
         post = self.module.get_submodule(self.post)
+        if peft_base(post) is not None:
+            raise ValueError(
+                f"epmoe: {type(self.module).__name__}.{self.post}: PEFT LoRA on the per-expert post module's weights is "
+                f"not supported: its factors span every expert's row, which expert parallelism splits. Leave these "
+                f"weights out of target_parameters (LoRA on the experts' projections, attention and other Linears "
+                f"works)")
         names = [name for name, _ in post.named_parameters()]
         post_weights = [post.get_parameter(name) for name in names]
         synced = {}
@@ -531,7 +538,7 @@ def family_compute_dtype(module: nn.Module) -> torch.dtype | None:
     the sum of the weighted expert outputs (what it returns, before a last cast back), found by
     running it once on two probe tokens routed to expert 0 (and to expert 1 with weight 0: some
     forwards need two choices) with float32 routing weights (what the routers of such families
-    give). OpenAI's privacy filter (matmuls in float32), Inkling2 and Nemotron-H (sums in float32) give float32 in a bfloat16 model; most families their weights'
+    give). OpenAI's privacy filter (matmuls in float32) and Inkling2 (sums in float32) give float32 in a bfloat16 model; most families their weights'
     dtype. ``None`` where it cannot run yet (meta weights, or a partition of them such as ZeRO-3's
     outside a forward); where it fails, its weights' dtype (a
     WARNING says why). Kept per module and weight dtype: :func:`epmoe.apply_expert_parallel` asks

@@ -94,7 +94,7 @@ def refuse_unsupported(module: nn.Module) -> None:
     spanning every expert, which expert parallelism splits, and the module around the holder calls
     epmoe's forward, not the wrapper, whose LoRA would be left out), sharded per-expert tensors that
     are not 3-D (GPT-OSS's ``(E, out)`` biases: peft lays a 2-D tensor's factors out as one matrix's,
-    spanning every expert), and sharded experts beside zero-computation experts (LongCat-Flash's: peft
+    spanning every expert), and sharded experts beside zero-computation experts (LongCat-Flash's in transformers 5.24: peft
     sizes the unsharded model's factors over every row of ``gate_up_proj``, the zero experts'
     never-read rows included, which a shard does not keep, so the factors would be drawn unlike the
     unsharded model's)."""

@@ -5,14 +5,14 @@ triples, transformers' default gate, what the fused ops can run, and PEFT wrappe
   ``gate_up_proj`` (or ``up_proj`` when ``has_gate`` is false) and ``down_proj``; ``is_transposed``
   says whether they are ``(E, in, out)`` rather than the ``nn.Linear`` layout ``(E, out, in)``;
   ``has_bias`` adds ``*_proj_bias`` ``(E, out)``.
-* Packed experts without the decorator (Step3p7's): a module with the decorated classes' contract,
+* Packed experts without the decorator (Step3p7's before transformers 5.25): a module with the decorated classes' contract,
   ``forward(hidden_states, top_k_index, top_k_weights)``, and 3-D ``gate_up_proj`` (or ``up_proj``) and
   ``down_proj`` of one leading size ``E``. epmoe infers the layout the decorator would have declared
   (``is_transposed`` from the shapes, ``has_bias`` from ``*_proj_bias``, the class's own ``_apply_gate``
   or transformers' default ``act_fn(gate) * up``) and keeps it only if the module's own forward
   computes exactly that on a probe (:func:`adopt_packed_experts`): then the module is *adopted*, given
   the decorator's flags, and runs as packed experts. Its up (or gate_up) projection may hold ``Z`` more
-  experts than its down projection (LongCat-Flash's): ids ``[E, E+Z)`` are then *zero-computation
+  experts than its down projection (LongCat-Flash's in transformers 5.24): ids ``[E, E+Z)`` are then *zero-computation
   experts*, kept only where the module's own forward returns the token times its weight for them
   (:func:`zero_experts`); EP routes the ``E`` real experts and adds their term locally
   (:mod:`epmoe.integrations.zero_experts`).
@@ -218,7 +218,7 @@ def adopt_packed_experts(module: nn.Module) -> bool:
     up, down = params.get(up_name), params.get("down_proj")
     if up is None or down is None or up.dim() != 3 or down.dim() != 3:
         return False
-    num, zero = down.shape[0], up.shape[0] - down.shape[0]  # zero > 0: zero-computation experts (LongCat-Flash's)
+    num, zero = down.shape[0], up.shape[0] - down.shape[0]  # zero > 0: zero-computation experts (LongCat-Flash's, 5.24)
     if zero < 0:
         return False
     has_bias = f"{up_name}_bias" in params and "down_proj_bias" in params

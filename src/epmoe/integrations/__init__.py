@@ -4,7 +4,7 @@
   forwards epmoe puts in place of theirs, which call the engine's routed path.
 * :mod:`~epmoe.integrations.input_weighted`: blocks whose experts take every token, scaled by the
   router (Llama4's), and their forward.
-* :mod:`~epmoe.integrations.zero_experts`: experts beside zero-computation experts (LongCat-Flash's),
+* :mod:`~epmoe.integrations.zero_experts`: experts beside zero-computation experts (LongCat-Flash's in transformers 5.24, custom models),
   whose ids return the token times its weight, and their forward.
 * :mod:`~epmoe.integrations.peft`: PEFT LoRA factors on expert-parallel experts and their layouts.
 * :mod:`~epmoe.integrations.transformers_experts`: ``experts_implementation="epmoe"``, epmoe's routed

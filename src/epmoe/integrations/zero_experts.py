@@ -1,4 +1,5 @@
-"""Experts beside zero-computation experts (LongCat-Flash's): routed ids past the real experts return the token.
+"""Experts beside zero-computation experts (LongCat-Flash's in transformers 5.24, custom models):
+routed ids past the real experts return the token.
 
 The block's router chooses among ``E`` real experts and ``Z`` zero-computation experts (ids ``[E,
 E+Z)``: :func:`~epmoe.ep.recognize.zero_experts`), which return the token times its routing weight:
