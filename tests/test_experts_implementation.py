@@ -504,3 +504,42 @@ def test_every_decorated_experts_class_of_transformers():
                      if err > tol]
     assert built >= len(found) - 2, f"only {built} of {len(found)} classes could be built tiny"
     assert not failures, "\n".join(failures)
+
+
+def test_a_decorated_forward_doing_more_than_the_contract_is_refused_at_its_first_call():
+    """experts_implementation="epmoe" replaces a class's decorated forward: a class decorated with its
+    own forward adding a learned bias after the weighted sum (a tensor the layout does not know) is
+    refused at its first call, naming the class and the probe's difference; the same bias added by a
+    subclass's forward around the decorated call (epmoe replaces only that call) runs, equal to eager."""
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations import use_experts_implementation
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    eager = Qwen3MoeExperts.forward.__wrapped__
+
+    @use_experts_implementation
+    class BiasedExperts(Qwen3MoeExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return eager(self, hidden_states, top_k_index, top_k_weights) + self.output_bias
+
+    class BiasAroundExperts(Qwen3MoeExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return super().forward(hidden_states, top_k_index, top_k_weights) + self.output_bias
+
+    config = Qwen3MoeConfig(hidden_size=16, moe_intermediate_size=8, num_experts=4)
+    index, weights = _routing(5, 2, 4, torch.float64, seed=3)
+    x = torch.randn(5, 16, dtype=torch.float64)
+    for cls in (BiasedExperts, BiasAroundExperts):
+        config._experts_implementation = "epmoe"
+        module = cls(config).double()
+        _init_params(module, 1)
+        module.output_bias = torch.nn.Parameter(torch.randn(16, dtype=torch.float64))
+        if cls is BiasedExperts:
+            with pytest.raises(ValueError, match=r"BiasedExperts cannot run through epmoe: it holds tensors the "
+                                                 r"decorated layout does not \(output_bias\), and its own forward "
+                                                 r"differs"):
+                module(x, index, weights)
+            continue
+        out = module(x, index, weights)
+        config._experts_implementation = "eager"
+        torch.testing.assert_close(out, module(x, index, weights), rtol=1e-12, atol=1e-12)

@@ -19,7 +19,6 @@ import pytest
 import experts_variants
 import families
 from epmoe.launch import run_ranks
-from epmoe.ep.recognize import find_experts_modules
 from families_workers import TOL, TOL_ROUNDS_TO, check_families, stacked_and_zero_cases, verdict
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -190,16 +189,20 @@ def test_decorated_subclass_overriding_forward_is_refused_not_trusted():
         torch.testing.assert_close(model(**ids)[0], reference(**ids)[0], rtol=1e-12, atol=1e-12)
 
         model = families.build(family)
-        cls = type(find_experts_modules(model)[0][1])
-
-        def scaled(self, hidden_states, top_k_index, top_k_weights, cls=cls):
-            return 2 * cls.forward(self, hidden_states, top_k_index, top_k_weights)
+        cls = next(type(m) for m in model.modules() if type(m).__name__ in ("Step3p7Experts", "UndecoratedExperts"))
 
         for module in [m for m in model.modules() if type(m) is cls]:
-            module.__class__ = type("ScaledExperts", (cls,), {"forward": scaled})
+            module.__class__ = type("ScaledExperts", (cls,), {"forward": _scaled(cls)})
         with pytest.raises(ValueError, match=match):
             epmoe.apply_expert_parallel(model)
         assert not any(hasattr(m, "_epmoe") for m in model.modules())
+
+
+def _scaled(cls: type):
+    """A forward returning twice what ``cls``'s does."""
+    def scaled(self, hidden_states, top_k_index, top_k_weights):
+        return 2 * cls.forward(self, hidden_states, top_k_index, top_k_weights)
+    return scaled
 
 
 def adopted_families() -> list:
@@ -418,3 +421,20 @@ def test_lora_on_stacked_rows_experts_is_refused_not_left_out(with_attention):
         model(**families.inputs(family, 0, 5))
     with pytest.raises(ValueError, match=match):
         epmoe.expert_parameters(model)
+
+
+def test_ergo_through_epmoe_from_pretrained_is_proved_on_meta_weights(tmp_path):
+    """epmoe.from_pretrained applies EP to weights on the meta device: Ergo's experts (a forward that
+    departs from the decorated contract) are proved on stand-in weights there, its per-expert norm
+    loaded with the experts: the same logits as the family's own load (one process, fp64)."""
+    import torch
+
+    import epmoe
+
+    family = found()["ergo"]
+    model = families.build(family)
+    model.save_pretrained(tmp_path)
+    loaded, _ = epmoe.from_pretrained(type(model), tmp_path, dtype=torch.float64)
+    plain = type(model).from_pretrained(tmp_path, dtype=torch.float64)
+    ids = families.inputs(family, 0, 9)
+    torch.testing.assert_close(loaded(**ids)[0], plain(**ids)[0], rtol=1e-12, atol=1e-12)

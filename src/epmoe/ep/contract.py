@@ -137,16 +137,17 @@ def unfaithful_experts(found: list[tuple[str, nn.Module, nn.Module]]) -> list[tu
     a module whose departures the probe shows harmless is logged, with the probe's cost."""
     out = []
     for name, module, owner in found:
-        if owner is not module or not departures(module, whole=True):
+        departing = departures(module, whole=True) if owner is module else []
+        if not departing:
             continue
         start = time.perf_counter()
-        reason = unfaithful_reason(module, whole=True)
-        if reason is not None:
-            out.append((name, module, reason))
+        verdict = _probe(module, whole=True)
+        if verdict is not None:
+            out.append((name, module, f"{'; '.join(departing)}, and {verdict}"))
         else:
             logger.info("epmoe: %s at %s departs from the decorated experts contract (%s); its own forward equals "
                         "epmoe's on a probe of every expert (%.1f ms)", type(module).__name__, name,
-                        "; ".join(departures(module, whole=True)), 1e3 * (time.perf_counter() - start))
+                        "; ".join(departing), 1e3 * (time.perf_counter() - start))
     return out
 
 
