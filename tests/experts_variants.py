@@ -106,7 +106,8 @@ class ZeroComputationExperts(nn.Module):
             if expert_idx < self.num_routed_experts:
                 gate, up = F.linear(current, self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
                 current = F.linear(self.act_fn(gate) * up, self.down_proj[expert_idx])
-            final_hidden_states.index_add_(0, token_idx, current * top_k_weights[token_idx, top_k_pos, None])
+            weighted = current * top_k_weights[token_idx, top_k_pos, None]
+            final_hidden_states.index_add_(0, token_idx, weighted.to(final_hidden_states.dtype))
         return final_hidden_states
 
 

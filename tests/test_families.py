@@ -121,29 +121,35 @@ def test_lora_on_every_familys_experts_is_exact_or_refused():
     gradient (the unsharded sum over ranks, this rank's experts' part) equal the unsharded peft model's
     with the same seed (1e-10, or the family's own float32 rounding); or epmoe refuses it by name (LoRA
     on biases, on stacked rows, beside zero-computation experts); or peft's LoRA does not run on the
-    unsharded model either (DBRX). Before, GPT-OSS's bias LoRA and Llama4's LoRA (peft read epmoe's
+    unsharded model either (DBRX; Ergo's projections and per-expert norm together). Before, GPT-OSS's bias LoRA and Llama4's LoRA (peft read epmoe's
     layout flag) ran silently unlike the unsharded model, and Llama4's crashed."""
     outcomes = {}
     for family in checked():
         per_rank = results()[family.key]
         if any("refused" in r or "error" in r for r in per_rank):
             continue  # EP itself refused (or failed: test_family_exact_or_refused_by_name says so)
-        loras = [r["lora"] for r in per_rank]
-        assert not any("error" in lora for lora in loras), (family.name, [lora.get("error") for lora in loras])
-        kinds = {next(iter({"refused", "without_ep"} & set(lora)), "ran") for lora in loras}
-        assert len(kinds) == 1, (family.name, loras)
-        outcomes[family.key] = kind = kinds.pop()
-        if kind == "refused":
-            assert all("PEFT LoRA on" in lora["refused"] and "target_parameters" in lora["refused"]
-                       for lora in loras), (family.name, loras)
-        elif kind == "ran":
-            rounds_to = per_rank[0]["rounds_to"]
-            tol = TOL_ROUNDS_TO.get(rounds_to, TOL) if rounds_to else TOL
-            for rank, lora in enumerate(loras):
-                assert lora["compared"] > 0 and max(lora["errors"].values()) <= tol, (family.name, rank, lora)
+        for run in ("lora", "lora_projections", "lora_post"):
+            if run not in per_rank[0]:
+                continue
+            loras = [r[run] for r in per_rank]
+            assert not any("error" in lora for lora in loras), (family.name, [lora.get("error") for lora in loras])
+            kinds = {next(iter({"refused", "without_ep"} & set(lora)), "ran") for lora in loras}
+            assert len(kinds) == 1, (family.name, loras)
+            outcomes[family.key if run == "lora" else f"{family.key} {run}"] = kind = kinds.pop()
+            if kind == "refused":
+                assert all("PEFT LoRA on" in lora["refused"] and "target_parameters" in lora["refused"]
+                           for lora in loras), (family.name, loras)
+            elif kind == "ran":
+                rounds_to = per_rank[0]["rounds_to"]
+                tol = TOL_ROUNDS_TO.get(rounds_to, TOL) if rounds_to else TOL
+                for rank, lora in enumerate(loras):
+                    assert lora["compared"] > 0 and max(lora["errors"].values()) <= tol, (family.name, rank, lora)
+    # Ergo: peft itself cannot wrap both the experts' tensors and their post_expert_norm's; LoRA on its
+    # projections alone is exact, on its per-expert norm alone (and the per_route_norm variant's) refused by name
     expected = {"gpt_oss": "refused", "longcat_flash+zero_experts": "refused", "dbrx": "without_ep", "llama4": "ran",
-                "qwen3_moe": "ran", "step3p7": "ran", "longcat_flash": "ran", "ergo": "ran",
-                "qwen3_moe+per_route_norm": "ran", "qwen3_moe+undecorated": "ran"}
+                "qwen3_moe": "ran", "step3p7": "ran", "longcat_flash": "ran", "ergo": "without_ep",
+                "ergo lora_projections": "ran", "ergo lora_post": "refused", "qwen3_moe+per_route_norm": "without_ep",
+                "qwen3_moe+undecorated": "ran"}
     assert {name: outcomes.get(name) for name in expected} == expected, outcomes
 
 

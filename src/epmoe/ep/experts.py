@@ -440,7 +440,7 @@ class LocalExperts:
         """The grouped MLP, then the per-expert post module on each row with its local expert's id
         (``ids_em``, expert-major as the rows). Its parameters are per expert: synced with the MLP's
         weights, in one call of ``sync_weights``, and stood in for by name."""
-        post = self.module.get_submodule(self.post)
+        post = (peft_base(self.module) or self.module).get_submodule(self.post)  # LoRA wraps the experts module
         if peft_base(post) is not None:
             raise ValueError(
                 f"epmoe: {type(self.module).__name__}.{self.post}: PEFT LoRA on the per-expert post module's weights is "
