@@ -92,8 +92,11 @@ ZERO3_CASES = {  # case: parameter tolerance
     "zero3_offload_param_initialize": 1e-6,
     "zero3_offload_optimizer_initialize": 1e-6,
     "zero3_trainer_ds_optimizer_sgd": 1e-6,
-    "zero3_trainer_trainer_optimizer": 3e-4,
-    "zero3_accelerate_ds_optimizer": 3e-4,
+    # AdamW divides each update by its gradient's running RMS: an entry whose gradient is near zero moves by up
+    # to lr whatever float32 rounding the reduction order gave it (4.0e-4 measured on CI's machine, under 3e-4
+    # on others); the SGD cases above are the ones that catch a mis-scaled gradient (1e-6)
+    "zero3_trainer_trainer_optimizer": 1e-3,
+    "zero3_accelerate_ds_optimizer": 1e-3,
 }
 ZERO3 = 1e-5  # losses and norms
 
