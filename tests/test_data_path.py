@@ -3,8 +3,9 @@ EP 2 passes through, at the steady (second) step; the first step, which also run
 once, is reported beside it. The measure runs, sees the layer's path, and the path stays within the
 bound it was brought to (103 functions in 18 files before the dispatcher took one shape, 93 in 19
 before the per-call decisions moved off it, 85 in 18 before what is decided once was kept instead of
-derived again each step), none of its functions longer than 60 lines; and what the steady path no
-longer looks at each step is still seen when it changes."""
+derived again each step; 57 to 59, 16 to 18 in the dispatch, when each row's route came to travel
+inside it, one collective fewer each way), none of its functions longer than 60 lines; and what the
+steady path no longer looks at each step is still seen when it changes."""
 
 import json
 import os
@@ -16,8 +17,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_FUNCTIONS = 57  # the whole path (the steady step)
-MAX_DISPATCH_FUNCTIONS = 16  # of which the layer, its dispatcher and the routing indices
+MAX_FUNCTIONS = 59  # the whole path (the steady step)
+MAX_DISPATCH_FUNCTIONS = 18  # of which the layer, its dispatcher and the routing indices
 DISPATCH_FILES = ("ep/layer.py", "ep/routing.py", "ep/dispatch/")
 
 

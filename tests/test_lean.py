@@ -38,7 +38,7 @@ def test_token_rows_once_per_rank_in_rank_then_token_order(T, K, E, W):
         mine = [i for i, (_, tt) in enumerate(expected) if tt == t]
         assert rows.row_TD[t].tolist() == mine + [R] * (rows.row_TD.shape[1] - len(mine))
     x = torch.randn(T, 5, dtype=torch.float64, requires_grad=True)
-    torch.autograd.gradcheck(lambda x: GatherRows.apply(x, *rows), (x,))
+    torch.autograd.gradcheck(lambda x: GatherRows.apply(x, None, *rows), (x,))
     y = torch.randn(R, 5, dtype=torch.float64, requires_grad=True)
     torch.autograd.gradcheck(lambda y: SumRows.apply(y, *rows), (y,))
     if T:

@@ -321,11 +321,11 @@ def test_bench_static_quick_rows():
     report = run_static(settings)
     for batch in DECODE_BATCHES:
         (_, reads_d, coll_d), (_, reads_s, coll_s) = report.decode[batch, "dynamic"], report.decode[batch, "static"]
-        assert coll_s == 2 and coll_d == 4 and reads_d - reads_s == 1, report.decode
+        assert coll_s == 2 and coll_d == 3 and reads_d - reads_s == 1, report.decode
         _, reads_r, coll_r = report.decode[batch, "static, headers read"]  # auto's decode steps
         assert coll_r == 2 and reads_r == reads_d, report.decode
         assert 0 < report.floor(batch) < 1, report.decode
-    assert report.train["static"] == (0, 4) and report.train["dynamic"][1] == 7, report.train
+    assert report.train["static"] == (0, 4) and report.train["dynamic"][1] == 5, report.train
     assert [(row[0], row[1]) for row in report.cost] == list(COST_CASES)
     assert all(row[4] == row[0] * row[2] and row[3] <= row[4] for row in report.cost)
     assert all(float(row[8]) > 0 and float(row[9]) > 0 for row in report.cost), report.cost

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from epmoe.bench import checkpoint, common, fused, gmm, layer
+from epmoe.bench import checkpoint, common, fused, gmm, layer, versus
 
-BENCHMARKS = {"gmm": gmm, "layer": layer, "fused": fused, "checkpoint": checkpoint}
+BENCHMARKS = {"gmm": gmm, "layer": layer, "fused": fused, "checkpoint": checkpoint, "versus": versus}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

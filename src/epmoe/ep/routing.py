@@ -158,21 +158,31 @@ def static_token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_si
 
 
 class GatherRows(torch.autograd.Function):
-    """``GatherRows.apply(x_TH, *rows)`` (``rows``: :class:`TokenRows`): ``(R, H)``, each token's
-    hidden state once per destination rank (zero rows for padding); backward: each token's rows'
-    gradients summed in rank order."""
+    """``GatherRows.apply(x_TH, route_TC, *rows)`` (``rows``: :class:`TokenRows`): ``(R, H)``, each
+    token's hidden state once per destination rank (zero rows for padding); with a ``route_TC``
+    (``None`` or ``(T, C)`` float, ``C`` times its itemsize a multiple of ``x_TH``'s), ``(R, H + C')``:
+    each row followed by the bytes of its token's route, carried exactly in ``x_TH``'s dtype so one
+    exchange moves both (:class:`UnpackRoute` splits them). Backward: each token's rows' gradients
+    summed in rank order."""
 
     @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, token_R: torch.Tensor, row_TD: torch.Tensor, padded: bool) -> torch.Tensor:
+    def forward(ctx, x_TH: torch.Tensor, route_TC: torch.Tensor | None, token_R: torch.Tensor, row_TD: torch.Tensor,
+                padded: bool) -> torch.Tensor:
         ctx.save_for_backward(row_TD)
+        ctx.hidden, ctx.route_dtype = x_TH.shape[1], None if route_TC is None else route_TC.dtype
+        if route_TC is not None:
+            x_TH = torch.cat([x_TH, route_TC.contiguous().view(x_TH.dtype)], dim=1)
         if padded:  # padding rows read an appended zero row (index T)
             x_TH = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])
         return x_TH[token_R]
 
     @staticmethod
-    def backward(ctx, dx_RH):
+    def backward(ctx, dx_RX):
         (row_TD,) = ctx.saved_tensors
-        return _sum_by_token(dx_RH, row_TD), None, None, None
+        if ctx.route_dtype is None:
+            return _sum_by_token(dx_RX, row_TD), None, None, None, None
+        droute_RC = dx_RX[:, ctx.hidden:].contiguous().view(ctx.route_dtype)
+        return _sum_by_token(dx_RX[:, :ctx.hidden], row_TD), _sum_by_token(droute_RC, row_TD), None, None, None
 
 
 class SumRows(torch.autograd.Function):
@@ -192,6 +202,27 @@ class SumRows(torch.autograd.Function):
         if ctx.padded:  # padding rows read an appended zero row (index T)
             dout_TH = torch.cat([dout_TH, dout_TH.new_zeros(1, dout_TH.shape[1])])
         return dout_TH[token_R], None, None, None
+
+
+class UnpackRoute(torch.autograd.Function):
+    """``UnpackRoute.apply(packed_RX, hidden, route_dtype)``: ``(x_RH, route_RC)`` of a
+    :class:`GatherRows` exchanged with a route; backward packs their gradients back (zeros for a
+    missing one)."""
+
+    @staticmethod
+    def forward(ctx, packed_RX: torch.Tensor, hidden: int, route_dtype: torch.dtype):
+        route_RC = packed_RX[:, hidden:].contiguous().view(route_dtype)
+        ctx.rows, ctx.hidden, ctx.route_columns = packed_RX.shape[0], hidden, route_RC.shape[1]
+        ctx.dtype, ctx.route_dtype, ctx.device = packed_RX.dtype, route_dtype, packed_RX.device
+        return packed_RX[:, :hidden].contiguous(), route_RC  # copies: the packed buffer is not kept
+
+    @staticmethod
+    def backward(ctx, dx_RH, droute_RC):
+        if dx_RH is None:
+            dx_RH = torch.zeros(ctx.rows, ctx.hidden, dtype=ctx.dtype, device=ctx.device)
+        if droute_RC is None:
+            droute_RC = torch.zeros(ctx.rows, ctx.route_columns, dtype=ctx.route_dtype, device=ctx.device)
+        return torch.cat([dx_RH, droute_RC.contiguous().view(ctx.dtype)], dim=1), None, None
 
 
 def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from epmoe.ep.routing import (
     RowPairs,
     SumRows,
     TokenRows,
+    UnpackRoute,
     destinations_TW,
     keep_first,
     pair_rows,
@@ -81,12 +82,13 @@ class AllToAllVDispatcher(Dispatcher):
             rows, x_RH, weights_RK, local_expert_RK = None, hidden_TH, top_k_weights_TK, top_k_index_TK
         else:
             rows = token_rows(top_k_index_TK, e, W, sum(counts.send_rows_W))
-            # each row's K expert ids and weights travel beside it, in one exchange (ids exact in it)
+            # each row's K expert ids and weights travel in the row, after its hidden state: one
+            # exchange each way (ids exact in the route's float dtype, its bytes carried as they are)
             route_dtype = torch.float64 if top_k_weights_TK.dtype == torch.float64 else torch.float32
-            route_RK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
-            splits = (counts.recv_rows_W, counts.send_rows_W, counts.group)
-            x_RH = all_to_all_v(GatherRows.apply(hidden_TH, *rows), *splits)
-            route_RK2 = all_to_all_v(route_RK2[rows.token_R], *splits)
+            route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
+            sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows)
+            received_RX = all_to_all_v(sent_RX, counts.recv_rows_W, counts.send_rows_W, counts.group)
+            x_RH, route_RK2 = UnpackRoute.apply(received_RX, hidden_TH.shape[1], route_dtype)
             local_expert_RK = route_RK2[:, :K].long() - shard.local_start
             local_expert_RK = local_expert_RK.masked_fill((local_expert_RK < 0) | (local_expert_RK >= e), e)
             weights_RK = route_RK2[:, K:].to(top_k_weights_TK.dtype)

@@ -185,7 +185,8 @@ class StaticDispatcher(Dispatcher):
             fits = T <= B
             if fits:
                 rows, rows_W = static_token_rows(top_k_index_TK, e, W, B)
-                sent_RX = GatherRows.apply(torch.cat([hidden_TH.to(carried), top_k_weights_TK.to(carried)], dim=1), *rows)
+                sent_RX = GatherRows.apply(torch.cat([hidden_TH.to(carried), top_k_weights_TK.to(carried)], dim=1),
+                                           None, *rows)
             else:  # the header alone tells the peers; no row travels
                 sent_RX = hidden_TH.new_zeros(W * B, H + K, dtype=carried)
             route_WL = self._route(link, position, hidden_TH.dtype, top_k_index_TK, rows if fits else None,

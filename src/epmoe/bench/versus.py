@@ -1,0 +1,533 @@
+"""``epmoe bench versus``: epmoe against transformers' own expert parallelism, side by side.
+
+transformers ships its own EP: ``from_pretrained(path, distributed_config=DistributedConfig(ep_size=W,
+fsdp_size=W))`` shards the experts ``Shard(0)`` over an ``"ep"`` mesh, wraps the rest in FSDP2, and
+exchanges tokens with ``AllToAllEP`` (one row per (token, expert) pair, split sizes read to the host
+every layer, routing weights applied on the sender). epmoe runs the same saved checkpoint with
+``apply_expert_parallel`` and its FSDP2 recipe (the dense part ``fully_shard``-ed per decoder layer and
+at the root, the experts left out: ``ignored_params``). Both on ``W`` gloo ranks of this machine, each
+rank its own batch, the same batches for both, every figure measured in the same run:
+
+- **exactness**: each system against the unsharded model (the same checkpoint on every rank, the
+  gradients averaged over the ranks' batches as data parallelism does), float64 with transformers'
+  ``eager`` experts: the ranks' batches of different lengths, 5 AdamW steps, the largest relative
+  difference of any rank's loss and of any parameter's gradient (experts gathered, FSDP shards
+  gathered) over the steps. *Exact* is within ``EXACT`` (1e-10).
+- **step time**: forward, backward and the AdamW step, float32 (transformers' experts on
+  ``grouped_mm``), the median over interleaved rounds of the slowest rank's time.
+- **peak memory** of that step per rank: the most bytes the CPU allocator held at once during the
+  step above what it held before (``torch.profiler``'s allocation records), the largest rank's.
+- **per MoE layer**, one experts module alone (the first layer's), forward and backward on the same
+  random routing of ``T`` tokens per rank: the bytes autograd saves for backward (unique storages,
+  parameters and the module's input excluded), the bytes each rank hands to other ranks (every
+  all-to-all's payload less what stays on the rank, counted from the collectives' own arguments
+  under a ``TorchDispatchMode``: transformers' and epmoe's exchanges seen the same way), the host
+  reads (``Tensor.item / tolist / cpu ...`` calls) and the collectives. epmoe's line is
+  ``dispatch="auto"`` (all-to-all-v); the host-reads line also shows ``dispatch="static"``.
+- **decode**: greedy ``generate`` of ``NEW_TOKENS`` tokens from an 8-token prompt at batch 1 and 8
+  per rank (different prompts per rank), ms per token, the slowest rank's: transformers' EP model as
+  loaded (FSDP2 included: it has no other form), epmoe's EP model without FSDP (what one runs for
+  inference), and the model without EP on every rank.
+- **features**: what each system offers across the lifecycle; cells marked *(this run)* were
+  checked here (``save_pretrained`` on every rank, then plain ``from_pretrained`` of the files, the
+  logits against the unsharded model's), the others name where they are shown.
+
+Ratios are epmoe / transformers: below 1 is epmoe ahead (for every line but exactness).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import statistics
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import epmoe
+from epmoe.bench import common
+from epmoe.bench.static import counting, peak_bytes
+from epmoe.launch import run_ranks
+from epmoe.models import build_model
+
+EXACT = 1e-10
+STEPS = 5
+NEW_TOKENS = 8
+PROMPT = 8
+DECODE_BATCHES = (1, 8)
+# family: (experts, top-k, expert width key); top-k as the family's real models choose (Qwen3-MoE and
+# DeepSeek-V3 top-8, Mixtral top-2, GPT-OSS top-4)
+FAMILIES = {"qwen3_moe": (16, 8, "moe_intermediate_size"), "mixtral": (8, 2, "intermediate_size"),
+            "deepseek_v3": (16, 8, "moe_intermediate_size"), "gpt_oss": (16, 4, "intermediate_size")}
+QUICK_FAMILIES = ("qwen3_moe",)
+# epmoe as it runs on accelerators: its CPU default (check_steps on) adds a step-header exchange to each
+# layer's backward, one collective and one host read, shown on a line of its own
+EPMOE = {"check_steps": False}
+STATIC = {"dispatch": "static"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The sizes of one run."""
+
+    hidden: int
+    intermediate: int
+    tokens: int  # per rank, for the step and the MoE layer (2 rows of tokens // 2)
+    worlds: tuple[int, ...]
+    families: tuple[str, ...]
+
+
+PLAN = Plan(hidden=256, intermediate=128, tokens=128, worlds=(2, 4), families=tuple(FAMILIES))
+QUICK_PLAN = Plan(hidden=64, intermediate=32, tokens=32, worlds=(2,), families=QUICK_FAMILIES)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--family", action="append", choices=list(FAMILIES),
+                        help="run only this family (repeatable; default: all, --quick: qwen3_moe)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from transformers.distributed import DistributedConfig  # noqa: F401
+    except ImportError:
+        raise ValueError("epmoe bench versus needs transformers >= 5.24 (its DistributedConfig(ep_size=...)); "
+                         "pip install 'epmoe[models]'") from None
+    settings = common.configure(args)
+    plan = QUICK_PLAN if settings.quick else PLAN
+    if args.family:
+        plan = Plan(plan.hidden, plan.intermediate, plan.tokens, plan.worlds, tuple(args.family))
+    report = run_versus(plan, settings)
+    print(report.markdown())
+    if settings.out:
+        with open(settings.out, "w") as out:
+            out.write(report.document(settings))
+        print(f"\nwrote {settings.out}")
+    return 0
+
+
+def model_of(family: str, plan: Plan, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    experts, top_k, width = FAMILIES[family]
+    return build_model(family, num_experts=experts, top_k=top_k, hidden_size=plan.hidden,
+                       **{width: plan.intermediate}, dtype=dtype)
+
+
+def run_versus(plan: Plan, settings: common.Settings) -> VersusReport:
+    """Save each family's model, then run every figure on ``W`` spawned ranks for each ``W``."""
+    report = VersusReport(plan, settings)
+    for family in plan.families:
+        with tempfile.TemporaryDirectory(prefix="epmoe-versus-") as path:
+            model_of(family, plan).save_pretrained(path)
+            for world in plan.worlds:
+                threads = max(1, settings.threads // world)
+                report.runs[family, world] = run_ranks(_rank, world, path, family, plan, settings.warmup,
+                                                       settings.repeats, settings.seed,
+                                                       threads_per_rank=threads, timeout=1800)[0]
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# One rank
+
+
+def _rank(rank: int, world: int, path: str, family: str, plan: Plan, warmup: int, repeats: int, seed: int) -> dict:
+    """Every figure of ``family`` at EP ``world``, this rank's share; rank 0's result carries the
+    figures reduced over the ranks."""
+    out = {"exact": _exactness(rank, world, path, seed)}
+    ep, hf = _epmoe_fsdp(_load(path), world), _load(path, world)
+    # the step first: FSDP2 initialises at a root forward, before any experts module runs alone
+    out["step"], out["peak"] = _step_figures(ep, hf, plan, rank, warmup, repeats, seed)
+    out["layer"] = {name: _layer_figures(model, plan, rank, seed) for name, model in
+                    (("epmoe", ep), ("transformers", hf), ("epmoe static", _epmoe(path, **STATIC)),
+                     ("epmoe checked", _epmoe(path, check_steps=True)))}
+    del ep
+    out["decode"] = _decode_figures(path, hf, rank, warmup, repeats, seed)
+    del hf  # trained by the step figures: the round trips load their own
+    out["saved"] = _save_round_trips(path, world, rank)
+    return out
+
+
+def _load(path: str, ep_size: int | None = None, dtype: torch.dtype = torch.float32,
+          experts: str = "grouped_mm") -> torch.nn.Module:
+    """The saved model; with ``ep_size``, through transformers' own EP (``fsdp_size`` the world)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    kwargs = {"distributed_config": DistributedConfig(ep_size=ep_size, fsdp_size=ep_size)} if ep_size else {}
+    experts = experts if dtype != torch.float64 else "eager"  # grouped_mm takes no float64
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=experts, **kwargs)
+
+
+def _epmoe_fsdp(model: torch.nn.Module, world: int) -> torch.nn.Module:
+    """epmoe's FSDP2 recipe: EP over the world, the rest sharded per decoder layer and at the root."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    epmoe.apply_expert_parallel(model, config=EPMOE)
+    experts = set(epmoe.expert_parameters(model))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=experts)
+    fully_shard(model, mesh=mesh, ignored_params=experts)
+    return model
+
+
+def _epmoe(path: str, **options) -> torch.nn.Module:
+    """epmoe's EP model without FSDP (what it runs for inference), ``options`` over :data:`EPMOE`."""
+    model = _load(path)
+    epmoe.apply_expert_parallel(model, config={**EPMOE, **options})
+    return model
+
+
+def _batch(vocab: int, rank: int, step: int, length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(seed + 7919 * rank + step))
+
+
+# exactness -------------------------------------------------------------------------------------
+
+
+def _exactness(rank: int, world: int, path: str, seed: int) -> dict:
+    """``{system: {"loss": ..., "grads": ...} or {"error": ...}}``: the largest relative differences
+    from the unsharded model over :data:`STEPS` AdamW steps (float64), the largest rank's."""
+    ref = _train(_load(path, dtype=torch.float64), rank, seed, reduce=True)
+    out = {}
+    for name, build in (("epmoe", lambda: _epmoe_fsdp(_load(path, dtype=torch.float64), world)),
+                        ("transformers", lambda: _load(path, world, dtype=torch.float64))):
+        try:
+            got = _train(build(), rank, seed, reduce=False)
+            grads = [(_rel(step[p], ref_step[p]), p) for step, ref_step in zip(got["grads"], ref["grads"])
+                     for p in ref_step]
+            out[name] = {"loss": max(map(_rel, got["loss"], ref["loss"])), "grads": max(grads)[0],
+                         "worst": max(grads)[1]}
+        except Exception:  # noqa: BLE001 - reported in the table with its error, the other system still runs
+            out[name] = {"error": traceback.format_exc().strip().splitlines()[-1]}
+    every = [None] * world
+    dist.all_gather_object(every, out)
+    return {name: ({"error": next(r[name]["error"] for r in every if "error" in r[name])}
+                   if any("error" in r[name] for r in every) else
+                   {"loss": max(r[name]["loss"] for r in every),
+                    **max(({"grads": r[name]["grads"], "worst": r[name]["worst"]} for r in every),
+                          key=lambda g: g["grads"])}) for name in out}
+
+
+def _train(model: torch.nn.Module, rank: int, seed: int, reduce: bool) -> dict:
+    """:data:`STEPS` AdamW steps on this rank's batches (``2 x (12 + 4 rank)`` tokens): ``{"loss":
+    [loss per step], "grads": [{name: full gradient} per step]}``; ``reduce``: the unsharded model,
+    its gradients averaged over the ranks here."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, grads = [], []
+    for step in range(STEPS):
+        ids = _batch(model.config.vocab_size, rank, step, 12 + 4 * rank, seed)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        if reduce:
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        losses.append(loss.detach().reshape(1))
+        grads.append({name: _full_grad(p) for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"loss": losses, "grads": grads}
+
+
+def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """``p``'s gradient over the whole parameter: a DTensor's gathered, an epmoe expert shard's
+    gathered over its EP group."""
+    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+    if hasattr(grad, "full_tensor"):
+        return grad.full_tensor()
+    if epmoe.is_expert_parameter(p):
+        group = epmoe.ep_model(p).group
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, grad.contiguous(), group=group)
+        return torch.cat(parts)
+    return grad
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item()
+
+
+# per MoE layer ---------------------------------------------------------------------------------
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives dispatched inside it and the bytes each hands to other ranks: an
+    all-to-all's payload less the rank's own split (``c10d`` ops and ``_c10d_functional`` ops alike,
+    read from their arguments); other collectives counted, their payload not."""
+
+    def __init__(self):
+        super().__init__()
+        self.collectives, self.bytes_to_peers = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _is_collective(func.namespace, func.__name__):
+            self.collectives += 1
+            self.bytes_to_peers += _sent_to_peers(func.__name__, args)
+        return func(*args, **(kwargs or {}))
+
+
+def _is_collective(namespace: str, name: str) -> bool:
+    """A c10d or functional collective (not a wait), or epmoe's all-to-all-v op (the c10d call
+    inside it runs below this mode, unseen)."""
+    if namespace == "epmoe":
+        return name.startswith("all_to_all_v")
+    return namespace in ("c10d", "_c10d_functional") and "wait" not in name and "wrap" not in name
+
+
+def _sent_to_peers(name: str, args: tuple) -> int:
+    if name.startswith("all_to_all_v"):  # epmoe's: (x, output_splits, input_splits, group_name)
+        group = _resolve_process_group(args[3])
+        return _split_bytes(args[0], args[2], group.rank(), group.size())
+    if name.startswith("alltoall_base_"):  # (output, input, group, output_splits, input_splits, ...)
+        group = dist.ProcessGroup.unbox(args[2])
+        return _split_bytes(args[1], args[4], group.rank(), group.size())
+    if name.startswith("all_to_all_single"):  # (input, output_splits, input_splits, group_name)
+        group = _resolve_process_group(args[3])
+        return _split_bytes(args[0], args[2], group.rank(), group.size())
+    if name.startswith("alltoall_"):  # (outputs, inputs, group, ...)
+        group = dist.ProcessGroup.unbox(args[2])
+        return sum(t.nbytes for i, t in enumerate(args[1]) if i != group.rank())
+    return 0
+
+
+def _split_bytes(tensor: torch.Tensor, splits, rank: int, size: int) -> int:
+    splits = list(splits) or [tensor.shape[0] // size] * size
+    row = tensor.nbytes // max(tensor.shape[0], 1)
+    return (sum(splits) - splits[rank]) * row
+
+
+def _layer_figures(model: torch.nn.Module, plan: Plan, rank: int, seed: int) -> dict:
+    """One experts module (the first MoE layer's) alone: forward and backward on random routing of
+    ``plan.tokens`` tokens: saved bytes, bytes to peers, host reads, collectives."""
+    experts = next(m for name, m in model.named_modules() if name.endswith("mlp.experts"))
+    E, K = _experts_and_top_k(model.config)
+    g = torch.Generator().manual_seed(seed + 31 * rank)
+    T = plan.tokens
+    x = torch.randn(T, plan.hidden, generator=g)
+    index = torch.rand(T, E, generator=g).argsort(dim=1)[:, :K]
+    weights = torch.softmax(torch.randn(T, K, generator=g), dim=-1)
+
+    def call(hooks=None):
+        x_leaf, w_leaf = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        with hooks or contextlib.nullcontext():
+            out = experts(x_leaf, index, w_leaf)
+        out.square().sum().backward()
+        return x_leaf
+
+    call()  # first calls agree buffers, log, warm caches
+    with counting() as counts, CollectiveCounter() as collectives:
+        call()
+    saved = _saved_bytes(model, call)
+    return {"saved": saved, "wire": collectives.bytes_to_peers, "reads": counts["reads"],
+            "collectives": collectives.collectives}
+
+
+def _experts_and_top_k(config) -> tuple[int, int]:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if getattr(config, key, None):
+            return getattr(config, key), config.num_experts_per_tok
+    raise ValueError(f"no expert count in {type(config).__name__}")
+
+
+def _saved_bytes(model: torch.nn.Module, call) -> int:
+    """Bytes of the unique storages autograd saves in ``call``'s forward, parameters (their local
+    tensors) and the call's input excluded."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    excluded = {t.untyped_storage().data_ptr() for t in local}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in excluded and storage.nbytes():
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x_leaf = call(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+    saved.pop(x_leaf.untyped_storage().data_ptr(), None)
+    return sum(saved.values())
+
+
+# the step and decode ---------------------------------------------------------------------------
+
+
+def _step_figures(ep: torch.nn.Module, hf: torch.nn.Module, plan: Plan, rank: int, warmup: int, repeats: int,
+                  seed: int) -> tuple[dict, dict]:
+    """``({system: seconds per round}, {system: peak bytes, the largest rank's})`` of forward,
+    backward and an AdamW step, interleaved round by round."""
+    ids = _batch(ep.config.vocab_size, rank, 100, plan.tokens // 2, seed)
+    steps = {"epmoe": _train_step(ep, ids), "transformers": _train_step(hf, ids)}
+    for step in steps.values():  # the optimizers' state exists before any peak is measured
+        step()
+    peaks = {name: peak_bytes(step) for name, step in steps.items()}
+    timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, peaks)
+    return ({name: list(t.samples_s) for name, t in timings.items()},
+            {name: max(r[name] for r in every) for name in peaks})
+
+
+def _train_step(model: torch.nn.Module, ids: torch.Tensor):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+    def step() -> None:
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def _decode_figures(path: str, hf: torch.nn.Module, rank: int, warmup: int, repeats: int, seed: int) -> dict:
+    """``{batch: {system: seconds per token per round (the slowest rank's)}}`` of greedy ``generate``."""
+    plain = _load(path)
+    models = {"epmoe": _epmoe(path), "transformers": hf, "without EP": plain}
+    out = {}
+    for batch in DECODE_BATCHES:
+        prompt = torch.randint(0, plain.config.vocab_size, (batch, PROMPT),
+                               generator=torch.Generator().manual_seed(seed + 97 * rank + batch))
+        steps = {name: (lambda m=m: _generate(m, prompt)) for name, m in models.items()}
+        timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
+        out[batch] = {name: [s / NEW_TOKENS for s in t.samples_s] for name, t in timings.items()}
+    return out
+
+
+def _generate(model: torch.nn.Module, prompt: torch.Tensor) -> None:
+    with torch.no_grad():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
+                       min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+
+def _save_round_trips(path: str, world: int, rank: int) -> dict:
+    """``{system: largest relative logits difference of the reloaded model, or its error}``:
+    ``save_pretrained`` on every rank, then plain ``from_pretrained`` of the files on rank 0."""
+    out = {}
+    ref = _load(path)
+    ids = _batch(ref.config.vocab_size, 0, 200, 16, 0)
+    for name, model in (("epmoe", _epmoe(path)), ("transformers", _load(path, world))):
+        with tempfile.TemporaryDirectory(prefix="epmoe-versus-save-") as saved:
+            every = [saved] * world
+            dist.broadcast_object_list(every, src=0)  # rank 0's directory on every rank
+            try:
+                model.save_pretrained(every[0])
+                dist.barrier()
+                if rank == 0:
+                    with torch.no_grad():
+                        out[name] = _rel(_load(every[0])(ids).logits, ref(ids).logits)
+            except Exception:  # noqa: BLE001 - the table says what failed
+                out[name] = "error: " + traceback.format_exc().strip().splitlines()[-1][:160]
+            dist.barrier()
+    return out
+
+
+# the report ------------------------------------------------------------------------------------
+
+
+@dataclass
+class VersusReport:
+    plan: Plan
+    settings: common.Settings
+    runs: dict = field(default_factory=dict)  # (family, world) -> rank 0's result
+
+    def lines(self, family: str, world: int) -> list[tuple]:
+        """``(figure, epmoe, transformers, epmoe / transformers)`` rows of one run."""
+        r = self.runs[family, world]
+        rows = []
+        for name in ("epmoe", "transformers"):
+            exact = r["exact"][name]
+            text = (f"error: {exact['error']}" if "error" in exact else
+                    ("exact" if max(exact["loss"], exact["grads"]) <= EXACT else "NOT exact") +
+                    f" (loss {exact['loss']:.1e}, gradients {exact['grads']:.1e}"
+                    + (f": `{exact['worst']}`)" if exact["grads"] > EXACT else ")"))
+            rows.append((f"{name} exact vs the unsharded model ({STEPS} AdamW steps, fp64)", text, "", ""))
+        step = {name: statistics.median(samples) for name, samples in r["step"].items()}
+        rows.append(("step time ms (fwd + bwd + AdamW)", *_pair(step, 1e3, "{:.1f}"),
+                     f"step time ratio {step['epmoe'] / step['transformers']:.2f}"))
+        rows.append(("peak memory per rank MiB (step)", *_pair(r["peak"], 2 ** -20, "{:.1f}"),
+                     _ratio(r["peak"])))
+        layer = r["layer"]
+        for key, label, scale, fmt in (("saved", "saved activations per MoE layer KiB", 2 ** -10, "{:.1f}"),
+                                       ("wire", "bytes to peers per MoE layer KiB (fwd + bwd)", 2 ** -10, "{:.1f}"),
+                                       ("reads", "host reads per MoE layer (fwd + bwd)", 1, "{:.0f}"),
+                                       ("collectives", "collectives per MoE layer (fwd + bwd)", 1, "{:.0f}")):
+            pair = {name: layer[name][key] for name in ("epmoe", "transformers")}
+            rows.append((label, *_pair(pair, scale, fmt), _ratio(pair)))
+        for variant, label in (("epmoe static", 'epmoe dispatch="static"'),
+                               ("epmoe checked", "epmoe check_steps=True (its CPU default)")):
+            rows.append((f"host reads / collectives per MoE layer, {label}",
+                         f'{layer[variant]["reads"]} / {layer[variant]["collectives"]}',
+                         f'{layer["transformers"]["reads"]} / {layer["transformers"]["collectives"]}', ""))
+        for batch, by_system in r["decode"].items():
+            ms = {name: 1e3 * statistics.median(samples) for name, samples in by_system.items()}
+            rows.append((f"decode batch {batch} ms/token (without EP: {ms['without EP']:.1f})",
+                         *_pair(ms, 1, "{:.1f}"), _ratio(ms)))
+        saved = {name: (v if isinstance(v, str) else f"reloads, logits {v:.1e}") for name, v in r["saved"].items()}
+        rows.append(("save_pretrained on every rank, plain reload (this run)", saved["epmoe"], saved["transformers"], ""))
+        return rows
+
+    def markdown(self) -> str:
+        sections = []
+        for (family, world) in self.runs:
+            rows = self.lines(family, world)
+            sections.append(f"### {family}, EP {world}\n\n" + common.markdown_table(
+                ("figure", "epmoe", "transformers", "epmoe / transformers"), rows))
+        return "\n\n".join(sections + [FEATURES_TABLE])
+
+    def document(self, settings: common.Settings) -> str:
+        import transformers
+
+        plan = self.plan
+        return f"""# epmoe or transformers' own expert parallelism: `epmoe bench versus`
+
+Reproduce (from the repository root, after `scripts/setup.sh test`):
+
+    .venv/bin/epmoe bench versus {settings.options()}
+
+- Machine: {common.machine_description(settings.device)}; torch {torch.__version__}, transformers
+  {transformers.__version__}. Run: {datetime.date.today().isoformat()}.
+- Models: {", ".join(plan.families)} built from configs ({", ".join(f"{f}: {FAMILIES[f][0]} experts, top-{FAMILIES[f][1]}" for f in plan.families)}),
+  hidden {plan.hidden}, expert width {plan.intermediate}, 2 layers (epmoe.models.build_model), saved with
+  `save_pretrained` and loaded by every rank; EP {" and ".join(map(str, plan.worlds))} on gloo ranks sharing the
+  machine's cores; {plan.tokens} tokens per rank per step; median of {settings.repeats} interleaved rounds after
+  {settings.warmup} warm-up round(s).
+
+{_markdown(__doc__)}
+
+## Results
+
+{self.markdown()}
+"""
+
+
+def _pair(values: dict, scale: float, fmt: str) -> tuple[str, str]:
+    return fmt.format(values["epmoe"] * scale), fmt.format(values["transformers"] * scale)
+
+
+def _ratio(values: dict) -> str:
+    return f"{values['epmoe'] / values['transformers']:.2f}" if values["transformers"] else "-"
+
+
+def _markdown(docstring: str) -> str:
+    return docstring.split("\n", 2)[2].strip().replace("``", "`")
+
+
+FEATURES_TABLE = """### Features
+
+| | epmoe | transformers `DistributedConfig(ep_size=...)` |
+|---|---|---|
+| families | any experts module it recognises, exact or refused by name (the families table, `tests/test_families.py`) | the configs that carry a `base_model_ep_plan` |
+| Trainer, accelerate | `epmoe.prepare_trainer`, `epmoe.prepare_accelerator` (`tests/test_trainer*.py`) | Trainer on the loaded model |
+| DeepSpeed ZeRO 1-3 | `epmoe.prepare_deepspeed` (`tests/test_deepspeed.py`) | not offered (FSDP2 only) |
+| PEFT LoRA on experts | exact, per factor (`tests/test_compose.py`, `tests/test_families.py`) | not shown |
+| resume at another EP size | `epmoe.get_state_dict` + DCP (`tests/test_checkpoint*.py`) | not shown |
+| `save_pretrained`, plain reload | see each run above | see each run above |
+| `torch.compile` | `tests/test_compile.py` | not shown |
+| routing replay (RL) | `epmoe.record_routing` / `replay_routing` | not offered |
+| host reads at decode | 0 (`dispatch="static"`, generate's decode steps) | one per MoE layer (`AllToAllEP`'s split sizes) |"""
