@@ -284,6 +284,9 @@ def _validate(
 ) -> _Checked:
     """Every check and probe, nothing changed; ValueError / TypeError naming the module on failure."""
     modules = dict(model.named_modules())
+    loaded = _loaded_expert_parallel(model)
+    if loaded is not None:
+        raise ValueError(loaded)
     for name, module in modules.items():
         wrapper = _data_parallel_wrapper(module)
         if wrapper is not None:
@@ -392,6 +395,21 @@ def _check_ranks_agree(
                       caller="apply_expert_parallel", show=show)
     if error is not None:
         raise error
+
+
+def _loaded_expert_parallel(model: nn.Module) -> str | None:
+    """The refusal of a model transformers' own expert parallelism sharded at load
+    (``from_pretrained(..., distributed_config=DistributedConfig(ep_size > 1))``), or ``None``."""
+    config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "distributed_config")),
+                  None)
+    ep_size = getattr(getattr(config, "distributed_config", None), "ep_size", None) or 1
+    if ep_size <= 1:
+        return None
+    return (f"apply_expert_parallel(model): {type(model).__name__} was loaded with transformers' own expert "
+            f"parallelism (distributed_config with ep_size={ep_size}): its experts are sharded already and would "
+            f"be sharded twice. One change moves the load to epmoe: model, shards = epmoe.from_pretrained("
+            f"ModelClass, path, distributed_config=...) with the same DistributedConfig, in place of "
+            f"ModelClass.from_pretrained(path, distributed_config=...)")
 
 
 def _data_parallel_wrapper(module: nn.Module) -> str | None:

@@ -127,6 +127,20 @@ def without_fsdp_branch(trainer: Any, method: Any, *args: Any, **kwargs: Any) ->
         trainer.is_fsdp_enabled = True
 
 
+def shard_dense(model: nn.Module, mesh: Any) -> nn.Module:
+    """epmoe's FSDP2 recipe on an EP model: ``fully_shard`` each block of the classes the model names
+    unsplittable (``_no_split_modules``: its decoder layers, as accelerate's auto-wrap picks them),
+    then the root, over ``mesh``, the expert parameters left out (``ignored_params``): they stay
+    this rank's local tensors, their gradients reduced by epmoe."""
+    from torch.distributed.fsdp import fully_shard
+
+    experts = set(expert_parameters(model))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in [m for m in model.modules() if type(m).__name__ in blocks]:
+        fully_shard(module, mesh=mesh, ignored_params=experts)
+    return fully_shard(model, mesh=mesh, ignored_params=experts)
+
+
 def is_dtensor(p: Any) -> bool:
     try:
         from torch.distributed.tensor import DTensor
