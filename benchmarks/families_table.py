@@ -4,7 +4,8 @@
     PYTHONPATH=src:tests python benchmarks/families_table.py --write  # and writes it into README.md
 
 Every MoE family of the installed transformers (found by structure: tests/families.py) runs at EP 2 in
-fp64 on 2 gloo ranks (tests/families_workers.py); its verdict is the table's second column.
+fp64 on 2 gloo ranks (tests/families_workers.py); its verdict is the table's second column, and the
+third says whether transformers' own expert parallelism has a plan for it.
 """
 
 from __future__ import annotations
@@ -18,18 +19,42 @@ BEGIN, END = "<!-- families table: benchmarks/families_table.py --write -->", "<
 
 
 def table(verdicts: dict[str, str]) -> str:
-    """The Markdown table of ``{family: verdict}``, by family name."""
-    rows = ["| family (transformers model directory) | verdict at EP 2 (fp64; bf16 within 1.5x the distance without EP) |",
-            "|---|---|"]
-    rows += [f"| {name} | {verdict.replace('|', '/')} |" for name, verdict in sorted(verdicts.items())]
+    """The Markdown table of ``{family: verdict}``, by family name, with whether transformers' own
+    expert parallelism has a plan for it (:func:`ep_plans`)."""
+    plans = ep_plans()
+    rows = ["| family (transformers model directory) | verdict at EP 2 (fp64; bf16 within 1.5x the distance without EP) "
+            "| transformers' own EP plan |", "|---|---|---|"]
+    rows += [f"| {name} | {verdict.replace('|', '/')} | {'yes' if name in plans else 'no'} |"
+             for name, verdict in sorted(verdicts.items())]
     return "\n".join(rows)
+
+
+def ep_plans() -> set[str]:
+    """The model directories of transformers holding a config with a ``base_model_ep_plan`` (what
+    ``DistributedConfig(ep_size=...)`` needs to shard a model's experts)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    found = set()
+    for model_type in CONFIG_MAPPING.keys():
+        try:
+            config = CONFIG_MAPPING[model_type]
+        except (ImportError, KeyError, AttributeError):  # a config whose dependencies are missing
+            continue
+        if getattr(config, "base_model_ep_plan", None):
+            found.add(config.__module__.split(".")[2])
+    return found
+
+
+def readme_rows(text: str) -> dict[str, tuple[str, str]]:
+    """``{family: (verdict, transformers' EP plan)}`` read back from the README's table."""
+    section = text.split(BEGIN, 1)[1].split(END, 1)[0]
+    rows = [line.strip("| ").split(" | ") for line in section.strip().splitlines()[2:]]
+    return {name: (verdict, plan) for name, verdict, plan in rows}
 
 
 def readme_verdicts(text: str) -> dict[str, str]:
     """``{family: verdict}`` read back from the README's table."""
-    section = text.split(BEGIN, 1)[1].split(END, 1)[0]
-    rows = [line.strip("| ").split(" | ", 1) for line in section.strip().splitlines()[2:]]
-    return {name: verdict for name, verdict in rows}
+    return {name: verdict for name, (verdict, _) in readme_rows(text).items()}
 
 
 def run_verdicts() -> dict[str, str]:

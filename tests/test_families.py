@@ -58,9 +58,13 @@ def test_every_family_builds_a_tiny_model_with_its_experts():
 
 
 def test_readme_lists_every_family():
-    """The README's families table names exactly the families found now."""
-    listed = families_table.readme_verdicts((ROOT / "README.md").read_text())
+    """The README's families table names exactly the families found now, and which of them transformers'
+    own expert parallelism has a plan for."""
+    listed = families_table.readme_rows((ROOT / "README.md").read_text())
     assert set(listed) == set(found())
+    plans = families_table.ep_plans()
+    assert {name for name, (_, plan) in listed.items() if plan == "yes"} == plans & set(listed), (
+        "the README's column of transformers' EP plans is stale (benchmarks/families_table.py --write)")
 
 
 @pytest.mark.parametrize("directory", ["jetmoe", "doge", "switch_transformers", "vitpose_backbone"])

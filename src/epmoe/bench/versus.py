@@ -148,8 +148,10 @@ def _rank(rank: int, world: int, path: str, family: str, plan: Plan, warmup: int
                      ("epmoe checked", _epmoe(path, check_steps=True)))}
     del ep
     out["decode"] = _decode_figures(path, hf, rank, warmup, repeats, seed)
-    del hf  # trained by the step figures: the round trips load their own
+    del hf  # trained by the step figures: the round trips and checks load their own
     out["saved"] = _save_round_trips(path, world, rank)
+    out["checked"] = {"lora": _checked(_lora_steps, path, world, rank, seed),
+                      "compile": _checked(_compiled_step, path, world, rank, seed)}
     return out
 
 
@@ -178,9 +180,9 @@ def _epmoe_fsdp(model: torch.nn.Module, world: int) -> torch.nn.Module:
     return model
 
 
-def _epmoe(path: str, **options) -> torch.nn.Module:
+def _epmoe(path: str, dtype: torch.dtype = torch.float32, **options) -> torch.nn.Module:
     """epmoe's EP model without FSDP (what it runs for inference), ``options`` over :data:`EPMOE`."""
-    model = _load(path)
+    model = _load(path, dtype=dtype)
     epmoe.apply_expert_parallel(model, config={**EPMOE, **options})
     return model
 
@@ -425,6 +427,60 @@ def _save_round_trips(path: str, world: int, rank: int) -> dict:
                 out[name] = "error: " + traceback.format_exc().strip().splitlines()[-1][:160]
             dist.barrier()
     return out
+
+
+# features checked in this run ------------------------------------------------------------------
+
+
+def _checked(check, path: str, world: int, rank: int, seed: int) -> dict:
+    """``{system: largest relative difference from the unsharded model, over the ranks, or the
+    error}`` of ``check(model, rank, seed, reduce)`` on the unsharded model (``reduce``: its gradients
+    averaged over the ranks) and on each system's EP model."""
+    ref = check(_load(path, dtype=torch.float64), rank, seed, True)
+    out = {}
+    for name, build in (("epmoe", lambda: _epmoe(path, torch.float64)),
+                        ("transformers", lambda: _load(path, world, dtype=torch.float64))):
+        try:
+            out[name] = _rel(check(build(), rank, seed, False), ref)
+        except Exception:  # noqa: BLE001 - the table says what failed
+            out[name] = "error: " + traceback.format_exc().strip().splitlines()[-1][:200]
+    every = [None] * world
+    dist.all_gather_object(every, out)
+    return {name: next((r[name] for r in every if isinstance(r[name], str)), None)
+            or max(r[name] for r in every) for name in out}
+
+
+def _lora_steps(model: torch.nn.Module, rank: int, seed: int, reduce: bool) -> torch.Tensor:
+    """PEFT LoRA on every expert tensor (``target_parameters``, random A and B), 3 AdamW steps on this
+    rank's batches: the logits on a batch every rank shares."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = sorted({name.rsplit(".", 1)[-1] for name, p in model.named_parameters() if ".mlp.experts." in name
+                      and p.dim() == 3})
+    torch.manual_seed(seed)  # the same factors on every rank and in both systems
+    model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=[],
+                                             target_parameters=[f"mlp.experts.{t}" for t in targets]))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-2)
+    for step in range(3):
+        ids = _batch(model.config.vocab_size, rank, step, 12 + 4 * rank, seed)
+        model(ids, labels=ids).loss.backward()
+        if reduce:
+            for p in trained:
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        return model(_batch(model.config.vocab_size, 0, 300, 16, seed)).logits
+
+
+def _compiled_step(model: torch.nn.Module, rank: int, seed: int, reduce: bool) -> torch.Tensor:
+    """``torch.compile(model)``: this rank's loss, forward and backward run."""
+    ids = _batch(model.config.vocab_size, rank, 400, 16, seed)
+    loss = torch.compile(model)(ids, labels=ids).loss
+    loss.backward()
+    return loss.detach()
 
 
 # the report ------------------------------------------------------------------------------------
