@@ -20,29 +20,15 @@ BEGIN, END = "<!-- families table: benchmarks/families_table.py --write -->", "<
 
 def table(verdicts: dict[str, str]) -> str:
     """The Markdown table of ``{family: verdict}``, by family name, with whether transformers' own
-    expert parallelism has a plan for it (:func:`ep_plans`)."""
+    expert parallelism has a plan for it (:func:`epmoe.bench.versus.ep_plans`)."""
+    from epmoe.bench.versus import ep_plans
+
     plans = ep_plans()
     rows = ["| family (transformers model directory) | verdict at EP 2 (fp64; bf16 within 1.5x the distance without EP) "
             "| transformers' own EP plan |", "|---|---|---|"]
     rows += [f"| {name} | {verdict.replace('|', '/')} | {'yes' if name in plans else 'no'} |"
              for name, verdict in sorted(verdicts.items())]
     return "\n".join(rows)
-
-
-def ep_plans() -> set[str]:
-    """The model directories of transformers holding a config with a ``base_model_ep_plan`` (what
-    ``DistributedConfig(ep_size=...)`` needs to shard a model's experts)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    found = set()
-    for model_type in CONFIG_MAPPING.keys():
-        try:
-            config = CONFIG_MAPPING[model_type]
-        except (ImportError, KeyError, AttributeError):  # a config whose dependencies are missing
-            continue
-        if getattr(config, "base_model_ep_plan", None):
-            found.add(config.__module__.split(".")[2])
-    return found
 
 
 def readme_rows(text: str) -> dict[str, tuple[str, str]]:

@@ -62,7 +62,9 @@ def test_readme_lists_every_family():
     own expert parallelism has a plan for."""
     listed = families_table.readme_rows((ROOT / "README.md").read_text())
     assert set(listed) == set(found())
-    plans = families_table.ep_plans()
+    from epmoe.bench.versus import ep_plans
+
+    plans = ep_plans()
     assert {name for name, (_, plan) in listed.items() if plan == "yes"} == plans & set(listed), (
         "the README's column of transformers' EP plans is stale (benchmarks/families_table.py --write)")
 

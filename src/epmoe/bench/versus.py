@@ -151,7 +151,8 @@ def _rank(rank: int, world: int, path: str, family: str, plan: Plan, warmup: int
     del hf  # trained by the step figures: the round trips and checks load their own
     out["saved"] = _save_round_trips(path, world, rank)
     out["checked"] = {"lora": _checked(_lora_steps, path, world, rank, seed),
-                      "compile": _checked(_compiled_step, path, world, rank, seed)}
+                      "compile": _checked(_compiled_step, path, world, rank, seed),
+                      "trainer checkpoints": _trainer_checkpoints(path, world)}
     return out
 
 
@@ -438,7 +439,9 @@ def _checked(check, path: str, world: int, rank: int, seed: int) -> dict:
     averaged over the ranks) and on each system's EP model."""
     ref = check(_load(path, dtype=torch.float64), rank, seed, True)
     out = {}
-    for name, build in (("epmoe", lambda: _epmoe(path, torch.float64)),
+    # epmoe's expert gradients averaged over the ranks like the reference's (its default without a
+    # data-parallel wrapper sums them: the unsharded model on the ranks' batches concatenated)
+    for name, build in (("epmoe", lambda: _epmoe(path, torch.float64, expert_grad="mean")),
                         ("transformers", lambda: _load(path, world, dtype=torch.float64))):
         try:
             out[name] = _rel(check(build(), rank, seed, False), ref)
@@ -481,6 +484,36 @@ def _compiled_step(model: torch.nn.Module, rank: int, seed: int, reduce: bool) -
     loss = torch.compile(model)(ids, labels=ids).loss
     loss.backward()
     return loss.detach()
+
+
+def _trainer_checkpoints(path: str, world: int) -> str:
+    """What ``transformers.Trainer`` says to checkpoints (``save_strategy="steps"``, the default) of a
+    model transformers' own EP sharded at load."""
+    from transformers import Trainer, TrainingArguments
+
+    with tempfile.TemporaryDirectory(prefix="epmoe-versus-trainer-") as out:
+        try:
+            Trainer(model=_load(path, world), args=TrainingArguments(output_dir=out, save_strategy="steps",
+                                                                     report_to=[], use_cpu=True))
+            return "takes them"
+        except ValueError as exc:
+            return f"refused: {exc}"
+
+
+def ep_plans() -> set[str]:
+    """The model directories of transformers holding a config with a ``base_model_ep_plan`` (what
+    ``DistributedConfig(ep_size=...)`` needs to shard a model's experts)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    found = set()
+    for model_type in CONFIG_MAPPING.keys():
+        try:
+            config = CONFIG_MAPPING[model_type]
+        except (ImportError, KeyError, AttributeError):  # a config whose dependencies are missing
+            continue
+        if getattr(config, "base_model_ep_plan", None):
+            found.add(config.__module__.split(".")[2])
+    return found
 
 
 # the report ------------------------------------------------------------------------------------
@@ -528,13 +561,41 @@ class VersusReport:
         rows.append(("save_pretrained on every rank, plain reload (this run)", saved["epmoe"], saved["transformers"], ""))
         return rows
 
+    def features(self) -> list[tuple[str, str, str]]:
+        """``(feature, epmoe, transformers)`` rows: what this run checked, and where the rest is shown."""
+        checked = {key: {name: _cell(value) for name, value in by_system.items()}
+                   for key, by_system in next(iter(self.runs.values()))["checked"].items() if key != "trainer checkpoints"}
+        exact = {name: [f"{family} EP {world}" for (family, world), r in self.runs.items()
+                        if "error" in r["exact"][name] or max(r["exact"][name]["loss"], r["exact"][name]["grads"]) > EXACT]
+                 for name in ("epmoe", "transformers")}
+        refusal = next(iter(self.runs.values()))["checked"]["trainer checkpoints"]
+        return [
+            ("families", "every MoE family transformers ships, exact or refused by name (README's families table)",
+             f"{len(ep_plans())} model directories whose config has a `base_model_ep_plan` (the table's last column)"),
+            (f"exact vs the unsharded model (this run: {len(self.runs)} runs above)",
+             *(f"not exact in {', '.join(runs)}" if runs else "every run" for runs in exact.values())),
+            ("PEFT LoRA on the experts, 3 AdamW steps, logits vs the unsharded peft model (this run, fp64)",
+             checked["lora"]["epmoe"], checked["lora"]["transformers"]),
+            ("`torch.compile`, forward + backward, loss vs the unsharded model (this run, fp64)",
+             checked["compile"]["epmoe"], checked["compile"]["transformers"]),
+            ("Trainer", "`epmoe.prepare_trainer`: every parameter equals the Trainer without EP (tests/test_launchers.py)",
+             "takes the model as loaded"),
+            ("Trainer checkpoints, resume", "model and optimizer (DCP) in each checkpoint, resumed exactly at another "
+             "world size (tests/test_launchers.py)", f"(this run) {refusal}"),
+            ("DeepSpeed ZeRO 1-3", "`epmoe.prepare_deepspeed`, exact (tests/test_deepspeed.py)",
+             "none: `DistributedConfig` shards with FSDP2 at load"),
+            ("routing replay (RL)", "`epmoe.record_routing` / `replay_routing` (tests/test_replay*.py)", "no API"),
+        ]
+
     def markdown(self) -> str:
         sections = []
         for (family, world) in self.runs:
             rows = self.lines(family, world)
             sections.append(f"### {family}, EP {world}\n\n" + common.markdown_table(
                 ("figure", "epmoe", "transformers", "epmoe / transformers"), rows))
-        return "\n\n".join(sections + [FEATURES_TABLE])
+        sections.append("### Features\n\n" + common.markdown_table(
+            ("feature", "epmoe", "transformers `DistributedConfig(ep_size=...)`"), self.features()))
+        return "\n\n".join(sections)
 
     def document(self, settings: common.Settings) -> str:
         import transformers
@@ -574,16 +635,5 @@ def _markdown(docstring: str) -> str:
     return docstring.split("\n", 2)[2].strip().replace("``", "`")
 
 
-FEATURES_TABLE = """### Features
-
-| | epmoe | transformers `DistributedConfig(ep_size=...)` |
-|---|---|---|
-| families | any experts module it recognises, exact or refused by name (the families table, `tests/test_families.py`) | the configs that carry a `base_model_ep_plan` |
-| Trainer, accelerate | `epmoe.prepare_trainer`, `epmoe.prepare_accelerator` (`tests/test_trainer*.py`) | Trainer on the loaded model |
-| DeepSpeed ZeRO 1-3 | `epmoe.prepare_deepspeed` (`tests/test_deepspeed.py`) | not offered (FSDP2 only) |
-| PEFT LoRA on experts | exact, per factor (`tests/test_compose.py`, `tests/test_families.py`) | not shown |
-| resume at another EP size | `epmoe.get_state_dict` + DCP (`tests/test_checkpoint*.py`) | not shown |
-| `save_pretrained`, plain reload | see each run above | see each run above |
-| `torch.compile` | `tests/test_compile.py` | not shown |
-| routing replay (RL) | `epmoe.record_routing` / `replay_routing` | not offered |
-| host reads at decode | 0 (`dispatch="static"`, generate's decode steps) | one per MoE layer (`AllToAllEP`'s split sizes) |"""
+def _cell(value) -> str:
+    return value if isinstance(value, str) else ("exact" if value <= EXACT else "NOT exact") + f" ({value:.1e})"
