@@ -164,3 +164,29 @@ def test_bench_checkpoint_quick(capsys):
     out = capsys.readouterr().out
     for variant in ("build then EP", "from_pretrained + EP", "epmoe.from_pretrained", "save_pretrained"):
         assert f"| 2       | {variant}" in out, variant
+
+
+@pytest.mark.multirank
+def test_bench_versus_quick(tmp_path, capsys):
+    """``epmoe bench versus --quick``: both systems run on 2 ranks, each one's exactness against the
+    unsharded model computed (numbers or the error it raised), every figure's row and the features
+    table printed and written. The ratios are the benchmark's, not the test's."""
+    pytest.importorskip("transformers.distributed")
+    pytest.importorskip("peft")
+    out = tmp_path / "versus.md"
+    assert main(["bench", "versus", "--quick", "--warmup", "0", "--repeats", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = {r[0]: r[1:] for r in ([c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines()
+                                  if line.startswith("|"))}
+    for system in ("epmoe", "transformers"):
+        verdict = rows[f"{system} exact vs the unsharded model (5 AdamW steps, fp64)"][0]
+        assert verdict.startswith(("exact (loss ", "NOT exact (loss ", "error: ")), verdict
+    assert rows["step time ms (fwd + bwd + AdamW)"][2].startswith("step time ratio ")
+    for figure in ("peak memory per rank MiB (step)", "saved activations per MoE layer KiB",
+                   "bytes to peers per MoE layer KiB (fwd + bwd)", "host reads per MoE layer (fwd + bwd)",
+                   "collectives per MoE layer (fwd + bwd)"):
+        assert float(rows[figure][0]) >= 0 and float(rows[figure][1]) > 0, (figure, rows[figure])
+    assert any(key.startswith("decode batch 8 ms/token") for key in rows)
+    for feature in ("families", "routing replay (RL)"):
+        assert feature in rows
+    assert "epmoe bench versus --quick" in out.read_text()

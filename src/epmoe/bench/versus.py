@@ -5,34 +5,41 @@ fsdp_size=W))`` shards the experts ``Shard(0)`` over an ``"ep"`` mesh, wraps the
 exchanges tokens with ``AllToAllEP`` (one row per (token, expert) pair, split sizes read to the host
 every layer, routing weights applied on the sender). epmoe runs the same saved checkpoint with
 ``apply_expert_parallel`` and its FSDP2 recipe (the dense part ``fully_shard``-ed per decoder layer and
-at the root, the experts left out: ``ignored_params``). Both on ``W`` gloo ranks of this machine, each
-rank its own batch, the same batches for both, every figure measured in the same run:
+at the root, the experts left out: ``ignored_params``), as it runs on accelerators (``check_steps``
+off; its CPU default adds a step-header exchange to each layer's backward, on a line of its own). Both
+on ``W`` gloo ranks of this machine, each rank its own batch, the same batches for both, every figure
+measured in the same run:
 
 - **exactness**: each system against the unsharded model (the same checkpoint on every rank, the
   gradients averaged over the ranks' batches as data parallelism does), float64 with transformers'
   ``eager`` experts: the ranks' batches of different lengths, 5 AdamW steps, the largest relative
-  difference of any rank's loss and of any parameter's gradient (experts gathered, FSDP shards
-  gathered) over the steps. *Exact* is within ``EXACT`` (1e-10).
+  difference (to the largest entry of the reference) of any rank's loss and of any parameter's
+  gradient (experts gathered, FSDP shards gathered) over the steps, and the parameter where it is.
+  *Exact* is within ``EXACT`` (1e-10).
 - **step time**: forward, backward and the AdamW step, float32 (transformers' experts on
   ``grouped_mm``), the median over interleaved rounds of the slowest rank's time.
 - **peak memory** of that step per rank: the most bytes the CPU allocator held at once during the
-  step above what it held before (``torch.profiler``'s allocation records), the largest rank's.
+  step above what it held before (``torch.profiler``'s allocation records), the median of interleaved
+  rounds (it moves with when a finished collective's buffers are freed), the largest rank's.
 - **per MoE layer**, one experts module alone (the first layer's), forward and backward on the same
   random routing of ``T`` tokens per rank: the bytes autograd saves for backward (unique storages,
   parameters and the module's input excluded), the bytes each rank hands to other ranks (every
-  all-to-all's payload less what stays on the rank, counted from the collectives' own arguments
-  under a ``TorchDispatchMode``: transformers' and epmoe's exchanges seen the same way), the host
-  reads (``Tensor.item / tolist / cpu ...`` calls) and the collectives. epmoe's line is
-  ``dispatch="auto"`` (all-to-all-v); the host-reads line also shows ``dispatch="static"``.
+  all-to-all's payload less what stays on the rank, read from the ``c10d`` ops ``torch.profiler``
+  records: transformers' functional collectives and epmoe's ops reach the same ones), the host reads
+  (``Tensor.item / tolist / cpu ...`` calls) and the collectives.
+  epmoe's line is ``dispatch="auto"`` (all-to-all-v); two more lines give ``dispatch="static"`` and
+  ``check_steps`` on.
 - **decode**: greedy ``generate`` of ``NEW_TOKENS`` tokens from an 8-token prompt at batch 1 and 8
   per rank (different prompts per rank), ms per token, the slowest rank's: transformers' EP model as
   loaded (FSDP2 included: it has no other form), epmoe's EP model without FSDP (what one runs for
   inference), and the model without EP on every rank.
-- **features**: what each system offers across the lifecycle; cells marked *(this run)* were
-  checked here (``save_pretrained`` on every rank, then plain ``from_pretrained`` of the files, the
-  logits against the unsharded model's), the others name where they are shown.
+- **features**: what each system offers across the lifecycle. Checked in this run: ``save_pretrained``
+  on every rank then plain ``from_pretrained`` of the files (logits against the unsharded model's);
+  PEFT LoRA on every expert tensor (``target_parameters``), 3 AdamW steps, fp64, the logits against the
+  unsharded peft model's; ``torch.compile`` forward and backward, fp64, the loss; transformers' Trainer
+  with checkpoints on a model sharded at load. The other cells name where they are shown.
 
-Ratios are epmoe / transformers: below 1 is epmoe ahead (for every line but exactness).
+Ratios are epmoe / transformers: below 1 is epmoe ahead.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import math
 import statistics
 import tempfile
 import time
@@ -48,8 +56,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.profiler import ProfilerActivity, profile
 
 import epmoe
 from epmoe.bench import common
@@ -261,49 +268,29 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # per MoE layer ---------------------------------------------------------------------------------
 
 
-class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives dispatched inside it and the bytes each hands to other ranks: an
-    all-to-all's payload less the rank's own split (``c10d`` ops and ``_c10d_functional`` ops alike,
-    read from their arguments); other collectives counted, their payload not."""
-
-    def __init__(self):
-        super().__init__()
-        self.collectives, self.bytes_to_peers = 0, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _is_collective(func.namespace, func.__name__):
-            self.collectives += 1
-            self.bytes_to_peers += _sent_to_peers(func.__name__, args)
-        return func(*args, **(kwargs or {}))
+# bytes per element of the dtype names torch.profiler records
+ITEMSIZE = {"float": 4, "double": 8, "long int": 8, "long": 8, "int": 4, "short": 2, "c10::BFloat16": 2,
+            "c10::Half": 2, "unsigned char": 1, "signed char": 1, "bool": 1}
 
 
-def _is_collective(namespace: str, name: str) -> bool:
-    """A c10d or functional collective (not a wait), or epmoe's all-to-all-v op (the c10d call
-    inside it runs below this mode, unseen)."""
-    if namespace == "epmoe":
-        return name.startswith("all_to_all_v")
-    return namespace in ("c10d", "_c10d_functional") and "wait" not in name and "wrap" not in name
+def _collectives(fn) -> tuple[int, int]:
+    """``(collectives, bytes to other ranks)`` of ``fn()``: every ``c10d`` op ``torch.profiler``
+    records in it (what ``dist.*``, the functional collectives and epmoe's ops all reach), an
+    all-to-all's payload being its input rows less the ones that stay on this rank, read from the
+    op's recorded shapes and split sizes (the EP group is the world in this benchmark)."""
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    ops = [e for e in prof.events() if e.name.startswith("c10d::")]
+    return len(ops), sum(_sent_to_peers(e, dist.get_rank(), dist.get_world_size()) for e in ops)
 
 
-def _sent_to_peers(name: str, args: tuple) -> int:
-    if name.startswith("all_to_all_v"):  # epmoe's: (x, output_splits, input_splits, group_name)
-        group = _resolve_process_group(args[3])
-        return _split_bytes(args[0], args[2], group.rank(), group.size())
-    if name.startswith("alltoall_base_"):  # (output, input, group, output_splits, input_splits, ...)
-        group = dist.ProcessGroup.unbox(args[2])
-        return _split_bytes(args[1], args[4], group.rank(), group.size())
-    if name.startswith("all_to_all_single"):  # (input, output_splits, input_splits, group_name)
-        group = _resolve_process_group(args[3])
-        return _split_bytes(args[0], args[2], group.rank(), group.size())
-    if name.startswith("alltoall_"):  # (outputs, inputs, group, ...)
-        group = dist.ProcessGroup.unbox(args[2])
-        return sum(t.nbytes for i, t in enumerate(args[1]) if i != group.rank())
-    return 0
-
-
-def _split_bytes(tensor: torch.Tensor, splits, rank: int, size: int) -> int:
-    splits = list(splits) or [tensor.shape[0] // size] * size
-    row = tensor.nbytes // max(tensor.shape[0], 1)
+def _sent_to_peers(event, rank: int, size: int) -> int:
+    if event.name != "c10d::alltoall_base_":  # (output, input, group, output_splits, input_splits, ...)
+        if event.name.startswith("c10d::alltoall"):
+            raise NotImplementedError(f"{event.name}: only all_to_all_single's payload is read here")
+        return 0
+    shape, splits = event.input_shapes[1], event.concrete_inputs[4] or [event.input_shapes[1][0] // size] * size
+    row = math.prod(shape[1:]) * ITEMSIZE[event.input_dtypes[1]]
     return (sum(splits) - splits[rank]) * row
 
 
@@ -326,11 +313,10 @@ def _layer_figures(model: torch.nn.Module, plan: Plan, rank: int, seed: int) -> 
         return x_leaf
 
     call()  # first calls agree buffers, log, warm caches
-    with counting() as counts, CollectiveCounter() as collectives:
+    with counting() as counts:
         call()
-    saved = _saved_bytes(model, call)
-    return {"saved": saved, "wire": collectives.bytes_to_peers, "reads": counts["reads"],
-            "collectives": collectives.collectives}
+    collectives, wire = _collectives(call)
+    return {"saved": _saved_bytes(model, call), "wire": wire, "reads": counts["reads"], "collectives": collectives}
 
 
 def _experts_and_top_k(config) -> tuple[int, int]:
@@ -367,9 +353,12 @@ def _step_figures(ep: torch.nn.Module, hf: torch.nn.Module, plan: Plan, rank: in
     backward and an AdamW step, interleaved round by round."""
     ids = _batch(ep.config.vocab_size, rank, 100, plan.tokens // 2, seed)
     steps = {"epmoe": _train_step(ep, ids), "transformers": _train_step(hf, ids)}
-    for step in steps.values():  # the optimizers' state exists before any peak is measured
+    for step in [*steps.values()] * 2:  # the optimizers' state and FSDP's buffers exist before any peak
         step()
-    peaks = {name: peak_bytes(step) for name, step in steps.items()}
+    # the peak moves from round to round (when a finished collective's buffers are freed): the median
+    # of interleaved rounds
+    rounds = [{name: peak_bytes(step) for name, step in steps.items()} for _ in range(max(repeats, 3))]
+    peaks = {name: statistics.median(r[name] for r in rounds) for name in steps}
     timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, peaks)
@@ -601,11 +590,14 @@ class VersusReport:
         import transformers
 
         plan = self.plan
+        default = (QUICK_PLAN if settings.quick else PLAN).families
+        options = settings.options() + ("".join(f" --family {f}" for f in plan.families)
+                                        if plan.families != default else "")
         return f"""# epmoe or transformers' own expert parallelism: `epmoe bench versus`
 
 Reproduce (from the repository root, after `scripts/setup.sh test`):
 
-    .venv/bin/epmoe bench versus {settings.options()}
+    .venv/bin/epmoe bench versus {options}
 
 - Machine: {common.machine_description(settings.device)}; torch {torch.__version__}, transformers
   {transformers.__version__}. Run: {datetime.date.today().isoformat()}.
