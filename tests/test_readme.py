@@ -28,7 +28,7 @@ def recipes():
 
 
 def test_readme_lists_the_training_recipes():
-    assert [name for name, _, _ in recipes()] == ["train_ddp", "train_fsdp2", "train_ep_dp", "train_trainer",
+    assert [name for name, _, _ in recipes()] == ["migrate_distributed_config", "train_ddp", "train_fsdp2", "train_ep_dp", "train_trainer",
                                                   "train_accelerate", "train_deepspeed", "generate", "train_compiled",
                                                   "save_and_reload", "load_sharded", "resume", "replay",
                                                   "train_grpo", "train_dpo"]
@@ -56,6 +56,8 @@ def test_readme_recipes_run(world, tmp_path, monkeypatch):
         if "generate" in by_name:
             tokens = torch.tensor(by_name["generate"])
             assert tokens.shape == (1, 4 + rank + 2 + 3 * rank)
+        if "migrate_distributed_config" in by_name:
+            assert by_name["migrate_distributed_config"] == 4
         if "save_and_reload" in by_name:
             assert by_name["save_and_reload"] <= 1e-5
         if "load_sharded" in by_name:

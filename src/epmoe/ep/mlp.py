@@ -210,11 +210,15 @@ def _routed_mlp_backward_op(
     d_down_bias, d_up_bias = x_RH.new_empty(0), x_RH.new_empty(0)
     if down_bias is not None:
         d_down_bias = torch.zeros_like(down_bias).index_put_((expert_P,), dy_PH, accumulate=True)
+    del dout_PH, dy_PH, a_PI  # each (P, .) buffer goes once read for the last time: the peak holds fewer
     dh_PN = gate_vjp(u_PI.mul_(w_P.unsqueeze(1))).contiguous()  # d a = w * u, in u's storage
+    del u_PI, gate_vjp
     if up_bias is not None:
         d_up_bias = torch.zeros_like(up_bias).index_put_((expert_P,), dh_PN, accumulate=True)
     dx_PH, d_up = run_grouped_mm_backward(dh_PN, x_RH[row_P], up, counts, trans_weight, backend, True, True)
+    del dh_PN
     dx_RH = weighted_sum(dx_PH, None, pair_RK, x_RH.dtype, padded)
+    del dx_PH
     dweights_RK = torch.zeros(weights_RK.numel(), dtype=weights_RK.dtype, device=weights_RK.device)
     dweights_RK.index_copy_(0, slot_P, dw_P.to(weights_RK.dtype))
     return dx_RH, dweights_RK.view_as(weights_RK), d_up, d_down, d_up_bias, d_down_bias
@@ -242,12 +246,15 @@ def _setup_context(ctx, inputs, output):
      experts_key, _, padded) = inputs
     ctx.save_for_backward(x_RH, output[1], weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias)
     ctx.options = (host_counts, trans_weight, experts_key, padded)
+    ctx.set_materialize_grads(False)  # h's gradient is never used: no (P, 2I) zeros for it
 
 
 def _backward(ctx, dout_RH, _dh):
     if torch.is_grad_enabled():
         raise double_backward_error("routed_mlp")
     x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias = ctx.saved_tensors
+    if dout_RH is None:  # the rows' output unused: a zero gradient (the backward's exchanges still run)
+        dout_RH = torch.zeros_like(x_RH)
     host_counts, trans_weight, experts_key, padded = ctx.options
     dx, dweights, d_up, d_down, d_up_bias, d_down_bias = torch.ops.epmoe.routed_mlp_backward(
         dout_RH.contiguous(), x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias,

@@ -33,6 +33,7 @@ rank 0's full state dict over every rank, which would overwrite each rank's expe
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Any
 
 from torch import nn
@@ -131,12 +132,21 @@ def shard_dense(model: nn.Module, mesh: Any) -> nn.Module:
     """epmoe's FSDP2 recipe on an EP model: ``fully_shard`` each block of the classes the model names
     unsplittable (``_no_split_modules``: its decoder layers, as accelerate's auto-wrap picks them),
     then the root, over ``mesh``, the expert parameters left out (``ignored_params``): they stay
-    this rank's local tensors, their gradients reduced by epmoe."""
+    this rank's local tensors, their gradients reduced by epmoe. A module whose own trainable
+    parameters keep another dtype than the model's (a router kept in float32,
+    ``_keep_in_fp32_modules_strict``) is sharded on its own first: FSDP2 wants one dtype per unit."""
     from torch.distributed.fsdp import fully_shard
 
     experts = set(expert_parameters(model))
+    dense = [p for p in model.parameters() if p not in experts and p.requires_grad]
+    dtypes = Counter()
+    for p in dense:
+        dtypes[p.dtype] += p.numel()
+    main = dtypes.most_common(1)[0][0] if dtypes else None
+    own_dtype = [m for m in model.modules() if any(p.dtype != main and p.requires_grad and p not in experts
+                                                   for p in m.parameters(recurse=False))]
     blocks = set(getattr(model, "_no_split_modules", None) or ())
-    for module in [m for m in model.modules() if type(m).__name__ in blocks]:
+    for module in own_dtype + [m for m in model.modules() if type(m).__name__ in blocks]:
         fully_shard(module, mesh=mesh, ignored_params=experts)
     return fully_shard(model, mesh=mesh, ignored_params=experts)
 
