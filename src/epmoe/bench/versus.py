@@ -50,7 +50,6 @@ import datetime
 import math
 import statistics
 import tempfile
-import time
 import traceback
 from dataclasses import dataclass, field
 
