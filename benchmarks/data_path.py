@@ -8,16 +8,18 @@ and records every distinct function of the ``epmoe`` package called in each (com
 lambdas aside: they are parts of the function that holds them). The second, steady step is the data
 path every step runs; the first step also runs what is decided once (the grouped-matmul backend's
 judgement, first-use logs, the expert parameters' marks). Prints how many functions and files each
-step runs, then each function of the steady step with its length in lines (``!`` marks one over
+step runs, then each function of the steady step with its body's length in lines (``!`` marks one over
 :data:`MAX_FUNCTION_LINES`). ``--json`` prints the same as one JSON object (the test reads it).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import inspect
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -33,11 +35,14 @@ SKIPPED = {"<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>", "<lambda>"}
 
 
 def _lines(code) -> int:
-    """A function's length in source lines (decorators included)."""
+    """A function's body length in source lines (its docstring included; not its decorators and
+    signature, which the formatter lays out one parameter per line)."""
     try:
-        return len(inspect.getsourcelines(code)[0])
+        source, _ = inspect.getsourcelines(code)
     except (OSError, TypeError):
         return 0
+    node = ast.parse(textwrap.dedent("".join(source))).body[0]
+    return node.end_lineno - node.body[0].lineno + 1
 
 
 def _profiled_step(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str, str, int, int]]:
@@ -57,8 +62,10 @@ def _profiled_step(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str,
     finally:
         sys.setprofile(None)
     model.zero_grad(set_to_none=True)
-    return sorted((str(Path(file).relative_to(PACKAGE_DIR)), code.co_qualname, line, _lines(code))
-                  for (file, line), code in seen.items())
+    return sorted(
+        (str(Path(file).relative_to(PACKAGE_DIR)), code.co_qualname, line, _lines(code))
+        for (file, line), code in seen.items()
+    )
 
 
 def _step_functions(rank: int, world: int) -> tuple[list, list]:
@@ -95,9 +102,11 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         return
     functions, files, first = result["functions"], result["files"], result["first_step"]
-    print(f"qwen3_moe at EP {EP_SIZE}, one forward + backward: steady step {len(functions)} functions in "
-          f"{len(files)} files, first step {first['functions']} in {first['files']} "
-          f"({len(result['over'])} over {MAX_FUNCTION_LINES} lines)")
+    print(
+        f"qwen3_moe at EP {EP_SIZE}, one forward + backward: steady step {len(functions)} functions in "
+        f"{len(files)} files, first step {first['functions']} in {first['files']} "
+        f"({len(result['over'])} over {MAX_FUNCTION_LINES} lines)"
+    )
     for file in files:
         print(f"\n{file}")
         for _, name, line, length in (f for f in functions if f[0] == file):

@@ -88,8 +88,7 @@ def measure(shape: Shape, seed: int = 0) -> dict:
     diff = max((a - b).abs().max().item() for a, b in zip(*results.values()))
     scale = max(a.abs().max().item() for a in results["grouped_mm"])
     ratio = {part: per_token["epmoe"][part] / per_token["grouped_mm"][part] for part in ("experts", "block")}
-    return {"shape": vars(shape), "bytes_per_token": per_token, "ratio": ratio, "max_abs_diff": diff,
-            "max_abs": scale}
+    return {"shape": vars(shape), "bytes_per_token": per_token, "ratio": ratio, "max_abs_diff": diff, "max_abs": scale}
 
 
 def markdown(result: dict, command: str) -> str:
@@ -97,28 +96,40 @@ def markdown(result: dict, command: str) -> str:
     H, I, K = shape.hidden, shape.intermediate, shape.top_k
     per_token, ratio = result["bytes_per_token"], result["ratio"]
     met = "met" if ratio["experts"] <= GOAL else "not met"
-    rows = [(part, f"{per_token['grouped_mm'][part]:.0f}", f"{per_token['epmoe'][part]:.0f}", f"{ratio[part]:.3f}")
-            for part in ("experts", "block")]
-    return "\n".join([
-        "# `experts_implementation=\"epmoe\"`: activation memory against `grouped_mm`", "",
-        "Reproduce (from the repository root, after `pip install -e '.[models]'`):", "", f"    {command}", "",
-        f"- Machine: {machine_description()}; transformers {__import__('transformers').__version__}; float32.",
-        f"- Shape: {shape.name}, {shape.describe()}; one `Qwen3MoeSparseMoeBlock`, its own router, random "
-        "weights (std 0.02); the config switched between the implementations, same weights, same tokens.",
-        "- Measured: what autograd keeps for backward in one forward (`torch.autograd.graph.saved_tensors_hooks`, "
-        "unique storages of the saved tensors, parameters excluded), bytes per token. experts: the experts "
-        "module alone, called with the block input and its router's routing (both requiring gradients); "
-        "epmoe's count includes the block input itself, which the router keeps too. block: the whole block.",
-        "",
-        markdown_table(("kept for backward", "grouped_mm B/token", "epmoe B/token", "epmoe / grouped_mm"), rows,
-                       align="lrrr"), "",
-        f"- For reference, the experts' formulas in fp32 bytes per token: plain autograd 4K(2H + 4I) = "
-        f"{4 * K * (2 * H + 4 * I)}, epmoe's bound 4(H + 2KI) = {4 * (H + 2 * K * I)} (plus the routing indices "
-        "and weights).",
-        f"- Goal: the experts keep at most {GOAL}x grouped_mm's bytes: **{met}** ({ratio['experts']:.3f}x).",
-        f"- Output and gradients of one block forward + backward (input, router, experts), epmoe against "
-        f"grouped_mm: largest absolute difference {result['max_abs_diff']:.2e} (largest value "
-        f"{result['max_abs']:.2e}).", ""])
+    rows = [
+        (part, f"{per_token['grouped_mm'][part]:.0f}", f"{per_token['epmoe'][part]:.0f}", f"{ratio[part]:.3f}")
+        for part in ("experts", "block")
+    ]
+    return "\n".join(
+        [
+            '# `experts_implementation="epmoe"`: activation memory against `grouped_mm`',
+            "",
+            "Reproduce (from the repository root, after `pip install -e '.[models]'`):",
+            "",
+            f"    {command}",
+            "",
+            f"- Machine: {machine_description()}; transformers {__import__('transformers').__version__}; float32.",
+            f"- Shape: {shape.name}, {shape.describe()}; one `Qwen3MoeSparseMoeBlock`, its own router, random "
+            "weights (std 0.02); the config switched between the implementations, same weights, same tokens.",
+            "- Measured: what autograd keeps for backward in one forward (`torch.autograd.graph.saved_tensors_hooks`, "
+            "unique storages of the saved tensors, parameters excluded), bytes per token. experts: the experts "
+            "module alone, called with the block input and its router's routing (both requiring gradients); "
+            "epmoe's count includes the block input itself, which the router keeps too. block: the whole block.",
+            "",
+            markdown_table(
+                ("kept for backward", "grouped_mm B/token", "epmoe B/token", "epmoe / grouped_mm"), rows, align="lrrr"
+            ),
+            "",
+            f"- For reference, the experts' formulas in fp32 bytes per token: plain autograd 4K(2H + 4I) = "
+            f"{4 * K * (2 * H + 4 * I)}, epmoe's bound 4(H + 2KI) = {4 * (H + 2 * K * I)} (plus the routing indices "
+            "and weights).",
+            f"- Goal: the experts keep at most {GOAL}x grouped_mm's bytes: **{met}** ({ratio['experts']:.3f}x).",
+            f"- Output and gradients of one block forward + backward (input, router, experts), epmoe against "
+            f"grouped_mm: largest absolute difference {result['max_abs_diff']:.2e} (largest value "
+            f"{result['max_abs']:.2e}).",
+            "",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,10 +24,15 @@ def table(verdicts: dict[str, str]) -> str:
     from epmoe.bench.versus import ep_plans
 
     plans = ep_plans()
-    rows = ["| family (transformers model directory) | verdict at EP 2 (fp64; bf16 within 1.5x the distance without EP) "
-            "| transformers' own EP plan |", "|---|---|---|"]
-    rows += [f"| {name} | {verdict.replace('|', '/')} | {'yes' if name in plans else 'no'} |"
-             for name, verdict in sorted(verdicts.items())]
+    rows = [
+        "| family (transformers model directory) | verdict at EP 2 (fp64; bf16 within 1.5x the distance without EP) "
+        "| transformers' own EP plan |",
+        "|---|---|---|",
+    ]
+    rows += [
+        f"| {name} | {verdict.replace('|', '/')} | {'yes' if name in plans else 'no'} |"
+        for name, verdict in sorted(verdicts.items())
+    ]
     return "\n".join(rows)
 
 

@@ -67,26 +67,77 @@ CHECKS = (
 )
 
 CASES = (
-    gmm.Case("qwen3-30b-a3b", "Qwen3-30B-A3B at EP=8: 16 local experts, top-8, H=2048, I=768, 16384 tokens/rank",
-             num_experts=16, hidden=2048, intermediate=768, tokens=16384, top_k=8, ep=8),
-    gmm.Case("qwen3.5-35b-a3b", "Qwen3.5-35B-A3B at EP=8: 32 local experts, top-8, H=2048, I=512, 16384 tokens/rank",
-             num_experts=32, hidden=2048, intermediate=512, tokens=16384, top_k=8, ep=8),
-    gmm.Case("small-16", "128 experts, 16 rows each on average, max/mean 1.5; H=2048, I=768",
-             num_experts=128, hidden=2048, intermediate=768, tokens=256, top_k=8, ep=1, projections=("gate_up",),
-             spread=0.5),
-    gmm.Case("decode", "Qwen3-30B-A3B decoding without EP: 128 experts, top-8, 64 tokens",
-             num_experts=128, hidden=2048, intermediate=768, tokens=64, top_k=8, ep=1, projections=("gate_up",)),
+    gmm.Case(
+        "qwen3-30b-a3b",
+        "Qwen3-30B-A3B at EP=8: 16 local experts, top-8, H=2048, I=768, 16384 tokens/rank",
+        num_experts=16,
+        hidden=2048,
+        intermediate=768,
+        tokens=16384,
+        top_k=8,
+        ep=8,
+    ),
+    gmm.Case(
+        "qwen3.5-35b-a3b",
+        "Qwen3.5-35B-A3B at EP=8: 32 local experts, top-8, H=2048, I=512, 16384 tokens/rank",
+        num_experts=32,
+        hidden=2048,
+        intermediate=512,
+        tokens=16384,
+        top_k=8,
+        ep=8,
+    ),
+    gmm.Case(
+        "small-16",
+        "128 experts, 16 rows each on average, max/mean 1.5; H=2048, I=768",
+        num_experts=128,
+        hidden=2048,
+        intermediate=768,
+        tokens=256,
+        top_k=8,
+        ep=1,
+        projections=("gate_up",),
+        spread=0.5,
+    ),
+    gmm.Case(
+        "decode",
+        "Qwen3-30B-A3B decoding without EP: 128 experts, top-8, 64 tokens",
+        num_experts=128,
+        hidden=2048,
+        intermediate=768,
+        tokens=64,
+        top_k=8,
+        ep=1,
+        projections=("gate_up",),
+    ),
 )
 QUICK_CHECKS = (([5, 0, 3, 0], 64, 32), ([0, 0, 9, 0], 32, 16))
 
 # Section 7: the model of the static exchange's decode and training steps (Qwen3-MoE, bf16)
-STATIC_MODEL = dict(hidden_size=1024, moe_intermediate_size=512, num_experts=64, top_k=8, num_hidden_layers=4,
-                    vocab_size=32000, num_attention_heads=8, num_key_value_heads=4, head_dim=128)
+STATIC_MODEL = dict(
+    hidden_size=1024,
+    moe_intermediate_size=512,
+    num_experts=64,
+    top_k=8,
+    num_hidden_layers=4,
+    vocab_size=32000,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=128,
+)
 QUICK_STATIC_MODEL = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2, num_hidden_layers=2)
 STATIC_DECODE_BATCHES = (1, 8)
 STATIC_TRAIN_SHAPE = (4, 256)  # (sequences, tokens each) per rank
-STATIC_HEADERS = ("EP", "step", "batch per rank", "eager ms", "graph / compiled ms", "speed-up",
-                  "max |diff| / max |ref|", "note")
+STATIC_HEADERS = (
+    "EP",
+    "step",
+    "batch per rank",
+    "eager ms",
+    "graph / compiled ms",
+    "speed-up",
+    "max |diff| / max |ref|",
+    "note",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,8 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit("gpu_check: --device other than cuda only with --quick (a smoke test)")
 
     if not platform.is_available(args.device):
-        sys.exit("gpu_check: no CUDA device is present (torch.cuda.is_available() is False); nothing was checked"
-                 if args.device == "cuda" else f"gpu_check: no {args.device} device")
+        sys.exit(
+            "gpu_check: no CUDA device is present (torch.cuda.is_available() is False); nothing was checked"
+            if args.device == "cuda"
+            else f"gpu_check: no {args.device} device"
+        )
     device = platform.current_device(args.device)
     probe_x = torch.zeros(256, 1024, dtype=torch.bfloat16, device=device)
     probe_w = torch.zeros(8, 1024, 1024, dtype=torch.bfloat16, device=device)
@@ -111,28 +165,44 @@ def main(argv: list[str] | None = None) -> int:
     backends = [name for name, status in statuses.items() if status.eligible]
     repeats = 2 if args.quick else args.repeats
 
-    sections = [f"- Machine: {common.machine_description(device)}.",
-                f"## Correctness: {', '.join(backends)} vs a float32 reference, bf16", ""]
+    sections = [
+        f"- Machine: {common.machine_description(device)}.",
+        f"## Correctness: {', '.join(backends)} vs a float32 reference, bf16",
+        "",
+    ]
     print(f"# gpu_check: {common.machine_description(device)}\n")
     for counts, K, N in QUICK_CHECKS if args.quick else CHECKS:
         for trans_weight in (False, True):
             sections.append(check(counts, K, N, trans_weight, device, backends))
             print(sections[-1])
 
-    settings = common.Settings(device, torch.get_num_threads(), warmup=1 if args.quick else 3, repeats=repeats,
-                               seed=0, quick=args.quick, out=args.out)
+    settings = common.Settings(
+        device,
+        torch.get_num_threads(),
+        warmup=1 if args.quick else 3,
+        repeats=repeats,
+        seed=0,
+        quick=args.quick,
+        out=args.out,
+    )
     cases = gmm.QUICK_CASES if args.quick else CASES
     results = []
     for case in cases:
         for projection in case.projections:
             results += gmm.run_case(case, projection, "bf16", settings)
     table = common.markdown_table(gmm.HEADERS, [r.cells() for r in results], align="llllrrr")
-    sections.append(f"\n## Grouped matmul (median of {repeats} rounds, side by side)\n\n{_cases(cases)}\n\n{table}\n\n"
-                    + "\n".join(gmm.summarize(results)))
+    sections.append(
+        f"\n## Grouped matmul (median of {repeats} rounds, side by side)\n\n{_cases(cases)}\n\n{table}\n\n"
+        + "\n".join(gmm.summarize(results))
+    )
     print(sections[-1])
     sections += block_sections(settings, layer.QUICK_SHAPES if args.quick else layer.SHAPES)
-    sections += lean_sections(settings, lean.QUICK_PLAN.shapes if args.quick else
-                              [dataclasses.replace(s, tokens=GPU_LEAN_TOKENS) for s in lean.PLAN.shapes])
+    sections += lean_sections(
+        settings,
+        lean.QUICK_PLAN.shapes
+        if args.quick
+        else [dataclasses.replace(s, tokens=GPU_LEAN_TOKENS) for s in lean.PLAN.shapes],
+    )
     sections += static_sections(settings)
     report = "\n".join(sections) + "\n"
     if args.out:
@@ -144,22 +214,30 @@ def main(argv: list[str] | None = None) -> int:
 def block_sections(settings: common.Settings, shapes) -> list[str]:
     """Sections 3-5: the MoE block in bf16 (bench layer ep1), compiled vs eager, peak memory."""
     ep1 = layer.Ep1Report([layer.run_ep1(shape, settings, dtype=torch.bfloat16) for shape in shapes])
-    out = ["\n## The MoE block, forward + backward, bf16 (`epmoe bench layer` part ep1)\n",
-           ep1.markdown().replace("### ", "#### "),
-           f"GPU goal: epmoe <= {GPU_BLOCK_GOAL}x transformers' `grouped_mm` time.", ""]
+    out = [
+        "\n## The MoE block, forward + backward, bf16 (`epmoe bench layer` part ep1)\n",
+        ep1.markdown().replace("### ", "#### "),
+        f"GPU goal: epmoe <= {GPU_BLOCK_GOAL}x transformers' `grouped_mm` time.",
+        "",
+    ]
     rows, memory = [], []
     for shape in shapes:
         blocks = layer.build_blocks(shape, settings.seed, settings.device, torch.bfloat16)
         generator = torch.Generator().manual_seed(settings.seed + 1)
         x = torch.randn(1, shape.tokens, shape.hidden, generator=generator).to(settings.device, torch.bfloat16)
         dy = torch.randn(1, shape.tokens, shape.hidden, generator=generator).to(settings.device, torch.bfloat16)
-        rows += [_compiled_vs_eager(shape, label, blocks[label], x, dy, settings) for label in (layer.EPMOE, layer.GROUPED)]
+        rows += [
+            _compiled_vs_eager(shape, label, blocks[label], x, dy, settings) for label in (layer.EPMOE, layer.GROUPED)
+        ]
         for label, block in blocks.items():
             memory.append((shape.name, label, _peak_step_mib(block, x, dy, settings.device)))
-    out += ["## torch.compile of the MoE block vs eager, bf16\n",
-            common.markdown_table(compiled.BLOCK_HEADERS, rows, align="llrrrrrlr"), "",
-            "## Peak device memory of one forward + backward step\n",
-            common.markdown_table(("shape", "variant", "peak MiB"), memory, align="llr")]
+    out += [
+        "## torch.compile of the MoE block vs eager, bf16\n",
+        common.markdown_table(compiled.BLOCK_HEADERS, rows, align="llrrrrrlr"),
+        "",
+        "## Peak device memory of one forward + backward step\n",
+        common.markdown_table(("shape", "variant", "peak MiB"), memory, align="llr"),
+    ]
     print("\n".join(out))
     return out
 
@@ -167,20 +245,30 @@ def block_sections(settings: common.Settings, shapes) -> list[str]:
 def lean_sections(settings: common.Settings, shapes) -> list[str]:
     """Section 6: the lean data path at EP 1 in bf16 (bench layer part lean's saved elements and step)."""
     results = [lean.run_ep1(shape, settings, dtype=torch.bfloat16) for shape in shapes]
-    out = ["\n## The lean data path at EP 1, bf16 (`epmoe bench layer` part lean, EP 1 half)\n",
-           "\n".join(f"- {s.name}: {s.describe()}" for s in shapes), "",
-           "### Saved for backward, elements per token\n",
-           common.markdown_table(lean.SAVED_HEADERS, [r for result in results for r in result.saved_rows()],
-                                 align="llrr"), ""]
+    out = [
+        "\n## The lean data path at EP 1, bf16 (`epmoe bench layer` part lean, EP 1 half)\n",
+        "\n".join(f"- {s.name}: {s.describe()}" for s in shapes),
+        "",
+        "### Saved for backward, elements per token\n",
+        common.markdown_table(lean.SAVED_HEADERS, [r for result in results for r in result.saved_rows()], align="llrr"),
+        "",
+    ]
     out += [line for result in results for line in result.saved_lines()]
-    out += ["- measured rows: the whole block (router included), in bf16 elements (one int64 index counts as "
-            "four); formula rows: the experts (the bound adds the router's E probabilities)", "",
-            "### Step (block forward + backward) and peak memory of one step\n",
-            common.markdown_table(lean.EP1_STEP_HEADERS, [r for result in results for r in result.step_rows()],
-                                  align="llrrrr"), ""]
+    out += [
+        "- measured rows: the whole block (router included), in bf16 elements (one int64 index counts as "
+        "four); formula rows: the experts (the bound adds the router's E probabilities)",
+        "",
+        "### Step (block forward + backward) and peak memory of one step\n",
+        common.markdown_table(
+            lean.EP1_STEP_HEADERS, [r for result in results for r in result.step_rows()], align="llrrrr"
+        ),
+        "",
+    ]
     out += [result.step_verdict() for result in results]
-    out.append("- peak MiB above weights: the most allocated during one forward + backward above what was allocated "
-               "before it (activations, the weights' gradients, workspace)")
+    out.append(
+        "- peak MiB above weights: the most allocated during one forward + backward above what was allocated "
+        "before it (activations, the weights' gradients, workspace)"
+    )
     print("\n".join(out))
     return out
 
@@ -205,14 +293,18 @@ def static_sections(settings: common.Settings) -> list[str]:
         notes.append(f"- decode steps run eagerly only: a CUDA graph needs a CUDA device (this is {device.type})")
     model = QUICK_STATIC_MODEL if settings.quick else STATIC_MODEL
     sequences, length = _static_train_shape(settings.quick)
-    out = ["\n## dispatch=\"static\": a decode step in a CUDA graph, a compiled training step, bf16\n",
-           f"- Qwen3-MoE, {', '.join(f'{k}={v}' for k, v in model.items())}; dispatch='static', check_steps=False, "
-           f"static_tokens = the step's tokens per rank; decode: one new token per sequence, use_cache=False; "
-           f"training: {sequences} x {length} tokens per rank, forward + backward, fullgraph=True",
-           "- graph: the step captured once, replayed on new tokens; diff: its logits (decode) or the largest "
-           "gradient difference (training) against the eager step on the same tokens, relative to the eager one's "
-           "largest; time: median of the rounds, side by side (the slowest rank's at EP 2)", *notes, "",
-           common.markdown_table(STATIC_HEADERS, rows, align="rlrrrrrl")]
+    out = [
+        '\n## dispatch="static": a decode step in a CUDA graph, a compiled training step, bf16\n',
+        f"- Qwen3-MoE, {', '.join(f'{k}={v}' for k, v in model.items())}; dispatch='static', check_steps=False, "
+        f"static_tokens = the step's tokens per rank; decode: one new token per sequence, use_cache=False; "
+        f"training: {sequences} x {length} tokens per rank, forward + backward, fullgraph=True",
+        "- graph: the step captured once, replayed on new tokens; diff: its logits (decode) or the largest "
+        "gradient difference (training) against the eager step on the same tokens, relative to the eager one's "
+        "largest; time: median of the rounds, side by side (the slowest rank's at EP 2)",
+        *notes,
+        "",
+        common.markdown_table(STATIC_HEADERS, rows, align="rlrrrrrl"),
+    ]
     print("\n".join(out))
     return out
 
@@ -229,8 +321,7 @@ def _static_rows(rank: int, world: int, device: torch.device, settings: common.S
     """Section 7's rows on this process (EP ``world``: the default group, or none at EP 1)."""
     rows = []
     for batch in STATIC_DECODE_BATCHES:
-        rows.append(_guarded(world, "decode", batch,
-                             lambda b=batch: _static_decode(rank, world, b, device, settings)))
+        rows.append(_guarded(world, "decode", batch, lambda b=batch: _static_decode(rank, world, b, device, settings)))
     sequences = _static_train_shape(settings.quick)[0]
     rows.append(_guarded(world, "train", sequences, lambda: _static_train(rank, world, device, settings)))
     return rows
@@ -254,8 +345,9 @@ def _static_model(world: int, tokens: int, device: torch.device, quick: bool) ->
     shape = QUICK_STATIC_MODEL if quick else STATIC_MODEL
     model = build_model("qwen3_moe", **shape).to(device, torch.bfloat16)
     group = None if world > 1 else _own_group()
-    epmoe.apply_expert_parallel(model, group, config={"dispatch": "static", "check_steps": False,
-                                                      "static_tokens": tokens})
+    epmoe.apply_expert_parallel(
+        model, group, config={"dispatch": "static", "check_steps": False, "static_tokens": tokens}
+    )
     return model
 
 
@@ -282,8 +374,7 @@ def _static_decode(rank: int, world: int, batch: int, device: torch.device, sett
     if device.type == "cuda":
         graph, graph_ids, graph_logits = _capture(model, ids)
         steps["graph"] = graph.replay
-    timings = common.measure(steps, warmup=settings.warmup, repeats=settings.repeats, device=device,
-                             ranks=world > 1)
+    timings = common.measure(steps, warmup=settings.warmup, repeats=settings.repeats, device=device, ranks=world > 1)
     eager_ms = timings["eager"].median_s * 1e3
     if graph_logits is None:
         eager()
@@ -327,15 +418,27 @@ def _static_train(rank: int, world: int, device: torch.device, settings: common.
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
-    timings = common.measure({"eager": lambda: step(eager), "compiled": lambda: step(compiled_model)},
-                             warmup=max(1, settings.warmup), repeats=settings.repeats, device=device,
-                             ranks=world > 1)
+    timings = common.measure(
+        {"eager": lambda: step(eager), "compiled": lambda: step(compiled_model)},
+        warmup=max(1, settings.warmup),
+        repeats=settings.repeats,
+        device=device,
+        ranks=world > 1,
+    )
     grads = {name.removeprefix("_orig_mod."): p.grad for name, p in compiled_model.named_parameters()}
-    diff = max(((grads[name].float() - p.grad.float()).abs().max() / p.grad.float().abs().max().clamp_min(1e-30)
-                ).item() for name, p in eager.named_parameters() if p.grad is not None)
+    diff = max(
+        ((grads[name].float() - p.grad.float()).abs().max() / p.grad.float().abs().max().clamp_min(1e-30)).item()
+        for name, p in eager.named_parameters()
+        if p.grad is not None
+    )
     eager_ms, compiled_ms = timings["eager"].median_s * 1e3, timings["compiled"].median_s * 1e3
-    return (f"{eager_ms:.1f}", f"{compiled_ms:.1f}", f"{eager_ms / compiled_ms:.2f}x", f"{diff:.1e}",
-            "one graph (fullgraph=True)")
+    return (
+        f"{eager_ms:.1f}",
+        f"{compiled_ms:.1f}",
+        f"{eager_ms / compiled_ms:.2f}x",
+        f"{diff:.1e}",
+        "one graph (fullgraph=True)",
+    )
 
 
 def _compiled_vs_eager(shape, label, block, x, dy, settings) -> tuple:
@@ -363,17 +466,20 @@ def check(counts: list[int], K: int, N: int, trans_weight: bool, device: torch.d
     generator = torch.Generator().manual_seed(T * 7 + G)
     x = torch.randn(T, K, generator=generator).to(device, torch.bfloat16)
     shape = (G, N, K) if trans_weight else (G, K, N)
-    weight = torch.randn(shape, generator=generator).div_(K ** 0.5).to(device, torch.bfloat16)
+    weight = torch.randn(shape, generator=generator).div_(K**0.5).to(device, torch.bfloat16)
     dy = torch.randn(T, N, generator=generator).to(device, torch.bfloat16)
 
     outputs = {}
-    runs = [(name, torch.bfloat16, torch.tensor(counts, device=device) if i == 0 else counts)
-            for i, name in enumerate(backends)] + [("reference", torch.float32, counts)]
+    runs = [
+        (name, torch.bfloat16, torch.tensor(counts, device=device) if i == 0 else counts)
+        for i, name in enumerate(backends)
+    ] + [("reference", torch.float32, counts)]
     for backend, dtype, counts_arg in runs:
         x_leaf = x.to(dtype, copy=True).requires_grad_()
         w_leaf = weight.to(dtype, copy=True).requires_grad_()
-        y = epmoe.grouped_mm(x_leaf, w_leaf, counts_arg, trans_weight=trans_weight,
-                             backend="loop" if backend == "reference" else backend)
+        y = epmoe.grouped_mm(
+            x_leaf, w_leaf, counts_arg, trans_weight=trans_weight, backend="loop" if backend == "reference" else backend
+        )
         y.backward(dy.to(dtype))
         outputs[backend] = (y.detach().float(), x_leaf.grad.float(), w_leaf.grad.float())
     platform.synchronize(device)
@@ -386,15 +492,18 @@ def check(counts: list[int], K: int, N: int, trans_weight: bool, device: torch.d
             error = ((outputs[backend][index] - reference).abs().max() / scale).item()
             errors.append(f"{name} {backend} {error:.1e}")
             if not error <= TOLERANCE:
-                raise AssertionError(f"gpu_check: {backend} {name} off by {error:.3g} (relative to max) for "
-                                     f"counts={counts}, K={K}, N={N}, trans_weight={trans_weight}")
+                raise AssertionError(
+                    f"gpu_check: {backend} {name} off by {error:.3g} (relative to max) for "
+                    f"counts={counts}, K={K}, N={N}, trans_weight={trans_weight}"
+                )
     for backend in backends:
         for g, n in enumerate(counts):
             if n == 0 and torch.count_nonzero(outputs[backend][2][g]).item():
                 raise AssertionError(f"gpu_check: {backend} dW of empty group {g} is not zero (counts={counts})")
     shown = counts if len(counts) <= 8 else f"{G} groups, {T} rows, {counts.count(0)} empty"
-    return (f"- ok: counts {shown}, K={K}, N={N}, trans_weight={trans_weight}: max error / max |ref|: "
-            + ", ".join(errors))
+    return f"- ok: counts {shown}, K={K}, N={N}, trans_weight={trans_weight}: max error / max |ref|: " + ", ".join(
+        errors
+    )
 
 
 def _cases(cases) -> str:

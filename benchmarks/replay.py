@@ -32,6 +32,7 @@ def _counting_reads(calls: list):
         def read(self, *args, **kwargs):
             calls.append(name)
             return original(self, *args, **kwargs)
+
         return read
 
     for name, original in originals.items():
@@ -81,20 +82,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    result = _steps(0, 1, args.repeats) if args.ranks == 1 else \
-        max(run_ranks(_steps, args.ranks, args.repeats, timeout=900), key=lambda r: r["plain"])
-    rows = [[name, f"{result[name] * 1e3:.2f}", f"{result[name] / result['plain']:.3f}", result["reads"][name]]
-            for name in result["reads"]]
+    result = (
+        _steps(0, 1, args.repeats)
+        if args.ranks == 1
+        else max(run_ranks(_steps, args.ranks, args.repeats, timeout=900), key=lambda r: r["plain"])
+    )
+    rows = [
+        [name, f"{result[name] * 1e3:.2f}", f"{result[name] / result['plain']:.3f}", result["reads"][name]]
+        for name in result["reads"]
+    ]
     table = markdown_table(["step", "ms (median)", "vs plain", "host reads per step"], rows)
-    text = (f"# Routing replay overhead\n\nReproduce: `python benchmarks/replay.py --ranks {args.ranks} "
-            f"--repeats {args.repeats}`\n\n- Machine: {machine_description()}; load average {load_average()}.\n"
-            f"- Qwen3-MoE (epmoe.models, fp32), EP {args.ranks}, forward + backward of 4 x 64 tokens per rank, "
-            f"one thread per rank; the slowest rank's median of {args.repeats} interleaved rounds.\n"
-            f"- `replayed (routes tensor)`: the step inside `replay_routing` with per-position routes, entering "
-            f"the block (the routes validated: one host read, and one agreement step on the EP group) and "
-            f"leaving it (one agreement step) included; `replayed (record)`: with the record itself (nothing "
-            f"to validate: the agreement on leaving only). Host reads: every `Tensor.item / tolist / cpu ...` "
-            f"call of the step (an agreement step reads what it received).\n\n{table}\n")
+    text = (
+        f"# Routing replay overhead\n\nReproduce: `python benchmarks/replay.py --ranks {args.ranks} "
+        f"--repeats {args.repeats}`\n\n- Machine: {machine_description()}; load average {load_average()}.\n"
+        f"- Qwen3-MoE (epmoe.models, fp32), EP {args.ranks}, forward + backward of 4 x 64 tokens per rank, "
+        f"one thread per rank; the slowest rank's median of {args.repeats} interleaved rounds.\n"
+        f"- `replayed (routes tensor)`: the step inside `replay_routing` with per-position routes, entering "
+        f"the block (the routes validated: one host read, and one agreement step on the EP group) and "
+        f"leaving it (one agreement step) included; `replayed (record)`: with the record itself (nothing "
+        f"to validate: the agreement on leaving only). Host reads: every `Tensor.item / tolist / cpu ...` "
+        f"call of the step (an agreement step reads what it received).\n\n{table}\n"
+    )
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -32,8 +32,17 @@ from epmoe.bench.common import load_average, machine_description, markdown_table
 from epmoe.launch import run_ranks  # noqa: E402
 from epmoe.models import build_model  # noqa: E402
 
-MODEL = dict(num_experts=32, hidden_size=256, moe_intermediate_size=256, intermediate_size=512,
-             num_hidden_layers=4, vocab_size=2048, num_attention_heads=8, num_key_value_heads=4, head_dim=32)
+MODEL = dict(
+    num_experts=32,
+    hidden_size=256,
+    moe_intermediate_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    vocab_size=2048,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+)
 TOKENS = (4, 128)
 MIB = 2**20
 
@@ -42,9 +51,14 @@ def _config(stage: int) -> dict:
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
-    return {"train_micro_batch_size_per_gpu": TOKENS[0], "gradient_clipping": 1.0, "zero_optimization": zero,
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-            "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    return {
+        "train_micro_batch_size_per_gpu": TOKENS[0],
+        "gradient_clipping": 1.0,
+        "zero_optimization": zero,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
 
 
 def _engine(stage: int, mesh: bool):
@@ -59,8 +73,9 @@ def _engine(stage: int, mesh: bool):
         group = init_device_mesh("cpu", (torch.distributed.get_world_size() // 2, 2), mesh_dim_names=("dp", "ep"))
     epmoe.apply_expert_parallel(model, group)
     epmoe.prepare_deepspeed(model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                           config=_config(stage))
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=list(model.parameters()), config=_config(stage)
+    )
     return engine
 
 
@@ -101,8 +116,12 @@ def _side_by_side(rank: int, world: int, mesh: bool, steps: int) -> dict:
     torch.set_num_threads(1)
     engines = {f"ZeRO-{stage}": _engine(stage, mesh) for stage in (2, 3)}
     ids = _ids(rank, MODEL["vocab_size"])
-    timings = measure({name: (lambda e=engine: _step(e, ids)) for name, engine in engines.items()},
-                      warmup=2, repeats=steps, ranks=True)
+    timings = measure(
+        {name: (lambda e=engine: _step(e, ids)) for name, engine in engines.items()},
+        warmup=2,
+        repeats=steps,
+        ranks=True,
+    )
     return {name: {"ms": timings[name].median_s * 1e3, **_held_mib(engine)} for name, engine in engines.items()}
 
 
@@ -126,25 +145,40 @@ def main() -> None:
     if args.ranks < 2 or (args.mesh and args.ranks % 2):
         raise ValueError(f"--ranks: expected >= 2 (even with --mesh), got {args.ranks}")
     by_rank = run_ranks(_side_by_side, args.ranks, args.mesh, args.steps, timeout=1800)
-    peaks = {f"ZeRO-{stage}": max(run_ranks(_alone, args.ranks, args.mesh, stage, args.steps, timeout=1800))
-             for stage in (2, 3)}
+    peaks = {
+        f"ZeRO-{stage}": max(run_ranks(_alone, args.ranks, args.mesh, stage, args.steps, timeout=1800))
+        for stage in (2, 3)
+    }
     rows = []
     for name in ("ZeRO-2", "ZeRO-3"):
         worst = {key: max(r[name][key] for r in by_rank) for key in ("ms", "params", "master", "state")}
         held = worst["params"] + worst["master"] + worst["state"]
-        rows.append([name, f"{worst['ms']:.1f}", f"{worst['params']:.2f}", f"{worst['master']:.2f}",
-                     f"{worst['state']:.2f}", f"{held:.2f}", f"{peaks[name]:.0f}"])
+        rows.append(
+            [
+                name,
+                f"{worst['ms']:.1f}",
+                f"{worst['params']:.2f}",
+                f"{worst['master']:.2f}",
+                f"{worst['state']:.2f}",
+                f"{held:.2f}",
+                f"{peaks[name]:.0f}",
+            ]
+        )
     layout = f"EP 2 x DP {args.ranks // 2}" if args.mesh else f"EP {args.ranks}"
-    table = markdown_table(["stage", "step ms (median)", "params MiB", "fp32 master MiB", "Adam state MiB",
-                            "held MiB", "peak RSS MiB"], rows)
+    table = markdown_table(
+        ["stage", "step ms (median)", "params MiB", "fp32 master MiB", "Adam state MiB", "held MiB", "peak RSS MiB"],
+        rows,
+    )
     command = f"python benchmarks/zero3.py --ranks {args.ranks}{' --mesh' if args.mesh else ''} --steps {args.steps}"
-    text = (f"## {layout}\n\nReproduce: `{command}`\n\n- Machine: {machine_description()}; load average "
-            f"{load_average()}.\n- Qwen3-MoE (epmoe.models, fp32, {MODEL}), {layout} over {args.ranks} gloo "
-            f"ranks, `epmoe.prepare_deepspeed` + `deepspeed.initialize` (AdamW), {TOKENS[0]} x {TOKENS[1]} "
-            f"tokens per rank and step, one thread per rank. Step: the slowest rank's median of {args.steps} "
-            f"interleaved rounds. Memory: the largest over ranks; held = params + fp32 master + Adam state (storages "
-            f"counted once); peak RSS: a rank that ran only that stage (runtime included).\n\n"
-            f"{table}\n")
+    text = (
+        f"## {layout}\n\nReproduce: `{command}`\n\n- Machine: {machine_description()}; load average "
+        f"{load_average()}.\n- Qwen3-MoE (epmoe.models, fp32, {MODEL}), {layout} over {args.ranks} gloo "
+        f"ranks, `epmoe.prepare_deepspeed` + `deepspeed.initialize` (AdamW), {TOKENS[0]} x {TOKENS[1]} "
+        f"tokens per rank and step, one thread per rank. Step: the slowest rank's median of {args.steps} "
+        f"interleaved rounds. Memory: the largest over ranks; held = params + fp32 master + Adam state (storages "
+        f"counted once); peak RSS: a rank that ran only that stage (runtime included).\n\n"
+        f"{table}\n"
+    )
     print(text)
     if args.out:
         with open(args.out, "a") as f:

@@ -58,8 +58,12 @@ def accelerate_parity(rank, world, steps=4):
     norms_ref = accelerate_loop(Accelerator(cpu=True), ref, steps, rank)
     errors = {f"norm/{i}": rel(a, b) for i, (a, b) in enumerate(zip(norms, norms_ref))}
     errors.update({f"param/{n}": pair.param_error for n, pair in reference_view(model, ref, shards).items()})
-    return {"errors": errors, "norms": [n.item() for n in norms], "distributed": str(accelerator.distributed_type),
-            "replicas_equal": replicas_equal(model, world)}
+    return {
+        "errors": errors,
+        "norms": [n.item() for n in norms],
+        "distributed": str(accelerator.distributed_type),
+        "replicas_equal": replicas_equal(model, world),
+    }
 
 
 def stops(rank, world, idiom, steps=4):
@@ -109,9 +113,18 @@ def trainer_unprepared(rank, world, out_dir):
 
     model = build_model("qwen3_moe", dtype=torch.float64)
     epmoe.apply_expert_parallel(model)
-    args = TrainingArguments(output_dir=os.path.join(out_dir, "unprepared"), per_device_train_batch_size=2,
-                             max_steps=4, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                             dataloader_num_workers=0, seed=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=os.path.join(out_dir, "unprepared"),
+        per_device_train_batch_size=2,
+        max_steps=4,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(32, 12, seed=1))
     try:
         trainer.train()

@@ -27,6 +27,7 @@ def _histogram(model, ids) -> dict[str, list[int]]:
                 E = gate.weight.shape[0]
                 counts = torch.bincount(index.reshape(-1), minlength=E)
                 out[experts] = [a + b for a, b in zip(out.get(experts, [0] * E), counts.tolist())]
+
             handles.append(module.gate.register_forward_hook(hook))
     with torch.no_grad():
         model(ids)
@@ -57,8 +58,14 @@ def telemetry_run(rank, world):
     dropped = {name: t.tolist() for name, t in epmoe.expert_load(model, dropped=True).items()}
     epmoe.reset_expert_load(model)
     after_reset = {name: t.tolist() for name, t in epmoe.expert_load(model).items()}
-    return {"load": mine, "want": want, "same_on_every_rank": all(g == mine for g in gathered),
-            "summary": summary, "dropped": dropped, "after_reset": after_reset}
+    return {
+        "load": mine,
+        "want": want,
+        "same_on_every_rank": all(g == mine for g in gathered),
+        "summary": summary,
+        "dropped": dropped,
+        "after_reset": after_reset,
+    }
 
 
 def _sgd(model, lr):
@@ -99,7 +106,7 @@ def balancer_parity_run(rank, world, family):
         want = ref_params[name]
         module = name.rsplit(".", 1)[0]
         if module in local and p.shape != want.shape:
-            want = want[local[module].local_start:local[module].local_end]
+            want = want[local[module].local_start : local[module].local_end]
         worst = max(worst, ((p - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
         compared["experts" if module in local else "others"] += 1
     assert all(compared.values()), f"nothing compared: {compared}"
@@ -166,23 +173,30 @@ def aux_loss_run(rank, world, family):
         if epmoe.is_expert_parameter(p):
             continue
         g, want = p.grad, ref_params[name].grad
-        assert g is not None and want is not None, f"{name}: no gradient (EP: {g is not None}, reference: {want is not None})"
+        assert g is not None and want is not None, (
+            f"{name}: no gradient (EP: {g is not None}, reference: {want is not None})"
+        )
         worst = max(worst, ((g - want).abs().max() / want.abs().max().clamp_min(1e-30)).item())
         compared += 1
     assert compared, "no non-expert gradient compared"
-    return {"aux": abs(out.aux_loss.item() - out_ref.aux_loss.item()) / abs(out_ref.aux_loss.item()),
-            "loss": abs(out.loss.item() - out_ref.loss.item()) / abs(out_ref.loss.item()),
-            "router_coef": model.config.router_aux_loss_coef, "non_expert_grads": worst}
+    return {
+        "aux": abs(out.aux_loss.item() - out_ref.aux_loss.item()) / abs(out_ref.aux_loss.item()),
+        "loss": abs(out.loss.item() - out_ref.loss.item()) / abs(out_ref.loss.item()),
+        "router_coef": model.config.router_aux_loss_coef,
+        "non_expert_grads": worst,
+    }
 
 
 def all_checks(rank, world):
-    return {"telemetry": telemetry_run(rank, world),
-            "parity/qwen3_moe": balancer_parity_run(rank, world, "qwen3_moe"),
-            "parity/deepseek_v3": balancer_parity_run(rank, world, "deepseek_v3"),
-            "balancing": balancing_run(rank, world),
-            "aux/qwen3_moe": aux_loss_run(rank, world, "qwen3_moe"),
-            "aux/mixtral": aux_loss_run(rank, world, "mixtral"),
-            "capacity": capacity_run(rank, world)}
+    return {
+        "telemetry": telemetry_run(rank, world),
+        "parity/qwen3_moe": balancer_parity_run(rank, world, "qwen3_moe"),
+        "parity/deepseek_v3": balancer_parity_run(rank, world, "deepseek_v3"),
+        "balancing": balancing_run(rank, world),
+        "aux/qwen3_moe": aux_loss_run(rank, world, "qwen3_moe"),
+        "aux/mixtral": aux_loss_run(rank, world, "mixtral"),
+        "capacity": capacity_run(rank, world),
+    }
 
 
 def capacity_run(rank, world, factor=0.6):
@@ -204,10 +218,14 @@ def capacity_run(rank, world, factor=0.6):
     g = torch.Generator().manual_seed(7)
     inputs = []
     for T in (7, 11, 5, 9)[:world]:
-        inputs.append((torch.randn(T, H, generator=g, dtype=torch.float64),
-                       torch.rand(T, E, generator=g).argsort(dim=1)[:, :K],
-                       torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), -1),
-                       torch.randn(T, H, generator=g, dtype=torch.float64)))
+        inputs.append(
+            (
+                torch.randn(T, H, generator=g, dtype=torch.float64),
+                torch.rand(T, E, generator=g).argsort(dim=1)[:, :K],
+                torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), -1),
+                torch.randn(T, H, generator=g, dtype=torch.float64),
+            )
+        )
     h, index, w, grad_out = (torch.cat(parts) for parts in zip(*inputs))
     capacity = math.ceil(factor * index.numel() / E)
     seen, keep = [0] * E, torch.zeros(index.shape, dtype=torch.float64)
@@ -225,7 +243,9 @@ def capacity_run(rank, world, factor=0.6):
     shard = ep._epmoe.shard
     errors = [max_rel(out, want.detach()[rows]), max_rel(dh, hh.grad[rows]), max_rel(dw, ww.grad[rows])]
     for name, param in ep.named_parameters():
-        errors.append(max_rel(param.grad, dict(reference.named_parameters())[name].grad[shard.local_start:shard.local_end]))
+        errors.append(
+            max_rel(param.grad, dict(reference.named_parameters())[name].grad[shard.local_start : shard.local_end])
+        )
     dropped = epmoe.expert_load(ep, dropped=True)[shard.module_name].tolist()
     want_dropped = [max(0, n - capacity) for n in seen]
 
@@ -236,11 +256,17 @@ def capacity_run(rank, world, factor=0.6):
     with torch.no_grad():
         epmoe.reset_expert_load(model)
         mine = model(ids[rank]).logits
-        theirs = full(torch.cat(ids)).logits[2 * rank:2 * rank + 2]
+        theirs = full(torch.cat(ids)).logits[2 * rank : 2 * rank + 2]
     model_dropped = {n: t.tolist() for n, t in epmoe.expert_load(model, dropped=True).items()}
     full_dropped = {n: t.tolist() for n, t in epmoe.expert_load(full, dropped=True).items()}
-    return {"errors": errors, "dropped": dropped, "want_dropped": want_dropped,
-            "model_logits": max_rel(mine, theirs), "model_dropped": model_dropped, "full_dropped": full_dropped}
+    return {
+        "errors": errors,
+        "dropped": dropped,
+        "want_dropped": want_dropped,
+        "model_logits": max_rel(mine, theirs),
+        "model_dropped": model_dropped,
+        "full_dropped": full_dropped,
+    }
 
 
 def mesh_balancer_run(rank, world):

@@ -80,8 +80,9 @@ def save_refusals(rank, world, root):
         except (ValueError, RuntimeError) as exc:
             out[case] = (type(exc).__name__, str(exc))
         dist.barrier()
-        out[case + "_weights"] = sorted(n for n in os.listdir(path) if ".safetensors" in n) if os.path.isdir(path) \
-            else []
+        out[case + "_weights"] = (
+            sorted(n for n in os.listdir(path) if ".safetensors" in n) if os.path.isdir(path) else []
+        )
     return out
 
 
@@ -163,8 +164,13 @@ def dcp_resume(rank, world, path, save_group, load_group):
         assert set(mine) == set(ref), sorted(set(mine) ^ set(ref))[:4]
         return {k: ((mine[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref}
 
-    return {"losses": losses, "losses_loaded": losses2, "loaded": errors(loaded, saved), "after": errors(after2, after),
-            "bitwise": all(torch.equal(after2[k], after[k]) for k in after)}
+    return {
+        "losses": losses,
+        "losses_loaded": losses2,
+        "loaded": errors(loaded, saved),
+        "after": errors(after2, after),
+        "bitwise": all(torch.equal(after2[k], after[k]) for k in after),
+    }
 
 
 def dcp_lora_resume(rank, world, path, save_group, load_group):
@@ -175,6 +181,7 @@ def dcp_lora_resume(rank, world, path, save_group, load_group):
     import torch.distributed.checkpoint as dcp
     from peft import get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
+
     from compose_workers import lora_config
 
     def adapted(seed, kind):
@@ -215,22 +222,31 @@ def dcp_lora_resume(rank, world, path, save_group, load_group):
         assert set(mine) == set(ref), sorted(set(mine) ^ set(ref))[:4]
         return {k: ((mine[k] - ref[k]).abs().max() / ref[k].abs().max().clamp_min(1e-30)).item() for k in ref}
 
-    return {"losses": losses, "losses_loaded": losses2, "loaded": errors(loaded, saved), "after": errors(after2, after),
-            "expert_lora": sorted(k for k in saved if ".experts." in k and ".lora_" in k),
-            "bitwise": all(torch.equal(after2[k], after[k]) for k in after)}
+    return {
+        "losses": losses,
+        "losses_loaded": losses2,
+        "loaded": errors(loaded, saved),
+        "after": errors(after2, after),
+        "expert_lora": sorted(k for k in saved if ".experts." in k and ".lora_" in k),
+        "bitwise": all(torch.equal(after2[k], after[k]) for k in after),
+    }
 
 
 def dcp_checks(rank, world, root):
     if world == 2:
-        return {"same_size": dcp_resume(rank, world, f"{root}/same", "world", "world"),
-                "lora_same_size": dcp_lora_resume(rank, world, f"{root}/lora", "world", "world")}
-    return {"pair_then_world": pair_then_world(rank, world, root, 10.0),
-            "same_size": dcp_resume(rank, world, f"{root}/same4", "world", "world"),
-            "lora_ep2_to_ep4": dcp_lora_resume(rank, world, f"{root}/lora2to4", "mesh", "world"),
-            "ep2_to_ep4": dcp_resume(rank, world, f"{root}/2to4", "mesh", "world"),
-            "ep4_to_ep2": dcp_resume(rank, world, f"{root}/4to2", "world", "mesh"),
-            "pretrained_any_size": pretrained_any_size(rank, world, root),
-            "apply_without_peers": apply_without_peers(rank, world, 3.0)}  # last: leaves the world group waiting
+        return {
+            "same_size": dcp_resume(rank, world, f"{root}/same", "world", "world"),
+            "lora_same_size": dcp_lora_resume(rank, world, f"{root}/lora", "world", "world"),
+        }
+    return {
+        "pair_then_world": pair_then_world(rank, world, root, 10.0),
+        "same_size": dcp_resume(rank, world, f"{root}/same4", "world", "world"),
+        "lora_ep2_to_ep4": dcp_lora_resume(rank, world, f"{root}/lora2to4", "mesh", "world"),
+        "ep2_to_ep4": dcp_resume(rank, world, f"{root}/2to4", "mesh", "world"),
+        "ep4_to_ep2": dcp_resume(rank, world, f"{root}/4to2", "world", "mesh"),
+        "pretrained_any_size": pretrained_any_size(rank, world, root),
+        "apply_without_peers": apply_without_peers(rank, world, 3.0),
+    }  # last: leaves the world group waiting
 
 
 def pair_then_world(rank, world, root, timeout):
@@ -256,10 +272,14 @@ def pair_then_world(rank, world, root, timeout):
         seconds[name] = time.monotonic() - started
     equal = {}
     for name, ref in references.items():  # the world save returned: the writer has written both
-        loaded = dict(AutoModelForCausalLM.from_pretrained(os.path.join(root, f"pair-then-{name}"),
-                                                           dtype=torch.float32).named_parameters())
+        loaded = dict(
+            AutoModelForCausalLM.from_pretrained(
+                os.path.join(root, f"pair-then-{name}"), dtype=torch.float32
+            ).named_parameters()
+        )
         equal[name] = set(loaded) == {n for n, _ in ref.named_parameters()} and all(
-            torch.equal(p, loaded[n]) for n, p in ref.named_parameters())
+            torch.equal(p, loaded[n]) for n, p in ref.named_parameters()
+        )
     without_writer = None
     if rank >= 2:
         model = build_model("qwen3_moe", dtype=torch.float32)
@@ -312,10 +332,15 @@ def pretrained_any_size(rank, world, root):
     ep2.save_pretrained(os.path.join(root, "pretrained-ep2"))
     ep4, shards4 = epmoe.from_pretrained(Qwen3MoeForCausalLM, os.path.join(root, "pretrained-ep2"), dtype=torch.float32)
     ep4.save_pretrained(os.path.join(root, "pretrained-ep4"))
-    back, shards2 = epmoe.from_pretrained(Qwen3MoeForCausalLM, os.path.join(root, "pretrained-ep4"), mesh,
-                                          dtype=torch.float32)
-    return {"sizes": [shards4[0].ep_size, shards2[0].ep_size], "ep2": error(ep2), "ep2_to_ep4": error(ep4),
-            "ep4_to_ep2": error(back)}
+    back, shards2 = epmoe.from_pretrained(
+        Qwen3MoeForCausalLM, os.path.join(root, "pretrained-ep4"), mesh, dtype=torch.float32
+    )
+    return {
+        "sizes": [shards4[0].ep_size, shards2[0].ep_size],
+        "ep2": error(ep2),
+        "ep2_to_ep4": error(ep4),
+        "ep4_to_ep2": error(back),
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,8 +352,9 @@ def sharded_load(rank, world, root, families):
     the packed v5 layout: epmoe.from_pretrained vs from_pretrained then apply_expert_parallel: every
     parameter and buffer bitwise (dtypes included), and the logits; the first family also with a named
     grouped-matmul backend, and from bf16 checkpoints in both layouts (loaded as float32: cast)."""
-    from epmoe.models import _family_config
     import transformers
+
+    from epmoe.models import _family_config
 
     out = {}
     firsts = ("hub", "packed", "named backend", "hub bf16", "packed bf16")
@@ -353,8 +379,11 @@ def sharded_load(rank, world, root, families):
         theirs = dict(ref.named_parameters()) | dict(ref.named_buffers())
         out[f"{family}/{layout}"] = {
             "same_names": set(mine) == set(theirs),
-            "unequal": sorted(k for k in theirs if k in mine and not (mine[k].dtype == theirs[k].dtype
-                                                                      and torch.equal(mine[k], theirs[k]))),
+            "unequal": sorted(
+                k
+                for k in theirs
+                if k in mine and not (mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]))
+            ),
             "logits_error": err,
             "class": type(model) is cls,
             "local_experts": all(s.num_local_experts == 8 // world for s in shards),
@@ -381,8 +410,11 @@ def local_reads(rank, world, root):
         build_model("qwen3_moe", num_experts=16).save_pretrained(path)
     dist.barrier()
     seen = {"read": [], "skipped": 0, "handed": [], "packed": 0}
-    shard_tensor, materialize, convert = (DtensorShardOperation.shard_tensor, WeightConverter.materialize_tensors,
-                                          MergeConcatenate.convert)
+    shard_tensor, materialize, convert = (
+        DtensorShardOperation.shard_tensor,
+        WeightConverter.materialize_tensors,
+        MergeConcatenate.convert,
+    )
 
     def counting_shard(self, source, tensor_idx=None, device=None, dtype=None):
         out = shard_tensor(self, source, tensor_idx, device, dtype)
@@ -409,8 +441,11 @@ def local_reads(rank, world, root):
         for case, group in (("ep4", None), ("ep2", mesh)):
             seen.update(read=[], skipped=0, handed=[], packed=0)
             model, shards = epmoe.from_pretrained(Qwen3MoeForCausalLM, path, group, dtype=torch.float32)
-            kept = [type(op).__name__ for conversion in model._weight_conversions
-                    for op in getattr(conversion, "operations", ())]
+            kept = [
+                type(op).__name__
+                for conversion in model._weight_conversions
+                for op in getattr(conversion, "operations", ())
+            ]
             local = list(range(shards[0].local_start, shards[0].local_end))
             out[case] = {**seen, "read": sorted(seen["read"]), "local": local, "kept_ops": sorted(set(kept))}
     finally:

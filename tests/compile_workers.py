@@ -25,8 +25,11 @@ def train_step(model, ids):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
-    grads = {name.removeprefix("_orig_mod.").removeprefix("module."): p.grad
-             for name, p in model.named_parameters() if p.grad is not None}
+    grads = {
+        name.removeprefix("_orig_mod.").removeprefix("module."): p.grad
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
     return out.loss.detach(), grads, out.logits.detach()
 
 
@@ -34,8 +37,9 @@ def break_sites(model, ids):
     """Distinct ``(reason, function)`` of the graph breaks ``torch._dynamo.explain`` finds in a forward."""
     torch._dynamo.reset()
     explained = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
-    return sorted({(r.reason.splitlines()[0], r.user_stack[-1].name if r.user_stack else "?")
-                   for r in explained.break_reasons})
+    return sorted(
+        {(r.reason.splitlines()[0], r.user_stack[-1].name if r.user_stack else "?") for r in explained.break_reasons}
+    )
 
 
 def compile_checks(rank, world, ep_size):
@@ -45,10 +49,13 @@ def compile_checks(rank, world, ep_size):
         own_group = [dist.new_group([r]) for r in range(world)][rank]
         cases = [("qwen3_moe", "float32"), ("gpt_oss", "float32")] if rank == 0 else [("qwen3_moe", "bfloat16")]
         return {("ep1", family, dtype): compiled_vs_eager(rank, family, dtype, own_group) for family, dtype in cases}
-    results = {("ep2", "qwen3_moe", dtype): compiled_vs_eager(rank, "qwen3_moe", dtype, dist.group.WORLD)
-               for dtype in ("float32", "bfloat16")}
-    results["ep2 ddp", "qwen3_moe", "float32"] = compiled_vs_eager(rank, "qwen3_moe", "float32", dist.group.WORLD,
-                                                                   wrap=DDP)
+    results = {
+        ("ep2", "qwen3_moe", dtype): compiled_vs_eager(rank, "qwen3_moe", dtype, dist.group.WORLD)
+        for dtype in ("float32", "bfloat16")
+    }
+    results["ep2 ddp", "qwen3_moe", "float32"] = compiled_vs_eager(
+        rank, "qwen3_moe", "float32", dist.group.WORLD, wrap=DDP
+    )
     return results
 
 
@@ -76,7 +83,13 @@ def compiled_vs_eager(rank, family, dtype_name, group, steps=2, wrap=None):
         names = (sorted(grads_c), sorted(grads_e))
         loss_diff = max(loss_diff, (loss_c - loss_e).abs().item())
         for name, g in grads_e.items():
-            rel = ((grads_c[name].double() - g.double()).abs().max() / g.double().abs().max().clamp_min(1e-30))
+            rel = (grads_c[name].double() - g.double()).abs().max() / g.double().abs().max().clamp_min(1e-30)
             grad_diff[name] = max(grad_diff.get(name, 0.0), rel.item())
-    return dict(loss_diff=loss_diff, grad_diff=grad_diff, names=names, same_loads=same_loads, logits_close=logits_close,
-                sites=break_sites(wrap(ep_model(family, dtype, group)), ids))
+    return dict(
+        loss_diff=loss_diff,
+        grad_diff=grad_diff,
+        names=names,
+        same_loads=same_loads,
+        logits_close=logits_close,
+        sites=break_sites(wrap(ep_model(family, dtype, group)), ids),
+    )

@@ -29,10 +29,13 @@ def lora_config(*, attention=True, experts=False, shared_expert=False):
 
     # init_lora_weights=False: B is random too, so every LoRA factor gets a non-zero gradient.
     return LoraConfig(
-        r=2, lora_alpha=4, init_lora_weights=False,
+        r=2,
+        lora_alpha=4,
+        init_lora_weights=False,
         # a string is matched as a regex against full module names, a list by name suffix
-        target_modules=(r".*\.shared_expert\.(gate|up|down)_proj" if shared_expert
-                        else ["q_proj", "v_proj"] if attention else []),
+        target_modules=(
+            r".*\.shared_expert\.(gate|up|down)_proj" if shared_expert else ["q_proj", "v_proj"] if attention else []
+        ),
         target_parameters=EXPERT_PARAMS if experts else None,
     )
 
@@ -187,8 +190,9 @@ def peft_expert_lora_parity(rank, world, lengths):
             errors["expert_lora_grads"] = max(errors["expert_lora_grads"], max_rel(grad_of(name, param), full))
             compared["expert_lora_grads"] += 1
         else:
-            errors["attention_lora_grads"] = max(errors["attention_lora_grads"],
-                                                 max_rel(grad_of(name, param), ref_grads[name]))
+            errors["attention_lora_grads"] = max(
+                errors["attention_lora_grads"], max_rel(grad_of(name, param), ref_grads[name])
+            )
             compared["attention_lora_grads"] += 1
     assert all(compared.values()), f"nothing compared: {compared}"
     errors.update(adapter_save_roundtrip(model, ref, rank, ids))
@@ -203,7 +207,6 @@ def adapter_save_roundtrip(model, ref, rank, ids):
     import tempfile
 
     from peft import PeftModel
-
     from transformers import Trainer, TrainingArguments
 
     paths = [tempfile.mkdtemp(prefix="epmoe-adapter-") if rank == 0 else None]
@@ -255,7 +258,9 @@ def peft_fused_shared_expert_parity(rank, world, lengths):
     compared = 0
     for name, param in trainable(model).items():
         if name in expert_names:
-            full = _expert_lora_slice(_owning_wrapper(ref, name), name, summed[name], shard.local_start, shard.local_end)
+            full = _expert_lora_slice(
+                _owning_wrapper(ref, name), name, summed[name], shard.local_start, shard.local_end
+            )
         else:
             full = ref_grads[name]
         errors["lora_grads"] = max(errors["lora_grads"], max_rel(grad_of(name, param), full))
@@ -340,7 +345,7 @@ def fsdp2_train(rank, world, steps, dtype_name):
             compared["sharded"] += 1
         else:
             shard = shard_of[name.rsplit(".", 1)[0]]
-            mine, full = param, full[shard.local_start:shard.local_end]
+            mine, full = param, full[shard.local_start : shard.local_end]
             compared["experts"] += 1
         err = max(err, max_rel(mine.detach(), full.detach()))
     assert all(compared.values()), f"nothing compared: {compared}"
@@ -369,8 +374,10 @@ def fsdp2_lora_train(rank, world, family, steps):
     model = get_peft_model(base, lora_config(experts=True))
     expert_lora = copy_lora_from_reference(model, ref, shards[0])
     local = set(epmoe.expert_parameters(model))  # expert weights and the LoRA factors on them
-    assert local == ({p for n, p in model.named_parameters() if n in expert_lora}
-                     | {p for module in experts for p in module.parameters(recurse=False)})
+    assert local == (
+        {p for n, p in model.named_parameters() if n in expert_lora}
+        | {p for module in experts for p in module.parameters(recurse=False)}
+    )
 
     mesh = init_device_mesh("cpu", (world,))
     for layer in base.model.layers:
@@ -454,9 +461,15 @@ def lora_init_parity(rank, world, steps):
     dtype = torch.float64
     out = {}
     for init in (True, "gaussian", False):
+
         def config():
-            return LoraConfig(r=2, lora_alpha=4, init_lora_weights=init, target_modules=["q_proj", "v_proj"],
-                              target_parameters=EXPERT_PARAMS)
+            return LoraConfig(
+                r=2,
+                lora_alpha=4,
+                init_lora_weights=init,
+                target_modules=["q_proj", "v_proj"],
+                target_parameters=EXPERT_PARAMS,
+            )
 
         torch.manual_seed(5)
         ref = get_peft_model(build_model("qwen3_moe", dtype=dtype), config())
@@ -465,8 +478,7 @@ def lora_init_parity(rank, world, steps):
         shard = epmoe.apply_expert_parallel(base)[0]
         torch.manual_seed(5)
         model = get_peft_model(base, config())
-        result = {"factors": len(lora_names),
-                  "expert_factors": sum(".experts." in n for n in lora_names)}
+        result = {"factors": len(lora_names), "expert_factors": sum(".experts." in n for n in lora_names)}
         mine, theirs = trainable(model), trainable(ref)
         assert set(mine) == lora_names
         result["unequal_after_get_peft_model"] = sum(not torch.equal(mine[n], theirs[n]) for n in lora_names)
@@ -478,8 +490,10 @@ def lora_init_parity(rank, world, steps):
         assert len(pairs) == len(lora_names), "nothing compared"
         result["unequal_after_forward"] = sum(not torch.equal(a, b) for a, b in pairs.values())
         result["local_shapes"] = all(
-            a.shape == b.shape and (".experts." not in n or a.numel() * world == dict(ref.named_parameters())[n].numel())
-            for n, (a, b) in pairs.items())
+            a.shape == b.shape
+            and (".experts." not in n or a.numel() * world == dict(ref.named_parameters())[n].numel())
+            for n, (a, b) in pairs.items()
+        )
 
         ddp, ref_ddp = DDP(model), DDP(ref)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -547,9 +561,9 @@ def copies_own_ep_model(rank, world):
     the bare model and of a PeftModel with LoRA on the experts: per copy, ``{check: value}``. Each copy
     has its own EPModel (rooted at the copy, found from its modules and every parameter), and
     ``is_expert_parameter`` agrees with ``expert_parameters`` on it, asked before anything else."""
+    from peft import get_peft_model
     from torch.optim.swa_utils import AveragedModel
     from trl import create_reference_model
-    from peft import get_peft_model
 
     bare = _ep_model_of_seed()
     peft = get_peft_model(_ep_model_of_seed(), lora_config(experts=True))

@@ -64,10 +64,12 @@ class TinyMoELM(nn.Module):
     def __init__(self, vocab=64, hidden=16, inter=24, num_experts=4, top_k=2, expert_cls=ExpertMLP):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
-        self.blocks = nn.ModuleList([
-            SparseBlock(hidden, inter, num_experts, top_k, expert_cls, shared=True),
-            SparseBlock(hidden, inter, num_experts, top_k, expert_cls),
-        ])
+        self.blocks = nn.ModuleList(
+            [
+                SparseBlock(hidden, inter, num_experts, top_k, expert_cls, shared=True),
+                SparseBlock(hidden, inter, num_experts, top_k, expert_cls),
+            ]
+        )
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, ids):

@@ -29,15 +29,17 @@ def ds_config(stage, *, optimizer="AdamW", clip=CLIP, auto=False, offload=None):
         "wall_clock_breakdown": False,
     }
     if stage == 3:  # every parameter partitioned, however small; Trainer's save_model of the plain run gathers
-        config["zero_optimization"].update(stage3_param_persistence_threshold=0,
-                                           stage3_gather_16bit_weights_on_model_save=True)
+        config["zero_optimization"].update(
+            stage3_param_persistence_threshold=0, stage3_gather_16bit_weights_on_model_save=True
+        )
     if offload is not None:  # ("offload_param" or "offload_optimizer", "cpu" or "nvme")
         option, device = offload
         config["zero_optimization"][option] = {"device": device, **({"nvme_path": "/tmp"} if device == "nvme" else {})}
     if optimizer == "AdamW":
-        config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto" if auto else 1e-2,
-                                                            "weight_decay": "auto" if auto else 0.01,
-                                                            "torch_adam": True}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto" if auto else 1e-2, "weight_decay": "auto" if auto else 0.01, "torch_adam": True},
+        }
     elif optimizer == "SGD":  # no normalisation: a mis-scaled expert gradient would move the weights by its factor
         config["optimizer"] = {"type": "SGD", "params": {"lr": "auto" if auto else 0.5}}
         config["zero_allow_untested_optimizer"] = True
@@ -87,7 +89,7 @@ def gathered(*models):
 def expert_slices(model):
     """``{parameter name: (start, end)}`` of this rank's experts, for the sharded parameters."""
     out = {}
-    for module_name, module, state in ep_states(model):
+    for module_name, _module, state in ep_states(model):
         for name in state.sharded_names:
             out[f"{module_name}.{name}"] = (state.shard.local_start, state.shard.local_end)
     return out
@@ -138,9 +140,15 @@ def initialize_case(rank, stage, optimizer):
     model = epmoe.prepare_deepspeed(fresh_model(ep=True))
     losses, norms, engine = train_engine(model, ds_config(stage, optimizer=optimizer), rank)
     params, count, experts = compare_params(engine.module, ref_engine.module)
-    return {"loss": max_rel(losses, ref_losses), "grad_norm": max_rel(norms, ref_norms), "params": params,
-            "compared": count, "expert_params": experts, "steps": len(losses),
-            "weights_dtype": str(next(engine.module.parameters()).dtype)}
+    return {
+        "loss": max_rel(losses, ref_losses),
+        "grad_norm": max_rel(norms, ref_norms),
+        "params": params,
+        "compared": count,
+        "expert_params": experts,
+        "steps": len(losses),
+        "weights_dtype": str(next(engine.module.parameters()).dtype),
+    }
 
 
 def trainer_run(ep, stage, ds_optimizer, output_dir, mesh=False):
@@ -152,9 +160,19 @@ def trainer_run(ep, stage, ds_optimizer, output_dir, mesh=False):
     rows = torch.randint(0, 64, (24, 12), generator=torch.Generator().manual_seed(5))
     dataset = [{"input_ids": ids, "labels": ids} for ids in rows]
     config = ds_config(stage, optimizer=ds_optimizer, auto=True)
-    args = TrainingArguments(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=2,
-                             learning_rate=1e-2, max_grad_norm=CLIP, logging_steps=1, report_to=[],
-                             save_strategy="no", deepspeed=config, seed=0, disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        max_grad_norm=CLIP,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        deepspeed=config,
+        seed=0,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     if ep:
         epmoe.prepare_trainer(trainer)
@@ -197,13 +215,17 @@ def accelerate_run(ep, stage, ds_optimizer, rank):
     from accelerate.utils import DummyOptim
 
     AcceleratorState._reset_state(True)  # a fresh plugin for each run of this process
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(
-        hf_ds_config=ds_config(stage, optimizer="AdamW" if ds_optimizer else None)))
+    accelerator = Accelerator(
+        deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(stage, optimizer="AdamW" if ds_optimizer else None))
+    )
     model = fresh_model(ep, dtype_of(stage))
     if ep:
         assert epmoe.prepare_accelerator(accelerator) is accelerator
-    optimizer = (DummyOptim(model.parameters()) if ds_optimizer
-                 else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+    optimizer = (
+        DummyOptim(model.parameters())
+        if ds_optimizer
+        else torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    )
     engine, optimizer = accelerator.prepare(model, optimizer)
     losses, norms = [], []
     for step in range(STEPS):
@@ -213,8 +235,9 @@ def accelerate_run(ep, stage, ds_optimizer, rank):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach().double())
-        norms.append(torch.as_tensor(float(accelerator.clip_grad_norm_(engine.parameters(), CLIP)),
-                                     dtype=torch.float64))
+        norms.append(
+            torch.as_tensor(float(accelerator.clip_grad_norm_(engine.parameters(), CLIP)), dtype=torch.float64)
+        )
     return torch.stack(losses), torch.stack(norms), engine
 
 
@@ -223,10 +246,16 @@ def accelerate_case(rank, stage, ds_optimizer):
     ref_losses, ref_norms, ref_engine = accelerate_run(False, stage, ds_optimizer, rank)
     losses, norms, engine = accelerate_run(True, stage, ds_optimizer, rank)
     params, count, experts = compare_params(engine.module, ref_engine.module)
-    moe_groups = (sum(bool(group.get("moe")) for group in engine.optimizer.optimizer.param_groups) if stage < 3
-                  else None)
-    return {"loss": max_rel(losses, ref_losses), "grad_norm": max_rel(norms, ref_norms), "params": params,
-            "compared": count, "expert_params": experts, "steps": len(losses), "moe_groups": moe_groups}
+    moe_groups = sum(bool(group.get("moe")) for group in engine.optimizer.optimizer.param_groups) if stage < 3 else None
+    return {
+        "loss": max_rel(losses, ref_losses),
+        "grad_norm": max_rel(norms, ref_norms),
+        "params": params,
+        "compared": count,
+        "expert_params": experts,
+        "steps": len(losses),
+        "moe_groups": moe_groups,
+    }
 
 
 def accelerate_refused(stage, prepare_first, offload=None):
@@ -282,8 +311,15 @@ def unprepared_trainer(tmp):
 
     model = fresh_model(ep=True)
     dataset = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (8, 12))]
-    args = TrainingArguments(output_dir=f"{tmp}/unprepared", max_steps=1, per_device_train_batch_size=2,
-                             report_to=[], save_strategy="no", deepspeed=ds_config(2, auto=True), disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=f"{tmp}/unprepared",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        save_strategy="no",
+        deepspeed=ds_config(2, auto=True),
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
     try:
         trainer.train()
@@ -305,13 +341,26 @@ def zero3_initialize_case(rank, tmp, mesh=False, offload=None):
     params, count, experts = compare_params(engine.module, ref_engine.module)
     expert = next(iter(epmoe.expert_parameters(engine.module)))
     other = engine.module.get_input_embeddings().weight
-    out = {"loss": max_rel(losses, ref_losses), "grad_norm": max_rel(norms, ref_norms), "params": params,
-           "compared": count, "expert_params": experts, "steps": len(losses),
-           "marker": type(getattr(engine.module, "epmoe_deepspeed")).__mro__[1].__name__,
-           "expert_partition": [torch.distributed.get_world_size(expert.ds_process_group), expert.ds_tensor.numel(),
-                                expert.ds_numel, expert.numel()],
-           "other_partition": [torch.distributed.get_world_size(other.ds_process_group), other.ds_tensor.numel(),
-                               other.ds_numel]}
+    out = {
+        "loss": max_rel(losses, ref_losses),
+        "grad_norm": max_rel(norms, ref_norms),
+        "params": params,
+        "compared": count,
+        "expert_params": experts,
+        "steps": len(losses),
+        "marker": type(engine.module.epmoe_deepspeed).__mro__[1].__name__,
+        "expert_partition": [
+            torch.distributed.get_world_size(expert.ds_process_group),
+            expert.ds_tensor.numel(),
+            expert.ds_numel,
+            expert.numel(),
+        ],
+        "other_partition": [
+            torch.distributed.get_world_size(other.ds_process_group),
+            other.ds_tensor.numel(),
+            other.ds_numel,
+        ],
+    }
     path = f"{tmp}/z3-save-{world}-{offload and offload[0]}"
     engine.module.save_pretrained(path)
     out.update(reloaded(path, ref_engine.module, rank))
@@ -349,8 +398,9 @@ def zero3_refused_initialize(rank, prepare, offload):
         epmoe.prepare_deepspeed(model)
     steps = 0
     try:
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                                               config=ds_config(3, offload=offload))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, model_parameters=list(model.parameters()), config=ds_config(3, offload=offload)
+        )
         ids = batch_of(rank, 0)
         engine.backward(engine(ids, labels=ids).loss)
         engine.step()
@@ -366,13 +416,21 @@ def zero3_lora_initialize(rank, experts):
     import deepspeed
     from peft import LoraConfig, get_peft_model
 
-    lora = (LoraConfig(r=2, lora_alpha=4, target_modules=[],
-                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]) if experts
-            else LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    lora = (
+        LoraConfig(
+            r=2,
+            lora_alpha=4,
+            target_modules=[],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )
+        if experts
+        else LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+    )
     model = epmoe.prepare_deepspeed(get_peft_model(fresh_model(ep=True, dtype=torch.float32), lora))
     try:
-        deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                             config=ds_config(3))
+        deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config(3)
+        )
     except ValueError as error:
         return str(error)
     return "no error"
@@ -383,9 +441,15 @@ def zero3_offload_trainer(tmp, offload):
     from transformers import Trainer, TrainingArguments
 
     model = fresh_model(ep=True, dtype=torch.float32)
-    args = TrainingArguments(output_dir=f"{tmp}/z3-{offload[0]}", max_steps=1, per_device_train_batch_size=2,
-                             report_to=[], save_strategy="no", deepspeed=ds_config(3, auto=True, offload=offload),
-                             disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=f"{tmp}/z3-{offload[0]}",
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        save_strategy="no",
+        deepspeed=ds_config(3, auto=True, offload=offload),
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": torch.zeros(4, dtype=torch.long)}])
     try:
         epmoe.prepare_trainer(trainer)
@@ -420,8 +484,9 @@ def run_all(rank, world, tmp):
         "zero3_initialize_sgd": _guard(zero3_initialize_case, rank, tmp),
         "zero3_unprepared_initialize": _guard(zero3_refused_initialize, rank, False, None),
         "zero3_offload_param_initialize": _guard(zero3_initialize_case, rank, tmp, False, ("offload_param", "cpu")),
-        "zero3_offload_optimizer_initialize": _guard(zero3_initialize_case, rank, tmp, False,
-                                                     ("offload_optimizer", "cpu")),
+        "zero3_offload_optimizer_initialize": _guard(
+            zero3_initialize_case, rank, tmp, False, ("offload_optimizer", "cpu")
+        ),
         "zero3_nvme_param_initialize": _guard(zero3_refused_initialize, rank, True, ("offload_param", "nvme")),
         "zero3_nvme_optimizer_initialize": _guard(zero3_refused_initialize, rank, True, ("offload_optimizer", "nvme")),
         "zero3_expert_lora_initialize": _guard(zero3_lora_initialize, rank, True),

@@ -69,7 +69,7 @@ def make_inputs(case_seed: int, src: int, T: int, K: int, kind: str, arg, ep_siz
             index[:] = arg
         else:  # slot 0 on ``arg``; the other slots distinct experts different from it
             others = torch.tensor([e for e in range(E) if e != arg])
-            rest = torch.rand(T, E - 1, generator=g).argsort(dim=1)[:, :K - 1]
+            rest = torch.rand(T, E - 1, generator=g).argsort(dim=1)[:, : K - 1]
             index = torch.cat([torch.full((T, 1), arg), others[rest]], dim=1)
     weights = torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), dim=-1)
     grad_out = torch.randn(T, HIDDEN, generator=g, dtype=torch.float64)
@@ -173,8 +173,9 @@ def check(results, name, fn):
         results[name] = traceback.format_exc()
 
 
-def engine_variant(results, label, family_model, peers, ep_rank, group, config, cases, dtype=torch.float64,
-                   grad_sources=None):
+def engine_variant(
+    results, label, family_model, peers, ep_rank, group, config, cases, dtype=torch.float64, grad_sources=None
+):
     """Shard a copy of ``family_model`` over ``group`` (``peers``: its global ranks, by EP rank) and run
     ``cases`` (name -> routing case) on its first experts module; this rank is EP rank ``ep_rank``.
 
@@ -189,8 +190,9 @@ def engine_variant(results, label, family_model, peers, ep_rank, group, config, 
     ep = experts_of(model)
     for name, case in cases.items():
         try:
-            errors, zeros = compare_case(name, case, ref_experts, ep, peers, ep_rank, dtype, zlib.crc32(name.encode()),
-                                         grad_sources)
+            errors, zeros = compare_case(
+                name, case, ref_experts, ep, peers, ep_rank, dtype, zlib.crc32(name.encode()), grad_sources
+            )
         except Exception as exc:
             raise RuntimeError(f"scenario {label}/{name} failed on this rank") from exc
         results[f"{label}/{name}"] = {"errors": errors, "exact_zero": zeros}
@@ -209,14 +211,30 @@ def two_rank_run(rank, world):
 
     engine_variant(cases, "qwen3_moe/default", qwen, peers, rank, None, None, CASES_2)
     engine_variant(cases, "gpt_oss/default", gpt, peers, rank, None, None, CASES_2)
-    engine_variant(cases, "qwen3_moe/new_group", qwen, peers, rank, dist.new_group(peers),
-                   {"dispatch": "alltoallv"}, pick(CASES_SHORT))
+    engine_variant(
+        cases,
+        "qwen3_moe/new_group",
+        qwen,
+        peers,
+        rank,
+        dist.new_group(peers),
+        {"dispatch": "alltoallv"},
+        pick(CASES_SHORT),
+    )
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     engine_variant(cases, "qwen3_moe/mesh_1d", qwen, peers, rank, mesh, None, pick(CASES_SHORT))
-    engine_variant(cases, "qwen3_moe/fused_chunks2", qwen, peers, rank, None,
-                   epmoe.ExpertParallelConfig(dispatch="fused", num_chunks=2), pick(CASES_SHORT))
+    engine_variant(
+        cases,
+        "qwen3_moe/fused_chunks2",
+        qwen,
+        peers,
+        rank,
+        None,
+        epmoe.ExpertParallelConfig(dispatch="fused", num_chunks=2),
+        pick(CASES_SHORT),
+    )
     engine_variant(cases, "gpt_oss/fused", gpt, peers, rank, None, {"dispatch": "fused"}, pick(CASES_SHORT))
     # a group of one inside a 2-rank world: nothing sharded, no exchange with the other rank
     singles = [dist.new_group([r]) for r in range(world)]
@@ -248,9 +266,8 @@ def lean_exchange(base, rank, world):
     exchange), hands all-to-all-v each token once per remote rank holding one of its experts, four
     times (dispatch, combine, their backward), plus its ``K`` expert ids and weights twice, keeps the
     rows once per (token, rank), and gives bitwise the same results run to run."""
-    from host_reads import counting_host_reads
-
     from epmoe.comm import count_traffic
+    from host_reads import counting_host_reads
 
     model = copy.deepcopy(base)
     epmoe.apply_expert_parallel(model, config={"check_steps": False})
@@ -304,7 +321,9 @@ def assert_untouched(model, original):
     mine = dict(model.named_parameters())
     assert list(mine) == [n for n, _ in original.named_parameters()]
     for name, param in original.named_parameters():
-        assert mine[name].shape == param.shape, f"{name} changed shape {tuple(param.shape)} -> {tuple(mine[name].shape)}"
+        assert mine[name].shape == param.shape, (
+            f"{name} changed shape {tuple(param.shape)} -> {tuple(mine[name].shape)}"
+        )
         assert torch.equal(mine[name], param), f"{name} changed value"
     for name, module in model.named_modules():
         assert not hasattr(module, "_epmoe"), f"{name} was converted"
@@ -317,12 +336,20 @@ def contract_shards(base, rank, world):
     shapes_before = {n: p.shape for n, p in model.named_parameters()}
     shards = epmoe.apply_expert_parallel(model)
     experts_names = [n for n, m in model.named_modules() if type(m).__name__.endswith("Experts")]
-    assert [s.module_name for s in shards] == experts_names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert (
+        [s.module_name for s in shards] == experts_names == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    )
     local = NUM_EXPERTS // world
     for shard in shards:
         assert isinstance(shard, epmoe.ExpertShard)
-        assert (shard.num_experts, shard.num_local_experts, shard.local_start, shard.local_end, shard.ep_rank,
-                shard.ep_size) == (NUM_EXPERTS, local, rank * local, (rank + 1) * local, rank, world), shard
+        assert (
+            shard.num_experts,
+            shard.num_local_experts,
+            shard.local_start,
+            shard.local_end,
+            shard.ep_rank,
+            shard.ep_size,
+        ) == (NUM_EXPERTS, local, rank * local, (rank + 1) * local, rank, world), shard
         module = model.get_submodule(shard.module_name)
         assert "forward" in vars(module) and module.forward.__func__ is expert_parallel_forward
     assert [n for n, _ in model.named_parameters()] == names_before
@@ -331,7 +358,7 @@ def contract_shards(base, rank, world):
         assert type(param) is nn.Parameter, f"{name} is a {type(param).__name__}"
         if ".mlp.experts." in name:
             assert param.shape == (local, *shapes_before[name][1:]), f"{name}: {tuple(param.shape)}"
-            assert torch.equal(param, base_params[name][rank * local:(rank + 1) * local]), f"{name}: wrong slice"
+            assert torch.equal(param, base_params[name][rank * local : (rank + 1) * local]), f"{name}: wrong slice"
             assert param.requires_grad
         else:  # routers and everything else untouched
             assert param.shape == shapes_before[name] and torch.equal(param, base_params[name]), name
@@ -357,7 +384,7 @@ def contract_atomic(base, world):
     bad = model.model.layers[1].mlp.experts
     with torch.no_grad():
         for name, param in list(bad.named_parameters(recurse=False)):
-            setattr(bad, name, nn.Parameter(param[:NUM_EXPERTS - 1].clone()))
+            setattr(bad, name, nn.Parameter(param[: NUM_EXPERTS - 1].clone()))
     original = copy.deepcopy(model)
     try:
         epmoe.apply_expert_parallel(model)
@@ -387,8 +414,17 @@ def four_rank_run(rank, world):
     # a 2-D mesh (dp, ep): EP inside each pair [0, 1] and [2, 3]; expert gradients reduced over "dp"
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
     pair = [r for r in range(world) if r // 2 == rank // 2]
-    engine_variant(cases, "qwen3_moe/mesh_dp_ep", qwen, pair, rank % 2, mesh, None,
-                   pick(["random_k2", "rank_with_zero_tokens"]), grad_sources=list(range(world)))
+    engine_variant(
+        cases,
+        "qwen3_moe/mesh_dp_ep",
+        qwen,
+        pair,
+        rank % 2,
+        mesh,
+        None,
+        pick(["random_k2", "rank_with_zero_tokens"]),
+        grad_sources=list(range(world)),
+    )
     # a (dp=4, ep=1) mesh: EP size 1, no exchange with anyone
     mesh41 = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "ep"))
     engine_variant(cases, "qwen3_moe/mesh_dp4_ep1", qwen, [rank], 0, mesh41, None, pick(["random_k2"]))

@@ -28,7 +28,7 @@ def silence_experts_of_rank(model, rank, ep_size):
                 bias = module.bias
             if bias is not None:
                 local = bias.shape[0] // ep_size
-                bias[rank * local:(rank + 1) * local] = -1e4
+                bias[rank * local : (rank + 1) * local] = -1e4
                 silenced += 1
     assert silenced, "no router with a selection bias"
 
@@ -61,8 +61,11 @@ def model_parity(rank, world, family, dtype_name, lengths, scenario):
     out.loss.backward()
 
     ref_params = dict(ref.named_parameters())
-    expert_names = {f"{s.module_name}.{n}" for s in shards for n, _ in
-                    model.get_submodule(s.module_name).named_parameters(recurse=False)}
+    expert_names = {
+        f"{s.module_name}.{n}"
+        for s in shards
+        for n, _ in model.get_submodule(s.module_name).named_parameters(recurse=False)
+    }
     expert_grad_sum = {name: torch.zeros_like(ref_params[name]) for name in expert_names}
     for source in range(world):
         ref.zero_grad()
@@ -96,11 +99,13 @@ def model_parity(rank, world, family, dtype_name, lengths, scenario):
         for name, param in module.named_parameters(recurse=False):
             assert param.grad is not None, f"{shard.module_name}.{name} has no gradient under EP"
             compared["expert_grads"] += 1
-            full = expert_grad_sum[f"{shard.module_name}.{name}"][shard.local_start:shard.local_end]
+            full = expert_grad_sum[f"{shard.module_name}.{name}"][shard.local_start : shard.local_end]
             if scenario == "silent_rank" and rank == world - 1:
                 assert torch.count_nonzero(param.grad) == 0
-            errors["expert_grads"] = max(errors["expert_grads"], max_rel(param.grad, full) if full.abs().max() > 0
-                                         else param.grad.abs().max().item())
+            errors["expert_grads"] = max(
+                errors["expert_grads"],
+                max_rel(param.grad, full) if full.abs().max() > 0 else param.grad.abs().max().item(),
+            )
     assert len(shards) >= 1 and all(s.ep_size == world and s.ep_rank == dist.get_rank() for s in shards)
     errors["compared"] = compared  # tensors compared per kind: the test requires each to be > 0
     return errors
@@ -140,7 +145,10 @@ def module_list_parity(rank, world, expert_kind):
     assert not missing, f"no gradient under EP: {missing}"
     grads = [max_rel(p.grad, expert_sum[n] if ".experts." in n else own[n]) for n, p in model.named_parameters()]
     errors["grads"] = max(grads)
-    errors["compared"] = {"grads": len(grads), "expert_grads": sum(".experts." in n for n, _ in model.named_parameters())}
+    errors["compared"] = {
+        "grads": len(grads),
+        "expert_grads": sum(".experts." in n for n, _ in model.named_parameters()),
+    }
     return errors
 
 

@@ -18,21 +18,63 @@ from torch import nn
 from transformers.integrations import use_experts_implementation
 
 VOCAB = 96
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=1)
-_INKLING = dict(_COMMON, unpadded_vocab_size=VOCAB, swa_num_attention_heads=4, swa_num_key_value_heads=2,
-                swa_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                n_layers_per_attn_res_block=1, sliding_window_size=8, rel_extent=8, d_rel=4)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=1,
+)
+_INKLING = dict(
+    _COMMON,
+    unpadded_vocab_size=VOCAB,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_layers_per_attn_res_block=1,
+    sliding_window_size=8,
+    rel_extent=8,
+    d_rel=4,
+)
 FAMILIES = {  # family -> (config class, model class, config kwargs)
-    "muse_spark": ("MuseSparkTextConfig", "MuseSparkTextModel", dict(
-        _COMMON, intermediate_size=64, moe_intermediate_size=32, moe_hidden_size=32, num_local_experts=8,
-        num_experts_per_tok=2, sliding_window=8)),
+    "muse_spark": (
+        "MuseSparkTextConfig",
+        "MuseSparkTextModel",
+        dict(
+            _COMMON,
+            intermediate_size=64,
+            moe_intermediate_size=32,
+            moe_hidden_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=8,
+        ),
+    ),
     "inkling2": ("Inkling2TextConfig", "Inkling2ForCausalLM", _INKLING),
-    "inkling2_loop": ("Inkling2LoopTextConfig", "Inkling2LoopForCausalLM", dict(
-        _INKLING, num_hidden_layers=3, loop_layer_index_start=1, loop_layer_index_end=2, loop_num_passes=2,
-        loop_gate_rank=8)),
-    "openai_privacy_filter": ("OpenAIPrivacyFilterConfig", "OpenAIPrivacyFilterForTokenClassification", dict(
-        _COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)),
+    "inkling2_loop": (
+        "Inkling2LoopTextConfig",
+        "Inkling2LoopForCausalLM",
+        dict(
+            _INKLING,
+            num_hidden_layers=3,
+            loop_layer_index_start=1,
+            loop_layer_index_end=2,
+            loop_num_passes=2,
+            loop_gate_rank=8,
+        ),
+    ),
+    "openai_privacy_filter": (
+        "OpenAIPrivacyFilterConfig",
+        "OpenAIPrivacyFilterForTokenClassification",
+        dict(_COMMON, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    ),
 }
 FLOAT32_FAMILIES = ("inkling2", "inkling2_loop", "openai_privacy_filter")
 
@@ -174,8 +216,9 @@ class SharedBlock(nn.Module):
         self.top_k = top_k
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         if kind in ("packed", "packed_gate"):
-            config = types.SimpleNamespace(_experts_implementation="eager", num_experts=num_experts, hidden=hidden,
-                                           inter=inter)
+            config = types.SimpleNamespace(
+                _experts_implementation="eager", num_experts=num_experts, hidden=hidden, inter=inter
+            )
             self.experts = (ScaledExperts if kind == "packed" else LearnedGateExperts)(config)
         else:
             norm = nn.LayerNorm(hidden)

@@ -59,7 +59,7 @@ def local_slice(name, grad, model, shards):
     """The part of an unsharded expert tensor ``grad`` this rank holds (packed: rows of its experts)."""
     for shard in shards:
         if name.startswith(shard.module_name + ".") and grad.shape != model.get_parameter(name).shape:
-            return grad[shard.local_start:shard.local_end]
+            return grad[shard.local_start : shard.local_end]
     return grad
 
 
@@ -104,8 +104,12 @@ def shared_parameters_case(rank, world, kind):
     ref = build_family("muse_spark") if kind == "muse_spark" else build_custom(kind)
     model = copy.deepcopy(ref)
     shards = epmoe.apply_expert_parallel(model)
-    not_experts = {id(p) for s in shards for p in model.get_submodule(s.module_name).parameters()
-                   if not epmoe.is_expert_parameter(p)}
+    not_experts = {
+        id(p)
+        for s in shards
+        for p in model.get_submodule(s.module_name).parameters()
+        if not epmoe.is_expert_parameter(p)
+    }
     found = {id(p) for s in shards for _, p in shared_parameters(model.get_submodule(s.module_name))}
     assert found and not_experts == found, "the shared parameters are not exactly the non-expert ones"
     assert not found & {id(p) for p in epmoe.expert_parameters(model)}
@@ -162,9 +166,20 @@ def shared_parameters_trainer_case(rank, world, kind):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     samples = Dataset.from_dict({"input_ids": [batch_of(source).tolist() for source in range(world)]})
     samples.set_format("torch")
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=1, max_steps=1, optim="sgd",
-                             learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
-                             use_cpu=True, report_to=[], save_strategy="no", remove_unused_columns=False)
+    args = TrainingArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=1,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        remove_unused_columns=False,
+    )
     trainer = epmoe.prepare_trainer(Trainer(model=model, args=args, train_dataset=samples))
     trainer.train()
     return _step_errors(rank, world, ref, model, shards, before, learning_rate=1.0)
@@ -243,7 +258,9 @@ def float32_family_case(rank, world, family):
         return out.double().square().mean(-1)
 
     return {
-        "exact": exact, "exact_one": exact_one, "experts": len(experts),
+        "exact": exact,
+        "exact_one": exact_one,
+        "experts": len(experts),
         "losses": {"ep": distance(losses(out_ep), losses(out64)), "no_ep": distance(losses(out16), losses(out64))},
         "expert_grads": {"ep": distance(grads_ep, grads64), "no_ep": distance(grads16, grads64)},
         "outputs_vs_no_ep": max_rel(out_ep.detach(), out16),

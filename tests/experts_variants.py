@@ -119,13 +119,25 @@ def _zero_routed_forward(self, hidden_states):
     return self.experts(hidden_states, topk_indices, topk_weights).reshape(shape)
 
 
-CLASSES = {"unchanged": UnchangedExperts, "per_route_norm": PerRouteNormExperts,
-           "per_expert_scale": PerExpertScaleExperts, "clamped_output": ClampedOutputExperts,
-           "bias_after_sum": BiasAfterSumExperts, "undecorated": UndecoratedExperts,
-           "zero_experts": ZeroComputationExperts}
+CLASSES = {
+    "unchanged": UnchangedExperts,
+    "per_route_norm": PerRouteNormExperts,
+    "per_expert_scale": PerExpertScaleExperts,
+    "clamped_output": ClampedOutputExperts,
+    "bias_after_sum": BiasAfterSumExperts,
+    "undecorated": UndecoratedExperts,
+    "zero_experts": ZeroComputationExperts,
+}
 BASES = {"zero_experts": "longcat_flash"}  # the family each variant is installed in (default: BASE)
-EXPECTED = {"unchanged": "exact", "per_route_norm": "exact", "per_expert_scale": "refused",
-            "clamped_output": "refused", "bias_after_sum": "refused", "undecorated": "exact", "zero_experts": "exact"}
+EXPECTED = {
+    "unchanged": "exact",
+    "per_route_norm": "exact",
+    "per_expert_scale": "refused",
+    "clamped_output": "refused",
+    "bias_after_sum": "refused",
+    "undecorated": "exact",
+    "zero_experts": "exact",
+}
 
 
 def install(model: nn.Module, variant: str) -> nn.Module:

@@ -69,11 +69,21 @@ CONFIG_FIXES = {
     "mistral4": {"head_dim": 32},  # qk_rope_head_dim = head_dim * partial_rotary_factor 0.5
     "dots3_note": {"head_dim": 64},  # qk_rope_head_dim = head_dim * partial_rotary_factor 0.25
     "granitemoehybrid": {"mamba_n_heads": 8},
-    "longcat_flash": {"qk_head_dim": 32, "expert_ffn_hidden_size": 32},  # qk_nope + qk_rope; the expert width  # mamba_expand * hidden_size / mamba_d_head
-    "glm4v_moe": {"text_config.rope_parameters": {"rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                                                   "rope_type": "default", "mrope_section": [2, 1, 1]}},
-    "ernie4_5_vl_moe": {"text_config.rope_parameters": {"rope_theta": 500000.0, "rope_type": "default",
-                                                         "mrope_section": [2, 2, 4]}},
+    "longcat_flash": {
+        "qk_head_dim": 32,
+        "expert_ffn_hidden_size": 32,
+    },  # qk_nope + qk_rope; the expert width  # mamba_expand * hidden_size / mamba_d_head
+    "glm4v_moe": {
+        "text_config.rope_parameters": {
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "rope_type": "default",
+            "mrope_section": [2, 1, 1],
+        }
+    },
+    "ernie4_5_vl_moe": {
+        "text_config.rope_parameters": {"rope_theta": 500000.0, "rope_type": "default", "mrope_section": [2, 2, 4]}
+    },
 }
 
 
@@ -129,8 +139,10 @@ def _model_classes(directory: str) -> list[tuple[str, str]]:
     backbones last; only classes built from that model type's own config class."""
     from transformers.models.auto import configuration_auto, modeling_auto
 
-    mappings = [getattr(modeling_auto, name) for name in (
-        "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES", "MODEL_FOR_BACKBONE_MAPPING_NAMES")]
+    mappings = [
+        getattr(modeling_auto, name)
+        for name in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES", "MODEL_FOR_BACKBONE_MAPPING_NAMES")
+    ]
     pairs = []
     for mapping in mappings:
         for model_type, class_name in mapping.items():
@@ -142,8 +154,11 @@ def _model_classes(directory: str) -> list[tuple[str, str]]:
     usable = []
     for model_type, class_name in pairs:
         cls = getattr(module, class_name, None)
-        config_cls = configuration_auto.CONFIG_MAPPING[model_type] if model_type in (
-            configuration_auto.CONFIG_MAPPING_NAMES) else None
+        config_cls = (
+            configuration_auto.CONFIG_MAPPING[model_type]
+            if model_type in (configuration_auto.CONFIG_MAPPING_NAMES)
+            else None
+        )
         if cls is not None and config_cls is not None and getattr(cls, "config_class", None) is config_cls:
             usable.append((model_type, class_name))
     return list(dict.fromkeys(usable))
@@ -175,8 +190,12 @@ def _shrink(config, layers: int) -> None:
             new = _size_for(key, value, layers)
             if new is not None:
                 setattr(config, key, new)
-        elif isinstance(value, list) and value and all(type(v) is int for v in value) and not re.search(
-                r"layers?$|layer_ids|indexes|indices", key):
+        elif (
+            isinstance(value, list)
+            and value
+            and all(type(v) is int for v in value)
+            and not re.search(r"layers?$|layer_ids|indexes|indices", key)
+        ):
             setattr(config, key, [_size_for(key, v, layers) or v for v in value])
     if isinstance(heads, int) and kv_heads == heads:  # multi-head (MLA...) attention stays so
         config.num_key_value_heads = vars(config)["num_attention_heads"]
@@ -201,8 +220,9 @@ def _trim_layer_lists(config, layers: int) -> None:
     """Per-layer lists (``layer_types``, heads per layer...: as long as the original depth) cut to
     ``layers`` entries, one of each kind first; layer-index lists (``mlp_only_layers``...) keep the
     indices below ``layers``."""
-    depth = max((len(v) for k, v in vars(config).items() if isinstance(v, list) and re.search(r"layer_types$", k)),
-                default=0)
+    depth = max(
+        (len(v) for k, v in vars(config).items() if isinstance(v, list) and re.search(r"layer_types$", k)), default=0
+    )
     for key, value in list(vars(config).items()):
         if key.startswith("_") or not isinstance(value, list) or not value:
             continue
@@ -211,13 +231,16 @@ def _trim_layer_lists(config, layers: int) -> None:
                 seen = set()
                 firsts = [i for i, v in enumerate(value) if str(v) not in seen and not seen.add(str(v))]
                 keep = sorted((firsts + [i for i in range(len(value)) if i not in firsts])[:layers])
-                setattr(config, key, [_size_for(key, value[i], layers) or value[i] if type(value[i]) is int
-                                      else value[i] for i in keep])
+                setattr(
+                    config,
+                    key,
+                    [_size_for(key, value[i], layers) or value[i] if type(value[i]) is int else value[i] for i in keep],
+                )
         elif all(type(v) is int for v in value) and re.search(r"layers?$|layer_ids|indexes", key):
             setattr(config, key, [v for v in value if v < layers])
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def families() -> tuple[Family | str, ...]:
     """Every MoE family of the installed transformers: a directory defining experts-like classes
     (:func:`experts_classes`), as the :class:`Family` whose tiny model holds them, or as the
@@ -297,8 +320,10 @@ def build(family: Family, *, dtype: torch.dtype = torch.float64, seed: int = 0) 
 
 def variants() -> list[Family]:
     """The Qwen3-MoE family with each experts class made for the purpose (experts_variants.py)."""
-    return [dataclasses.replace(_find_family(experts_variants.BASES.get(v, experts_variants.BASE)), variant=v)
-            for v in experts_variants.CLASSES]
+    return [
+        dataclasses.replace(_find_family(experts_variants.BASES.get(v, experts_variants.BASE)), variant=v)
+        for v in experts_variants.CLASSES
+    ]
 
 
 def _keep_in_fp32(model: torch.nn.Module) -> torch.nn.Module:

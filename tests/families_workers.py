@@ -45,8 +45,14 @@ class _Narrowing(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if (self.inside and func.overloadpacket is torch.ops.aten._to_copy and isinstance(args[0], torch.Tensor)
-                and args[0].dtype == torch.float64 and out.dtype.is_floating_point and out.dtype != torch.float64):
+        if (
+            self.inside
+            and func.overloadpacket is torch.ops.aten._to_copy
+            and isinstance(args[0], torch.Tensor)
+            and args[0].dtype == torch.float64
+            and out.dtype.is_floating_point
+            and out.dtype != torch.float64
+        ):
             self.to.add(out.dtype)
         return out
 
@@ -88,7 +94,6 @@ def family_parity(rank: int, world: int, family: Family) -> dict:
     # (DeepSeek-V4's hash-routed first layers) has a gradient of rounding noise, 1e-20
     floor = 1e-4 * max(g.abs().max().item() for g in [*own.values(), *expert_sum.values()])
     compared = {"non_expert_grads": 0, "expert_grads": 0}
-    shard_of = {s.module_name: s for s in shards}
     for name, param in model.named_parameters():
         if name not in expert_names:
             if param.grad is None:
@@ -105,7 +110,11 @@ def family_parity(rank: int, world: int, family: Family) -> dict:
         errors["expert_grads"] = max(errors["expert_grads"], err)
         compared["expert_grads"] += 1
     narrowest = min(rounds_to, key=lambda d: torch.finfo(d).bits, default=None)
-    return {"errors": errors, "compared": compared, "rounds_to": str(narrowest).removeprefix("torch.") if narrowest else None}
+    return {
+        "errors": errors,
+        "compared": compared,
+        "rounds_to": str(narrowest).removeprefix("torch.") if narrowest else None,
+    }
 
 
 def gathered(obj) -> list:
@@ -168,11 +177,17 @@ def bf16_distances(rank: int, world: int, family: Family) -> dict:
         return out.double().square().mean(-1)
 
     loss64 = losses(outs[torch.float64])
-    return {"losses": {"ep": distance(losses(out_ep.detach()), loss64),
-                       "no_ep": distance(losses(outs[torch.bfloat16]), loss64)},
-            "expert_grads": {"ep": distance(grads_ep, grads[torch.float64]),
-                             "no_ep": distance(grads[torch.bfloat16], grads[torch.float64])},
-            "experts": len(experts)}
+    return {
+        "losses": {
+            "ep": distance(losses(out_ep.detach()), loss64),
+            "no_ep": distance(losses(outs[torch.bfloat16]), loss64),
+        },
+        "expert_grads": {
+            "ep": distance(grads_ep, grads[torch.float64]),
+            "no_ep": distance(grads[torch.bfloat16], grads[torch.float64]),
+        },
+        "experts": len(experts),
+    }
 
 
 def lora_parity(rank: int, world: int, family: Family, only: str | None = None) -> dict:
@@ -190,8 +205,13 @@ def lora_parity(rank: int, world: int, family: Family, only: str | None = None) 
     model = copy.deepcopy(ref)
     shards = epmoe.apply_expert_parallel(model)
     inside = {s.module_name + ".": len(s.module_name) + 1 for s in shards}  # names inside the experts module
-    targets = sorted({n[next(inside[m] for m in inside if n.startswith(m)):]
-                      for n, p in model.named_parameters() if epmoe.is_expert_parameter(p)})
+    targets = sorted(
+        {
+            n[next(inside[m] for m in inside if n.startswith(m)) :]
+            for n, p in model.named_parameters()
+            if epmoe.is_expert_parameter(p)
+        }
+    )
     if only is not None:  # a dotted name lives in a module inside the experts module
         targets = [t for t in targets if ("." in t) == (only == "post")]
     config = LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=[], target_parameters=targets)
@@ -227,8 +247,11 @@ def lora_parity(rank: int, world: int, family: Family, only: str | None = None) 
         else:
             shard = next(s for prefix, s in shard_of.items() if name.startswith(prefix))
             full, E, start, end = summed[name], shard.num_experts, shard.local_start, shard.local_end
-            expected = (full.reshape(E, -1, full.shape[1])[start:end].reshape(param.shape) if ".lora_A." in name
-                        else full.reshape(full.shape[0], -1, E)[:, :, start:end].reshape(param.shape))
+            expected = (
+                full.reshape(E, -1, full.shape[1])[start:end].reshape(param.shape)
+                if ".lora_A." in name
+                else full.reshape(full.shape[0], -1, E)[:, :, start:end].reshape(param.shape)
+            )
         errors["lora_grads"] = max(errors["lora_grads"], max_rel(param.grad, expected))
         compared += 1
     return {"errors": errors, "compared": compared}
@@ -279,8 +302,12 @@ def verdict(family: Family, results: list[dict]) -> str:
         if ep > BF16_BOUND * no_ep:
             bad[f"bf16 {metric}"] = ep / no_ep if no_ep else float("inf")
     if bad or not all(n > 0 for r in results for n in r["compared"].values()):
-        return "wrong: " + ", ".join(f"{k} rel. err. {v:.2g}" if not k.startswith("bf16") else
-                                     f"{k} {v:.2f}x the distance from float64 without EP" for k, v in bad.items())
+        return "wrong: " + ", ".join(
+            f"{k} rel. err. {v:.2g}"
+            if not k.startswith("bf16")
+            else f"{k} {v:.2f}x the distance from float64 without EP"
+            for k, v in bad.items()
+        )
     if max(worst.values()) > TOL:
         return f"exact to {rounds_to} rounding (its own experts forward rounds float64 to {rounds_to}; epmoe does not)"
     return "exact"
@@ -319,21 +346,27 @@ def save_round_trip(rank: int, world: int, root: str, family: Family, **options)
     if rank == 0:
         ref.save_pretrained(plain_dir, **options)
     dist.barrier()
-    keys = tuple(sorted(safetensors.torch.load_file(os.path.join(d, "model.safetensors")))
-                 for d in (ep_dir, plain_dir))
+    keys = tuple(sorted(safetensors.torch.load_file(os.path.join(d, "model.safetensors"))) for d in (ep_dir, plain_dir))
     if family.variant:  # a class made for the purpose: its state dict, as from_pretrained would read it
         loaded = build(family, dtype=torch.float32)
         saved = safetensors.torch.load_file(os.path.join(ep_dir, "model.safetensors"))
         info = {"missing_keys": loaded.load_state_dict(saved, strict=False).missing_keys}
     else:
         loaded, info = type(ref).from_pretrained(ep_dir, dtype=torch.float32, output_loading_info=True)
-    unread = {f"{name}.{key}": rows for name, module in model.named_modules() if state_of(module) is not None
-              for key, rows in state_of(module).unread_rows.items()}
+    unread = {
+        f"{name}.{key}": rows
+        for name, module in model.named_modules()
+        if state_of(module) is not None
+        for key, rows in state_of(module).unread_rows.items()
+    }
     ref_params, unequal = dict(ref.named_parameters()), []
     for name, param in loaded.named_parameters():
         kept = param.shape[0] - unread.get(name, 0) if param.dim() else None
-        if param.shape != ref_params[name].shape or not torch.equal(param[:kept], ref_params[name][:kept]) or (
-                kept is not None and param[kept:].any()):
+        if (
+            param.shape != ref_params[name].shape
+            or not torch.equal(param[:kept], ref_params[name][:kept])
+            or (kept is not None and param[kept:].any())
+        ):
             unequal.append(name)
     with torch.no_grad():
         torch.manual_seed(0)
@@ -396,12 +429,18 @@ def dcp_round_trip(rank: int, world: int, root: str, family: Family) -> dict:
     for (name, param), loaded in zip(model.named_parameters(), fresh.parameters()):
         moments, loaded_moments = optimizer.state[param], fresh_optimizer.state[loaded]
         resumed += [name] if not torch.equal(param, loaded) else []
-        resumed += [f"{name}.{k}" for k, v in moments.items() if k not in loaded_moments
-                    or not torch.equal(v, loaded_moments[k])]
+        resumed += [
+            f"{name}.{k}"
+            for k, v in moments.items()
+            if k not in loaded_moments or not torch.equal(v, loaded_moments[k])
+        ]
 
     # tied weights once; zero-computation experts' rows (never read, not kept under EP) left out
-    full = {k: v[:saved["model"][k].shape[0]].clone() for k, v in get_model_state_dict(build(family)).items()
-            if k in saved["model"]}
+    full = {
+        k: v[: saved["model"][k].shape[0]].clone()
+        for k, v in get_model_state_dict(build(family)).items()
+        if k in saved["model"]
+    }
     dcp.load({"model": full}, checkpoint_id=path)
     unsharded, compared = [], 0
     for name, param in model.named_parameters():
@@ -455,14 +494,15 @@ def lora_on_experts(rank: int, world: int, family: Family) -> str | None:
     return None
 
 
-def stacked_and_zero_cases(rank: int, world: int, root: str, families: list[Family], converted: list[Family]
-                           ) -> dict:
+def stacked_and_zero_cases(rank: int, world: int, root: str, families: list[Family], converted: list[Family]) -> dict:
     """:func:`bf16_distances`, :func:`save_round_trip`, :func:`dcp_round_trip` and :func:`lora_on_experts`
     of every family, :func:`zero_experts_only` of the zero-computation experts, and :func:`converted_round_trip` of
     the ``converted`` families, in one spawn."""
-    return {"converted": {f.name: converted_round_trip(rank, world, root, f) for f in converted},
-            "bf16": {f.key: bf16_distances(rank, world, f) for f in families},
-            "saved": {f.key: save_round_trip(rank, world, root, f) for f in families},
-            "dcp": {f.key: dcp_round_trip(rank, world, root, f) for f in families},
-            "lora": {f.key: lora_on_experts(rank, world, f) for f in families if f.name != "ergo"},  # see lora_parity
-            "zero_only": zero_experts_only(rank, world, next(f for f in families if f.variant == "zero_experts"))}
+    return {
+        "converted": {f.name: converted_round_trip(rank, world, root, f) for f in converted},
+        "bf16": {f.key: bf16_distances(rank, world, f) for f in families},
+        "saved": {f.key: save_round_trip(rank, world, root, f) for f in families},
+        "dcp": {f.key: dcp_round_trip(rank, world, root, f) for f in families},
+        "lora": {f.key: lora_on_experts(rank, world, f) for f in families if f.name != "ergo"},  # see lora_parity
+        "zero_only": zero_experts_only(rank, world, next(f for f in families if f.variant == "zero_experts")),
+    }

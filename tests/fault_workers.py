@@ -37,6 +37,7 @@ def _outcome(fn) -> dict:
 # fused ops with arguments the peers do not match: ValueError on every rank, no abort
 # --------------------------------------------------------------------------------------------
 
+
 def _fused_args(rank: int, world: int, e: int = 2, H: int = 8, N: int = 6, dtype=torch.float64, seed: int = 0):
     """Valid arguments of ``alltoallv_gmm`` on this rank: counts ``send[r*e + j] = 1 + (rank + r + j) % 3``."""
     g = torch.Generator().manual_seed(seed + rank)
@@ -58,8 +59,10 @@ def agreement_run(rank: int, world: int) -> dict:
             args = dict(x=x, weight=weight, send_counts=send, recv_counts=recv, num_chunks=1)
             if rank == 1:
                 args.update(change)
-            alltoallv_gmm(args.pop("x"), args.pop("weight"), args.pop("send_counts"), args.pop("recv_counts"),
-                          impl=impl, **args)
+            alltoallv_gmm(
+                args.pop("x"), args.pop("weight"), args.pop("send_counts"), args.pop("recv_counts"), impl=impl, **args
+            )
+
         return run
 
     def swapped(counts):  # the same rows per source, split differently over the local experts
@@ -86,14 +89,17 @@ def agreement_run(rank: int, world: int) -> dict:
         y = torch.randn(sum(recv), 6, dtype=torch.float64)
         down = torch.randn(2, 6, 8, dtype=torch.float64)
         gmm_alltoallv(y, down, swapped(recv) if rank == 1 else recv, send)
+
     out["gmm_alltoallv_send_counts_permuted"] = _outcome(combine_permuted)
 
     def lengths():
         epmoe.exchange_counts(torch.ones(4 if rank == 0 else 6, dtype=torch.int64))
+
     out["exchange_counts_lengths"] = _outcome(lengths)
 
     def invalid_on_one_rank():  # rank 1's length is not a multiple of the group size
         epmoe.exchange_counts(torch.ones(4 if rank == 0 else 5, dtype=torch.int64))
+
     out["exchange_counts_invalid_on_one_rank"] = _outcome(invalid_on_one_rank)
 
     def negative():
@@ -101,6 +107,7 @@ def agreement_run(rank: int, world: int) -> dict:
         if rank == 1:
             counts[[5, 17]] = -1
         epmoe.exchange_counts(counts)
+
     out["exchange_counts_negative"] = _outcome(negative)
 
     def healthy():  # after all of the above the group still works and gives the right rows
@@ -108,6 +115,7 @@ def agreement_run(rank: int, world: int) -> dict:
         y, _, _ = alltoallv_gmm(x, weight, send, recv, impl="pipelined")
         y_ref, _, _ = alltoallv_gmm(x, weight, send, recv, impl="reference")
         assert torch.equal(y, y_ref)
+
     out["healthy_after"] = _outcome(healthy)
     return out
 
@@ -115,6 +123,7 @@ def agreement_run(rank: int, world: int) -> dict:
 # --------------------------------------------------------------------------------------------
 # ranks out of step: OutOfStepError on every rank; a rank that raises and stays alive
 # --------------------------------------------------------------------------------------------
+
 
 def _tiny(rank: int, timeout: float | None = None):
     torch.manual_seed(0)
@@ -153,8 +162,12 @@ def out_of_step_run(rank: int, world: int, timeout: float) -> dict:
             model(ids).sum().backward()
             epmoe.clip_grad_norm_(model, 1.0)
 
-    for name, fn in (("skip_backward", skip_backward), ("skip_layer", skip_layer), ("skip_step", skip_step),
-                     ("in_step", in_step)):
+    for name, fn in (
+        ("skip_backward", skip_backward),
+        ("skip_layer", skip_layer),
+        ("skip_step", skip_step),
+        ("in_step", in_step),
+    ):
         out[name] = _outcome(fn)
         dist.barrier()
 
@@ -176,6 +189,7 @@ def out_of_step_run(rank: int, world: int, timeout: float) -> dict:
 # a rank that dies: each case its own run; the survivors record what they saw and when
 # --------------------------------------------------------------------------------------------
 
+
 def _die(where: str, tmp: str) -> None:
     Path(tmp, "died.json").write_text(json.dumps({"where": where, "time": time.time()}))
     if where == "exit":
@@ -195,6 +209,7 @@ def dying_run(rank: int, world: int, where: str, tmp: str) -> None:
         if where in ("forward", "exit"):
             last.experts.register_forward_pre_hook(lambda *_: _die(where, tmp))
         elif where == "backward":
+
             def die_in_backward(_module, _inputs, out):
                 out.register_hook(lambda _grad: _die(where, tmp))
 
@@ -214,8 +229,9 @@ def dying_run(rank: int, world: int, where: str, tmp: str) -> None:
         for _ in range(2):
             model(ids).logits.sum().backward()
     except Exception as exc:
-        Path(tmp, f"rank{rank}.json").write_text(json.dumps(
-            {"type": type(exc).__name__, "message": str(exc), "time": time.time(), "started": started}))
+        Path(tmp, f"rank{rank}.json").write_text(
+            json.dumps({"type": type(exc).__name__, "message": str(exc), "time": time.time(), "started": started})
+        )
         raise
 
 
@@ -223,13 +239,17 @@ def dying_run(rank: int, world: int, where: str, tmp: str) -> None:
 # random routings (hypothesis): fp64 parity with the unsharded experts module
 # --------------------------------------------------------------------------------------------
 
+
 def random_routings_run(rank: int, world: int, num_experts: int, examples: int) -> dict:
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import strategies as st
 
     K = 2
-    base = base_model("qwen3_moe") if num_experts == 8 else build_model(
-        "qwen3_moe", num_experts=num_experts, dtype=torch.float64)
+    base = (
+        base_model("qwen3_moe")
+        if num_experts == 8
+        else build_model("qwen3_moe", num_experts=num_experts, dtype=torch.float64)
+    )
     variants = {}
     for dispatch in ("alltoallv", "fused"):
         model = copy.deepcopy(base)
@@ -240,15 +260,23 @@ def random_routings_run(rank: int, world: int, num_experts: int, examples: int) 
     seen = {"examples": 0, "worst": 0.0, "empty_ranks": 0, "one_expert": 0, "duplicates": 0}
 
     one_rank = st.integers(0, 5).flatmap(
-        lambda T: st.lists(st.lists(st.integers(0, num_experts - 1), min_size=K, max_size=K), min_size=T, max_size=T))
+        lambda T: st.lists(st.lists(st.integers(0, num_experts - 1), min_size=K, max_size=K), min_size=T, max_size=T)
+    )
     routing = st.one_of(
         st.lists(one_rank, min_size=world, max_size=world),
         st.tuples(st.integers(0, num_experts - 1), st.lists(st.integers(0, 5), min_size=world, max_size=world)).map(
-            lambda a: [[[a[0]] * K] * T for T in a[1]]),  # every slot on one expert
+            lambda a: [[[a[0]] * K] * T for T in a[1]]
+        ),  # every slot on one expert
     )
 
-    @settings(max_examples=examples, derandomize=True, database=None, deadline=None, phases=(Phase.generate,),
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        phases=(Phase.generate,),
+        suppress_health_check=list(HealthCheck),
+    )
     @given(routing=routing, seed=st.integers(0, 2**16))
     def check(routing, seed):
         g = torch.Generator().manual_seed(seed)
@@ -256,9 +284,14 @@ def random_routings_run(rank: int, world: int, num_experts: int, examples: int) 
         for src in range(world):
             T = len(routing[src])
             index = torch.tensor(routing[src], dtype=torch.int64).view(T, K)
-            inputs.append((torch.randn(T, H, generator=g, dtype=torch.float64), index,
-                           torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), -1),
-                           torch.randn(T, H, generator=g, dtype=torch.float64)))
+            inputs.append(
+                (
+                    torch.randn(T, H, generator=g, dtype=torch.float64),
+                    index,
+                    torch.softmax(torch.randn(T, K, generator=g, dtype=torch.float64), -1),
+                    torch.randn(T, H, generator=g, dtype=torch.float64),
+                )
+            )
         ref = copy.deepcopy(reference)
         cat = [torch.cat(parts) for parts in zip(*inputs)]
         ref_out, ref_dh, ref_dw = run_module(ref, *cat, dtype=torch.float64)
@@ -272,7 +305,7 @@ def random_routings_run(rank: int, world: int, num_experts: int, examples: int) 
             errors = [max_rel(out, ref_out[rows]), max_rel(dh, ref_dh[rows]), max_rel(dw, ref_dw[rows])]
             for name, param in ep.named_parameters():
                 full = dict(ref.named_parameters())[name].grad
-                want = torch.zeros_like(param) if full is None else full[shard.local_start:shard.local_end]
+                want = torch.zeros_like(param) if full is None else full[shard.local_start : shard.local_end]
                 errors.append(max_rel(param.grad, want))
             seen["worst"] = max(seen["worst"], *errors)
             assert max(errors) < 1e-10, (routing, errors)

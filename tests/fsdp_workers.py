@@ -54,10 +54,24 @@ def as_on_gpus():
 def args(out_dir, tag, steps, **kw):
     from transformers import TrainingArguments
 
-    options = dict(output_dir=f"{out_dir}/{tag}", per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                   gradient_accumulation_steps=2, max_steps=steps, learning_rate=1e-3, max_grad_norm=MAX_GRAD_NORM,
-                   logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-                   seed=0, disable_tqdm=True, fsdp="full_shard auto_wrap", fsdp_config=dict(FSDP_CONFIG))
+    options = dict(
+        output_dir=f"{out_dir}/{tag}",
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=steps,
+        learning_rate=1e-3,
+        max_grad_norm=MAX_GRAD_NORM,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+        fsdp="full_shard auto_wrap",
+        fsdp_config=dict(FSDP_CONFIG),
+    )
     options.update(kw)
     return TrainingArguments(**options)
 
@@ -89,16 +103,16 @@ def trainer_parity(rank, world, out_dir, steps=4):
     ref_full = {name: full(p).clone() for name, p in trainer_ref.model.named_parameters()}
     dist.barrier()
     with as_on_gpus():
-        trainer = epmoe.prepare_trainer(Trainer(model=model, args=args_ep, train_dataset=train,
-                                                eval_dataset=evaluation))
+        trainer = epmoe.prepare_trainer(
+            Trainer(model=model, args=args_ep, train_dataset=train, eval_dataset=evaluation)
+        )
     assert epmoe.prepare_trainer(trainer) is trainer  # idempotent
     distributed = str(trainer.accelerator.distributed_type)
     trainer.train()
     eval_ep = trainer.evaluate()["eval_loss"]
 
-    from torch.distributed.tensor import DTensor
-
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
     for module in trainer.model.modules():  # evaluate's forward left the tail (reshard_after_forward=False) unsharded
         if isinstance(module, FSDPModule):
@@ -124,8 +138,13 @@ def trainer_parity(rank, world, out_dir, steps=4):
     assert set(loaded_params) == set(ref_full), set(loaded_params) ^ set(ref_full)
     for name, p in loaded_params.items():
         errors[f"saved/{name}"] = rel(p, ref_full[name])
-    return {"errors": errors, "norms": norms, "distributed": distributed, "kinds": kinds,
-            "files": sorted(os.listdir(f"{out_dir}/saved"))}
+    return {
+        "errors": errors,
+        "norms": norms,
+        "distributed": distributed,
+        "kinds": kinds,
+        "files": sorted(os.listdir(f"{out_dir}/saved")),
+    }
 
 
 def trainer_resume(rank, world, out_dir, steps=4):
@@ -138,11 +157,11 @@ def trainer_resume(rank, world, out_dir, steps=4):
     def run(seed, resume=None):
         model = build_model("qwen3_moe", dtype=torch.float64, seed=seed)
         epmoe.apply_expert_parallel(model)
-        training_args = args(out_dir, "run", steps, gradient_accumulation_steps=1, save_strategy="steps",
-                             save_steps=2)
+        training_args = args(out_dir, "run", steps, gradient_accumulation_steps=1, save_strategy="steps", save_steps=2)
         with as_on_gpus():
-            trainer = epmoe.prepare_trainer(Trainer(model=model, args=training_args,
-                                                    train_dataset=TokenDataset(64, 12, seed=1)))
+            trainer = epmoe.prepare_trainer(
+                Trainer(model=model, args=training_args, train_dataset=TokenDataset(64, 12, seed=1))
+            )
         trainer.train(resume_from_checkpoint=resume)
         for module in trainer.model.modules():
             if isinstance(module, FSDPModule):
@@ -193,8 +212,10 @@ def refused(rank, world, out_dir, case):
 
 
 def two_rank_checks(rank, world, out_dir):
-    checks = {"parity": lambda: trainer_parity(rank, world, f"{out_dir}/parity"),
-              "resume": lambda: trainer_resume(rank, world, f"{out_dir}/resume")}
+    checks = {
+        "parity": lambda: trainer_parity(rank, world, f"{out_dir}/parity"),
+        "resume": lambda: trainer_resume(rank, world, f"{out_dir}/resume"),
+    }
     for case in ("fsdp1", "cpu_ram_efficient_loading", "ignored_modules_wrong"):
         checks[case] = lambda case=case: refused(rank, world, out_dir, case)
     return run_checks(checks)

@@ -45,13 +45,28 @@ def _train(base, out_dir, ep):
     model = copy.deepcopy(base)
     if ep:
         epmoe.apply_expert_parallel(model)
-    prompts = Dataset.from_dict({"prompt": [" ".join(f"w{(7 * i + j) % 60}" for j in range(2 + i % 3))
-                                            for i in range(16)]})
-    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=2, steps_per_generation=2, num_generations=4,
-                      max_completion_length=5, max_steps=2, learning_rate=5e-2, seed=0, use_cpu=True, report_to=[],
-                      save_strategy="no", logging_steps=1, bf16=False, gradient_checkpointing=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=prompts,
-                          processing_class=_tokenizer())
+    prompts = Dataset.from_dict(
+        {"prompt": [" ".join(f"w{(7 * i + j) % 60}" for j in range(2 + i % 3)) for i in range(16)]}
+    )
+    args = GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        steps_per_generation=2,
+        num_generations=4,
+        max_completion_length=5,
+        max_steps=2,
+        learning_rate=5e-2,
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        bf16=False,
+        gradient_checkpointing=True,
+    )
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=_reward, args=args, train_dataset=prompts, processing_class=_tokenizer()
+    )
     if ep:
         epmoe.prepare_trainer(trainer)
     epmoe.replay_rollout_routing(trainer)

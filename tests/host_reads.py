@@ -19,6 +19,7 @@ def counting_host_reads():
         def read(self, *args, **kwargs):
             calls.append(name)
             return original(self, *args, **kwargs)
+
         return read
 
     for name, original in originals.items():

@@ -39,7 +39,7 @@ def ep_vs_unsharded_grads(model, ref, rank, world):
         expected = grads[name]
         if name.endswith(EXPERTS):
             e = p.shape[0]
-            expected = expected[rank * e:(rank + 1) * e]
+            expected = expected[rank * e : (rank + 1) * e]
         scale = expected.abs().max().clamp_min(1e-12)
         local[name] = ((p.grad - expected).abs().max() / scale).item()
     assert local, "compared nothing"
@@ -56,8 +56,11 @@ def deep_copies(rank, world):
     twin = copy.deepcopy(model)
     out = {"twin_vs_unsharded": ep_vs_unsharded_grads(twin, ref, rank, world)}
     torch.optim.SGD(twin.parameters(), lr=0.1).step()
-    out["original_untouched"] = all(torch.equal(p, q) for (n, p), (_, q) in zip(
-        model.named_parameters(), copy.deepcopy(ref).named_parameters()) if not n.endswith(EXPERTS))
+    out["original_untouched"] = all(
+        torch.equal(p, q)
+        for (n, p), (_, q) in zip(model.named_parameters(), copy.deepcopy(ref).named_parameters())
+        if not n.endswith(EXPERTS)
+    )
     out["twin_moved"] = any(not torch.equal(p, q) for p, q in zip(twin.parameters(), model.parameters()))
     out["copy_is_ep"] = len(epmoe.expert_parameters(twin)) == 2 * len(twin.model.layers)
     out["original_vs_unsharded"] = ep_vs_unsharded_grads(model, ref, rank, world)
@@ -128,12 +131,14 @@ def auto_class_loading(rank, world, path):
 def launcher_cases(rank, world, root):
     """Every 2-rank case of tests/test_launchers.py in one spawn: ``{case: result}``."""
     results = {}
-    for name, run in (("deep_copies", lambda: deep_copies(rank, world)),
-                      ("dtype_on_one_rank", lambda: dtype_on_one_rank(rank, world)),
-                      ("shorter_group_timeout", lambda: shorter_group_timeout(rank, world)),
-                      ("auto_class_loading", lambda: auto_class_loading(rank, world, f"{root}/model")),
-                      ("fsdp2_saves", lambda: fsdp2_saves(rank, world, root)),
-                      ("parameter_counts", lambda: parameter_counts(rank, world))):
+    for name, run in (
+        ("deep_copies", lambda: deep_copies(rank, world)),
+        ("dtype_on_one_rank", lambda: dtype_on_one_rank(rank, world)),
+        ("shorter_group_timeout", lambda: shorter_group_timeout(rank, world)),
+        ("auto_class_loading", lambda: auto_class_loading(rank, world, f"{root}/model")),
+        ("fsdp2_saves", lambda: fsdp2_saves(rank, world, root)),
+        ("parameter_counts", lambda: parameter_counts(rank, world)),
+    ):
         results[name] = run()
         dist.barrier()
     return results
@@ -173,8 +178,7 @@ def fsdp2_saves(rank, world, root):
     sharded(model, model)
     one_step(model)
     model.save_pretrained(f"{root}/full")
-    plain = AutoModelForCausalLM.from_pretrained(f"{root}/full", dtype=torch.float64,
-                                                 experts_implementation="eager")
+    plain = AutoModelForCausalLM.from_pretrained(f"{root}/full", dtype=torch.float64, experts_implementation="eager")
     ids = batch_of(rank)
     with torch.no_grad():
         out["full"] = (model(ids).logits - plain(ids).logits).abs().max().item()
@@ -182,12 +186,14 @@ def fsdp2_saves(rank, world, root):
     torch.manual_seed(0)
     base = build_model("qwen3_moe", dtype=torch.float64)
     epmoe.apply_expert_parallel(base)
-    config = LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj", "v_proj"],
-                        target_parameters=list(EXPERTS))
+    config = LoraConfig(
+        r=2, lora_alpha=4, init_lora_weights=False, target_modules=["q_proj", "v_proj"], target_parameters=list(EXPERTS)
+    )
     peft_model = sharded(get_peft_model(base, config), base)
     one_step(peft_model)
-    peft_model.save_pretrained(f"{root}/adapter", state_dict=epmoe.adapter_state_dict(peft_model),
-                               is_main_process=rank == 0)
+    peft_model.save_pretrained(
+        f"{root}/adapter", state_dict=epmoe.adapter_state_dict(peft_model), is_main_process=rank == 0
+    )
     dist.barrier()
     torch.manual_seed(0)
     unsharded = PeftModel.from_pretrained(build_model("qwen3_moe", dtype=torch.float64), f"{root}/adapter")
@@ -200,6 +206,7 @@ def trainer_run(rank, world, out_dir, *, ep, max_steps, resume=None):
     """A prepared Trainer (``ep``) or a plain one (the unsharded twin) on the fp64 model, saving a
     checkpoint every 2 steps; ``(model, shards)`` after ``max_steps``."""
     from transformers import Trainer, TrainingArguments
+
     from training_workers import TokenDataset
 
     if ep or resume is None:
@@ -208,13 +215,21 @@ def trainer_run(rank, world, out_dir, *, ep, max_steps, resume=None):
         # they are): the plain twin starts from the checkpoint's weights, loaded the way that converts
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(resume, dtype=torch.float64,
-                                                     experts_implementation="eager")
+        model = AutoModelForCausalLM.from_pretrained(resume, dtype=torch.float64, experts_implementation="eager")
     shards = epmoe.apply_expert_parallel(model) if ep else None
     args = TrainingArguments(
-        output_dir=out_dir, per_device_train_batch_size=2, max_steps=max_steps, learning_rate=1e-3,
-        logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True,
-        dataloader_num_workers=0, seed=0, disable_tqdm=True,
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        max_steps=max_steps,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=2,
+        use_cpu=True,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
     )
     trainer = Trainer(model=model, args=args, train_dataset=TokenDataset(64, 12, seed=1))
     if ep:
@@ -233,13 +248,16 @@ def resume_checkpoints(rank, world, root, resume_from):
         for ep in (True, False):
             trainer_run(rank, world, f"{root}/{'ep' if ep else 'ref'}", ep=ep, max_steps=2)
         return None
-    model, shards = trainer_run(rank, world, f"{root}/ep", ep=True, max_steps=4,
-                                resume=f"{resume_from}/ep/checkpoint-2")
+    model, shards = trainer_run(
+        rank, world, f"{root}/ep", ep=True, max_steps=4, resume=f"{resume_from}/ep/checkpoint-2"
+    )
     ref, _ = trainer_run(rank, world, f"{root}/ref", ep=False, max_steps=4, resume=f"{resume_from}/ref/checkpoint-2")
     errors = {name: pair.param_error for name, pair in reference_view(model, ref, shards).items()}
     assert errors, "compared nothing"
-    moved = max((p.detach() - q.detach()).abs().max().item() for p, q in zip(
-        ref.parameters(), build_model("qwen3_moe", dtype=torch.float64, seed=0).parameters()))
+    moved = max(
+        (p.detach() - q.detach()).abs().max().item()
+        for p, q in zip(ref.parameters(), build_model("qwen3_moe", dtype=torch.float64, seed=0).parameters())
+    )
     return max(errors.values()), len(errors), moved
 
 
@@ -254,10 +272,16 @@ def parameter_counts(rank, world):
     for layer in ref.model.layers:
         layer.mlp.experts.down_proj.requires_grad_(False)
         layer.self_attn.q_proj.weight.requires_grad_(False)
-    return ([model.num_parameters(), model.num_parameters(only_trainable=True),
-             model.num_parameters(exclude_embeddings=True)],
-            [ref.num_parameters(), ref.num_parameters(only_trainable=True), ref.num_parameters(exclude_embeddings=True)],
-            epmoe.parameter_counts(model), (ref.num_parameters(only_trainable=True), ref.num_parameters()))
+    return (
+        [
+            model.num_parameters(),
+            model.num_parameters(only_trainable=True),
+            model.num_parameters(exclude_embeddings=True),
+        ],
+        [ref.num_parameters(), ref.num_parameters(only_trainable=True), ref.num_parameters(exclude_embeddings=True)],
+        epmoe.parameter_counts(model),
+        (ref.num_parameters(only_trainable=True), ref.num_parameters()),
+    )
 
 
 def exits_quietly(rank, world):

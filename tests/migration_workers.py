@@ -16,9 +16,13 @@ def migrated(path: str, ep_size: int, world: int) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    model, shards = epmoe.from_pretrained(AutoModelForCausalLM, path, dtype=torch.float64,
-                                          experts_implementation="eager",
-                                          distributed_config=DistributedConfig(ep_size=ep_size, fsdp_size=world))
+    model, shards = epmoe.from_pretrained(
+        AutoModelForCausalLM,
+        path,
+        dtype=torch.float64,
+        experts_implementation="eager",
+        distributed_config=DistributedConfig(ep_size=ep_size, fsdp_size=world),
+    )
     assert shards[0].num_local_experts * ep_size == shards[0].num_experts
     return model
 
@@ -28,10 +32,13 @@ def exact(rank: int, world: int, path: str, ep_size: int) -> dict:
     ranks' batches of different lengths) from the unsharded model, gradients averaged over ranks."""
     ref = _train(_load(path, dtype=torch.float64), rank, 0, reduce=True)
     got = _train(migrated(path, ep_size, world), rank, 0, reduce=False)
-    return {"loss": max(map(_rel, got["loss"], ref["loss"])),
-            "grads": max(_rel(step[name], ref_step[name]) for step, ref_step in zip(got["grads"], ref["grads"])
-                         for name in ref_step),
-            "compared": len(ref["grads"][0])}
+    return {
+        "loss": max(map(_rel, got["loss"], ref["loss"])),
+        "grads": max(
+            _rel(step[name], ref_step[name]) for step, ref_step in zip(got["grads"], ref["grads"]) for name in ref_step
+        ),
+        "compared": len(ref["grads"][0]),
+    }
 
 
 def refusals(rank: int, world: int, path: str) -> dict:
@@ -51,19 +58,21 @@ def refusals(rank: int, world: int, path: str) -> dict:
 
     attempt("apply_expert_parallel", lambda: epmoe.apply_expert_parallel(loaded))
     out["still transformers'"] = epmoe.ep_model(loaded) is None
-    for case, config in (("tp_size", DistributedConfig(ep_size=2, tp_size=2, fsdp_size=1)),
-                         ("ep_implementation", DistributedConfig(ep_size=2, fsdp_size=2,
-                                                                 ep_implementation="all_reduce")),
-                         ("fsdp_size", DistributedConfig(ep_size=2, fsdp_size=2 * world))):
-        attempt(case, lambda config=config: epmoe.from_pretrained(AutoModelForCausalLM, path,
-                                                                  distributed_config=config))
-    attempt("not a DistributedConfig", lambda: epmoe.from_pretrained(AutoModelForCausalLM, path,
-                                                                     distributed_config={"ep_size": 2}))
+    for case, config in (
+        ("tp_size", DistributedConfig(ep_size=2, tp_size=2, fsdp_size=1)),
+        ("ep_implementation", DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation="all_reduce")),
+        ("fsdp_size", DistributedConfig(ep_size=2, fsdp_size=2 * world)),
+    ):
+        attempt(
+            case, lambda config=config: epmoe.from_pretrained(AutoModelForCausalLM, path, distributed_config=config)
+        )
+    attempt(
+        "not a DistributedConfig",
+        lambda: epmoe.from_pretrained(AutoModelForCausalLM, path, distributed_config={"ep_size": 2}),
+    )
     dist.barrier()
     return out
 
 
 def two_ranks(rank: int, world: int, path: str) -> dict:
     return {"exact": exact(rank, world, path, world), "refusals": refusals(rank, world, path)}
-
-

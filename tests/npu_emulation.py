@@ -67,8 +67,10 @@ def _check_layout(t: torch.Tensor, name: str, *, allow_transposed: bool) -> bool
         return False
     if allow_transposed and _transposed(t):
         return True
-    raise NpuOpError(f"{name}: only a contiguous{' or transposed' if allow_transposed else ''} ND tensor is supported, "
-                     f"got shape {tuple(t.shape)} strides {t.stride()}")
+    raise NpuOpError(
+        f"{name}: only a contiguous{' or transposed' if allow_transposed else ''} ND tensor is supported, "
+        f"got shape {tuple(t.shape)} strides {t.stride()}"
+    )
 
 
 def _check_inner(t: torch.Tensor, name: str, transposed: bool) -> None:
@@ -119,13 +121,39 @@ class FakeTorchNpu(types.ModuleType):
         self.swiglu_calls: list[tuple[torch.Size, int]] = []
 
     def npu_grouped_matmul(
-        self, x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
-        per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
-        activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
-        output_dtype=None, tuning_config=None,
+        self,
+        x,
+        weight,
+        *,
+        bias=None,
+        scale=None,
+        offset=None,
+        antiquant_scale=None,
+        antiquant_offset=None,
+        per_token_scale=None,
+        group_list=None,
+        activation_input=None,
+        activation_quant_scale=None,
+        activation_quant_offset=None,
+        split_item=0,
+        group_type=None,
+        group_list_type=0,
+        act_type=0,
+        output_dtype=None,
+        tuning_config=None,
     ) -> list[torch.Tensor]:
-        extras = (bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale, activation_input,
-                  activation_quant_scale, activation_quant_offset, tuning_config)
+        extras = (
+            bias,
+            scale,
+            offset,
+            antiquant_scale,
+            antiquant_offset,
+            per_token_scale,
+            activation_input,
+            activation_quant_scale,
+            activation_quant_offset,
+            tuning_config,
+        )
         if any(e is not None for e in extras) or act_type != 0:
             raise NotImplementedError("bias, quantization and fused activations are not emulated")
         if not (isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple))):
@@ -180,8 +208,9 @@ class FakeTorchNpu(types.ModuleType):
         if a.dim() != 2 or w.dim() != 2:
             raise NpuOpError(f"group_type=2 needs a 2-D x and weight, got {tuple(a.shape)} and {tuple(w.shape)}")
         if not a.transpose(0, 1).is_contiguous():
-            raise NpuOpError("x: group_type=2 needs x as a transposed view (x_TK.t()); a contiguous copy "
-                             "loses the transpose flag")
+            raise NpuOpError(
+                "x: group_type=2 needs x as a transposed view (x_TK.t()); a contiguous copy loses the transpose flag"
+            )
         _check_layout(w, "weight", allow_transposed=False)
         _check_inner(a, "x", True)
         _check_inner(w, "weight", False)

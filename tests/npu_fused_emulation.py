@@ -69,20 +69,52 @@ class EmulatedTorchNpu:
     # -- the ops ---------------------------------------------------------------------------------
 
     def npu_alltoallv_gmm(
-        self, gmm_x, gmm_weight, hcom, ep_world_size, send_counts, recv_counts, *, send_counts_tensor=None,
-        recv_counts_tensor=None, mm_x=None, mm_weight=None, trans_gmm_weight=False, trans_mm_weight=False,
+        self,
+        gmm_x,
+        gmm_weight,
+        hcom,
+        ep_world_size,
+        send_counts,
+        recv_counts,
+        *,
+        send_counts_tensor=None,
+        recv_counts_tensor=None,
+        mm_x=None,
+        mm_weight=None,
+        trans_gmm_weight=False,
+        trans_mm_weight=False,
         permute_out_flag=False,
     ):
-        group, e = self._check("npu_alltoallv_gmm", gmm_x, gmm_weight, hcom, ep_world_size, send_counts,
-                               recv_counts, send_counts_tensor, recv_counts_tensor, mm_x, mm_weight, trans_mm_weight)
-        self.calls.append(FusedCall("npu_alltoallv_gmm", list(send_counts), list(recv_counts), trans_gmm_weight,
-                                    permute_out_flag, mm_x is not None))
+        group, e = self._check(
+            "npu_alltoallv_gmm",
+            gmm_x,
+            gmm_weight,
+            hcom,
+            ep_world_size,
+            send_counts,
+            recv_counts,
+            send_counts_tensor,
+            recv_counts_tensor,
+            mm_x,
+            mm_weight,
+            trans_mm_weight,
+        )
+        self.calls.append(
+            FusedCall(
+                "npu_alltoallv_gmm",
+                list(send_counts),
+                list(recv_counts),
+                trans_gmm_weight,
+                permute_out_flag,
+                mm_x is not None,
+            )
+        )
         W = ep_world_size
         with torch.no_grad():
             send_offsets = _prefix(send_counts)
             received = []
             for j in range(e):  # one AlltoAllV per local expert
-                blocks = [gmm_x[send_offsets[r * e + j]:send_offsets[r * e + j + 1]] for r in range(W)]
+                blocks = [gmm_x[send_offsets[r * e + j] : send_offsets[r * e + j + 1]] for r in range(W)]
                 out_splits = [recv_counts[s * e + j] for s in range(W)]
                 out = gmm_x.new_empty(sum(out_splits), gmm_x.shape[1])
                 dist.all_to_all_single(out, torch.cat(blocks), out_splits, [b.shape[0] for b in blocks], group=group)
@@ -93,13 +125,40 @@ class EmulatedTorchNpu:
         return gmm_y, mm_y, permute_out if permute_out_flag else gmm_x.new_empty(0)
 
     def npu_gmm_alltoallv(
-        self, gmm_x, gmm_weight, hcom, ep_world_size, send_counts, recv_counts, *, send_counts_tensor=None,
-        recv_counts_tensor=None, mm_x=None, mm_weight=None, trans_gmm_weight=False, trans_mm_weight=False,
+        self,
+        gmm_x,
+        gmm_weight,
+        hcom,
+        ep_world_size,
+        send_counts,
+        recv_counts,
+        *,
+        send_counts_tensor=None,
+        recv_counts_tensor=None,
+        mm_x=None,
+        mm_weight=None,
+        trans_gmm_weight=False,
+        trans_mm_weight=False,
     ):
-        group, e = self._check("npu_gmm_alltoallv", gmm_x, gmm_weight, hcom, ep_world_size, send_counts,
-                               recv_counts, send_counts_tensor, recv_counts_tensor, mm_x, mm_weight, trans_mm_weight)
-        self.calls.append(FusedCall("npu_gmm_alltoallv", list(send_counts), list(recv_counts), trans_gmm_weight,
-                                    False, mm_x is not None))
+        group, e = self._check(
+            "npu_gmm_alltoallv",
+            gmm_x,
+            gmm_weight,
+            hcom,
+            ep_world_size,
+            send_counts,
+            recv_counts,
+            send_counts_tensor,
+            recv_counts_tensor,
+            mm_x,
+            mm_weight,
+            trans_mm_weight,
+        )
+        self.calls.append(
+            FusedCall(
+                "npu_gmm_alltoallv", list(send_counts), list(recv_counts), trans_gmm_weight, False, mm_x is not None
+            )
+        )
         W = ep_world_size
         with torch.no_grad():
             n_out = gmm_weight.shape[1] if trans_gmm_weight else gmm_weight.shape[2]
@@ -108,22 +167,35 @@ class EmulatedTorchNpu:
             row = 0
             for j in range(e):  # expert j's matmul, then its AlltoAllV
                 in_splits = [send_counts[s * e + j] for s in range(W)]
-                gmm_y_j = _mm(gmm_x[row:row + sum(in_splits)], gmm_weight[j], trans_gmm_weight)
+                gmm_y_j = _mm(gmm_x[row : row + sum(in_splits)], gmm_weight[j], trans_gmm_weight)
                 row += sum(in_splits)
                 out_splits = [recv_counts[r * e + j] for r in range(W)]
                 out = gmm_x.new_empty(sum(out_splits), n_out)
                 dist.all_to_all_single(out, gmm_y_j.contiguous(), out_splits, in_splits, group=group)
                 start = 0
                 for r in range(W):  # the receive offsets are rank-major: the communication unpermutes
-                    y[recv_offsets[r * e + j]:recv_offsets[r * e + j + 1]] = out[start:start + out_splits[r]]
+                    y[recv_offsets[r * e + j] : recv_offsets[r * e + j + 1]] = out[start : start + out_splits[r]]
                     start += out_splits[r]
             mm_y = _mm(mm_x, mm_weight, trans_mm_weight) if mm_x is not None else gmm_x.new_empty(0)
         return y, mm_y
 
     # -- the documented constraints --------------------------------------------------------------
 
-    def _check(self, op, gmm_x, gmm_weight, hcom, W, send_counts, recv_counts, send_tensor, recv_tensor,
-               mm_x, mm_weight, trans_mm_weight):
+    def _check(
+        self,
+        op,
+        gmm_x,
+        gmm_weight,
+        hcom,
+        W,
+        send_counts,
+        recv_counts,
+        send_tensor,
+        recv_tensor,
+        mm_x,
+        mm_weight,
+        trans_mm_weight,
+    ):
         if not isinstance(hcom, str) or not 0 < len(hcom) < 128 or hcom not in self.groups:
             raise FusedOpError(f"{op}: unknown or invalid hcom {hcom!r}")
         group = self.groups[hcom]
@@ -152,7 +224,7 @@ class EmulatedTorchNpu:
             if not 0 < sum(counts) < ROWS_LIMIT:
                 raise FusedOpError(f"{op}: {name} total {sum(counts)} not in (0, {ROWS_LIMIT})")
             for peer in range(W):  # per peer, counted with the input width H1 (also for the combine)
-                volume = sum(counts[peer * e:(peer + 1) * e]) * gmm_x.shape[1] * gmm_x.element_size()
+                volume = sum(counts[peer * e : (peer + 1) * e]) * gmm_x.shape[1] * gmm_x.element_size()
                 if not self.min_peer_bytes <= volume <= self.max_peer_bytes:
                     raise FusedOpError(f"{op}: {name} volume {volume} B with rank {peer} out of range")
         if (mm_x is None) != (mm_weight is None):

@@ -23,14 +23,26 @@ def _dpo_trainer(model, out_dir):
     from trl import DPOConfig, DPOTrainer
 
     words = [f"w{i}" for i in range(60)]
-    pairs = Dataset.from_dict({
-        "prompt": [" ".join(words[(5 * i + j) % 60] for j in range(2 + i % 3)) for i in range(8)],
-        "chosen": [" ".join(words[(3 * i + j) % 60] for j in range(1 + i % 4)) for i in range(8)],
-        "rejected": [" ".join(words[(11 * i + j) % 60] for j in range(2 + i % 2)) for i in range(8)],
-    })
-    args = DPOConfig(output_dir=out_dir, per_device_train_batch_size=2, max_steps=2, learning_rate=5e-2, seed=0,
-                     use_cpu=True, report_to=[], save_strategy="no", logging_steps=1, bf16=False,
-                     model_init_kwargs=EAGER)  # the reference TRL loads from the path
+    pairs = Dataset.from_dict(
+        {
+            "prompt": [" ".join(words[(5 * i + j) % 60] for j in range(2 + i % 3)) for i in range(8)],
+            "chosen": [" ".join(words[(3 * i + j) % 60] for j in range(1 + i % 4)) for i in range(8)],
+            "rejected": [" ".join(words[(11 * i + j) % 60] for j in range(2 + i % 2)) for i in range(8)],
+        }
+    )
+    args = DPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=5e-2,
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        bf16=False,
+        model_init_kwargs=EAGER,
+    )  # the reference TRL loads from the path
     return DPOTrainer(model=model, ref_model=None, args=args, train_dataset=pairs, processing_class=_tokenizer())
 
 
@@ -38,14 +50,33 @@ def _grpo_trainer(model, out_dir):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    prompts = Dataset.from_dict({"prompt": [" ".join(f"w{(7 * i + j) % 60}" for j in range(2 + i % 3))
-                                            for i in range(16)]})
-    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=2, steps_per_generation=2, num_generations=4,
-                      max_completion_length=4, max_steps=2, learning_rate=5e-2, seed=0, use_cpu=True, report_to=[],
-                      save_strategy="no", logging_steps=1, bf16=False, beta=0.5,  # a KL term: TRL loads a reference
-                      model_init_kwargs=EAGER)
-    return GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [float(len(c.split())) for c in completions],
-                       args=args, train_dataset=prompts, processing_class=_tokenizer())
+    prompts = Dataset.from_dict(
+        {"prompt": [" ".join(f"w{(7 * i + j) % 60}" for j in range(2 + i % 3)) for i in range(16)]}
+    )
+    args = GRPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=2,
+        steps_per_generation=2,
+        num_generations=4,
+        max_completion_length=4,
+        max_steps=2,
+        learning_rate=5e-2,
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        bf16=False,
+        beta=0.5,  # a KL term: TRL loads a reference
+        model_init_kwargs=EAGER,
+    )
+    return GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **_: [float(len(c.split())) for c in completions],
+        args=args,
+        train_dataset=prompts,
+        processing_class=_tokenizer(),
+    )
 
 
 def _train(path, out_dir, ep, make_trainer):
@@ -92,7 +123,7 @@ def reference_parity(rank, world, out_dir):
         for param_name, param in ep_model.named_parameters():
             full = reference[param_name]
             if param.shape != full.shape:  # an expert shard: this rank's rows
-                full = full[rank * param.shape[0]:(rank + 1) * param.shape[0]]
+                full = full[rank * param.shape[0] : (rank + 1) * param.shape[0]]
             worst = max(worst, ((param - full).abs().max() / full.abs().max().clamp_min(1e-12)).item())
         out[name] = {"max_rel": worst, "ep": ep_checks, "ddp_losses": ddp_checks["losses"]}
     return out
@@ -119,7 +150,12 @@ def reference_weights(rank, world):
         with torch.no_grad():
             got, want = ref(ids), other(ids)
         got, want = getattr(got, "logits", got), getattr(want, "logits", want)
-        out[family] = {"max_abs": (got - want).abs().max().item(), "ref_bytes": _param_bytes(ref),
-                       "policy_bytes": _param_bytes(policy), "full_bytes": _param_bytes(other),
-                       "frozen": not any(p.requires_grad for p in ref.parameters()), "eval": not ref.training}
+        out[family] = {
+            "max_abs": (got - want).abs().max().item(),
+            "ref_bytes": _param_bytes(ref),
+            "policy_bytes": _param_bytes(policy),
+            "full_bytes": _param_bytes(other),
+            "frozen": not any(p.requires_grad for p in ref.parameters()),
+            "eval": not ref.training,
+        }
     return out

@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 
 import epmoe
-from epmoe.models import build_model
 from ep_workers import batch_of, max_rel
+from epmoe.models import build_model
 
 ROUTER_NAMES = ("gate.weight", "router.weight")
 
@@ -45,9 +45,11 @@ def replay_parity(rank, world, family):
         out = model(sequences, labels=sequences)
     out.loss.backward()
     length = sequences.shape[1]
-    routes = rec.routes_by_position()[:, :, :length - 1]  # this rank's positions (the last token: never an input)
-    errors = {"record_during_replay": int(not torch.equal(during.routes_by_position()[:, :, :length - 1], routes)),
-              "replay_changes_the_loss": float((out.loss - unreplayed).abs() > 1e-8)}
+    routes = rec.routes_by_position()[:, :, : length - 1]  # this rank's positions (the last token: never an input)
+    errors = {
+        "record_during_replay": int(not torch.equal(during.routes_by_position()[:, :, : length - 1], routes)),
+        "replay_changes_the_loss": float((out.loss - unreplayed).abs() > 1e-8),
+    }
 
     with epmoe.replay_routing(ep1, routes):
         ep1_out = ep1(sequences, labels=sequences)
@@ -55,8 +57,11 @@ def replay_parity(rank, world, family):
     everyone = [None] * world
     dist.all_gather_object(everyone, (sequences, routes))
     ref_params = dict(ref.named_parameters())
-    expert_names = {f"{s.module_name}.{n}" for s in shards
-                    for n, _ in model.get_submodule(s.module_name).named_parameters(recurse=False)}
+    expert_names = {
+        f"{s.module_name}.{n}"
+        for s in shards
+        for n, _ in model.get_submodule(s.module_name).named_parameters(recurse=False)
+    }
     expert_sum = {name: torch.zeros_like(ref_params[name]) for name in expert_names}
     for source, (source_sequences, source_routes) in enumerate(everyone):
         ref.zero_grad()
@@ -78,11 +83,15 @@ def _gradient_errors(model, ep1, shards, own, expert_sum):
     expert gradients: summed over the ranks' batches) and against the EP-1 model's."""
     errors = {"grads_vs_no_ep": 0.0, "grads_vs_ep1": 0.0, "compared": 0}
     ep1_grads = dict(ep1.named_parameters())
-    local = {f"{s.module_name}.{n}": s for s in shards for n, _ in model.get_submodule(s.module_name).named_parameters(recurse=False)}
+    local = {
+        f"{s.module_name}.{n}": s
+        for s in shards
+        for n, _ in model.get_submodule(s.module_name).named_parameters(recurse=False)
+    }
     for name, param in model.named_parameters():
         assert param.grad is not None, f"{name} has no gradient under replay"
         shard = local.get(name)
-        full = own[name] if shard is None else expert_sum[name][shard.local_start:shard.local_end]
+        full = own[name] if shard is None else expert_sum[name][shard.local_start : shard.local_end]
         errors["grads_vs_no_ep"] = max(errors["grads_vs_no_ep"], max_rel(param.grad, full))
         if shard is None:  # EP 1 holds every expert; its expert gradients come from this rank's batch only
             errors["grads_vs_ep1"] = max(errors["grads_vs_ep1"], max_rel(param.grad, ep1_grads[name].grad))

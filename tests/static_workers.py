@@ -21,8 +21,11 @@ from epmoe.models import build_model
 
 def _differences(pairs):
     """``{name: max |a - b|}`` of the pairs that are not bitwise equal (``{}``: all equal)."""
-    return {name: (a.double() - b.double()).abs().max().item() if a.shape == b.shape else "shape"
-            for name, (a, b) in pairs.items() if not torch.equal(a, b)}
+    return {
+        name: (a.double() - b.double()).abs().max().item() if a.shape == b.shape else "shape"
+        for name, (a, b) in pairs.items()
+        if not torch.equal(a, b)
+    }
 
 
 def _step(model, ids):
@@ -60,8 +63,11 @@ def model_static_vs_dynamic(rank, world, family, dtype_name, lengths, scenario="
     want, got = _step(dynamic, ids), _step(static, ids)
     assert set(want) == set(got), sorted(set(want) ^ set(got))
     names = {state.transport.name for _, _, state in epmoe.ep.state.ep_states(static)}
-    return {"differences": _differences({n: (got[n], want[n]) for n in want}), "compared": len(want),
-            "transport": sorted(names)}
+    return {
+        "differences": _differences({n: (got[n], want[n]) for n in want}),
+        "compared": len(want),
+        "transport": sorted(names),
+    }
 
 
 def layer_static_vs_dynamic(rank, world, case_names, dtype_name="float64", config=None):
@@ -85,8 +91,12 @@ def layer_static_vs_dynamic(rank, world, case_names, dtype_name="float64", confi
             w = weights.to(dtype).requires_grad_(True)
             y = experts(h, index, w)
             (y * grad_out.to(dtype)).sum().backward()
-            found[label] = {"out": y.detach(), "hidden_grad": h.grad, "weights_grad": w.grad,
-                            **{n: p.grad for n, p in experts.named_parameters()}}
+            found[label] = {
+                "out": y.detach(),
+                "hidden_grad": h.grad,
+                "weights_grad": w.grad,
+                **{n: p.grad for n, p in experts.named_parameters()},
+            }
         out[name] = _differences({n: (found["static"][n], found["dynamic"][n]) for n in found["dynamic"]})
     return out
 
@@ -95,9 +105,8 @@ def no_host_read(rank, world, static_tokens):
     """A layer's forward + backward at EP 2 in float32 (``torch`` grouped-matmul backend) with
     ``check_steps`` off: the host reads and exchanges of the first call and of a second one, for
     both transports."""
-    from host_reads import counting_host_reads
-
     from epmoe.comm import count_traffic
+    from host_reads import counting_host_reads
 
     base = base_model("qwen3_moe").float()
     out = {}
@@ -127,8 +136,9 @@ def overflow(rank, world, check_steps, static_tokens):
     base = base_model("qwen3_moe")
     dynamic, static = copy.deepcopy(base), copy.deepcopy(base)
     epmoe.apply_expert_parallel(dynamic, config={"dispatch": "alltoallv"})
-    epmoe.apply_expert_parallel(static, config={"dispatch": "static", "check_steps": check_steps,
-                                                "static_tokens": static_tokens})
+    epmoe.apply_expert_parallel(
+        static, config={"dispatch": "static", "check_steps": check_steps, "static_tokens": static_tokens}
+    )
     results = []
     for step, lengths in enumerate(([4, 4], [4, 9], [3, 2])):  # rank 1 grows at the second forward
         hidden, index, weights, _ = make_inputs(40 + step, rank, lengths[rank % 2], 2, "random", None, world)
@@ -208,8 +218,12 @@ def compiled_static(rank, world, static_tokens=24):
         for name, g in grads_e.items():
             rel = (grads_c[name] - g).abs().max() / g.abs().max().clamp_min(1e-30)
             grad_diff = max(grad_diff, rel.item())
-    return {"loss_diff": loss_diff, "grad_diff": grad_diff, "logits_close": logits_close,
-            "sites": break_sites(make(), ids)}
+    return {
+        "loss_diff": loss_diff,
+        "grad_diff": grad_diff,
+        "logits_close": logits_close,
+        "sites": break_sites(make(), ids),
+    }
 
 
 def wrapped_static_vs_dynamic(rank, world, wrap):
@@ -239,10 +253,14 @@ def wrapped_static_vs_dynamic(rank, world, wrap):
         model = fsdp2(model) if wrap == "fsdp2" else DDP(model)
         for step in range(2):
             ids = batch_of(rank, [5 + step, 9, 7, 4])
-            found[dispatch, step] = {name: t.full_tensor() if isinstance(t, DTensor) else t
-                                     for name, t in _step(model, ids).items()}
-    pairs = {f"{name}/{step}": (found["static", step][name], found["alltoallv", step][name])
-             for step in range(2) for name in found["alltoallv", step]}
+            found[dispatch, step] = {
+                name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in _step(model, ids).items()
+            }
+    pairs = {
+        f"{name}/{step}": (found["static", step][name], found["alltoallv", step][name])
+        for step in range(2)
+        for name in found["alltoallv", step]
+    }
     return {"differences": _differences(pairs), "compared": len(pairs)}
 
 
@@ -278,17 +296,20 @@ def auto_generate(rank, world):
             if state.model.root is auto:
                 calls[label, cls.name] = calls.get((label, cls.name), 0) + 1 / layers
             return originals[cls](self, state, *args, **kwargs)
+
         return dispatch
 
     g = torch.Generator().manual_seed(5 + rank)
     prompt = torch.randint(0, 200, ([1, 3][rank], [5, 7][rank]), generator=g)
-    runs = {"cached": dict(max_new_tokens=[6, 4][rank], min_new_tokens=[6, 4][rank]),
-            "no_cache": dict(max_new_tokens=4, use_cache=False)}
+    runs = {
+        "cached": dict(max_new_tokens=[6, 4][rank], min_new_tokens=[6, 4][rank]),
+        "no_cache": dict(max_new_tokens=4, use_cache=False),
+    }
     equal = []
     try:
         for cls in originals:
             cls.dispatch = counted(cls)
-        for label, kwargs in runs.items():
+        for kwargs in runs.values():
             with torch.no_grad():
                 want = dynamic.generate(prompt, do_sample=False, pad_token_id=0, **kwargs)
                 got = auto.generate(prompt, do_sample=False, pad_token_id=0, **kwargs)
@@ -302,5 +323,8 @@ def auto_generate(rank, world):
         for cls, dispatch in originals.items():
             cls.dispatch = dispatch
     dist.barrier()
-    return {"equal": equal, "calls": {f"{k[0]}/{k[1]}": round(v, 6) for k, v in calls.items()},
-            "transports": sorted({state.transport.name for _, _, state in epmoe.ep.state.ep_states(auto)})}
+    return {
+        "equal": equal,
+        "calls": {f"{k[0]}/{k[1]}": round(v, 6) for k, v in calls.items()},
+        "transports": sorted({state.transport.name for _, _, state in epmoe.ep.state.ep_states(auto)}),
+    }

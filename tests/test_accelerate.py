@@ -8,9 +8,9 @@ import functools
 
 import pytest
 
+from accelerate_workers import two_rank_checks
 from epmoe.launch import run_ranks
 from rank_checks import of
-from accelerate_workers import two_rank_checks
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")

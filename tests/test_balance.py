@@ -23,7 +23,9 @@ def test_expert_load_is_the_unsharded_histogram_on_every_rank():
     for by_check in results():
         seen = by_check["telemetry"]
         assert seen["load"] == seen["want"] and seen["same_on_every_rank"], seen
-        assert all(sum(v) == 0 for v in seen["after_reset"].values()) and all(sum(v) == 0 for v in seen["dropped"].values())
+        assert all(sum(v) == 0 for v in seen["after_reset"].values()) and all(
+            sum(v) == 0 for v in seen["dropped"].values()
+        )
         for name, summary in seen["summary"].items():
             counts = seen["load"][name]
             assert summary["max_over_mean"] == pytest.approx(max(counts) / (sum(counts) / len(counts)))

@@ -75,8 +75,9 @@ def test_counts_are_seeded_and_sum_to_rows():
 
 
 def test_ceiling_times_each_rows_per_call_against_one_mm(one_thread):
-    case = gmm.Case("small", "4 groups of 128 rows on average", num_experts=4, hidden=32, intermediate=16,
-                    tokens=512, top_k=1, ep=1)
+    case = gmm.Case(
+        "small", "4 groups of 128 rows on average", num_experts=4, hidden=32, intermediate=16, tokens=512, top_k=1, ep=1
+    )
     settings = common.Settings(torch.device("cpu"), 1, 0, 1, 0, True, None)
     ceiling = gmm.run_ceiling([case, gmm.QUICK_CASES[0]], settings)  # tiny: 32 rows per group, left out
     assert set(ceiling) == {(32, 32, 512), (16, 32, 512)}
@@ -97,10 +98,18 @@ def _row(case, label, backend, seconds, spread, auto=False):
 
 
 def test_summary_counts_a_difference_only_beyond_the_row_noise():
-    quiet = [_row("quiet", "torch", "torch", 1.3, 0.02), _row("quiet", "loop", "loop", 1.0, 0.02),
-             _row("quiet", "auto (torch)", "torch", 1.3, 0.02, auto=True), _row("quiet", "dense mm", None, 1.0, 0.0)]
-    noisy = [_row("noisy", "torch", "torch", 1.3, 0.8), _row("noisy", "loop", "loop", 1.0, 0.05),
-             _row("noisy", "auto (torch)", "torch", 1.3, 0.05, auto=True), _row("noisy", "dense mm", None, 1.0, 0.0)]
+    quiet = [
+        _row("quiet", "torch", "torch", 1.3, 0.02),
+        _row("quiet", "loop", "loop", 1.0, 0.02),
+        _row("quiet", "auto (torch)", "torch", 1.3, 0.02, auto=True),
+        _row("quiet", "dense mm", None, 1.0, 0.0),
+    ]
+    noisy = [
+        _row("noisy", "torch", "torch", 1.3, 0.8),
+        _row("noisy", "loop", "loop", 1.0, 0.05),
+        _row("noisy", "auto (torch)", "torch", 1.3, 0.05, auto=True),
+        _row("noisy", "dense mm", None, 1.0, 0.0),
+    ]
     lines = gmm.summarize(quiet + noisy)
     torch_line = next(line for line in lines if line.startswith("- `torch` time"))
     assert "slower beyond noise in: quiet gate_up fp32 fwd (1.30)." in torch_line
@@ -128,8 +137,13 @@ def test_markdown_table_and_flops():
 @pytest.mark.multirank
 def test_gpu_check_exits_clearly_without_cuda():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(ROOT / "src"))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1
     assert "no CUDA device" in done.stderr
 
@@ -140,19 +154,34 @@ def test_gpu_check_runs_every_section_as_a_cpu_smoke_test(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "gpu.md"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     report = out.read_text()
-    for section in ("## Correctness: batched, torch, loop", "## Grouped matmul", "## The MoE block",
-                    "## torch.compile of the MoE block vs eager", "## Peak device memory",
-                    '## dispatch="static": a decode step in a CUDA graph, a compiled training step'):
+    for section in (
+        "## Correctness: batched, torch, loop",
+        "## Grouped matmul",
+        "## The MoE block",
+        "## torch.compile of the MoE block vs eager",
+        "## Peak device memory",
+        '## dispatch="static": a decode step in a CUDA graph, a compiled training step',
+    ):
         assert section in report, section
     assert "torch.compile failed" not in report and "failed:" not in report
     assert "|   2 | train  |" in report and "one graph (fullgraph=True)" in report
     assert report.count("- ok: counts") == 4 and "epmoe <= 0.8x" in report
-    cuda_only = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu"],
-                               env=env, capture_output=True, text=True, timeout=120)
+    cuda_only = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cuda_only.returncode == 1 and "only with --quick" in cuda_only.stderr
 
 
@@ -176,15 +205,23 @@ def test_bench_versus_quick(tmp_path, capsys):
     out = tmp_path / "versus.md"
     assert main(["bench", "versus", "--quick", "--warmup", "0", "--repeats", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    rows = {r[0]: r[1:] for r in ([c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines()
-                                  if line.startswith("|"))}
+    rows = {
+        r[0]: r[1:]
+        for r in (
+            [c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines() if line.startswith("|")
+        )
+    }
     for system in ("epmoe", "transformers"):
         verdict = rows[f"{system} exact vs the unsharded model (5 AdamW steps, fp64)"][0]
         assert verdict.startswith(("exact (loss ", "NOT exact (loss ", "error: ")), verdict
     assert rows["step time ms (fwd + bwd + AdamW)"][2].startswith("step time ratio ")
-    for figure in ("peak memory per rank MiB (step)", "saved activations per MoE layer KiB",
-                   "bytes to peers per MoE layer KiB (fwd + bwd)", "host reads per MoE layer (fwd + bwd)",
-                   "collectives per MoE layer (fwd + bwd)"):
+    for figure in (
+        "peak memory per rank MiB (step)",
+        "saved activations per MoE layer KiB",
+        "bytes to peers per MoE layer KiB (fwd + bwd)",
+        "host reads per MoE layer (fwd + bwd)",
+        "collectives per MoE layer (fwd + bwd)",
+    ):
         assert float(rows[figure][0]) >= 0 and float(rows[figure][1]) > 0, (figure, rows[figure])
     assert any(key.startswith("decode batch 8 ms/token") for key in rows)
     for feature in ("families", "routing replay (RL)"):

@@ -23,10 +23,13 @@ def one_thread():
 def _table(printed: str, headers: tuple) -> list[list[str]]:
     """The rows of the printed markdown table whose header is ``headers``."""
     lines = printed.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("|")
-                  and [c.strip() for c in line.strip("|").split("|")] == list(headers))
+    header = next(
+        i
+        for i, line in enumerate(lines)
+        if line.startswith("|") and [c.strip() for c in line.strip("|").split("|")] == list(headers)
+    )
     rows = []
-    for line in lines[header + 2:]:
+    for line in lines[header + 2 :]:
         if not line.startswith("|"):
             break
         rows.append([c.strip() for c in line.strip("|").split("|")])
@@ -42,8 +45,10 @@ def test_bench_layer_quick_ep1(tmp_path, capsys, one_thread):
     assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)
     assert next(r for r in rows if r[1] == layer.EPMOE)[4] == "1.00"
     split = _table(printed, layer.SPLIT_HEADERS)
-    assert [r[1] for r in split[:2]] == ["grouped matmuls (gate_up + down, fwd + bwd), in the step",
-                                         "outside the grouped matmuls, in the step"] and len(split) == 5
+    assert [r[1] for r in split[:2]] == [
+        "grouped matmuls (gate_up + down, fwd + bwd), in the step",
+        "outside the grouped matmuls, in the step",
+    ] and len(split) == 5
     in_step = [float(r[3].rstrip("%")) for r in split[:2]]
     assert all(0 <= share <= 100 for share in in_step) and 99 <= sum(in_step) <= 101  # shares of one step
     assert in_step[0] > 0  # the profile sees the grouped matmuls wherever they run (inside routed_mlp too)
@@ -120,7 +125,12 @@ def test_lean_ep1_keeps_the_bound_and_times_both_blocks(one_thread):
     shape = lean.QUICK_PLAN.shapes[0]
     H, I, K, E = shape.hidden, shape.intermediate, shape.top_k, shape.num_experts
     assert [value for _, value in lean.kept_formulas(shape)] == [
-        K * (2 * H + 4 * I), K * (H + 3 * I), K * (H + 2 * I), H + 2 * K * I, H + 2 * K * I + E]
+        K * (2 * H + 4 * I),
+        K * (H + 3 * I),
+        K * (H + 2 * I),
+        H + 2 * K * I,
+        H + 2 * K * I + E,
+    ]
     result = lean.run_ep1(shape, settings)
     assert H + 2 * K * I + E <= result.saved[layer.EPMOE] <= H + 2 * K * I + E + 10 * K
     assert result.saved[layer.GROUPED] >= K * (2 * H + 4 * I)
@@ -140,14 +150,14 @@ def test_bench_layer_quick_lean(tmp_path, capsys, one_thread):
 
     saved = _table(printed, lean.SAVED_HEADERS)
     assert len(saved) == len(shapes) * 7
-    for name, shape in shapes.items():
+    for name, _shape in shapes.items():
         rows = {r[1]: float(r[2]) for r in saved if r[0] == name}
         epmoe, grouped = rows[f"{layer.EPMOE} block, measured"], rows[f"{layer.GROUPED} block, measured"]
         assert rows["SonicMoE: H + 2KI"] < epmoe < rows["Megatron-Core, moe_act recompute: K(H + 2I)"] < grouped
 
     wire = _table(printed, lean.WIRE_HEADERS)
     assert sorted((r[0], int(r[1])) for r in wire) == sorted((n, w) for n in shapes for w in lean.WIRE_RANKS)
-    for name, ep_size, tokens, d, measured, rows_only, per_slot, ratio in wire:
+    for name, ep_size, _tokens, d, measured, rows_only, per_slot, ratio in wire:
         assert 1 <= float(d) <= min(shapes[name].top_k, int(ep_size))
         assert float(rows_only) < float(measured) < float(per_slot) and float(ratio) < 1, (name, ep_size)
 

@@ -134,8 +134,9 @@ def test_from_pretrained_peak_memory_with_the_allocators_defaults():
     from epmoe.bench.checkpoint import ALLOCATORS, measure, model_kwargs
 
     args = argparse.Namespace(experts=64, layers=4, hidden=256)  # the benchmark's defaults
-    (row,) = measure(model_kwargs(args, quick=False), (2,), variants=("epmoe.from_pretrained",),
-                     allocators=("default",))
+    (row,) = measure(
+        model_kwargs(args, quick=False), (2,), variants=("epmoe.from_pretrained",), allocators=("default",)
+    )
     assert list(ALLOCATORS)[0] == "default" and ALLOCATORS["default"] == {}
     _, _, reference, _, private_ratio, _, rss_ratio, _ = row
     assert float(reference) > 90, row  # 4 MiB non-expert + 96 MiB of 32 experts

@@ -26,14 +26,14 @@ def _exchange_worker(rank, world, e):
 
     # all_to_all_v forward and backward: rows carry their source rank and index
     x = (torch.arange(sum(send), dtype=torch.float64) + 1000 * rank).unsqueeze(1).requires_grad_()
-    in_splits = [sum(send[r * e:(r + 1) * e]) for r in range(world)]
-    out_splits = [sum(recv[s * e:(s + 1) * e]) for s in range(world)]
+    in_splits = [sum(send[r * e : (r + 1) * e]) for r in range(world)]
+    out_splits = [sum(recv[s * e : (s + 1) * e]) for s in range(world)]
     y = all_to_all_v(x, out_splits, in_splits)
     assert y.shape[0] == sum(recv)
     (y * (rank + 1)).sum().backward()
     offsets = [sum(in_splits[:r]) for r in range(world)]
     for r in range(world):
-        assert torch.all(x.grad[offsets[r]:offsets[r] + in_splits[r]] == r + 1)
+        assert torch.all(x.grad[offsets[r] : offsets[r] + in_splits[r]] == r + 1)
 
     if world != 2:  # compiling once is enough
         return True

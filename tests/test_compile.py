@@ -5,8 +5,8 @@ pinned (none where there is nothing to exchange, one site, the exchange, where t
 
 import pytest
 import torch
-from compile_workers import break_sites, compile_checks, ep_model
 
+from compile_workers import break_sites, compile_checks, ep_model
 from epmoe.launch import run_ranks
 from epmoe.models import FAMILIES
 

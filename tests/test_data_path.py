@@ -26,15 +26,24 @@ DISPATCH_FILES = ("ep/layer.py", "ep/routing.py", "ep/dispatch/")
 def test_data_path_stays_within_its_bound():
     pytest.importorskip("transformers")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "data_path.py"), "--json"], env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "data_path.py"), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     functions = [tuple(f) for f in result["functions"]]
     names = {(file, name) for file, name, _, _ in functions}
-    for step in [("ep/layer.py", "routed_experts"), ("ep/dispatch/base.py", "exchange_layer_counts"),
-                 ("ep/dispatch/alltoallv.py", "AllToAllVDispatcher.dispatch"),
-                 ("ep/dispatch/alltoallv.py", "AllToAllVDispatcher.combine"), ("ep/mlp.py", "_routed_mlp_backward_op")]:
+    for step in [
+        ("ep/layer.py", "routed_experts"),
+        ("ep/dispatch/base.py", "exchange_layer_counts"),
+        ("ep/dispatch/alltoallv.py", "AllToAllVDispatcher.dispatch"),
+        ("ep/dispatch/alltoallv.py", "AllToAllVDispatcher.combine"),
+        ("ep/mlp.py", "_routed_mlp_backward_op"),
+    ]:
         assert step in names, f"the measure missed {step}: it no longer sees the forward and backward"
     assert result["files"] == sorted({file for file, _, _, _ in functions})
     assert result["first_step"]["functions"] >= len(functions), result["first_step"]

@@ -71,7 +71,7 @@ def test_zero_1_and_2_equal_the_recipe_without_ep(results, case):
 
 
 def test_without_preparation_deepspeed_is_refused_before_a_step(results):
-    for rank, by_case in enumerate(results):
+    for by_case in results:
         assert "epmoe.prepare_deepspeed(model)" in by_case["unprepared_initialize"], by_case["unprepared_initialize"]
         message, steps = by_case["unprepared_trainer"]
         assert "epmoe.prepare_trainer(trainer)" in message and steps == 0, (message, steps)
@@ -137,11 +137,13 @@ def test_zero3_on_an_ep_by_dp_mesh_equals_the_recipe_without_ep(mesh_results, ca
 
 def test_zero3_nvme_offload_is_refused_before_a_step_naming_the_option(results):
     for by_case in results:
-        for case, caller in (("zero3_nvme_param_initialize", "deepspeed.initialize"),
-                             ("zero3_nvme_optimizer_initialize", "deepspeed.initialize"),
-                             ("zero3_nvme_param_trainer", "prepare_trainer(trainer)"),
-                             ("zero3_nvme_optimizer_trainer", "prepare_trainer(trainer)"),
-                             ("zero3_nvme_optimizer_accelerate", "prepare_accelerator(accelerator)")):
+        for case, caller in (
+            ("zero3_nvme_param_initialize", "deepspeed.initialize"),
+            ("zero3_nvme_optimizer_initialize", "deepspeed.initialize"),
+            ("zero3_nvme_param_trainer", "prepare_trainer(trainer)"),
+            ("zero3_nvme_optimizer_trainer", "prepare_trainer(trainer)"),
+            ("zero3_nvme_optimizer_accelerate", "prepare_accelerator(accelerator)"),
+        ):
             got = by_case[case]
             message, steps = got if isinstance(got, (tuple, list)) else (got, 0)
             option = "offload_param" if "_param_" in case else "offload_optimizer"

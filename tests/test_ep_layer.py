@@ -16,8 +16,8 @@ from torch import nn
 import epmoe
 from ep_layer_workers import (
     CASES_2,
-    base_model,
     bad_index_shape_run,
+    base_model,
     experts_of,
     four_rank_run,
     make_inputs,
@@ -71,11 +71,22 @@ def assert_case(results, label):
 TWO_RANK_LABELS = (
     [f"qwen3_moe/default/{name}" for name in CASES_2]
     + [f"gpt_oss/default/{name}" for name in CASES_2]
-    + [f"{variant}/{name}" for variant in ("qwen3_moe/new_group", "qwen3_moe/mesh_1d", "qwen3_moe/fused_chunks2",
-                                          "gpt_oss/fused", "qwen3_moe/own_group_of_one")
-       for name in ("random_k2", "rank_with_zero_tokens", "rank_receives_nothing")]
-    + [f"{variant}/{name}" for variant in ("qwen3_moe/bf16", "gpt_oss/bf16")
-       for name in ("random_k2", "all_on_one_expert_k2", "top_k_4")]
+    + [
+        f"{variant}/{name}"
+        for variant in (
+            "qwen3_moe/new_group",
+            "qwen3_moe/mesh_1d",
+            "qwen3_moe/fused_chunks2",
+            "gpt_oss/fused",
+            "qwen3_moe/own_group_of_one",
+        )
+        for name in ("random_k2", "rank_with_zero_tokens", "rank_receives_nothing")
+    ]
+    + [
+        f"{variant}/{name}"
+        for variant in ("qwen3_moe/bf16", "gpt_oss/bf16")
+        for name in ("random_k2", "all_on_one_expert_k2", "top_k_4")
+    ]
 )
 
 
@@ -91,22 +102,38 @@ def test_two_ranks_exact_zero_grads_were_checked(two_ranks):
     r0, r1 = (r["cases"] for r in two_ranks)
     assert "gate_up_proj[6]" in r1["qwen3_moe/default/expert_without_tokens"]["exact_zero"]
     assert set(r1["gpt_oss/default/rank_receives_nothing"]["exact_zero"]) >= {
-        f"{p}[{e}]" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") for e in range(4, 8)}
+        f"{p}[{e}]" for p in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") for e in range(4, 8)
+    }
     assert "down_proj[0]" in r0["qwen3_moe/default/all_on_one_expert_k1"]["exact_zero"]
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("check", ["mesh_2d_without_ep_raises", "shards_and_parameters", "second_call_is_noop",
-                                   "indivisible_is_atomic", "one_host_read_and_each_token_once_per_rank"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        "mesh_2d_without_ep_raises",
+        "shards_and_parameters",
+        "second_call_is_noop",
+        "indivisible_is_atomic",
+        "one_host_read_and_each_token_once_per_rank",
+    ],
+)
 def test_two_ranks_contract(two_ranks, check):
     for rank, result in enumerate(two_ranks):
         assert result["checks"][check] is None, f"rank {rank}: {result['checks'][check]}"
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("label", ["qwen3_moe/world_4/uneven_4", "qwen3_moe/world_4/uneven_4_k4",
-                                   "qwen3_moe/mesh_dp_ep/random_k2", "qwen3_moe/mesh_dp_ep/rank_with_zero_tokens",
-                                   "qwen3_moe/mesh_dp4_ep1/random_k2"])
+@pytest.mark.parametrize(
+    "label",
+    [
+        "qwen3_moe/world_4/uneven_4",
+        "qwen3_moe/world_4/uneven_4_k4",
+        "qwen3_moe/mesh_dp_ep/random_k2",
+        "qwen3_moe/mesh_dp_ep/rank_with_zero_tokens",
+        "qwen3_moe/mesh_dp4_ep1/random_k2",
+    ],
+)
 def test_four_ranks_match_eager(four_ranks, label):
     assert_case(four_ranks, label)
 
@@ -145,14 +172,19 @@ def test_ep_size_one_runs_epmoe_forward_and_equals_eager(family, qwen):
     ref = copy.deepcopy(experts_of(model))
     shapes = {n: p.shape for n, p in model.named_parameters()}
     shards = epmoe.apply_expert_parallel(model)
-    assert [(s.num_experts, s.num_local_experts, s.local_start, s.local_end, s.ep_rank, s.ep_size) for s in shards] \
-        == [(8, 8, 0, 8, 0, 1)] * 2
+    assert [(s.num_experts, s.num_local_experts, s.local_start, s.local_end, s.ep_rank, s.ep_size) for s in shards] == [
+        (8, 8, 0, 8, 0, 1)
+    ] * 2
     assert {n: p.shape for n, p in model.named_parameters()} == shapes
     experts = experts_of(model)
     assert hasattr(experts, "_epmoe") and "forward" in vars(experts)
     assert experts.forward.__func__ is expert_parallel_forward
-    for name, (K, T, kind, arg) in {"random": (2, 9, "random", None), "zero_tokens": (2, 0, "random", None),
-                                    "one_expert": (1, 6, "one_expert", 3), "k4": (4, 5, "random", None)}.items():
+    for name, (K, T, kind, arg) in {
+        "random": (2, 9, "random", None),
+        "zero_tokens": (2, 0, "random", None),
+        "one_expert": (1, 6, "one_expert", 3),
+        "k4": (4, 5, "random", None),
+    }.items():
         inputs = make_inputs(3, 0, T, K, kind, arg, 1)
         ref_params = dict(ref.named_parameters())
         ref.zero_grad(set_to_none=True)
@@ -172,8 +204,14 @@ def test_config_validation(qwen):
     model = copy.deepcopy(qwen)
     with pytest.raises(ValueError, match="bogus"):
         epmoe.apply_expert_parallel(model, config={"dispatch": "alltoallv", "bogus": 1})
-    for bad in ({"dispatch": "nccl"}, {"gmm_backend": "no_such_backend"}, {"num_chunks": 0}, {"num_chunks": "many"},
-                {"num_chunks": True}, {"num_chunks": 1.5}):
+    for bad in (
+        {"dispatch": "nccl"},
+        {"gmm_backend": "no_such_backend"},
+        {"num_chunks": 0},
+        {"num_chunks": "many"},
+        {"num_chunks": True},
+        {"num_chunks": 1.5},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             epmoe.apply_expert_parallel(model, config=bad)
     with pytest.raises(ValueError, match="dispatch"):

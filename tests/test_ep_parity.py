@@ -15,8 +15,12 @@ TOL = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 3e-2}
 TWO_RANK_FAMILIES = ["qwen3_moe", "qwen3_5_moe"]
 OTHER_FAMILIES = ["qwen2_moe", "mixtral", "deepseek_v3", "gpt_oss", "olmoe"]
 SILENT_RANK_FAMILIES = ["deepseek_v3", "gpt_oss"]
-FUSED_CASES = [("qwen3_5_moe", "float64"), ("qwen3_5_moe", "float32"), ("deepseek_v3", "float64"),
-               ("qwen3_moe", "float64")]
+FUSED_CASES = [
+    ("qwen3_5_moe", "float64"),
+    ("qwen3_5_moe", "float32"),
+    ("deepseek_v3", "float64"),
+    ("qwen3_moe", "float64"),
+]
 MODULE_LIST_CASES = [("mlp", 2), ("biased", 2), ("mlp", 4)]
 EXPERTS_IMPLEMENTATION_FAMILIES = ["qwen3_moe", "gpt_oss"]  # models on experts_implementation="epmoe" first
 
@@ -37,7 +41,9 @@ def cases_of(world):
             cases[f"fused/{family}/{dtype}"] = (model_parity, (family, dtype, [6, 13], "fused"))
         for family in EXPERTS_IMPLEMENTATION_FAMILIES:
             cases[f"experts_implementation/{family}/float64"] = (
-                model_parity, (family, "float64", [7, 12], "experts_implementation"))
+                model_parity,
+                (family, "float64", [7, 12], "experts_implementation"),
+            )
         cases["one_rank_fails_validation"] = (one_rank_fails_validation, ())
         cases["disagreeing_config"] = (disagreeing_config, ())
     for expert_kind, w in MODULE_LIST_CASES:
@@ -46,7 +52,7 @@ def cases_of(world):
     return cases
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def batch_results(world):
     """The per-rank ``{label: result}`` of one spawned run of every ``world``-rank case."""
     return run_ranks(run_cases, world, cases_of(world), timeout=800)

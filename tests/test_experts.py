@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from custom_moe import BiasedExpert, ExpertMLP
 from torch import nn
 
 import epmoe
+from custom_moe import BiasedExpert, ExpertMLP
 from epmoe.bench.blocks import EPMOE, Shape, build_blocks
 from epmoe.ep import experts as experts_mod
 from epmoe.ep import recognize
@@ -33,7 +33,7 @@ def eager_per_expert(module, x_em, counts):
     """transformers' eager experts forward, one expert at a time with weight 1."""
     out, start = [], 0
     for j, n in enumerate(counts):
-        rows = x_em[start:start + n]
+        rows = x_em[start : start + n]
         index = torch.full((n, 1), j, dtype=torch.long)
         out.append(type(module).forward(module, rows, index, torch.ones(n, 1, dtype=rows.dtype)))
         start += n
@@ -46,8 +46,12 @@ def test_packed_experts_match_eager(family, counts):
     """Every flag of @use_experts_implementation: Linear layout, transposed + interleaved gate/up +
     biases + clamped SwiGLU (GPT-OSS), output and gradients of input and every weight."""
     module = packed_experts(family)
-    x = torch.randn(sum(counts), module.down_proj.shape[1 if not module.is_transposed else 2],
-                    dtype=torch.float64, requires_grad=True)
+    x = torch.randn(
+        sum(counts),
+        module.down_proj.shape[1 if not module.is_transposed else 2],
+        dtype=torch.float64,
+        requires_grad=True,
+    )
     y = experts_forward(module, x, counts)
     dy = torch.randn_like(y)
     grads = torch.autograd.grad(y, [x, *module.parameters()], dy)
@@ -108,10 +112,16 @@ def _module_list(expert_cls, hidden, inter, n=4):
 @pytest.mark.parametrize(
     "make,inter,expected",
     [
-        (lambda inter: packed_experts("qwen3_moe", torch.float32, hidden_size=16, moe_intermediate_size=inter), 6,
-         "loop"),
-        (lambda inter: packed_experts("qwen3_moe", torch.float32, hidden_size=16, moe_intermediate_size=inter), 8,
-         "torch"),
+        (
+            lambda inter: packed_experts("qwen3_moe", torch.float32, hidden_size=16, moe_intermediate_size=inter),
+            6,
+            "loop",
+        ),
+        (
+            lambda inter: packed_experts("qwen3_moe", torch.float32, hidden_size=16, moe_intermediate_size=inter),
+            8,
+            "torch",
+        ),
         (lambda inter: packed_experts("gpt_oss", torch.float32, hidden_size=16, intermediate_size=inter), 6, "loop"),
         (lambda inter: packed_experts("gpt_oss", torch.float32, hidden_size=16, intermediate_size=inter), 8, "torch"),
         (lambda inter: _module_list(ExpertMLP, 16, inter), 6, "loop"),
@@ -130,7 +140,7 @@ def test_experts_backend_judges_every_projection(make, inter, expected):
         assert statuses["torch"].reason.startswith("down_proj: x stride 6")
         with pytest.raises(ValueError, match=r"backend='torch'.*down_proj: x stride 6"):
             experts_backend(module, "torch")
-    counts = MIXED[:recognize.num_experts_of(module)]
+    counts = MIXED[: recognize.num_experts_of(module)]
     x = torch.randn(sum(counts), 16, requires_grad=True)
     y = experts_forward(module, x, counts, backend=backend)
     y.square().sum().backward()
@@ -168,13 +178,13 @@ def test_module_list_idle_experts_get_zero_grads(expert_cls, counts):
     y.backward(dy)
     start = 0
     for expert, n in zip(experts, counts):
-        rows = x.detach()[start:start + n].requires_grad_()
+        rows = x.detach()[start : start + n].requires_grad_()
         expert_grads = [p.grad for p in expert.parameters()]
         assert all(g is not None for g in expert_grads)
         if n == 0:
             assert all(torch.count_nonzero(g) == 0 for g in expert_grads)
         else:
-            ref = torch.autograd.grad(expert(rows), list(expert.parameters()), dy[start:start + n])
+            ref = torch.autograd.grad(expert(rows), list(expert.parameters()), dy[start : start + n])
             for g, g_ref in zip(expert_grads, ref):
                 torch.testing.assert_close(g, g_ref)
         start += n
@@ -199,8 +209,9 @@ def test_module_list_stacks_only_experts_whose_forward_is_the_triple(variant):
         experts = _module_list(ExpertMLP, 16, 8).double()
         experts[2].act_fn = nn.GELU()
     else:
-        experts = nn.ModuleList(LookalikeExpert(16, 8, 0.5 if variant == "dropout_in_training" else 0.0)
-                                for _ in range(4)).double()
+        experts = nn.ModuleList(
+            LookalikeExpert(16, 8, 0.5 if variant == "dropout_in_training" else 0.0) for _ in range(4)
+        ).double()
         if variant == "scaled_forward":
             experts[1] = ExpertMLP(16, 8).double()  # one genuine triple does not make the list stackable
     state = torch.random.get_rng_state()
@@ -213,7 +224,7 @@ def test_module_list_stacks_only_experts_whose_forward_is_the_triple(variant):
     torch.manual_seed(7)
     start, ref = 0, []
     for expert, n in zip(experts, counts):
-        ref.append(expert(x[start:start + n]))
+        ref.append(expert(x[start : start + n]))
         start += n
     torch.testing.assert_close(y, torch.cat(ref))
 
@@ -246,7 +257,6 @@ def test_backend_eligibility_is_judged_once_not_per_grouped_matmul():
     on a device and dtype); later forwards and backwards choose from that, without asking again."""
     import epmoe
     from epmoe.gmm import unregister_gmm_backend
-
     from epmoe.gmm.loop import LoopBackend
 
     class Counting(LoopBackend):
@@ -300,8 +310,9 @@ def test_the_backend_is_judged_once_across_a_layers_forward_and_backward():
     in backward): the backend is judged once, on the module's two projections together, and then
     runs every grouped matmul without being asked again, for every later step."""
     with JudgedBackend() as judged:
-        block = build_blocks(Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=16), 0,
-                             torch.device("cpu"))[EPMOE]
+        block = build_blocks(
+            Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=16), 0, torch.device("cpu")
+        )[EPMOE]
         applied = judged.asked  # apply_expert_parallel checks the configured backend once
         block(torch.randn(1, 16, 64, requires_grad=True)).sum().backward()
         assert judged.asked - applied == 2  # one judgement: the up and the down projection, once each
@@ -350,8 +361,9 @@ def test_the_fused_ops_judge_once_per_call_not_per_round():
     every round's grouped matmul of its forward and of its backward; a backend object passed in is
     run as given, judged by no one."""
     with JudgedBackend() as judged:
-        x, w1, w2 = (torch.randn(*shape, dtype=torch.float64, requires_grad=True)
-                     for shape in ((9, 4), (3, 4, 5), (3, 5, 4)))
+        x, w1, w2 = (
+            torch.randn(*shape, dtype=torch.float64, requires_grad=True) for shape in ((9, 4), (3, 4, 5), (3, 5, 4))
+        )
         counts = [2, 3, 4]
         y, _, _ = epmoe.alltoallv_gmm(x, w1, counts, counts, num_chunks=3)
         z, _ = epmoe.gmm_alltoallv(torch.tanh(y), w2, counts, counts, num_chunks=3)

@@ -16,17 +16,18 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-import epmoe  # noqa: E402
-from epmoe.ep import recognize  # noqa: E402
-from epmoe.integrations import transformers_experts  # noqa: E402
-from epmoe.integrations.transformers_experts import epmoe_experts_forward, local_experts  # noqa: E402
-from epmoe.models import FAMILIES, build_model  # noqa: E402
 from transformers.integrations.moe import (  # noqa: E402
     ALL_EXPERTS_FUNCTIONS,
     ExpertsInterface,
     grouped_mm_experts_forward,
     use_experts_implementation,
 )
+
+import epmoe  # noqa: E402
+from epmoe.ep import recognize  # noqa: E402
+from epmoe.integrations import transformers_experts  # noqa: E402
+from epmoe.integrations.transformers_experts import epmoe_experts_forward, local_experts  # noqa: E402
+from epmoe.models import FAMILIES, build_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED_FAMILIES = {"qwen3_moe", "gpt_oss", "mixtral", "deepseek_v3", "olmoe", "qwen3_5_moe"}
@@ -81,8 +82,9 @@ def test_fp32_equals_grouped_mm(family):
     loss and every gradient equal the grouped_mm model's (fp32, 1e-5), every experts module ran epmoe."""
     reference = build_model(family)
     reference.set_experts_implementation("grouped_mm")
-    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(reference.config),
-                                                          experts_implementation="epmoe")
+    model = transformers.AutoModelForCausalLM.from_config(
+        copy.deepcopy(reference.config), experts_implementation="epmoe"
+    )
     model.load_state_dict(reference.state_dict())
     assert model.config._experts_implementation == "epmoe"
     assert reference.config._experts_implementation == "grouped_mm"
@@ -256,8 +258,11 @@ def _one_route_per_row(model, x, index, weights) -> bool:
 
 def _routing(T, K, E, dtype, seed=0, num_ids=None):
     generator = torch.Generator().manual_seed(seed)
-    index = torch.stack([torch.randperm(num_ids or E, generator=generator)[:K] for _ in range(T)]) if T else \
-        torch.zeros(0, K, dtype=torch.long)
+    index = (
+        torch.stack([torch.randperm(num_ids or E, generator=generator)[:K] for _ in range(T)])
+        if T
+        else torch.zeros(0, K, dtype=torch.long)
+    )
     weights = torch.rand(T, K, generator=generator, dtype=dtype)
     return index, weights
 
@@ -279,8 +284,9 @@ def test_every_flag_equals_grouped_mm(cls, dtype, tol, T):
     assert local_experts(model).lean == (cls is not NormedTransposedExperts)
 
 
-@pytest.mark.parametrize("cls", [CustomGateExperts, NormedTransposedExperts, UngatedBiasedExperts],
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", [CustomGateExperts, NormedTransposedExperts, UngatedBiasedExperts], ids=lambda c: c.__name__
+)
 def test_transformers_expert_parallel_sentinels(cls):
     """Under transformers' own EP (``_is_expert_parallel``, ``num_experts`` the local count) routing
     ids past ``num_experts`` are other ranks': they contribute nothing forward or backward, as in
@@ -423,8 +429,12 @@ def decorated_experts_classes():
         module = importlib.import_module(f"transformers.models.{path.parent.name}.{path.stem}")
         for cls in vars(module).values():
             code = getattr(getattr(cls, "forward", None), "__code__", None)
-            if inspect.isclass(cls) and cls.__module__ == module.__name__ and code is not None \
-                    and "experts_interface" in code.co_freevars:
+            if (
+                inspect.isclass(cls)
+                and cls.__module__ == module.__name__
+                and code is not None
+                and "experts_interface" in code.co_freevars
+            ):
                 found.append((module, cls))
     return found
 
@@ -440,8 +450,12 @@ def tiny_experts(module, cls, implementation):
         config_class = getattr(obj, "config_class", None)
         if inspect.isclass(obj) and inspect.isclass(config_class) and config_class not in candidates:
             candidates.append(config_class)
-    candidates += [sub for c in list(candidates) for sub in getattr(c, "sub_configs", {}).values()
-                   if inspect.isclass(sub) and sub not in candidates]
+    candidates += [
+        sub
+        for c in list(candidates)
+        for sub in getattr(c, "sub_configs", {}).values()
+        if inspect.isclass(sub) and sub not in candidates
+    ]
     for config_class in candidates:
         try:
             config = config_class()
@@ -449,8 +463,15 @@ def tiny_experts(module, cls, implementation):
                 sized = "expert" in key or "intermediate" in key
                 if key.startswith("_") or isinstance(value, bool):
                     continue
-                if isinstance(value, int) and value > 16 or value is None and sized or isinstance(value, list) and \
-                        sized and all(isinstance(v, int) for v in value):
+                if (
+                    isinstance(value, int)
+                    and value > 16
+                    or value is None
+                    and sized
+                    or isinstance(value, list)
+                    and sized
+                    and all(isinstance(v, int) for v in value)
+                ):
                     setattr(config, key, 4 if "expert" in key else 16)
             config._experts_implementation = implementation
             takes_layer = "layer_idx" in inspect.signature(cls.__init__).parameters  # per-layer settings (Step3p7)
@@ -497,11 +518,14 @@ def test_every_decorated_experts_class_of_transformers():
         model.config._experts_implementation = "epmoe"
         fp32 = _run(model, x.float(), index, weights.float(), dy.float(), not per_route)
         fp64_tol = max(1e-10, 2 * error(runs["batched_mm"], runs["eager"]))  # transformers' own disagreement
-        checks = {"batched_mm fp64": (error(runs["epmoe"], runs["batched_mm"]), fp64_tol),
-                  "eager fp64": (error(runs["epmoe"], runs["eager"]), fp64_tol),
-                  "grouped_mm fp32": (error(fp32, fp32_reference), 1e-5)}
-        failures += [f"{cls.__name__}: {what} {err:.2e} > {tol:.0e}" for what, (err, tol) in checks.items()
-                     if err > tol]
+        checks = {
+            "batched_mm fp64": (error(runs["epmoe"], runs["batched_mm"]), fp64_tol),
+            "eager fp64": (error(runs["epmoe"], runs["eager"]), fp64_tol),
+            "grouped_mm fp32": (error(fp32, fp32_reference), 1e-5),
+        }
+        failures += [
+            f"{cls.__name__}: {what} {err:.2e} > {tol:.0e}" for what, (err, tol) in checks.items() if err > tol
+        ]
     assert built >= len(found) - 2, f"only {built} of {len(found)} classes could be built tiny"
     assert not failures, "\n".join(failures)
 
@@ -535,9 +559,12 @@ def test_a_decorated_forward_doing_more_than_the_contract_is_refused_at_its_firs
         _init_params(module, 1)
         module.output_bias = torch.nn.Parameter(torch.randn(16, dtype=torch.float64))
         if cls is BiasedExperts:
-            with pytest.raises(ValueError, match=r"BiasedExperts cannot run through epmoe: it holds tensors the "
-                                                 r"decorated layout does not \(output_bias\), and its own forward "
-                                                 r"differs"):
+            with pytest.raises(
+                ValueError,
+                match=r"BiasedExperts cannot run through epmoe: it holds tensors the "
+                r"decorated layout does not \(output_bias\), and its own forward "
+                r"differs",
+            ):
                 module(x, index, weights)
             continue
         out = module(x, index, weights)

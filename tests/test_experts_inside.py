@@ -33,7 +33,7 @@ FLOAT32_EXACT = 1e-5
 BF16_FACTOR = 1.15
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results():
     """Each rank's ``{label: result}`` of one spawned run of every 2-rank case."""
     return run_ranks(run_cases, 2, all_cases(), timeout=800)
@@ -168,7 +168,8 @@ def test_shared_parameters_found_by_structure():
     assert [n for n, _ in shared_parameters(gate)] == ["act_fn.scale"]
     module_list = experts_of(build_custom("module_list"))[0]
     assert [n for n, _ in shared_parameters(module_list)] == [
-        f"{i}.norm.{w}" for i in range(4) for w in ("weight", "bias")]
+        f"{i}.norm.{w}" for i in range(4) for w in ("weight", "bias")
+    ]
     assert not any(shared_parameters(m) for m in experts_of(build_model("qwen3_moe")))
 
 

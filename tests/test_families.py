@@ -40,7 +40,7 @@ def checked() -> list[families.Family]:
     return [f for f in families.families() if not isinstance(f, str)] + families.variants()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results(world: int = 2) -> dict[str, list[dict]]:
     """Every checked family's per-rank result from one spawned run of ``world`` ranks, by ``Family.key``."""
     out = run_ranks(check_families, world, checked(), timeout=900)
@@ -53,7 +53,9 @@ def test_every_family_builds_a_tiny_model_with_its_experts():
     by_name = found()
     unbuilt = [name for name, f in by_name.items() if isinstance(f, str)]
     assert not unbuilt, f"no tiny model with experts could be built for {unbuilt}"
-    assert {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4", "dbrx", "jetmoe", "switch_transformers"} <= set(by_name)
+    assert {"qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "llama4", "dbrx", "jetmoe", "switch_transformers"} <= set(
+        by_name
+    )
     assert "bamba" not in by_name  # mentions experts, defines none
 
 
@@ -66,7 +68,8 @@ def test_readme_lists_every_family():
 
     plans = ep_plans()
     assert {name for name, (_, plan) in listed.items() if plan == "yes"} == plans & set(listed), (
-        "the README's column of transformers' EP plans is stale (benchmarks/families_table.py --write)")
+        "the README's column of transformers' EP plans is stale (benchmarks/families_table.py --write)"
+    )
 
 
 @pytest.mark.parametrize("directory", ["jetmoe", "doge", "switch_transformers", "vitpose_backbone"])
@@ -91,7 +94,8 @@ def _assert_names_class_path_reason(family, message, model=None):
     named = [(n, m) for n, m in model.named_modules() if f" at {n} (" in message]
     assert named, f"{family.name}: no module path in {message!r}"
     assert any(f"{type(m).__name__} at {n} (" in message and type(m).__name__ in classes for n, m in named), (
-        f"{family.name}: the experts class is not named in {message!r}")
+        f"{family.name}: the experts class is not named in {message!r}"
+    )
     assert message.split("): ", 1)[1].strip(), f"{family.name}: no reason in {message!r}"
 
 
@@ -111,7 +115,8 @@ def test_family_exact_or_refused_by_name(directory):
     line = verdict(family, per_rank)
     listed = families_table.readme_verdicts((ROOT / "README.md").read_text())
     assert listed.get(directory) == line.replace("|", "/"), (
-        f"{directory}: README says {listed.get(directory)!r}, the run {line!r} (benchmarks/families_table.py --write)")
+        f"{directory}: README says {listed.get(directory)!r}, the run {line!r} (benchmarks/families_table.py --write)"
+    )
     if line.startswith("refused"):
         assert per_rank[0]["refused"] == per_rank[1]["refused"]
         _assert_names_class_path_reason(family, per_rank[0]["refused"])
@@ -143,8 +148,9 @@ def test_lora_on_every_familys_experts_is_exact_or_refused():
             assert len(kinds) == 1, (family.name, loras)
             outcomes[family.key if run == "lora" else f"{family.key} {run}"] = kind = kinds.pop()
             if kind == "refused":
-                assert all("PEFT LoRA on" in lora["refused"] and "target_parameters" in lora["refused"]
-                           for lora in loras), (family.name, loras)
+                assert all(
+                    "PEFT LoRA on" in lora["refused"] and "target_parameters" in lora["refused"] for lora in loras
+                ), (family.name, loras)
             elif kind == "ran":
                 rounds_to = per_rank[0]["rounds_to"]
                 tol = TOL_ROUNDS_TO.get(rounds_to, TOL) if rounds_to else TOL
@@ -152,10 +158,20 @@ def test_lora_on_every_familys_experts_is_exact_or_refused():
                     assert lora["compared"] > 0 and max(lora["errors"].values()) <= tol, (family.name, rank, lora)
     # Ergo: peft itself cannot wrap both the experts' tensors and their post_expert_norm's; LoRA on its
     # projections alone is exact, on its per-expert norm alone (and the per_route_norm variant's) refused by name
-    expected = {"gpt_oss": "refused", "longcat_flash+zero_experts": "refused", "dbrx": "without_ep", "llama4": "ran",
-                "qwen3_moe": "ran", "step3p7": "ran", "longcat_flash": "ran", "ergo": "without_ep",
-                "ergo lora_projections": "ran", "ergo lora_post": "refused", "qwen3_moe+per_route_norm": "without_ep",
-                "qwen3_moe+undecorated": "ran"}
+    expected = {
+        "gpt_oss": "refused",
+        "longcat_flash+zero_experts": "refused",
+        "dbrx": "without_ep",
+        "llama4": "ran",
+        "qwen3_moe": "ran",
+        "step3p7": "ran",
+        "longcat_flash": "ran",
+        "ergo": "without_ep",
+        "ergo lora_projections": "ran",
+        "ergo lora_post": "refused",
+        "qwen3_moe+per_route_norm": "without_ep",
+        "qwen3_moe+undecorated": "ran",
+    }
     assert {name: outcomes.get(name) for name in expected} == expected, outcomes
 
 
@@ -174,8 +190,11 @@ def test_made_experts_classes_are_exact_or_refused_by_name():
             assert line.startswith(expected), (world, family.key, line)
             if expected == "refused":
                 cls = experts_variants.CLASSES[family.variant].__name__
-                assert re.search(rf"^refused: {cls} at model\.layers\.\d\.mlp\.experts \(\d modules?\): its forward "
-                                 rf"is overridden in {cls}.*differs from epmoe's routed MLP on a probe", line), line
+                assert re.search(
+                    rf"^refused: {cls} at model\.layers\.\d\.mlp\.experts \(\d modules?\): its forward "
+                    rf"is overridden in {cls}.*differs from epmoe's routed MLP on a probe",
+                    line,
+                ), line
 
 
 def test_decorated_subclass_overriding_forward_is_refused_not_trusted():
@@ -190,10 +209,18 @@ def test_decorated_subclass_overriding_forward_is_refused_not_trusted():
 
     import epmoe
 
-    for family, match in ((found()["step3p7"], r"ScaledExperts at language_model\.layers\.\d\.mlp\.experts .*: its "
-                                               r"forward is overridden in ScaledExperts.*differs"),
-                          (variant("undecorated"), r"ScaledExperts at model\.layers\.\d\.mlp\.experts .*: packed "
-                                                   r"experts without")):
+    for family, match in (
+        (
+            found()["step3p7"],
+            r"ScaledExperts at language_model\.layers\.\d\.mlp\.experts .*: its "
+            r"forward is overridden in ScaledExperts.*differs",
+        ),
+        (
+            variant("undecorated"),
+            r"ScaledExperts at model\.layers\.\d\.mlp\.experts .*: packed "
+            r"experts without",
+        ),
+    ):
         reference = families.build(family)
         model = copy.deepcopy(reference)
         epmoe.apply_expert_parallel(model)
@@ -212,8 +239,10 @@ def test_decorated_subclass_overriding_forward_is_refused_not_trusted():
 
 def _scaled(cls: type):
     """A forward returning twice what ``cls``'s does."""
+
     def scaled(self, hidden_states, top_k_index, top_k_weights):
         return 2 * cls.forward(self, hidden_states, top_k_index, top_k_weights)
+
     return scaled
 
 
@@ -223,8 +252,7 @@ def adopted_families() -> list:
 
     out = []
     for family in checked():
-        if any(
-                hasattr(m, "_epmoe_adopted") for _, m, _ in find_experts_modules(families.build(family))):
+        if any(hasattr(m, "_epmoe_adopted") for _, m, _ in find_experts_modules(families.build(family))):
             out.append(family)
     return out
 
@@ -237,7 +265,8 @@ def test_every_family_has_its_verdict_at_four_ranks():
     (Llama4, DBRX's stacked rows, undecorated and zero-computation experts made for the purpose) among
     them; the experts classes made for the purpose too."""
     assert {"llama4", "dbrx", "qwen3_moe+undecorated", "longcat_flash+zero_experts"} <= {
-        f.key for f in adopted_families()}
+        f.key for f in adopted_families()
+    }
     at_four = {f.key: verdict(f, results(4)[f.key]) for f in checked()}
     at_two = {f.key: verdict(f, results()[f.key]) for f in checked()}
     assert at_four == at_two, {name: (at_two[name], line) for name, line in at_four.items() if line != at_two[name]}
@@ -309,8 +338,9 @@ def test_zero_computation_experts_add_the_token_times_its_weight():
     reference = families.build(family)
     model = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(model)
-    ref_experts, experts = (next(m for m in x.modules() if type(m).__name__ == "ZeroComputationExperts")
-                            for x in (reference, model))
+    ref_experts, experts = (
+        next(m for m in x.modules() if type(m).__name__ == "ZeroComputationExperts") for x in (reference, model)
+    )
     num = experts.down_proj.shape[0]
     assert experts.gate_up_proj.shape[0] > num  # one rank: nothing sharded, the unread rows kept
     g = torch.Generator().manual_seed(0)
@@ -381,19 +411,24 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
         for rank, dcp in enumerate(r["dcp"][family.key] for r in out):
             assert dcp["experts"] > 0, (family.name, rank, dcp)
             assert not dcp["resumed"] and not dcp["unsharded"], (family.name, rank, dcp)
-    for family, what in (("dbrx", "stacked-rows expert weights"), ("longcat_flash+zero_experts", "experts beside zero-computation")):
+    for family, what in (
+        ("dbrx", "stacked-rows expert weights"),
+        ("longcat_flash+zero_experts", "experts beside zero-computation"),
+    ):
         for lora in (r["lora"][family] for r in out):
             assert lora is not None and f"PEFT LoRA on {what}" in lora and ".experts" in lora, (family, lora)
     for zero_only in (r["zero_only"] for r in out):  # the last rank's tokens chose zero experts only
         assert zero_only["output"] <= 1e-12 and zero_only["hidden_grad"] <= 1e-12, zero_only
-    for rank, by_family in enumerate(r["converted"] for r in out):
+    for by_family in (r["converted"] for r in out):
         # Qwen3-VL-MoE: transformers' Transpose(check_dims=True) compared the gathered experts with this
         # rank's shard and transposed them; the square gate_up_proj (2I == H) then loaded unchanged
         assert "refused" not in by_family["qwen3_vl_moe"], by_family["qwen3_vl_moe"]
         # Ernie-4.5-VL: text and vision experts go into one checkpoint list: refused, naming the way out
         assert "save_original_format=False" in by_family["ernie4_5_vl_moe"].get("refused", ""), by_family
-    for saved in [*(r["saved"][f.key] for r in out for f in fams),
-                  *(r["converted"][f.name]["saved"] for r in out for f in converted)]:
+    for saved in [
+        *(r["saved"][f.key] for r in out for f in fams),
+        *(r["converted"][f.name]["saved"] for r in out for f in converted),
+    ]:
         written, plain = saved["keys"]
         assert written == plain and not saved["unequal"] and not saved["missing"], saved
         assert saved["logits"] <= 1e-6, saved
@@ -408,8 +443,11 @@ def test_input_weighted_blocks_on_the_meta_device_are_refused_with_what_to_do(tm
 
     model = families.build(families._find_family("llama4"), dtype=torch.float64)
     model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"Llama4TextMoe's weights are on the meta device .* then call "
-                                         r"epmoe\.apply_expert_parallel"):
+    with pytest.raises(
+        ValueError,
+        match=r"Llama4TextMoe's weights are on the meta device .* then call "
+        r"epmoe\.apply_expert_parallel",
+    ):
         epmoe.from_pretrained(type(model), tmp_path, dtype=torch.float64)
 
 
@@ -425,8 +463,9 @@ def test_lora_on_stacked_rows_experts_is_refused_not_left_out(with_attention):
     family = found()["dbrx"]
     model = families.build(family)
     epmoe.apply_expert_parallel(model)
-    config = peft.LoraConfig(r=2, target_modules=["Wqkv"] if with_attention else [],
-                             target_parameters=["w1", "v1", "w2"])
+    config = peft.LoraConfig(
+        r=2, target_modules=["Wqkv"] if with_attention else [], target_parameters=["w1", "v1", "w2"]
+    )
     model = peft.get_peft_model(model, config)
     match = r"transformer\.blocks\.0\.ffn\.experts\.mlp: PEFT LoRA on stacked-rows expert weights \(w1, v1, w2.*target_parameters"
     with pytest.raises(ValueError, match=match):

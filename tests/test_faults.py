@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import epmoe
-from fault_workers import agreement_run, dying_run, out_of_step_run, random_routings_run
 from epmoe.launch import RankError, run_ranks
 from epmoe.models import build_model
+from fault_workers import agreement_run, dying_run, out_of_step_run, random_routings_run
 
 _RUNS: dict = {}
 
@@ -70,10 +70,14 @@ def test_disagreeing_arguments_raise_value_error_on_every_rank(case):
 
 
 OUT_OF_STEP = {
-    "skip_backward": ["backward of blocks.1.experts (experts module 1), forward call #1",
-                      "forward of blocks.0.experts (experts module 0), forward call #2"],
-    "skip_layer": ["forward of blocks.0.experts (experts module 0), forward call #1",
-                   "forward of blocks.1.experts (experts module 1), forward call #1"],
+    "skip_backward": [
+        "backward of blocks.1.experts (experts module 1), forward call #1",
+        "forward of blocks.0.experts (experts module 0), forward call #2",
+    ],
+    "skip_layer": [
+        "forward of blocks.0.experts (experts module 0), forward call #1",
+        "forward of blocks.1.experts (experts module 1), forward call #1",
+    ],
     "skip_step": ["forward of blocks.0.experts (experts module 0), forward call #2", "clip_grad_norm_ #2"],
 }
 RAISE_TIMEOUT = 4.0
@@ -130,6 +134,7 @@ def test_random_routings_match_the_unsharded_layer_in_fp64(world, num_experts):
 # --------------------------------------------------------------------------------------------
 # single process
 # --------------------------------------------------------------------------------------------
+
 
 def test_double_backward_is_refused_by_name():
     x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)

@@ -12,8 +12,8 @@ import functools
 import pytest
 
 from epmoe.launch import run_ranks
-from rank_checks import of
 from fsdp_workers import MAX_GRAD_NORM, two_rank_checks
+from rank_checks import of
 
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
@@ -58,11 +58,14 @@ def test_prepared_trainer_under_hf_fsdp2_config_equals_the_unsharded_model(out):
         assert "model.safetensors" in result["files"] or "model.safetensors.index.json" in result["files"]
 
 
-@pytest.mark.parametrize("case, words", [
-    ("fsdp1", ["FSDP1", "version': 2"]),
-    ("cpu_ram_efficient_loading", ["cpu_ram_efficient_loading", "rank 0's"]),
-    ("ignored_modules_wrong", ["ignored_modules", "experts.gate_up_proj", "self_attn.q_proj", "leave it unset"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("fsdp1", ["FSDP1", "version': 2"]),
+        ("cpu_ram_efficient_loading", ["cpu_ram_efficient_loading", "rank 0's"]),
+        ("ignored_modules_wrong", ["ignored_modules", "experts.gate_up_proj", "self_attn.q_proj", "leave it unset"]),
+    ],
+)
 def test_prepare_trainer_refuses_what_fsdp_cannot_make_exact(out, case, words):
     for result in of(out, case):
         assert result["fsdp"], result

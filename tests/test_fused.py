@@ -31,6 +31,7 @@ SCENARIOS = ("zeros", "sender_empty", "receiver_empty")
 # routing and one MoE expert block (dispatch -> tanh -> combine) with every output in the loss
 # ---------------------------------------------------------------------------------------------
 
+
 def routing(world: int, e: int, scenario: str, seed: int = 0) -> list[list[int]]:
     """``A[s][r*e + j]``: random counts with zero blocks; optionally an idle sender or receiver."""
     g = torch.Generator().manual_seed(seed)
@@ -60,12 +61,20 @@ def make_inputs(rank, A, e, trans, shared, *, seed=0, H=4, F=3, shared_rows=(5, 
         "x": randn(sum(send), H),
         "w1": randn(e, F, H) if trans else randn(e, H, F),
         "w2": randn(e, H, F) if trans else randn(e, F, H),
-        "cy": randn(sum(recv), F), "cp": randn(sum(recv), H), "cz": randn(sum(send), H),
+        "cy": randn(sum(recv), F),
+        "cp": randn(sum(recv), H),
+        "cz": randn(sum(send), H),
     }
     if shared:
         rows1, rows2 = shared_rows
-        t.update(sx1=randn(rows1, H), sw1=randn(F, H) if trans else randn(H, F), cs1=randn(rows1, F),
-                 sx2=randn(rows2, F), sw2=randn(H, F) if trans else randn(F, H), cs2=randn(rows2, H))
+        t.update(
+            sx1=randn(rows1, H),
+            sw1=randn(F, H) if trans else randn(H, F),
+            cs1=randn(rows1, F),
+            sx2=randn(rows2, F),
+            sw2=randn(H, F) if trans else randn(F, H),
+            cs2=randn(rows2, H),
+        )
     return send, recv, trans, t
 
 
@@ -77,14 +86,29 @@ def run_block(inputs, impl, num_chunks, *, return_permuted=True, x_grad=True):
     x = leaves.get("x", t["x"])
     shared = "sx1" in t
     y, sy, p = epmoe.alltoallv_gmm(
-        x, leaves["w1"], send, recv, trans_weight=trans, return_permuted=return_permuted,
-        shared_x=leaves.get("sx1"), shared_weight=leaves.get("sw1"), trans_shared_weight=trans,
-        num_chunks=num_chunks, impl=impl,
+        x,
+        leaves["w1"],
+        send,
+        recv,
+        trans_weight=trans,
+        return_permuted=return_permuted,
+        shared_x=leaves.get("sx1"),
+        shared_weight=leaves.get("sw1"),
+        trans_shared_weight=trans,
+        num_chunks=num_chunks,
+        impl=impl,
     )
     z, sz = epmoe.gmm_alltoallv(
-        torch.tanh(y), leaves["w2"], recv, send, trans_weight=trans,
-        shared_x=leaves.get("sx2"), shared_weight=leaves.get("sw2"), trans_shared_weight=trans,
-        num_chunks=num_chunks, impl=impl,
+        torch.tanh(y),
+        leaves["w2"],
+        recv,
+        send,
+        trans_weight=trans,
+        shared_x=leaves.get("sx2"),
+        shared_weight=leaves.get("sw2"),
+        trans_shared_weight=trans,
+        num_chunks=num_chunks,
+        impl=impl,
     )
     assert (sy is None) == (not shared) and (sz is None) == (not shared)
     assert (p is None) == (not return_permuted)
@@ -120,9 +144,15 @@ def check_agreement(rank, world, cases):
 # multi-rank checks
 # ---------------------------------------------------------------------------------------------
 
+
 def _full_matrix(rank, world):
-    cases = [(e, s, trans, shared, list(range(1, e + 1)))
-             for e in (1, 2, 3) for s in SCENARIOS for trans in (False, True) for shared in (False, True)]
+    cases = [
+        (e, s, trans, shared, list(range(1, e + 1)))
+        for e in (1, 2, 3)
+        for s in SCENARIOS
+        for trans in (False, True)
+        for shared in (False, True)
+    ]
     check_agreement(rank, world, cases)
 
 
@@ -145,8 +175,10 @@ def _special_paths(rank, world):
 
 def _layout_pin(rank, world):
     """The worked example of the reference notes (W=2, e=2), written out by hand."""
-    A = [[1, 1, 1, 1],   # rank 0 routes rows 100 -> (0,0); 101 -> (0,1); 102 -> (1,0); 103 -> (1,1)
-         [1, 2, 0, 1]]   # rank 1 routes rows 200 -> (0,0); 201, 202 -> (0,1); 203 -> (1,1)
+    A = [
+        [1, 1, 1, 1],  # rank 0 routes rows 100 -> (0,0); 101 -> (0,1); 102 -> (1,0); 103 -> (1,1)
+        [1, 2, 0, 1],
+    ]  # rank 1 routes rows 200 -> (0,0); 201, 202 -> (0,1); 203 -> (1,1)
     send, recv = counts_of(A, rank, 2)
     assert recv == ([1, 1, 1, 2] if rank == 0 else [1, 1, 0, 1])  # source-rank-major
     x = torch.tensor([100.0, 101.0, 102.0, 103.0] if rank == 0 else [200.0, 201.0, 202.0, 203.0], dtype=F64)[:, None]
@@ -284,16 +316,34 @@ def _gradcheck_ops(send, recv, world=1, this_rank=lambda t: t[0], every_rank=lam
     x, w, sx, sw = leaf(rows_in, 2), leaf(2, 2, 3), leaf(2, 2), leaf(2, 3)
     h, wt, swt = leaf(rows_out, 3), leaf(2, 2, 3), leaf(3, 2)
     for chunks in (1, 2):
+
         def dispatch(x, w, sx, sw):
             outs = epmoe.alltoallv_gmm(
-                this_rank(x), this_rank(w), send, recv, shared_x=this_rank(sx), shared_weight=this_rank(sw),
-                return_permuted=True, num_chunks=chunks, impl="pipelined")
+                this_rank(x),
+                this_rank(w),
+                send,
+                recv,
+                shared_x=this_rank(sx),
+                shared_weight=this_rank(sw),
+                return_permuted=True,
+                num_chunks=chunks,
+                impl="pipelined",
+            )
             return tuple(every_rank(t) for t in outs)
 
         def combine(h, wt, sx, swt):
             outs = epmoe.gmm_alltoallv(
-                this_rank(h), this_rank(wt), recv, send, trans_weight=True, shared_x=this_rank(sx),
-                shared_weight=this_rank(swt), trans_shared_weight=True, num_chunks=chunks, impl="pipelined")
+                this_rank(h),
+                this_rank(wt),
+                recv,
+                send,
+                trans_weight=True,
+                shared_x=this_rank(sx),
+                shared_weight=this_rank(swt),
+                trans_shared_weight=True,
+                num_chunks=chunks,
+                impl="pipelined",
+            )
             return tuple(every_rank(t) for t in outs)
 
         assert torch.autograd.gradcheck(dispatch, (x, w, sx, sw))
@@ -302,8 +352,9 @@ def _gradcheck_ops(send, recv, world=1, this_rank=lambda t: t[0], every_rank=lam
 
 def _with_emulated_npu(fn):
     """Run ``fn(emu)`` with the npu_fused path routed to :class:`EmulatedTorchNpu` (float64 allowed)."""
-    emu = EmulatedTorchNpu(world_sizes=(2,), dtypes=(torch.float16, torch.bfloat16, F64),
-                           min_peer_bytes=128, max_peer_bytes=4096)
+    emu = EmulatedTorchNpu(
+        world_sizes=(2,), dtypes=(torch.float16, torch.bfloat16, F64), min_peer_bytes=128, max_peer_bytes=4096
+    )
     names = ("device_reason", "hcom_name", "SUPPORTED_EP_SIZES", "DTYPES", "MIN_PEER_BYTES", "MAX_PEER_BYTES")
     saved = {n: getattr(fused_npu, n) for n in names}
     saved_torch_npu = platform.torch_npu
@@ -339,10 +390,10 @@ def _npu_emulated(rank, world):
             ops = [(c.op, c.send_counts, c.recv_counts, c.trans_gmm_weight, c.with_mm) for c in emu.calls]
             with_mm = shared and fuse_env == "1"
             assert ops == [
-                ("npu_alltoallv_gmm", send, recv, trans, with_mm),      # dispatch forward
-                ("npu_gmm_alltoallv", recv, send, trans, with_mm),      # combine forward
-                ("npu_alltoallv_gmm", send, recv, not trans, False),    # combine backward: mirror, W^T
-                ("npu_gmm_alltoallv", recv, send, not trans, False),    # dispatch backward: mirror, W^T
+                ("npu_alltoallv_gmm", send, recv, trans, with_mm),  # dispatch forward
+                ("npu_gmm_alltoallv", recv, send, trans, with_mm),  # combine forward
+                ("npu_alltoallv_gmm", send, recv, not trans, False),  # combine backward: mirror, W^T
+                ("npu_gmm_alltoallv", recv, send, not trans, False),  # dispatch backward: mirror, W^T
             ], ops
             assert emu.calls[0].permute_out_flag and emu.calls[2].permute_out_flag  # dW from permute_out
         os.environ.pop(fused_npu.ENV_FUSE_SHARED)
@@ -357,8 +408,11 @@ def _npu_emulated(rank, world):
         # forward, dispatch backward) fall below the minimum, those whose input is H wide do not
         data = inputs(False, False, F=1)
         emu.calls.clear()
-        assert_same(run_block(data, "auto", 1, return_permuted=False),
-                    run_block(data, "reference", 1, return_permuted=False), "npu narrow")
+        assert_same(
+            run_block(data, "auto", 1, return_permuted=False),
+            run_block(data, "reference", 1, return_permuted=False),
+            "npu narrow",
+        )
         ops = [(c.op, c.trans_gmm_weight) for c in emu.calls]
         assert ops == [("npu_alltoallv_gmm", False), ("npu_alltoallv_gmm", True)], ops
 
@@ -366,8 +420,12 @@ def _npu_emulated(rank, world):
         data = inputs(False, True, H=32, F=32)
         low = (data[0], data[1], data[2], {k: v.bfloat16() for k, v in data[3].items()})
         got = run_block(low, "npu_fused", 1, return_permuted=False)
-        want = run_block((data[0], data[1], data[2], {k: v.bfloat16().double() for k, v in data[3].items()}),
-                         "reference", 1, return_permuted=False)
+        want = run_block(
+            (data[0], data[1], data[2], {k: v.bfloat16().double() for k, v in data[3].items()}),
+            "reference",
+            1,
+            return_permuted=False,
+        )
         for key in want:
             torch.testing.assert_close(got[key].double(), want[key], rtol=0.05, atol=0.3, msg=key)
 
@@ -400,9 +458,14 @@ def _run_checks(rank, world, names):
 
 
 CHECKS = {
-    "full_matrix": _full_matrix, "small_matrix": _small_matrix, "special_paths": _special_paths,
-    "layout_pin": _layout_pin, "round_trip": _round_trip, "bad_input": _bad_input,
-    "gradcheck_gloo": _gradcheck_gloo, "npu_emulated": _npu_emulated,
+    "full_matrix": _full_matrix,
+    "small_matrix": _small_matrix,
+    "special_paths": _special_paths,
+    "layout_pin": _layout_pin,
+    "round_trip": _round_trip,
+    "bad_input": _bad_input,
+    "gradcheck_gloo": _gradcheck_gloo,
+    "npu_emulated": _npu_emulated,
 }
 RUNS = {
     2: ["layout_pin", "bad_input", "round_trip", "full_matrix", "special_paths", "gradcheck_gloo", "npu_emulated"],
@@ -433,6 +496,7 @@ def test_multi_rank(reports, world, check):
 # ---------------------------------------------------------------------------------------------
 # a group of one (no process group), eligibility, layout helpers
 # ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("trans,shared", [(False, False), (True, True)])
 def test_group_of_one_matches_reference(trans, shared):
@@ -568,7 +632,8 @@ def test_bench_fused_quick(tmp_path, capsys):
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
     variants = ["compute only", "comm only", "unfused", "fused c=1", "fused c=2", "fused c=4"]
     assert [(r[0], r[1], r[2]) for r in rows] == [
-        (shared, pass_, v) for shared in ("no", "yes") for pass_ in ("fwd", "fwd+bwd") for v in variants]
+        (shared, pass_, v) for shared in ("no", "yes") for pass_ in ("fwd", "fwd+bwd") for v in variants
+    ]
     assert all(r[6] == "1.00" for r in rows if r[2] == "unfused")
     document = out.read_text()
     assert "epmoe bench fused --quick" in document and "--dist-backend gloo" in document and "## `tiny`" in document

@@ -7,11 +7,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from host_reads import counting_host_reads
 
 import epmoe
 from epmoe import errors
 from epmoe.gmm import GmmBackend, registry, select_backend, unregister_gmm_backend
+from host_reads import counting_host_reads
 
 CPU_BACKENDS = ["batched", "torch", "loop"]
 
@@ -21,7 +21,7 @@ def reference(x, weight, counts, trans_weight):
     w = weight.double().transpose(1, 2) if trans_weight else weight.double()
     out, start = [], 0
     for g, n in enumerate(counts):
-        out.append(x[start:start + n].double() @ w[g])
+        out.append(x[start : start + n].double() @ w[g])
         start += n
     return torch.cat(out) if out else x.new_zeros(0, w.shape[2]).double()
 
@@ -33,8 +33,7 @@ def offset_view(shape, dtype, offset):
     return torch.randn(numel + offset, dtype=dtype)[offset:].view(shape).detach().requires_grad_()
 
 
-def check(backend, counts, K=16, N=8, trans_weight=False, dtype=torch.float32, atol=1e-5, x_transposed=False,
-          offset=0):
+def check(backend, counts, K=16, N=8, trans_weight=False, dtype=torch.float32, atol=1e-5, x_transposed=False, offset=0):
     T, G = sum(counts), len(counts)
     if x_transposed:
         x = torch.randn(K, T, dtype=dtype).t().requires_grad_()
@@ -102,9 +101,11 @@ def test_cuda_needs_aligned_pointers(monkeypatch):
     aligned_x, aligned_w = torch.randn(4, 16, dtype=bf16), torch.randn(2, 16, 8, dtype=bf16)
     assert torch_backend.ineligible_reason(aligned_x, aligned_w) is None
     assert torch_backend.ineligible_reason(offset_view((4, 16), bf16, 1), aligned_w) == (
-        "x data pointer is not 16-byte aligned")
+        "x data pointer is not 16-byte aligned"
+    )
     assert torch_backend.ineligible_reason(aligned_x, offset_view((2, 8, 16), bf16, 1), trans_weight=True) == (
-        "weight data pointer is not 16-byte aligned")
+        "weight data pointer is not 16-byte aligned"
+    )
 
 
 @settings(max_examples=25, deadline=None)
@@ -119,8 +120,7 @@ def test_random_groups(counts, trans_weight, backend):
 
 @pytest.mark.parametrize(
     "make_counts",
-    [list, tuple, lambda c: torch.tensor(c), lambda c: torch.tensor(c, dtype=torch.int32),
-     lambda c: list(np.array(c))],
+    [list, tuple, lambda c: torch.tensor(c), lambda c: torch.tensor(c, dtype=torch.int32), lambda c: list(np.array(c))],
 )
 def test_counts_forms(make_counts):
     x, w = torch.randn(6, 4), torch.randn(2, 4, 4)
@@ -174,25 +174,61 @@ def test_trans_weight_is_not_copied(monkeypatch):
         (torch.randn(2, 3, 1), torch.randn(1, 3, 2), [2], {}, ValueError, r"grouped_mm\(x\): expected a 2-D"),
         (torch.randn(2, 3), torch.randn(3, 2), [2], {}, ValueError, r"grouped_mm\(weight\): expected a 3-D"),
         (torch.randn(2, 3), torch.randn(1, 4, 2), [2], {}, ValueError, r"grouped_mm\(weight\): .* has D=4"),
-        (torch.randn(2, 3), torch.randn(1, 3, 2), [2], {"trans_weight": True}, ValueError,
-         r"grouped_mm\(weight\): .* has D=2"),
+        (
+            torch.randn(2, 3),
+            torch.randn(1, 3, 2),
+            [2],
+            {"trans_weight": True},
+            ValueError,
+            r"grouped_mm\(weight\): .* has D=2",
+        ),
         (torch.randn(2, 3), torch.randn(1, 3, 2).double(), [2], {}, ValueError, r"grouped_mm\(weight\): dtype"),
-        (torch.ones(2, 3, dtype=torch.int64), torch.ones(1, 3, 2, dtype=torch.int64), [2], {}, ValueError,
-         r"grouped_mm\(x\): expected a floating dtype"),
+        (
+            torch.ones(2, 3, dtype=torch.int64),
+            torch.ones(1, 3, 2, dtype=torch.int64),
+            [2],
+            {},
+            ValueError,
+            r"grouped_mm\(x\): expected a floating dtype",
+        ),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [2], {}, ValueError, r"grouped_mm\(counts\): 1 counts for 2 groups"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [3, -1], {}, ValueError, r"grouped_mm\(counts\): .*non-negative"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 2], {}, ValueError, r"grouped_mm\(counts\): counts sum to 3"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [1.0, 1.0], {}, TypeError, r"grouped_mm\(counts\): expected ints"),
         (torch.randn(2, 3), torch.randn(2, 3, 2), [True, 1], {}, TypeError, r"grouped_mm\(counts\): expected ints"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), torch.tensor([1.0, 1.0]), {}, TypeError,
-         r"grouped_mm\(counts\): expected an integer tensor"),
+        (
+            torch.randn(2, 3),
+            torch.randn(2, 3, 2),
+            torch.tensor([1.0, 1.0]),
+            {},
+            TypeError,
+            r"grouped_mm\(counts\): expected an integer tensor",
+        ),
         (torch.randn(2, 3), torch.randn(2, 3, 2), "11", {}, TypeError, r"grouped_mm\(counts\): expected a sequence"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"trans_weight": 1}, TypeError,
-         r"grouped_mm\(trans_weight\): expected a bool"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"backend": "nope"}, ValueError,
-         r"grouped_mm\(backend\): unknown backend 'nope'"),
-        (torch.randn(2, 3), torch.randn(2, 3, 2), [1, 1], {"backend": 1}, TypeError,
-         r"grouped_mm\(backend\): expected a str"),
+        (
+            torch.randn(2, 3),
+            torch.randn(2, 3, 2),
+            [1, 1],
+            {"trans_weight": 1},
+            TypeError,
+            r"grouped_mm\(trans_weight\): expected a bool",
+        ),
+        (
+            torch.randn(2, 3),
+            torch.randn(2, 3, 2),
+            [1, 1],
+            {"backend": "nope"},
+            ValueError,
+            r"grouped_mm\(backend\): unknown backend 'nope'",
+        ),
+        (
+            torch.randn(2, 3),
+            torch.randn(2, 3, 2),
+            [1, 1],
+            {"backend": 1},
+            TypeError,
+            r"grouped_mm\(backend\): expected a str",
+        ),
     ],
 )
 def test_validation(x, w, counts, kwargs, error, match):
@@ -204,9 +240,13 @@ def test_torch_backend_reasons():
     torch_backend = next(b for b in registry._registry if b.name == "torch")
     assert torch_backend.ineligible_reason(torch.randn(4, 8), torch.randn(2, 8, 4)) is None
     assert "16 bytes" in torch_backend.ineligible_reason(torch.randn(4, 6), torch.randn(2, 6, 4))
-    assert "16 bytes" in torch_backend.ineligible_reason(torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(2, 8, 4, dtype=torch.bfloat16))
+    assert "16 bytes" in torch_backend.ineligible_reason(
+        torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(2, 8, 4, dtype=torch.bfloat16)
+    )
     # an output width the backward kernels cannot take (dy is (T, N)) is declined up front
-    assert "output width N=3" in torch_backend.ineligible_reason(torch.randn(6, 16), torch.randn(2, 3, 16), trans_weight=True)
+    assert "output width N=3" in torch_backend.ineligible_reason(
+        torch.randn(6, 16), torch.randn(2, 3, 16), trans_weight=True
+    )
     assert "dtype" in torch_backend.ineligible_reason(torch.randn(4, 8).double(), torch.randn(2, 8, 4).double())
 
 
@@ -241,8 +281,10 @@ def test_select_backend_validates_like_grouped_mm(monkeypatch, caplog):
 
 @pytest.mark.parametrize(
     "make_x,torch_eligible",
-    [(lambda: torch.randn(5, 8)[:, :6], False),  # padded rows: fine as given, not once contiguous
-     (lambda: torch.randn(5, 16)[:, ::2], True)],  # no unit stride as given, fine once contiguous
+    [
+        (lambda: torch.randn(5, 8)[:, :6], False),  # padded rows: fine as given, not once contiguous
+        (lambda: torch.randn(5, 16)[:, ::2], True),
+    ],  # no unit stride as given, fine once contiguous
     ids=["padded", "strided"],
 )
 def test_non_contiguous_x_judged_as_grouped_mm_passes_it(make_x, torch_eligible):
@@ -325,7 +367,7 @@ def test_auto_takes_batched_only_for_small_even_groups_in_a_forward():
     assert select_backend(x, w, counts=skewed, backward=False).name == "torch"
     assert select_backend(x, w).name == "torch"  # no counts: never by_counts
     few = [max_mean // 2] * (min_groups - 1)
-    assert select_backend(x[:sum(few)], w[:len(few)], counts=few, backward=False).name == "torch"
+    assert select_backend(x[: sum(few)], w[: len(few)], counts=few, backward=False).name == "torch"
     batched = next(b for b in registry._registry if b.name == "batched")
     assert "x the mean" in batched.counts_reason(skewed, x, backward=False)
     assert "groups" in batched.counts_reason(few, x, backward=False)

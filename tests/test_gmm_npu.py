@@ -7,12 +7,12 @@ Checks numbers against a float64 per-group reference, the argument conventions t
 import pytest
 import torch
 import torch.nn.functional as F
-from npu_emulation import MAX_GROUPS, NpuOpError, fake_torch_npu  # noqa: F401 - fixture
 
 import epmoe
 from epmoe import platform
-from epmoe.gmm.registry import select_backend
 from epmoe.gmm.npu import NpuBackend
+from epmoe.gmm.registry import select_backend
+from npu_emulation import MAX_GROUPS, NpuOpError, fake_torch_npu  # noqa: F401 - fixture
 
 COUNTS = [[5, 0, 7, 3], [3, 4, 5], [0, 0, 9], [12], [0, 12, 0, 0], [1, 1, 1, 1, 1, 1]]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -23,7 +23,7 @@ def reference(x, weight, counts, trans_weight):
     w = weight.double().transpose(1, 2) if trans_weight else weight.double()
     out, start = [], 0
     for g, n in enumerate(counts):
-        out.append(x[start:start + n].double() @ w[g])
+        out.append(x[start : start + n].double() @ w[g])
         start += n
     return torch.cat(out)
 
@@ -96,7 +96,7 @@ def test_grad_weight_direct(fake_torch_npu, counts, trans_weight):
     assert dw.shape == ((len(counts), N, K) if trans_weight else (len(counts), K, N))
     start = 0
     for g, n in enumerate(counts):
-        expected = x[start:start + n].double().t() @ dy[start:start + n].double()
+        expected = x[start : start + n].double().t() @ dy[start : start + n].double()
         got = dw[g].double().t() if trans_weight else dw[g].double()
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-5)
         if n == 0:
@@ -113,6 +113,7 @@ def test_grad_weight_direct(fake_torch_npu, counts, trans_weight):
 
 
 # Eligibility ------------------------------------------------------------------------------------
+
 
 def test_reason_without_torch_npu(monkeypatch):
     monkeypatch.setattr(platform, "torch_npu", lambda: None)
@@ -145,8 +146,12 @@ def meta(*shape, dtype=torch.bfloat16):
         (meta(8, 64), meta(4, 64, 32), False, None),
         (meta(8, 64), meta(4, 32, 64), True, None),
         (meta(8, 64, dtype=torch.float32), meta(4, 64, 32, dtype=torch.float32), False, None),
-        (meta(8, 64, dtype=torch.float64), meta(4, 64, 32, dtype=torch.float64), False,
-         "dtype torch.float64 is not one of bf16/fp16/fp32"),
+        (
+            meta(8, 64, dtype=torch.float64),
+            meta(4, 64, 32, dtype=torch.float64),
+            False,
+            "dtype torch.float64 is not one of bf16/fp16/fp32",
+        ),
         (meta(8, 64), meta(MAX_GROUPS, 64, 32), False, None),
         (meta(8, 64), meta(MAX_GROUPS + 1, 64, 32), False, "1025 groups exceed the kernel's limit of 1024"),
         (meta(8, 65535), meta(4, 65535, 65535), False, None),
@@ -155,12 +160,20 @@ def meta(*shape, dtype=torch.bfloat16):
         (meta(8, 64), meta(4, 65536, 64), True, "inner dims [65536] exceed the kernel's limit of 65535"),
         (meta(8, 64), meta(4, 32, 64).transpose(1, 2), False, None),  # read with the transpose flag
         (meta(8, 64), meta(4, 64, 32).transpose(1, 2), True, None),
-        (meta(8, 16), meta(4, 16, 8)[::2], False,
-         "weight strides (256, 8, 1) are neither contiguous nor transposed in the last two dims "
-         "(the only layouts the kernel reads)"),
-        (meta(8, 16), meta(2, 16, 16)[:, :, :8], False,
-         "weight strides (256, 16, 1) are neither contiguous nor transposed in the last two dims "
-         "(the only layouts the kernel reads)"),
+        (
+            meta(8, 16),
+            meta(4, 16, 8)[::2],
+            False,
+            "weight strides (256, 8, 1) are neither contiguous nor transposed in the last two dims "
+            "(the only layouts the kernel reads)",
+        ),
+        (
+            meta(8, 16),
+            meta(2, 16, 16)[:, :, :8],
+            False,
+            "weight strides (256, 16, 1) are neither contiguous nor transposed in the last two dims "
+            "(the only layouts the kernel reads)",
+        ),
     ],
 )
 def test_reasons_on_npu(claims_npu, x, w, trans_weight, reason):
@@ -180,6 +193,7 @@ def test_strided_weight_is_declined_not_crashed(fake_torch_npu, claims_npu, tran
 
 # The emulation itself --------------------------------------------------------------------------
 
+
 def gmm(fake, x, w, counts, **kwargs):
     args = dict(group_list=torch.tensor(counts, dtype=torch.int64), split_item=3, group_type=0, group_list_type=1)
     args.update(kwargs)
@@ -193,8 +207,14 @@ def test_emulation_matches_reference(fake_torch_npu, group_list_type):
     group_list = torch.tensor(counts).cumsum(0) if group_list_type == 0 else torch.tensor(counts)
     (y,) = gmm(fake_torch_npu, x, w, counts, group_list=group_list, group_list_type=group_list_type)
     torch.testing.assert_close(y.double(), reference(x, w, counts, False), atol=1e-5, rtol=1e-5)
-    (y_t,) = gmm(fake_torch_npu, x, w.transpose(1, 2).contiguous().transpose(1, 2), counts,
-                 group_list=group_list, group_list_type=group_list_type)
+    (y_t,) = gmm(
+        fake_torch_npu,
+        x,
+        w.transpose(1, 2).contiguous().transpose(1, 2),
+        counts,
+        group_list=group_list,
+        group_list_type=group_list_type,
+    )
     torch.testing.assert_close(y_t, y)
     (dw,) = gmm(fake_torch_npu, x.t(), y, counts, group_list=group_list, group_list_type=group_list_type, group_type=2)
     assert dw.shape == (3, 6, 4) and torch.count_nonzero(dw[1]) == 0
@@ -212,8 +232,10 @@ def test_emulation_matches_reference(fake_torch_npu, group_list_type):
         (lambda x, w: dict(group_type=-1), "group_type=-1"),
         (lambda x, w: dict(split_item=0), "split_item"),
         (lambda x, w: dict(group_list=torch.tensor([2, 0, 1])), "cover 3 .* has 4"),
-        (lambda x, w: dict(group_list=torch.tensor([2, 0, 2]).cumsum(0)[[0, 2, 1]], group_list_type=0),
-         "non-decreasing"),
+        (
+            lambda x, w: dict(group_list=torch.tensor([2, 0, 2]).cumsum(0)[[0, 2, 1]], group_list_type=0),
+            "non-decreasing",
+        ),
         (lambda x, w: dict(group_list=torch.tensor([2, -1, 3])), "non-negative"),
         (lambda x, w: dict(group_list=torch.tensor([2, 2])), "2 groups"),
         (lambda x, w: dict(output_dtype=torch.float16), "output_dtype"),

@@ -19,11 +19,11 @@ import pytest
 from epmoe.launch import run_ranks
 from epmoe.training.launchers import CHECKED_AGAINST, TABLE, entries_to_check, replace, signature_text
 
+
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
-    from launcher_workers import launcher_cases
-
     from epmoe.models import build_model
+    from launcher_workers import launcher_cases
 
     root = tmp_path_factory.mktemp("launchers")
     build_model("qwen3_moe").save_pretrained(root / "model")
@@ -98,9 +98,8 @@ def test_prepared_trainer_resumes_at_another_world_size(tmp_path):
 
 @pytest.mark.multirank
 def test_run_ranks_blames_a_rank_that_exits_with_code_0_without_reporting():
-    from launcher_workers import exits_quietly
-
     from epmoe.launch import RankError
+    from launcher_workers import exits_quietly
 
     with pytest.raises(RankError) as caught:
         run_ranks(exits_quietly, 2, timeout=60)
@@ -139,7 +138,8 @@ def test_launcher_table_methods_exist_with_the_recorded_signature(entry, owner):
     method = dataclasses.replace(entry, owner=owner).resolve()
     assert signature_text(method) == entry.signature, (
         f"{owner}.{entry.method} changed signature in {library} {_installed(library)} (table checked against "
-        f"{CHECKED_AGAINST[entry.library]}): {signature_text(method)} != {entry.signature}")
+        f"{CHECKED_AGAINST[entry.library]}): {signature_text(method)} != {entry.signature}"
+    )
 
 
 def test_launcher_table_names_the_versions_it_was_checked_against():
@@ -206,8 +206,9 @@ def test_prepare_trainer_replaces_only_methods_in_the_table_and_sets_no_other_at
 
     model = build_model("qwen3_moe")
     epmoe.apply_expert_parallel(model)
-    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(
-        output_dir=str(tmp_path), use_cpu=True, report_to=[]))
+    trainer = transformers.Trainer(
+        model=model, args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    )
     before = set(vars(trainer)), set(vars(trainer.accelerator))
     assert epmoe.prepare_trainer(trainer) is trainer
     after = dict(vars(trainer)), dict(vars(trainer.accelerator))
@@ -229,11 +230,17 @@ def test_moe_param_groups_are_split_with_deepspeeds_helper():
 
     dense, expert, bias = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
     expert.allreduce, expert.group_name = False, "ep_size_2"
-    optimizer = torch.optim.AdamW([{"params": [dense, expert], "weight_decay": 0.1},
-                                   {"params": [bias], "weight_decay": 0.0}], lr=1e-3)
+    optimizer = torch.optim.AdamW(
+        [{"params": [dense, expert], "weight_decay": 0.1}, {"params": [bias], "weight_decay": 0.0}], lr=1e-3
+    )
     split_moe_param_groups(optimizer, "here")
-    groups = [({k: v for k, v in g.items() if k in ("name", "moe", "weight_decay")}, [id(p) for p in g["params"]])
-              for g in optimizer.param_groups]
-    assert groups == [({"weight_decay": 0.1}, [id(dense)]), ({"weight_decay": 0.0}, [id(bias)]),
-                      ({"weight_decay": 0.1, "name": "ep_size_2", "moe": True}, [id(expert)])], groups
+    groups = [
+        ({k: v for k, v in g.items() if k in ("name", "moe", "weight_decay")}, [id(p) for p in g["params"]])
+        for g in optimizer.param_groups
+    ]
+    assert groups == [
+        ({"weight_decay": 0.1}, [id(dense)]),
+        ({"weight_decay": 0.0}, [id(bias)]),
+        ({"weight_decay": 0.1, "name": "ep_size_2", "moe": True}, [id(expert)]),
+    ], groups
     check_moe_param_groups(optimizer.param_groups, "here")

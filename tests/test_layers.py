@@ -38,8 +38,12 @@ def _imports(modules: dict[str, pathlib.Path]) -> list[tuple[str, str, bool]]:
     edges = []
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
-        in_function = {id(node) for fn in ast.walk(tree) if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
-                       for node in ast.walk(fn)}
+        in_function = {
+            id(node)
+            for fn in ast.walk(tree)
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for node in ast.walk(fn)
+        }
         package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
@@ -47,7 +51,9 @@ def _imports(modules: dict[str, pathlib.Path]) -> list[tuple[str, str, bool]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
             else:
                 continue
@@ -74,8 +80,11 @@ def _floor(module: str) -> tuple[int, int]:
 
 
 def test_every_module_has_a_floor():
-    unplaced = [m for m in _modules() if m != "epmoe" and not any(
-        m == p or m.startswith(p + ".") for floor in FLOORS for p in floor if p != "epmoe")]
+    unplaced = [
+        m
+        for m in _modules()
+        if m != "epmoe" and not any(m == p or m.startswith(p + ".") for floor in FLOORS for p in floor if p != "epmoe")
+    ]
     assert unplaced == []
 
 
@@ -99,7 +108,7 @@ def test_no_import_cycle():
         state[node] = 1
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                pytest.fail(f"import cycle: {' -> '.join(path[path.index(nxt):] + [nxt])}")
+                pytest.fail(f"import cycle: {' -> '.join(path[path.index(nxt) :] + [nxt])}")
             if nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = 2

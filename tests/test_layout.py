@@ -25,8 +25,12 @@ def plans(draw):
 
 def _source_major_rows(plan):
     """``(s, j, i)`` of every received row in arrival order: source-major."""
-    return [(s, j, i) for s in range(plan.ep_size) for j in range(plan.e)
-            for i in range(plan.counts_expert_major_WE[s * plan.e + j])]
+    return [
+        (s, j, i)
+        for s in range(plan.ep_size)
+        for j in range(plan.e)
+        for i in range(plan.counts_expert_major_WE[s * plan.e + j])
+    ]
 
 
 @settings(max_examples=200, deadline=None)
@@ -47,8 +51,8 @@ def test_permutations_match_a_per_row_reference(plan):
 def test_splits_offsets_and_group_sizes(plan):
     W, e = plan.ep_size, plan.e
     send, recv = plan.counts_rank_major_WE, plan.counts_expert_major_WE
-    assert plan.rank_major_splits == [sum(send[r * e:(r + 1) * e]) for r in range(W)]
-    assert plan.expert_major_splits_W == [sum(recv[s * e:(s + 1) * e]) for s in range(W)]
+    assert plan.rank_major_splits == [sum(send[r * e : (r + 1) * e]) for r in range(W)]
+    assert plan.expert_major_splits_W == [sum(recv[s * e : (s + 1) * e]) for s in range(W)]
     assert plan.rows_per_expert_e == [sum(recv[s * e + j] for s in range(W)) for j in range(e)]
     assert plan.offsets_expert == prefix(plan.rows_per_expert_e) and plan.offsets_expert[0] == 0
     assert plan.rows_rank_major == sum(send) and plan.rows_expert_major == sum(recv)

@@ -5,10 +5,9 @@ import os
 
 import pytest
 import torch
-from custom_moe import ExpertMLP
-from host_reads import counting_host_reads
 from torch import nn
 
+from custom_moe import ExpertMLP
 from epmoe.bench.blocks import EPMOE, GROUPED, Shape, build_blocks
 from epmoe.bench.lean import saved_elements_per_token
 from epmoe.ep import recognize
@@ -17,12 +16,16 @@ from epmoe.ep.mlp import routed_mlp_autograd, weighted_sum
 from epmoe.ep.routing import GatherRows, SumRows, keep_first, pair_rows, token_rows
 from epmoe.gmm import ENV_BACKEND
 from epmoe.models import build_model
+from host_reads import counting_host_reads
 
 
 def random_routing(T, K, E, generator):
     """``(T, K)`` distinct experts per token."""
-    return torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)]) if T else \
-        torch.zeros(0, K, dtype=torch.long)
+    return (
+        torch.stack([torch.randperm(E, generator=generator)[:K] for _ in range(T)])
+        if T
+        else torch.zeros(0, K, dtype=torch.long)
+    )
 
 
 @pytest.mark.parametrize("T, K, E, W", [(9, 2, 8, 2), (13, 4, 8, 4), (6, 1, 4, 2), (0, 2, 8, 2), (7, 3, 6, 3)])
@@ -136,9 +139,22 @@ def test_routed_mlp_opcheck(padded):
     local = torch.randint(0, e + padded, (R, K), generator=torch.Generator().manual_seed(0))
     pairs = pair_rows(local, e, padded=padded)
     H = module.down_proj.shape[2 if module.is_transposed else 1]
-    args = (torch.randn(R, H, requires_grad=True), torch.rand(R, K, requires_grad=True), pairs.slot_P, pairs.pair_RK,
-            pairs.counts_e, None, module.gate_up_proj, module.down_proj, module.gate_up_proj_bias,
-            module.down_proj_bias, not module.is_transposed, experts.key, True, padded)
+    args = (
+        torch.randn(R, H, requires_grad=True),
+        torch.rand(R, K, requires_grad=True),
+        pairs.slot_P,
+        pairs.pair_RK,
+        pairs.counts_e,
+        None,
+        module.gate_up_proj,
+        module.down_proj,
+        module.gate_up_proj_bias,
+        module.down_proj_bias,
+        not module.is_transposed,
+        experts.key,
+        True,
+        padded,
+    )
     torch.library.opcheck(torch.ops.epmoe.routed_mlp.default, args)
 
 
@@ -169,8 +185,9 @@ def test_no_host_read_at_ep1(monkeypatch):
     """A forward + backward of an EP-1 block reads nothing to the host on a backend that takes its
     counts on the device (torch); the loop backend needs them, read once per op (the control: reads
     are seen)."""
-    blocks = build_blocks(Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=16), 0,
-                          torch.device("cpu"))
+    blocks = build_blocks(
+        Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=16), 0, torch.device("cpu")
+    )
     x = torch.randn(1, 16, 64, requires_grad=True)
 
     def reads():
@@ -187,8 +204,9 @@ def test_a_deep_copy_runs_its_own_gate_after_the_original_is_gone():
     import copy
     import gc
 
-    blocks = build_blocks(Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=16), 0,
-                          torch.device("cpu"))
+    blocks = build_blocks(
+        Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=16), 0, torch.device("cpu")
+    )
     original = blocks.pop(EPMOE)
     twin = copy.deepcopy(original)
     x = torch.randn(1, 16, 64)
@@ -203,8 +221,9 @@ def test_a_deep_copy_runs_its_own_gate_after_the_original_is_gone():
 @pytest.mark.parametrize("bad", [8, -1])
 def test_out_of_range_expert_raises_at_ep1(bad):
     """On one rank a choice outside [0, E) raises, never counts as another rank's (a zero output)."""
-    blocks = build_blocks(Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=4), 0,
-                          torch.device("cpu"))
+    blocks = build_blocks(
+        Shape("small", num_experts=8, top_k=2, hidden=64, intermediate=32, tokens=4), 0, torch.device("cpu")
+    )
     experts = blocks[EPMOE].experts
     index = torch.tensor([[0, 1], [2, bad], [3, 4], [5, 6]])
     with pytest.raises(RuntimeError):

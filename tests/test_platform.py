@@ -30,8 +30,15 @@ def test_cpu_process(no_accelerator):
 
 @pytest.mark.parametrize(
     "obj,kind",
-    [(torch.zeros(1), "cpu"), (torch.device("meta"), "meta"), ("cuda:1", "cuda"), ("npu", "npu"),
-     (torch.nn.Linear(2, 2), "cpu"), (torch.nn.Module(), "cpu"), (torch.zeros(1, device="meta"), "meta")],
+    [
+        (torch.zeros(1), "cpu"),
+        (torch.device("meta"), "meta"),
+        ("cuda:1", "cuda"),
+        ("npu", "npu"),
+        (torch.nn.Linear(2, 2), "cpu"),
+        (torch.nn.Module(), "cpu"),
+        (torch.zeros(1, device="meta"), "meta"),
+    ],
 )
 def test_device_type_of_objects(obj, kind):
     assert platform.device_type(obj) == kind

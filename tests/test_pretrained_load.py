@@ -30,8 +30,10 @@ def test_merge_concatenate_equals_transformers_ops(dim):
     axis = dim - 1 if dim > 0 else dim  # the pieces' axis that is concatenated
     gate_shape, up_shape = [5, 4], [5, 4]
     gate_shape[axis] = 6
-    pieces = {SOURCES[0]: [torch.randn(gate_shape, generator=g, dtype=torch.float64) for _ in range(3)],
-              SOURCES[1]: [torch.randn(up_shape[::-1], generator=g, dtype=torch.float64).t() for _ in range(3)]}
+    pieces = {
+        SOURCES[0]: [torch.randn(gate_shape, generator=g, dtype=torch.float64) for _ in range(3)],
+        SOURCES[1]: [torch.randn(up_shape[::-1], generator=g, dtype=torch.float64).t() for _ in range(3)],
+    }
     want = chain(pieces, dim)
     got = MergeConcatenate(dim).convert(pieces, SOURCES, ["gate_up"])["gate_up"]
     assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
@@ -87,15 +89,20 @@ def test_one_copy_conversions_replaces_only_stacking_converters():
     down = WeightConverter("mlp.experts.*.down_proj.weight", "mlp.experts.down_proj", [MergeModulelist(0)])
     other = WeightConverter("attn.qkv", "attn.q", [Transpose(0, 1)])
     rename = WeightRenaming("block_sparse_moe", "mlp")
-    keys = {"model.layers.0.mlp.experts.gate_up_proj": torch.float32,
-            "model.layers.1.mlp.experts.down_proj": torch.float32}
-    config = LoadStateDictConfig(weight_mapping=[gate_up, down, other, rename],
-                                 dtype_plan={"layers.1.mlp.experts": torch.float32})
+    keys = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.float32,
+        "model.layers.1.mlp.experts.down_proj": torch.float32,
+    }
+    config = LoadStateDictConfig(
+        weight_mapping=[gate_up, down, other, rename], dtype_plan={"layers.1.mlp.experts": torch.float32}
+    )
     loading, originals = one_copy_conversions(config, keys)
     assert config.weight_mapping == [gate_up, down, other, rename] and loading is not config
     assert config.dtype_plan == {"layers.1.mlp.experts": torch.float32}
-    assert loading.dtype_plan == {"layers.1.mlp.experts": torch.float32,
-                                  r"^model\.layers\.0\.mlp\.experts\.gate_up_proj$": None}
+    assert loading.dtype_plan == {
+        "layers.1.mlp.experts": torch.float32,
+        r"^model\.layers\.0\.mlp\.experts\.gate_up_proj$": None,
+    }
     one_copy, stack, *kept = loading.weight_mapping
     assert kept == [other, rename]
     assert [type(op) for op in one_copy.operations + stack.operations] == [MergeConcatenate, MergeConcatenate]

@@ -28,10 +28,23 @@ def recipes():
 
 
 def test_readme_lists_the_training_recipes():
-    assert [name for name, _, _ in recipes()] == ["migrate_distributed_config", "train_ddp", "train_fsdp2", "train_ep_dp", "train_trainer",
-                                                  "train_accelerate", "train_deepspeed", "generate", "train_compiled",
-                                                  "save_and_reload", "load_sharded", "resume", "replay",
-                                                  "train_grpo", "train_dpo"]
+    assert [name for name, _, _ in recipes()] == [
+        "migrate_distributed_config",
+        "train_ddp",
+        "train_fsdp2",
+        "train_ep_dp",
+        "train_trainer",
+        "train_accelerate",
+        "train_deepspeed",
+        "generate",
+        "train_compiled",
+        "save_and_reload",
+        "load_sharded",
+        "resume",
+        "replay",
+        "train_grpo",
+        "train_dpo",
+    ]
 
 
 @pytest.mark.multirank

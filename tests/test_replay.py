@@ -72,8 +72,11 @@ def _router_output(family, routes_TK):
     """The replayed router's weights against the family's rule written out, on random hidden states."""
     torch.manual_seed(0)
     model = build_model(family, dtype=torch.float64)
-    blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "top_k") is False
-              and (hasattr(m, "gate") or hasattr(m, "router"))]
+    blocks = [
+        m
+        for m in model.modules()
+        if hasattr(m, "experts") and hasattr(m, "top_k") is False and (hasattr(m, "gate") or hasattr(m, "router"))
+    ]
     router = getattr(blocks[0], "gate", None) or blocks[0].router
     hidden = torch.randn(routes_TK.shape[0], model.config.hidden_size, dtype=torch.float64)
     with epmoe.replay_routing(model, routes_TK.expand(len(blocks), -1, -1).clone()) as replay:

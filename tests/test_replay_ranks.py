@@ -11,8 +11,11 @@ from replay_workers import bad_routes_on_one_rank, replay_parity
 def _cases(rank, world, out_dir):
     from grpo_workers import grpo_replay_parity
 
-    return {"parity": {family: replay_parity(rank, world, family) for family in ("qwen3_moe", "deepseek_v3")},
-            "bad": bad_routes_on_one_rank(rank, world), "grpo": grpo_replay_parity(rank, world, out_dir)}
+    return {
+        "parity": {family: replay_parity(rank, world, family) for family in ("qwen3_moe", "deepseek_v3")},
+        "bad": bad_routes_on_one_rank(rank, world),
+        "grpo": grpo_replay_parity(rank, world, out_dir),
+    }
 
 
 @pytest.mark.multirank

@@ -31,17 +31,25 @@ from static_workers import (
     wrapped_static_vs_dynamic,
 )
 
-LAYER_CASES = ["random_k2", "rank_with_zero_tokens", "rank_receives_nothing", "expert_without_tokens",
-               "all_on_one_expert_k1", "top_k_4"]
+LAYER_CASES = [
+    "random_k2",
+    "rank_with_zero_tokens",
+    "rank_receives_nothing",
+    "expert_without_tokens",
+    "all_on_one_expert_k1",
+    "top_k_4",
+]
 
 
 def cases_of(world, out_dir):
     """``{label: (fn, args)}``: every case that runs on ``world`` ranks (``out_dir``: a directory the
     ranks share, for the Trainer's output)."""
-    cases = {"layer": (layer_static_vs_dynamic, (LAYER_CASES,)),
-             "model/qwen3_moe/float64": (model_static_vs_dynamic, ("qwen3_moe", "float64", [7, 12, 3, 9][:world])),
-             "reagree": (overflow, (True, None)),
-             "ddp": (wrapped_static_vs_dynamic, ("ddp",))}
+    cases = {
+        "layer": (layer_static_vs_dynamic, (LAYER_CASES,)),
+        "model/qwen3_moe/float64": (model_static_vs_dynamic, ("qwen3_moe", "float64", [7, 12, 3, 9][:world])),
+        "reagree": (overflow, (True, None)),
+        "ddp": (wrapped_static_vs_dynamic, ("ddp",)),
+    }
     if world == 4:
         cases["mesh"] = (wrapped_static_vs_dynamic, ("mesh",))
     if world == 2:
@@ -51,8 +59,10 @@ def cases_of(world, out_dir):
         for family in ("deepseek_v3", "gpt_oss"):
             cases[f"silent_rank/{family}"] = (model_static_vs_dynamic, (family, "float64", [8, 10], "silent_rank"))
         cases["checkpointing"] = (model_static_vs_dynamic, ("qwen3_moe", "float64", [6, 11], "checkpointing"))
-        cases["fixed_tokens"] = (model_static_vs_dynamic, ("qwen3_moe", "float64", [6, 11], "plain",
-                                                           {"static_tokens": 40, "check_steps": False}))
+        cases["fixed_tokens"] = (
+            model_static_vs_dynamic,
+            ("qwen3_moe", "float64", [6, 11], "plain", {"static_tokens": 40, "check_steps": False}),
+        )
         for dtype in ("float32", "bfloat16"):
             cases[f"model/qwen3_moe/{dtype}"] = (model_static_vs_dynamic, ("qwen3_moe", dtype, [7, 12]))
         cases["model/gpt_oss/float32"] = (model_static_vs_dynamic, ("gpt_oss", "float32", [7, 12]))
@@ -67,7 +77,7 @@ def cases_of(world, out_dir):
     return cases
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def batch_results(world):
     with tempfile.TemporaryDirectory() as out_dir:
         return run_ranks(run_cases, world, cases_of(world, out_dir), timeout=850)
@@ -94,8 +104,7 @@ def test_static_equals_dynamic_bitwise_every_family(family):
 
 @pytest.mark.multirank
 @batched
-@pytest.mark.parametrize("label", ["silent_rank/deepseek_v3", "silent_rank/gpt_oss", "checkpointing",
-                                   "fixed_tokens"])
+@pytest.mark.parametrize("label", ["silent_rank/deepseek_v3", "silent_rank/gpt_oss", "checkpointing", "fixed_tokens"])
 def test_static_equals_dynamic_bitwise_scenarios(label):
     for result in results_of(2, label):
         assert result["differences"] == {}
@@ -195,16 +204,20 @@ def test_auto_takes_the_static_exchange_at_decode_steps_only():
     and the layers keep their own dispatchers after the call."""
     for result in results_of(2, "auto_generate"):
         assert result["equal"] == [True, True], result
-        assert result["calls"] == {"cached/alltoallv": 1, "cached/static": 5, "no_cache/alltoallv": 1,
-                                   "no_cache/static": 3, "train/alltoallv": 1}, result
+        assert result["calls"] == {
+            "cached/alltoallv": 1,
+            "cached/static": 5,
+            "no_cache/alltoallv": 1,
+            "no_cache/static": 3,
+            "train/alltoallv": 1,
+        }, result
         assert result["transports"] == ["alltoallv"], result
 
 
 def test_auto_rule():
     """The static exchange at decode steps is ``"auto"``'s alone, and never with a capacity (dropless)."""
     assert epmoe.ExpertParallelConfig().decodes_static()
-    for config in ({"dispatch": "alltoallv"}, {"dispatch": "static"}, {"dispatch": "fused"},
-                   {"capacity_factor": 1.25}):
+    for config in ({"dispatch": "alltoallv"}, {"dispatch": "static"}, {"dispatch": "fused"}, {"capacity_factor": 1.25}):
         assert not epmoe.ExpertParallelConfig(**config).decodes_static(), config
 
 
@@ -245,8 +258,12 @@ class _OwnForwardExpert(nn.Module):
 
 
 def test_static_config_conflicts_raise():
-    for bad, named in (({"capacity_factor": 1.0}, "capacity_factor"), ({"num_chunks": 2}, "num_chunks"),
-                       ({"static_tokens": 0}, "static_tokens"), ({"static_tokens": True}, "static_tokens")):
+    for bad, named in (
+        ({"capacity_factor": 1.0}, "capacity_factor"),
+        ({"num_chunks": 2}, "num_chunks"),
+        ({"static_tokens": 0}, "static_tokens"),
+        ({"static_tokens": True}, "static_tokens"),
+    ):
         with pytest.raises(ValueError, match=named):
             epmoe.ExpertParallelConfig(dispatch="static", **bad)
     with pytest.raises(ValueError, match="static_tokens.*dispatch='static'"):
@@ -271,8 +288,9 @@ def test_static_on_one_rank_equals_alltoallv():
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-@pytest.mark.parametrize("family,dtype", [("qwen3_moe", torch.float32), ("gpt_oss", torch.float32),
-                                          ("gpt_oss", torch.float64)])
+@pytest.mark.parametrize(
+    "family,dtype", [("qwen3_moe", torch.float32), ("gpt_oss", torch.float32), ("gpt_oss", torch.float64)]
+)
 def test_padded_pairs_contribute_nothing(family, dtype):
     """The routed MLP on padded pairs (every (row, k); choices of other ranks' experts and whole
     padding rows past the counts) equals it on the exact pairs, forward and backward: outputs and

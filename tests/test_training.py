@@ -49,8 +49,10 @@ def test_ddp_equals_non_ep_ddp_per_parameter():
         assert any(k.startswith("param/") and ".experts." in k for k in errors)
         assert not facts["ddp_reduces_experts"] and facts["num_experts_params"] == 4
         assert facts["clipped"], facts["norms"]  # the clip factor mattered at every step
-        assert facts["log"] == ["epmoe: expert_grad='auto' -> 'mean' (DistributedDataParallel): expert gradients "
-                                "are divided by the 2 data-parallel ranks"], facts["log"]
+        assert facts["log"] == [
+            "epmoe: expert_grad='auto' -> 'mean' (DistributedDataParallel): expert gradients "
+            "are divided by the 2 data-parallel ranks"
+        ], facts["log"]
 
 
 @pytest.mark.multirank
@@ -69,7 +71,7 @@ def test_ddp_gpt_oss_biased_transposed_experts():
 
 @pytest.mark.multirank
 def test_expert_grad_modes_without_wrapper():
-    """"sum" and "auto" (no wrapper) give the unsharded model's expert gradients on the concatenated
+    """ "sum" and "auto" (no wrapper) give the unsharded model's expert gradients on the concatenated
     batch; "mean" those divided by the 2 ranks; non-expert gradients are the rank's own."""
     for rank, errors in enumerate(results_of("expert_grad_modes")):
         assert_errors(errors, rank)
@@ -140,8 +142,10 @@ def test_trainer_resume_from_checkpoint_is_exact(tmp_path):
         assert any(".experts." in k for k in errors)
 
 
-@pytest.mark.parametrize("option", [{"save_on_each_node": True},
-                                    {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"}])
+@pytest.mark.parametrize(
+    "option",
+    [{"save_on_each_node": True}, {"load_best_model_at_end": True, "eval_strategy": "steps", "save_strategy": "steps"}],
+)
 def test_prepare_trainer_refuses_what_it_cannot_make_exact(option, tmp_path):
     import torch
     from transformers import Trainer, TrainingArguments
@@ -153,8 +157,12 @@ def test_prepare_trainer_refuses_what_it_cannot_make_exact(option, tmp_path):
     epmoe.apply_expert_parallel(model)
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **option)
     rows = torch.randint(0, 256, (4, 8))
-    trainer = Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in rows],
-                      eval_dataset=[{"input_ids": r, "labels": r} for r in rows])
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=[{"input_ids": r, "labels": r} for r in rows],
+        eval_dataset=[{"input_ids": r, "labels": r} for r in rows],
+    )
     with pytest.raises(ValueError, match=next(iter(option))):
         epmoe.prepare_trainer(trainer)
 
@@ -165,8 +173,9 @@ def test_prepare_trainer_needs_an_ep_model(tmp_path):
     import epmoe
     from epmoe.models import build_model
 
-    trainer = Trainer(model=build_model("qwen3_moe"), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True,
-                                                                              report_to=[]))
+    trainer = Trainer(
+        model=build_model("qwen3_moe"), args=TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    )
     with pytest.raises(ValueError, match="apply_expert_parallel"):
         epmoe.prepare_trainer(trainer)
     with pytest.raises(TypeError, match="trainer"):

@@ -194,7 +194,7 @@ def expert_grad_modes(rank, world):
         for name, p in model.named_parameters():
             if epmoe.is_expert_parameter(p):
                 shard = by_module[name.rsplit(".", 1)[0]]
-                want = total[name][shard.local_start:shard.local_end] / divisor
+                want = total[name][shard.local_start : shard.local_end] / divisor
             else:
                 want = own[name]
             errors[f"{mode}/{name}"] = rel(p.grad, want)
@@ -209,9 +209,15 @@ def expert_parameter_identity(rank, world):
     model = build_model("qwen3_moe", dtype=torch.float64)
     epmoe.apply_expert_parallel(model)
     base_experts = set(epmoe.expert_parameters(model))
-    peft_model = get_peft_model(model, LoraConfig(
-        r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(
+            r=2,
+            lora_alpha=4,
+            target_modules=["q_proj", "v_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     found = epmoe.expert_parameters(peft_model)
     names = {id(p): n for n, p in peft_model.named_parameters()}
     lora = [names[id(p)] for p in found if p not in base_experts]
@@ -222,8 +228,7 @@ def expert_parameter_identity(rank, world):
         "base": len(base_experts),
         "lora": sorted(lora),
         "all_marked": all(epmoe.is_expert_parameter(p) for p in found),
-        "attention_marked": any(epmoe.is_expert_parameter(dict(peft_model.named_parameters())[n])
-                                for n in attention),
+        "attention_marked": any(epmoe.is_expert_parameter(dict(peft_model.named_parameters())[n]) for n in attention),
         "ddp_reduces_experts": any(id(p) in reduced for p in found),
         "ddp_reduces_attention_lora": all(id(dict(peft_model.named_parameters())[n]) in reduced for n in attention),
     }
@@ -282,16 +287,21 @@ def generate_parity(rank, world):
 
 
 def two_rank_checks(rank, world):
-    return run_checks({
-        "ddp": lambda: ddp_parity(rank, world),
-        "ddp_module_list": lambda: {f"{kind}/{k}": v for kind, (errs, _) in ddp_module_list_parity(rank, world).items()
-                                    for k, v in errs.items()},
-        "ddp_gpt_oss": lambda: ddp_families(rank, world),
-        "expert_grad_modes": lambda: expert_grad_modes(rank, world),
-        "identity": lambda: expert_parameter_identity(rank, world),
-        "refusals": lambda: refusals(rank, world),
-        "generate": lambda: generate_parity(rank, world),
-    })
+    return run_checks(
+        {
+            "ddp": lambda: ddp_parity(rank, world),
+            "ddp_module_list": lambda: {
+                f"{kind}/{k}": v
+                for kind, (errs, _) in ddp_module_list_parity(rank, world).items()
+                for k, v in errs.items()
+            },
+            "ddp_gpt_oss": lambda: ddp_families(rank, world),
+            "expert_grad_modes": lambda: expert_grad_modes(rank, world),
+            "identity": lambda: expert_parameter_identity(rank, world),
+            "refusals": lambda: refusals(rank, world),
+            "generate": lambda: generate_parity(rank, world),
+        }
+    )
 
 
 def ddp_module_list_parity(rank, world, mesh=None):
@@ -426,8 +436,9 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 def trainer_parity_both(rank, world, out_dir):
-    return {dtype: trainer_parity(rank, world, f"{out_dir}/{dtype}", dtype_name=dtype)
-            for dtype in ("float64", "float32")}
+    return {
+        dtype: trainer_parity(rank, world, f"{out_dir}/{dtype}", dtype_name=dtype) for dtype in ("float64", "float32")
+    }
 
 
 def trainer_log(log: list[dict], key: str) -> list[float]:
@@ -460,10 +471,20 @@ def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32", config=N
 
     def args(tag):
         return TrainingArguments(
-            output_dir=f"{out_dir}/{tag}", per_device_train_batch_size=2, per_device_eval_batch_size=2,
-            gradient_accumulation_steps=2, max_steps=steps, learning_rate=1e-3, gradient_checkpointing=True,
-            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0,
-            seed=0, disable_tqdm=True,
+            output_dir=f"{out_dir}/{tag}",
+            per_device_train_batch_size=2,
+            per_device_eval_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=steps,
+            learning_rate=1e-3,
+            gradient_checkpointing=True,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            dataloader_num_workers=0,
+            seed=0,
+            disable_tqdm=True,
         )
 
     train, evaluation = TokenDataset(64, 12, seed=1), TokenDataset(6, 12, seed=2)
@@ -474,14 +495,16 @@ def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32", config=N
     trainer_ref.train()
     eval_ref = trainer_ref.evaluate()["eval_loss"]
     trainer = epmoe.prepare_trainer(
-        SubclassedTrainer(model=model, args=args("ep"), train_dataset=train, eval_dataset=evaluation))
+        SubclassedTrainer(model=model, args=args("ep"), train_dataset=train, eval_dataset=evaluation)
+    )
     assert epmoe.prepare_trainer(trainer) is trainer  # idempotent
     trainer.train()
     eval_ep = trainer.evaluate()["eval_loss"]
 
     pairs = reference_view(model, ref, shards).items()
-    errors = {f"param/{name}": pair.param_error if dtype_name == "float64" else pair.param_norm_error
-              for name, pair in pairs}
+    errors = {
+        f"param/{name}": pair.param_error if dtype_name == "float64" else pair.param_norm_error for name, pair in pairs
+    }
     norms = trainer_log(trainer.state.log_history, "grad_norm")
     errors.update(trainer_log_errors(trainer.state.log_history, trainer_ref.state.log_history, eval_ep, eval_ref))
     # Trainer.save_model: every rank joins, the writer writes all experts; plain transformers reloads them
@@ -495,10 +518,14 @@ def trainer_parity(rank, world, out_dir, steps=6, dtype_name="float32", config=N
     non_expert = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not epmoe.is_expert_parameter(p)])
     gathered = [torch.empty_like(non_expert) for _ in range(world)]
     dist.all_gather(gathered, non_expert)
-    return {"errors": errors, "norms": norms, "num_steps": len(norms),
-            "replicated_equal": all(torch.equal(gathered[0], g) for g in gathered),
-            "checkpointing": model.is_gradient_checkpointing,
-            "transport": sorted({state.transport.name for _, _, state in epmoe.ep.state.ep_states(model)})}
+    return {
+        "errors": errors,
+        "norms": norms,
+        "num_steps": len(norms),
+        "replicated_equal": all(torch.equal(gathered[0], g) for g in gathered),
+        "checkpointing": model.is_gradient_checkpointing,
+        "transport": sorted({state.transport.name for _, _, state in epmoe.ep.state.ep_states(model)}),
+    }
 
 
 def trainer_resume(rank, world, out_dir, steps=6):
@@ -511,9 +538,18 @@ def trainer_resume(rank, world, out_dir, steps=6):
         model = build_model("qwen3_moe", dtype=torch.float64, seed=seed)
         shards = epmoe.apply_expert_parallel(model)
         args = TrainingArguments(
-            output_dir=f"{out_dir}/run", per_device_train_batch_size=2, max_steps=steps, learning_rate=1e-3,
-            logging_steps=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True,
-            dataloader_num_workers=0, seed=0, disable_tqdm=True,
+            output_dir=f"{out_dir}/run",
+            per_device_train_batch_size=2,
+            max_steps=steps,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="steps",
+            save_steps=2,
+            use_cpu=True,
+            dataloader_num_workers=0,
+            seed=0,
+            disable_tqdm=True,
         )
         trainer = epmoe.prepare_trainer(Trainer(model=model, args=args, train_dataset=TokenDataset(64, 12, seed=1)))
         trainer.train(resume_from_checkpoint=resume)

@@ -28,9 +28,19 @@ from epmoe.ep.params import expert_parameters, is_expert_parameter, parameter_co
 from epmoe.ep.state import ep_model
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
 from epmoe.integrations import transformers_experts
-from epmoe.training import (LoadBalancer, RoutingRecord, clip_grad_norm_, prepare_accelerator, prepare_deepspeed,
-                            prepare_trainer, record_routing, reference_model, replay_rollout_routing,
-                            replay_routing, routes_from_vllm)
+from epmoe.training import (
+    LoadBalancer,
+    RoutingRecord,
+    clip_grad_norm_,
+    prepare_accelerator,
+    prepare_deepspeed,
+    prepare_trainer,
+    record_routing,
+    reference_model,
+    replay_rollout_routing,
+    replay_routing,
+    routes_from_vllm,
+)
 
 transformers_experts.register()  # experts_implementation="epmoe" in transformers, where installed
 

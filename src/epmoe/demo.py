@@ -26,8 +26,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import epmoe
 from epmoe import platform
-from epmoe.ep.load import max_over_mean
 from epmoe.ep.experts import experts_backend
+from epmoe.ep.load import max_over_mean
 from epmoe.models import FAMILIES, build_model
 
 VOCAB = 256
@@ -60,8 +60,10 @@ class TrainOptions:
         if self.steps < 1:
             raise ValueError(f"--steps: must be >= 1, got {self.steps}")
         if self.balance and self.trainer:
-            raise ValueError("--balance: not supported with --trainer yet (the DDP loop mirrors the biases on the "
-                             "reference step by step)")
+            raise ValueError(
+                "--balance: not supported with --trainer yet (the DDP loop mirrors the biases on the "
+                "reference step by step)"
+            )
         if self.device not in ("cpu", "cuda", "npu", "xpu"):
             raise ValueError(f"--device: {self.device!r} is not one of cpu, cuda, npu, xpu")
 
@@ -120,8 +122,9 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
     if device.type != "cpu":
         platform.device_module(device.type).set_device(device)
     dtype = getattr(torch, options.dtype)
-    reference = build_model(options.family, num_experts=options.num_experts, top_k=options.top_k,
-                            seed=options.seed, dtype=dtype).to(device)
+    reference = build_model(
+        options.family, num_experts=options.num_experts, top_k=options.top_k, seed=options.seed, dtype=dtype
+    ).to(device)
     model = copy.deepcopy(reference)
     shards = epmoe.apply_expert_parallel(model, config={"gmm_backend": options.backend})
     backend = experts_backend(model.get_submodule(shards[0].module_name), options.backend).name
@@ -166,8 +169,16 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
         platform.synchronize(device)
         time_ref = time.perf_counter() - start
 
-        result.records.append(StepRecord(step, _global_loss(loss_ep, world), _global_loss(loss_ref, world),
-                                         time_ep, time_ref, _step_load(ep_model)))
+        result.records.append(
+            StepRecord(
+                step,
+                _global_loss(loss_ep, world),
+                _global_loss(loss_ref, world),
+                time_ep,
+                time_ref,
+                _step_load(ep_model),
+            )
+        )
         if balancer is not None:  # after both steps: the next step of both selects with the new biases
             balancer.step()
     result.reload_error = reload_error(ep_model, rank, world, options, device, balancer)
@@ -212,8 +223,11 @@ class SyntheticDataset(torch.utils.data.Dataset):
     """The demo's token rows for ``transformers.Trainer``: ``synthetic_batch`` rows, cycled."""
 
     def __init__(self, options: TrainOptions, world: int):
-        rows = [synthetic_batch(step, rank, options.batch_size, options.seq_len)
-                for step in range(8) for rank in range(world)]
+        rows = [
+            synthetic_batch(step, rank, options.batch_size, options.seq_len)
+            for step in range(8)
+            for rank in range(world)
+        ]
         self.rows = torch.cat(rows)
 
     def __len__(self) -> int:
@@ -262,10 +276,19 @@ def _train_with_trainer(result: TrainResult, model, reference, rank: int, device
     with tempfile.TemporaryDirectory() as out_dir:
         for label, net in (("ep", model), ("ref", reference)):
             args = TrainingArguments(
-                output_dir=f"{out_dir}/{label}", per_device_train_batch_size=options.batch_size,
-                max_steps=options.steps, learning_rate=options.lr, lr_scheduler_type="constant",
-                max_grad_norm=MAX_GRAD_NORM, logging_steps=1, report_to=[], save_strategy="no",
-                use_cpu=device.type == "cpu", disable_tqdm=True, seed=options.seed, dataloader_num_workers=0,
+                output_dir=f"{out_dir}/{label}",
+                per_device_train_batch_size=options.batch_size,
+                max_steps=options.steps,
+                learning_rate=options.lr,
+                lr_scheduler_type="constant",
+                max_grad_norm=MAX_GRAD_NORM,
+                logging_steps=1,
+                report_to=[],
+                save_strategy="no",
+                use_cpu=device.type == "cpu",
+                disable_tqdm=True,
+                seed=options.seed,
+                dataloader_num_workers=0,
             )
             times = step_times(device)
             extra = [loads] if label == "ep" else []

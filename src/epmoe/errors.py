@@ -72,11 +72,15 @@ def check_counts_tensor(where: str, counts: torch.Tensor, *, host_only: bool = F
     if counts.dim() != 1:
         raise ValueError(f"{where}: expected a 1-D tensor, got shape {tuple(counts.shape)}")
     if host_only and counts.device.type != "cpu":
-        raise TypeError(f"{where}: a tensor on {counts.device}; pass Python lists (epmoe.exchange_counts returns "
-                        f"them), reading a device tensor would synchronise the host")
+        raise TypeError(
+            f"{where}: a tensor on {counts.device}; pass Python lists (epmoe.exchange_counts returns "
+            f"them), reading a device tensor would synchronise the host"
+        )
     if counts.device.type == "meta":
-        raise ValueError(f"{where}: the tensor is on the meta device and has no values; pass real counts (a "
-                         f"list, or a tensor on a real device)")
+        raise ValueError(
+            f"{where}: the tensor is on the meta device and has no values; pass real counts (a "
+            f"list, or a tensor on a real device)"
+        )
 
 
 def double_backward_error(op: str) -> RuntimeError:

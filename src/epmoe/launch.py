@@ -56,9 +56,7 @@ def _worker(fn, rank, world_size, port, backend, timeout, threads, results, args
     try:
         if threads:
             torch.set_num_threads(threads)
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout)
-        )
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world_size, *args)
         pickle.dumps(result)  # an unpicklable result would be dropped by the queue's feeder thread
         results.put((rank, True, result))
@@ -98,8 +96,9 @@ def _died(rank: int, exitcode: int) -> str:
     return f"rank {rank} died with exit code {exitcode} without reporting an error"
 
 
-def _start_ranks(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float,
-                 threads: int, start_method: str) -> tuple[list, Any]:
+def _start_ranks(
+    fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float, threads: int, start_method: str
+) -> tuple[list, Any]:
     """``(processes, results queue)``: ``world_size`` ranks running :func:`_worker` on a free port."""
     ctx = mp.get_context(start_method)
     env = None
@@ -108,16 +107,22 @@ def _start_ranks(fn: Callable[..., Any], world_size: int, args: tuple, backend: 
         env = dict(os.environ)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(fn, rank, world_size, port, backend, timeout, threads, results, args, env))
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            daemon=True,
+            args=(fn, rank, world_size, port, backend, timeout, threads, results, args, env),
+        )
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     return procs, results
 
 
-def _note_deaths(procs: list, reported: set[int], deaths: dict[int, int], exited_quietly: dict[int, float],
-                 now: float) -> bool:
+def _note_deaths(
+    procs: list, reported: set[int], deaths: dict[int, int], exited_quietly: dict[int, float], now: float
+) -> bool:
     """Add to ``deaths`` (rank -> exit code) the ranks that exited without reporting: a non-zero exit
     code at once, exit code 0 once what it sent last had time to arrive (``exited_quietly``: rank ->
     when it was first seen exited). Whether any rank was added."""
@@ -191,8 +196,9 @@ def run_ranks(
         raise ValueError(f"run_ranks(timeout): expected a positive number of seconds, got {timeout!r}")
     start_method = start_method or os.environ.get("EPMOE_START_METHOD") or "spawn"
     if start_method not in START_METHODS:
-        raise ValueError(f"run_ranks(start_method) (or EPMOE_START_METHOD): expected one of {START_METHODS}, "
-                         f"got {start_method!r}")
+        raise ValueError(
+            f"run_ranks(start_method) (or EPMOE_START_METHOD): expected one of {START_METHODS}, got {start_method!r}"
+        )
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     procs, results = _start_ranks(fn, world_size, args, backend, timeout, threads, start_method)
     outputs: dict[int, Any] = {}

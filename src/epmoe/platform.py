@@ -19,8 +19,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+from collections.abc import Iterator
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ _ACCELERATORS = ("npu", "cuda", "xpu", "mps")
 _COMM_BACKENDS = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl", "cpu": "gloo", "mps": "gloo"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def torch_npu() -> ModuleType | None:
     """The ``torch_npu`` module if it imports, else ``None`` (imported once; registers ``torch.npu``)."""
     try:

@@ -42,8 +42,10 @@ class Shape:
         return 3 * 2.0 * self.rows * (self.hidden * 2 * self.intermediate + self.intermediate * self.hidden)
 
     def describe(self) -> str:
-        return (f"E={self.num_experts}, top-{self.top_k}, H={self.hidden}, I={self.intermediate}, "
-                f"T={self.tokens} tokens ({self.rows // self.num_experts} rows per expert on average)")
+        return (
+            f"E={self.num_experts}, top-{self.top_k}, H={self.hidden}, I={self.intermediate}, "
+            f"T={self.tokens} tokens ({self.rows // self.num_experts} rows per expert on average)"
+        )
 
 
 SHAPES = (
@@ -54,8 +56,13 @@ QUICK_SHAPES = (Shape("tiny", num_experts=8, top_k=2, hidden=64, intermediate=32
 EP2_LAYERS = 1  # decoder layers of the EP=2 model (a MoE layer)
 
 
-def build_blocks(shape: Shape, seed: int, device: torch.device, dtype: torch.dtype = torch.float32,
-                 variants: tuple[str, ...] = BLOCK_VARIANTS) -> dict[str, torch.nn.Module]:
+def build_blocks(
+    shape: Shape,
+    seed: int,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    variants: tuple[str, ...] = BLOCK_VARIANTS,
+) -> dict[str, torch.nn.Module]:
     """``{variant: Qwen3MoeSparseMoeBlock}`` for each of ``variants`` (``EAGER``, ``GROUPED``,
     ``EPMOE``), with identical weights whichever are built (drawn from ``seed``). The epmoe copy goes
     through ``epmoe.apply_expert_parallel(block)``: EP size 1 without a process group, the default
@@ -69,8 +76,12 @@ def build_blocks(shape: Shape, seed: int, device: torch.device, dtype: torch.dty
 
     def block(variant: str) -> torch.nn.Module:
         config = transformers.Qwen3MoeConfig(
-            hidden_size=shape.hidden, moe_intermediate_size=shape.intermediate, num_experts=shape.num_experts,
-            num_experts_per_tok=shape.top_k, norm_topk_prob=True)
+            hidden_size=shape.hidden,
+            moe_intermediate_size=shape.intermediate,
+            num_experts=shape.num_experts,
+            num_experts_per_tok=shape.top_k,
+            norm_topk_prob=True,
+        )
         config._experts_implementation = IMPLEMENTATIONS[variant]  # each copy its own config: experts keep a reference
         return Qwen3MoeSparseMoeBlock(config)
 
@@ -105,8 +116,13 @@ def block_step(block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> Cal
 
 def ep2_model_kwargs(shape: Shape) -> dict:
     """``epmoe.models.build_model`` arguments of the EP=2 model: the shape's experts, small attention."""
-    return dict(num_experts=shape.num_experts, top_k=shape.top_k, hidden_size=shape.hidden,
-                moe_intermediate_size=shape.intermediate, num_hidden_layers=EP2_LAYERS)
+    return dict(
+        num_experts=shape.num_experts,
+        top_k=shape.top_k,
+        hidden_size=shape.hidden,
+        moe_intermediate_size=shape.intermediate,
+        num_hidden_layers=EP2_LAYERS,
+    )
 
 
 def run_on_saved_model(rank_fn: Callable, ranks: int, shape: Shape, settings) -> tuple[list, int]:
@@ -116,8 +132,17 @@ def run_on_saved_model(rank_fn: Callable, ranks: int, shape: Shape, settings) ->
     threads = max(1, settings.threads // ranks)
     with tempfile.TemporaryDirectory(prefix="epmoe-bench-") as path:
         build_model("qwen3_moe", seed=settings.seed, **ep2_model_kwargs(shape)).save_pretrained(path)
-        results = run_ranks(rank_fn, ranks, path, shape.tokens, settings.warmup, settings.repeats, settings.seed,
-                            threads_per_rank=threads, timeout=900)
+        results = run_ranks(
+            rank_fn,
+            ranks,
+            path,
+            shape.tokens,
+            settings.warmup,
+            settings.repeats,
+            settings.seed,
+            threads_per_rank=threads,
+            timeout=900,
+        )
     return results, threads
 
 
@@ -126,12 +151,14 @@ def load_causal_lm(path: str, **kwargs) -> torch.nn.Module:
     (``kwargs``: more ``from_pretrained`` arguments, e.g. a ``distributed_config``)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="grouped_mm",
-                                                **kwargs)
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, experts_implementation="grouped_mm", **kwargs
+    )
 
 
-def model_step(model: torch.nn.Module, ids: torch.Tensor, balancer=None, extra_seconds: list | None = None
-               ) -> Callable[[], float]:
+def model_step(
+    model: torch.nn.Module, ids: torch.Tensor, balancer=None, extra_seconds: list | None = None
+) -> Callable[[], float]:
     """Forward and backward of ``model`` on ``ids`` (labels = ids), returning the loss (DDP
     synchronises the gradients inside the backward); with a ``balancer``, then the step's expert
     load read and reset and the balancer's update, whose own seconds are appended to

@@ -49,21 +49,41 @@ from epmoe.ep.state import sharded_experts
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
 
-VARIANTS = ("build then EP", "from_pretrained + EP", "epmoe.from_pretrained", "... packed layout",
-            "... bf16 checkpoint", "save_pretrained")
+VARIANTS = (
+    "build then EP",
+    "from_pretrained + EP",
+    "epmoe.from_pretrained",
+    "... packed layout",
+    "... bf16 checkpoint",
+    "save_pretrained",
+)
 CHECKPOINTS = {"... packed layout": "-packed", "... bf16 checkpoint": "-bf16"}  # the variant's path suffix
 EP_SIZES = (2, 4)
 ALLOCATORS = {"default": {}, "tuned": {"MALLOC_MMAP_THRESHOLD_": str(2**20)}}  # the ranks' malloc variables
-MALLOC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
-                    "MALLOC_ARENA_MAX", "MALLOC_ARENA_TEST", "GLIBC_TUNABLES")
+MALLOC_VARIABLES = (
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MALLOC_TOP_PAD_",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_ARENA_MAX",
+    "MALLOC_ARENA_TEST",
+    "GLIBC_TUNABLES",
+)
 
 
 def headers(allocators: tuple[str, ...]) -> tuple[str, ...]:
     """The table's columns for the allocator settings measured (``ALLOCATORS``' names, in order)."""
-    return ("EP size", "variant", "reference MiB",
-            *(f"{what} ({allocator})" for allocator in allocators
-              for what in ("private MiB", "private / ref", "RSS MiB", "RSS / ref")),
-            f"seconds ({allocators[0]})")
+    return (
+        "EP size",
+        "variant",
+        "reference MiB",
+        *(
+            f"{what} ({allocator})"
+            for allocator in allocators
+            for what in ("private MiB", "private / ref", "RSS MiB", "RSS / ref")
+        ),
+        f"seconds ({allocators[0]})",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,8 +95,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def model_kwargs(args: argparse.Namespace, quick: bool) -> dict:
     if quick:
         return dict(num_experts=8, num_hidden_layers=2, hidden_size=64, moe_intermediate_size=32)
-    return dict(num_experts=args.experts, num_hidden_layers=args.layers, hidden_size=args.hidden,
-                moe_intermediate_size=args.hidden, intermediate_size=4 * args.hidden, head_dim=args.hidden // 4)
+    return dict(
+        num_experts=args.experts,
+        num_hidden_layers=args.layers,
+        hidden_size=args.hidden,
+        moe_intermediate_size=args.hidden,
+        intermediate_size=4 * args.hidden,
+        head_dim=args.hidden // 4,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -89,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
     settings = common.configure(args)
     # --quick: one EP size under the default allocator only, a smoke run of every variant
     allocators = ("default",) if settings.quick else tuple(ALLOCATORS)
-    rows = measure(model_kwargs(args, settings.quick), EP_SIZES[:1] if settings.quick else EP_SIZES,
-                   allocators=allocators)
+    rows = measure(
+        model_kwargs(args, settings.quick), EP_SIZES[:1] if settings.quick else EP_SIZES, allocators=allocators
+    )
     columns = headers(allocators)
     table = common.markdown_table(columns, rows, align="ll" + "r" * (len(columns) - 2))
     print(table)
@@ -122,8 +149,17 @@ def measure(kwargs: dict, ep_sizes, variants=VARIANTS, allocators=tuple(ALLOCATO
                 for allocator in allocators:
                     with _allocator(ALLOCATORS[allocator]):
                         # fresh interpreters: glibc reads its malloc variables at process start
-                        results = run_ranks(_rank, ep_size, path, kwargs, variant, os.path.join(root, "saved"),
-                                            threads_per_rank=1, timeout=900, start_method="spawn")
+                        results = run_ranks(
+                            _rank,
+                            ep_size,
+                            path,
+                            kwargs,
+                            variant,
+                            os.path.join(root, "saved"),
+                            threads_per_rank=1,
+                            timeout=900,
+                            start_method="spawn",
+                        )
                     reference = max(r["reference"] for r in results)
                     for key in ("peak_anon", "peak_rss"):
                         peak = max(r[key] for r in results)
@@ -206,27 +242,36 @@ def _rank(rank: int, world: int, path: str, kwargs: dict, variant: str, save_dir
     seconds = time.perf_counter() - start
     peak = sampler.stop()
     if variant == "save_pretrained":  # one experts module's weights, all E experts of one layer
-        reference = max(sum(p.numel() * p.element_size() for p in state.sharded_params(module)) * state.shard.ep_size
-                        for _, module, state in sharded_experts(model))
+        reference = max(
+            sum(p.numel() * p.element_size() for p in state.sharded_params(module)) * state.shard.ep_size
+            for _, module, state in sharded_experts(model)
+        )
     else:  # local: non-experts + own experts
         reference = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"peak_anon": peak - baseline, "peak_rss": _status("VmHWM") - baseline_rss, "reference": reference,
-            "seconds": seconds}
+    return {
+        "peak_anon": peak - baseline,
+        "peak_rss": _status("VmHWM") - baseline_rss,
+        "reference": reference,
+        "seconds": seconds,
+    }
 
 
 def _document(args: argparse.Namespace, settings: common.Settings, table: str) -> str:
     import transformers
 
-    extra = "" if (args.experts, args.layers, args.hidden) == (64, 4, 256) else (
-        f" --experts {args.experts} --layers {args.layers} --hidden {args.hidden}")
+    extra = (
+        ""
+        if (args.experts, args.layers, args.hidden) == (64, 4, 256)
+        else (f" --experts {args.experts} --layers {args.layers} --hidden {args.hidden}")
+    )
     doc = __doc__.split("\n", 2)[2].strip().replace("``", "`").replace("::\n", ":\n")
     return f"""# Checkpoint memory benchmark: `epmoe bench checkpoint`
 
 Reproduce (from the repository root, after `pip install -e '.[models]'`):
 
-    epmoe bench checkpoint{' --quick' if settings.quick else ''}{extra}{' --out ' + settings.out if settings.out else ''}
+    epmoe bench checkpoint{" --quick" if settings.quick else ""}{extra}{" --out " + settings.out if settings.out else ""}
 
-- Machine: {common.machine_description(torch.device('cpu'))}; transformers {transformers.__version__}.
+- Machine: {common.machine_description(torch.device("cpu"))}; transformers {transformers.__version__}.
 - Run: {datetime.date.today().isoformat()}; one thread per rank.
 
 {doc}

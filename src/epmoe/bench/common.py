@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import platform as host
 import statistics
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,8 +35,10 @@ class RenamedOption(argparse.Action):
 
     def __call__(self, parser, namespace, values, option_string=None):
         if option_string == self.old:
-            print(f"epmoe: warning: {self.old} is renamed {self.option_strings[0]} (the old spelling will go)",
-                  file=sys.stderr)
+            print(
+                f"epmoe: warning: {self.old} is renamed {self.option_strings[0]} (the old spelling will go)",
+                file=sys.stderr,
+            )
         if self.append:
             values = [*(getattr(namespace, self.dest, None) or []), values]
         setattr(namespace, self.dest, values)
@@ -52,10 +54,14 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("common benchmark options")
     group.add_argument("--quick", action="store_true", help="tiny shapes and few repeats: a smoke run of seconds")
     group.add_argument("--out", metavar="PATH", default=None, help="also write the results as markdown to PATH")
-    group.add_argument("--device", default=None, help="device to run on (default: this process's accelerator, else cpu)")
+    group.add_argument(
+        "--device", default=None, help="device to run on (default: this process's accelerator, else cpu)"
+    )
     group.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's current setting)")
     group.add_argument("--warmup", type=int, default=None, help="untimed rounds before measuring (default: 1)")
-    group.add_argument("--repeats", type=int, default=None, help="timed rounds; the median is reported (default: 5, 2 with --quick)")
+    group.add_argument(
+        "--repeats", type=int, default=None, help="timed rounds; the median is reported (default: 5, 2 with --quick)"
+    )
     group.add_argument("--seed", type=int, default=0, help="seed of the random inputs and group counts")
 
 
@@ -73,8 +79,12 @@ class Settings:
 
     def options(self) -> str:
         """The options that reproduce these settings on the command line."""
-        parts = [f"--device {self.device}", f"--threads {self.threads}", f"--warmup {self.warmup}",
-                 f"--repeats {self.repeats}"]
+        parts = [
+            f"--device {self.device}",
+            f"--threads {self.threads}",
+            f"--warmup {self.warmup}",
+            f"--repeats {self.repeats}",
+        ]
         if self.seed:
             parts.append(f"--seed {self.seed}")
         if self.quick:
@@ -196,8 +206,12 @@ def machine_description(device: torch.device | str | None = None) -> str:
         module = platform.device_module(kind)
         name = module.get_device_name() if hasattr(module, "get_device_name") else kind
         parts.insert(0, f"{name} ({kind})")
-    parts += [f"{host.system()} {host.release()}", f"Python {host.python_version()}", f"torch {torch.__version__}",
-              f"{torch.get_num_threads()} torch threads"]
+    parts += [
+        f"{host.system()} {host.release()}",
+        f"Python {host.python_version()}",
+        f"torch {torch.__version__}",
+        f"{torch.get_num_threads()} torch threads",
+    ]
     return "; ".join(parts)
 
 

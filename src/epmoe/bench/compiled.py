@@ -26,10 +26,27 @@ from epmoe.bench import blocks, common
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
 
-BLOCK_HEADERS = ("shape", "block", "eager ms", "compiled ms", "compiled / eager", "spread", "graphs", "break sites",
-                 "max grad diff")
-STEP_HEADERS = ("model step", "eager ms", "compiled ms", "compiled / eager", "spread", "graphs", "break sites",
-                "max grad diff")
+BLOCK_HEADERS = (
+    "shape",
+    "block",
+    "eager ms",
+    "compiled ms",
+    "compiled / eager",
+    "spread",
+    "graphs",
+    "break sites",
+    "max grad diff",
+)
+STEP_HEADERS = (
+    "model step",
+    "eager ms",
+    "compiled ms",
+    "compiled / eager",
+    "spread",
+    "graphs",
+    "break sites",
+    "max grad diff",
+)
 
 
 @dataclass(frozen=True)
@@ -44,9 +61,16 @@ class Row:
 
     def cells(self) -> tuple:
         sites = "; ".join(self.sites) if self.sites else "none"
-        return (self.label, f"{self.eager_ms:.1f}", f"{self.compiled_ms:.1f}",
-                f"{self.compiled_ms / self.eager_ms:.2f}", f"{self.spread:.0%}", self.graphs, sites,
-                f"{self.grad_diff:.1e}")
+        return (
+            self.label,
+            f"{self.eager_ms:.1f}",
+            f"{self.compiled_ms:.1f}",
+            f"{self.compiled_ms / self.eager_ms:.2f}",
+            f"{self.spread:.0%}",
+            self.graphs,
+            sites,
+            f"{self.grad_diff:.1e}",
+        )
 
 
 @dataclass
@@ -57,12 +81,19 @@ class CompileReport:
 
     def markdown(self) -> str:
         block_rows = [(shape, *row.cells()) for shape, row in self.blocks]
-        lines = ["### torch.compile vs eager, fp32", "",
-                 common.markdown_table(BLOCK_HEADERS, block_rows, align="llrrrrrlr"), "",
-                 common.markdown_table(STEP_HEADERS, [row.cells() for row in self.steps], align="lrrrrrlr"), ""]
+        lines = [
+            "### torch.compile vs eager, fp32",
+            "",
+            common.markdown_table(BLOCK_HEADERS, block_rows, align="llrrrrrlr"),
+            "",
+            common.markdown_table(STEP_HEADERS, [row.cells() for row in self.steps], align="lrrrrrlr"),
+            "",
+        ]
         for row in self.steps:
             lines.append(f"- {row.label}: compiled step / eager step = {row.compiled_ms / row.eager_ms:.2f}")
-        lines.append(f"- EP=2: {self.threads_per_rank} thread(s) per rank; the slowest rank's median (spread: rank 0's)")
+        lines.append(
+            f"- EP=2: {self.threads_per_rank} thread(s) per rank; the slowest rank's median (spread: rank 0's)"
+        )
         return "\n".join(lines)
 
 
@@ -81,16 +112,32 @@ def run_compile(shapes, settings: common.Settings) -> CompileReport:
     with tempfile.TemporaryDirectory(prefix="epmoe-bench-compile-") as path:
         build_model("qwen3_moe", seed=settings.seed, **blocks.ep2_model_kwargs(shape)).save_pretrained(path)
         ep1 = _model_rank(0, 1, path, shape.tokens, settings.warmup, settings.repeats, settings.seed)
-        ep2 = run_ranks(_model_rank, blocks.EP2_RANKS, path, shape.tokens, settings.warmup, settings.repeats, settings.seed,
-                        threads_per_rank=threads, timeout=900)
-    steps = [_row("epmoe, EP=1, one process", ep1),
-             _row(f"epmoe, EP=2, {blocks.EP2_RANKS} gloo ranks", ep2[0],
-                  slowest={name: max(statistics.median(r["samples"][name]) for r in ep2) for name in ep2[0]["samples"]},
-                  grad_diff=max(r["grad_diff"] for r in ep2))]
+        ep2 = run_ranks(
+            _model_rank,
+            blocks.EP2_RANKS,
+            path,
+            shape.tokens,
+            settings.warmup,
+            settings.repeats,
+            settings.seed,
+            threads_per_rank=threads,
+            timeout=900,
+        )
+    steps = [
+        _row("epmoe, EP=1, one process", ep1),
+        _row(
+            f"epmoe, EP=2, {blocks.EP2_RANKS} gloo ranks",
+            ep2[0],
+            slowest={name: max(statistics.median(r["samples"][name]) for r in ep2) for name in ep2[0]["samples"]},
+            grad_diff=max(r["grad_diff"] for r in ep2),
+        ),
+    ]
     return CompileReport(rows, steps, threads)
 
 
-def compare_block(label: str, block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, settings: common.Settings) -> Row:
+def compare_block(
+    label: str, block: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor, settings: common.Settings
+) -> Row:
     """One block eager and compiled (a copy): graph breaks, gradients compared, then timed side by side."""
     graphs, sites = _explain(copy.deepcopy(block), x)
     compiled = torch.compile(copy.deepcopy(block))
@@ -99,10 +146,21 @@ def compare_block(label: str, block: torch.nn.Module, x: torch.Tensor, dy: torch
     compiled_grads = [p.grad for p in compiled.parameters()]
     eager_step()
     diff = _max_rel_diff(compiled_grads, [p.grad for p in block.parameters()])
-    timings = common.measure({"eager": eager_step, "compiled": compiled_step}, warmup=settings.warmup,
-                             repeats=settings.repeats, device=settings.device)
-    return Row(label, 1e3 * timings["eager"].median_s, 1e3 * timings["compiled"].median_s, graphs, sites, diff,
-               max(t.spread for t in timings.values()))
+    timings = common.measure(
+        {"eager": eager_step, "compiled": compiled_step},
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+        device=settings.device,
+    )
+    return Row(
+        label,
+        1e3 * timings["eager"].median_s,
+        1e3 * timings["compiled"].median_s,
+        graphs,
+        sites,
+        diff,
+        max(t.spread for t in timings.values()),
+    )
 
 
 def _model_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeats: int, seed: int) -> dict:
@@ -115,8 +173,12 @@ def _model_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repe
     for name in ("eager", "compiled"):
         models[name] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         epmoe.apply_expert_parallel(models[name], group)
-    ids = torch.randint(0, models["eager"].config.vocab_size, (2, tokens // 2),
-                        generator=torch.Generator().manual_seed(seed + 1000 + rank))
+    ids = torch.randint(
+        0,
+        models["eager"].config.vocab_size,
+        (2, tokens // 2),
+        generator=torch.Generator().manual_seed(seed + 1000 + rank),
+    )
     graphs, sites = _explain(models["compiled"], ids)
     models["compiled"] = torch.compile(models["compiled"])
     steps = {name: _model_step(model, ids) for name, model in models.items()}
@@ -125,8 +187,12 @@ def _model_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repe
         step()
         grads[name] = [p.grad for p in models[name].parameters() if p.grad is not None]
     timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=world > 1)
-    return {"samples": {name: list(t.samples_s) for name, t in timings.items()}, "graphs": graphs, "sites": sites,
-            "grad_diff": _max_rel_diff(grads["compiled"], grads["eager"])}
+    return {
+        "samples": {name: list(t.samples_s) for name, t in timings.items()},
+        "graphs": graphs,
+        "sites": sites,
+        "grad_diff": _max_rel_diff(grads["compiled"], grads["eager"]),
+    }
 
 
 def _model_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]:
@@ -140,8 +206,15 @@ def _model_step(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[], None]
 def _row(label: str, result: dict, slowest: dict[str, float] | None = None, grad_diff: float | None = None) -> Row:
     seconds = slowest or {name: statistics.median(samples) for name, samples in result["samples"].items()}
     spread = max((max(samples) - min(samples)) / statistics.median(samples) for samples in result["samples"].values())
-    return Row(label, 1e3 * seconds["eager"], 1e3 * seconds["compiled"], result["graphs"], result["sites"],
-               result["grad_diff"] if grad_diff is None else grad_diff, spread)
+    return Row(
+        label,
+        1e3 * seconds["eager"],
+        1e3 * seconds["compiled"],
+        result["graphs"],
+        result["sites"],
+        result["grad_diff"] if grad_diff is None else grad_diff,
+        spread,
+    )
 
 
 def _explain(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, list[str]]:
@@ -150,13 +223,17 @@ def _explain(module: torch.nn.Module, x: torch.Tensor) -> tuple[int, list[str]]:
 
     torch._dynamo.reset()
     explained = torch._dynamo.explain(module)(x)
-    sites = {f"{r.reason.splitlines()[0]} ({r.user_stack[-1].name if r.user_stack else '?'})"
-             for r in explained.break_reasons}
+    sites = {
+        f"{r.reason.splitlines()[0]} ({r.user_stack[-1].name if r.user_stack else '?'})"
+        for r in explained.break_reasons
+    }
     return explained.graph_count, sorted(sites)
 
 
 def _max_rel_diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     if len(got) != len(want) or not want:
         raise RuntimeError(f"compiled and eager copies have {len(got)} and {len(want)} gradients")
-    return max(((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
-               for a, b in zip(got, want))
+    return max(
+        ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+        for a, b in zip(got, want)
+    )

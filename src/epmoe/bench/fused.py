@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from epmoe import platform
 from epmoe.bench import common
 from epmoe.comm import all_to_all_v, alltoallv_gmm, exchange_counts, gmm_alltoallv
-from epmoe.comm.layout import RowLayout
 from epmoe.comm.fused import IMPLS
+from epmoe.comm.layout import RowLayout
 from epmoe.gmm import grouped_mm, select_backend
 from epmoe.launch import run_ranks
 
@@ -65,35 +65,75 @@ SHAPES = {
         "qwen3-30b-a3b-cpu",
         "Qwen3-30B-A3B scaled to a 2-core CPU: H 2048->1024, I 768->384, 128->32 experts, top-8->4, "
         "512 tokens per rank; shared expert (Qwen3 has none) of intermediate 2I",
-        experts=32, hidden=1024, intermediate=384, shared_intermediate=768, tokens=512, top_k=4),
+        experts=32,
+        hidden=1024,
+        intermediate=384,
+        shared_intermediate=768,
+        tokens=512,
+        top_k=4,
+    ),
     "qwen3-30b-a3b-cpu-comm-bound": Shape(
         "qwen3-30b-a3b-cpu-comm-bound",
         "qwen3-30b-a3b-cpu with I and the shared intermediate divided by 8 (48, 96): compute about as long "
         "as communication, where overlap matters most",
-        experts=32, hidden=1024, intermediate=48, shared_intermediate=96, tokens=512, top_k=4),
+        experts=32,
+        hidden=1024,
+        intermediate=48,
+        shared_intermediate=96,
+        tokens=512,
+        top_k=4,
+    ),
     "qwen3-30b-a3b": Shape(
         "qwen3-30b-a3b",
         "Qwen3-30B-A3B as is: H 2048, I 768, 128 experts, top-8, 4096 tokens per rank; shared expert of "
         "intermediate 2I",
-        experts=128, hidden=2048, intermediate=768, shared_intermediate=1536, tokens=4096, top_k=8),
-    "tiny": Shape("tiny", "smoke test", experts=8, hidden=64, intermediate=32, shared_intermediate=64,
-                  tokens=32, top_k=2),
+        experts=128,
+        hidden=2048,
+        intermediate=768,
+        shared_intermediate=1536,
+        tokens=4096,
+        top_k=8,
+    ),
+    "tiny": Shape(
+        "tiny", "smoke test", experts=8, hidden=64, intermediate=32, shared_intermediate=64, tokens=32, top_k=2
+    ),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks to spawn (default: 2)")
-    common.renamed_option(parser, "--dist-backend", "--backend", dest="dist_backend", default=None,
-                          help="torch.distributed backend (default: the device's, gloo on CPU, nccl on CUDA)")
-    parser.add_argument("--shape", choices=list(SHAPES), action="append", default=None,
-                        help="per-rank shape (repeatable; default: qwen3-30b-a3b-cpu and its comm-bound variant on "
-                             "CPU, qwen3-30b-a3b elsewhere; tiny with --quick)")
-    parser.add_argument("--dtype", choices=list(common.DTYPES), default=None,
-                        help="default: fp32 on CPU, bf16 elsewhere")
-    parser.add_argument("--chunks", type=int, action="append", default=None,
-                        help="num_chunks of the fused variants (repeatable; default: 1 2 4)")
-    parser.add_argument("--impl", choices=[i for i in IMPLS if i != "reference"], default="auto",
-                        help="implementation of the fused variants (default: auto)")
+    common.renamed_option(
+        parser,
+        "--dist-backend",
+        "--backend",
+        dest="dist_backend",
+        default=None,
+        help="torch.distributed backend (default: the device's, gloo on CPU, nccl on CUDA)",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        action="append",
+        default=None,
+        help="per-rank shape (repeatable; default: qwen3-30b-a3b-cpu and its comm-bound variant on "
+        "CPU, qwen3-30b-a3b elsewhere; tiny with --quick)",
+    )
+    parser.add_argument(
+        "--dtype", choices=list(common.DTYPES), default=None, help="default: fp32 on CPU, bf16 elsewhere"
+    )
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        action="append",
+        default=None,
+        help="num_chunks of the fused variants (repeatable; default: 1 2 4)",
+    )
+    parser.add_argument(
+        "--impl",
+        choices=[i for i in IMPLS if i != "reference"],
+        default="auto",
+        help="implementation of the fused variants (default: auto)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,11 +152,20 @@ def run(args: argparse.Namespace) -> int:
     chunks = sorted(set(args.chunks or DEFAULT_CHUNKS))
     if min(chunks) < 1:
         raise ValueError(f"--chunks: expected counts >= 1, got {chunks}")
-    config = dict(shapes=[asdict(s) for s in shapes], dtype=dtype, chunks=chunks, impl=args.impl, kind=kind,
-                  warmup=settings.warmup, repeats=settings.repeats, seed=settings.seed)
+    config = dict(
+        shapes=[asdict(s) for s in shapes],
+        dtype=dtype,
+        chunks=chunks,
+        impl=args.impl,
+        kind=kind,
+        warmup=settings.warmup,
+        repeats=settings.repeats,
+        seed=settings.seed,
+    )
     load_start = common.load_average()
-    rows, info = run_ranks(_rank_main, args.world, config, backend=backend, timeout=3600,
-                           threads_per_rank=args.threads)[0]
+    rows, info = run_ranks(
+        _rank_main, args.world, config, backend=backend, timeout=3600, threads_per_rank=args.threads
+    )[0]
     load = (load_start, common.load_average())
     sections = []
     for shape in shapes:
@@ -142,6 +191,7 @@ def _default_shapes(quick: bool, kind: str) -> list[str]:
 # on every rank
 # --------------------------------------------------------------------------------------------
 
+
 def _rank_main(rank: int, world: int, config: dict):
     kind = config["kind"]
     if kind != "cpu":
@@ -155,11 +205,18 @@ def _rank_main(rank: int, world: int, config: dict):
             block = _Block(shape, rank, world, device, dtype, shared, config["seed"])
             for pass_ in PASSES:
                 fns = block.variants(pass_, config["chunks"], config["impl"])
-                timings = common.measure(fns, warmup=config["warmup"], repeats=config["repeats"], device=device, ranks=True)
+                timings = common.measure(
+                    fns, warmup=config["warmup"], repeats=config["repeats"], device=device, ranks=True
+                )
                 rows += _rows(shape.name, shared, pass_, timings)
-        info[shape.name] = dict(rows_per_rank=block.rows_sent, received=block.rows_received, local_experts=block.e,
-                                group_sizes=(min(block.group_sizes), max(block.group_sizes)),
-                                gmm_backend=block.gmm_backend, machine=common.machine_description(device))
+        info[shape.name] = dict(
+            rows_per_rank=block.rows_sent,
+            received=block.rows_received,
+            local_experts=block.e,
+            group_sizes=(min(block.group_sizes), max(block.group_sizes)),
+            gmm_backend=block.gmm_backend,
+            machine=common.machine_description(device),
+        )
     return rows, info
 
 
@@ -184,21 +241,24 @@ class _Block:
 
         self.x = randn(self.rows_sent, H)
         self.x_expert_major = randn(self.rows_received, H)  # what compute-only multiplies
-        self.gate_up = randn(self.e, 2 * I, H, scale=H ** -0.5)
-        self.down = randn(self.e, H, I, scale=I ** -0.5)
+        self.gate_up = randn(self.e, 2 * I, H, scale=H**-0.5)
+        self.down = randn(self.e, H, I, scale=I**-0.5)
         self.dz = randn(self.rows_sent, H)
         self.dz_expert_major = randn(self.rows_received, H)
         self.shared = shared
         if shared:
             self.shared_x = randn(shape.tokens, H)
-            self.shared_gate_up = randn(2 * Is, H, scale=H ** -0.5)
-            self.shared_down = randn(H, Is, scale=Is ** -0.5)
+            self.shared_gate_up = randn(2 * Is, H, scale=H**-0.5)
+            self.shared_down = randn(H, Is, scale=Is**-0.5)
             self.dshared = randn(shape.tokens, H)
         self.gmm_backend = select_backend(self.x_expert_major, self.gate_up, trans_weight=True).name
 
     def variants(self, pass_: str, chunks: list[int], impl: str) -> dict:
-        fns = {"compute only": self._compute_only, "comm only": self._comm_only,
-               "unfused": lambda leaves: self._layer(leaves, "reference", 1)}
+        fns = {
+            "compute only": self._compute_only,
+            "comm only": self._comm_only,
+            "unfused": lambda leaves: self._layer(leaves, "reference", 1),
+        }
         for c in chunks:
             fns[f"fused c={c}"] = lambda leaves, c=c: self._layer(leaves, impl, c)
         return {name: self._pass(fn, pass_) for name, fn in fns.items()}
@@ -213,12 +273,14 @@ class _Block:
             def forward():
                 with torch.no_grad():
                     fn(leaves)
+
             return forward
         leaves = {n: getattr(self, n).detach().requires_grad_() for n in names}
 
         def forward_backward():
             outputs, grads = fn(leaves)
             torch.autograd.backward(outputs, grads)
+
         return forward_backward
 
     @staticmethod
@@ -230,12 +292,30 @@ class _Block:
         shared = {}
         if self.shared:
             shared = dict(shared_x=t["shared_x"], shared_weight=t["shared_gate_up"], trans_shared_weight=True)
-        y, shared_y, _ = alltoallv_gmm(t["x"], t["gate_up"], self.send, self.recv, trans_weight=True,
-                                       num_chunks=chunks, impl=impl, check=False, **shared)  # counts exchanged
+        y, shared_y, _ = alltoallv_gmm(
+            t["x"],
+            t["gate_up"],
+            self.send,
+            self.recv,
+            trans_weight=True,
+            num_chunks=chunks,
+            impl=impl,
+            check=False,
+            **shared,
+        )  # counts exchanged
         if self.shared:
             shared = dict(shared_x=self._act(shared_y), shared_weight=t["shared_down"], trans_shared_weight=True)
-        z, shared_z = gmm_alltoallv(self._act(y), t["down"], self.recv, self.send, trans_weight=True,
-                                    num_chunks=chunks, impl=impl, check=False, **shared)
+        z, shared_z = gmm_alltoallv(
+            self._act(y),
+            t["down"],
+            self.recv,
+            self.send,
+            trans_weight=True,
+            num_chunks=chunks,
+            impl=impl,
+            check=False,
+            **shared,
+        )
         return self._outputs(z, shared_z)
 
     def _compute_only(self, t: dict):
@@ -269,8 +349,19 @@ def _rows(shape: str, shared: bool, pass_: str, timings: dict[str, common.Timing
         if name not in ("compute only", "comm only"):
             exposed = t - compute
             overlap = 1 - exposed / comm if comm > 0 else None
-        rows.append(dict(shape=shape, shared=shared, pass_=pass_, variant=name, seconds=t, exposed=exposed,
-                         overlap=overlap, vs_unfused=t / unfused, spread=timing.spread))
+        rows.append(
+            dict(
+                shape=shape,
+                shared=shared,
+                pass_=pass_,
+                variant=name,
+                seconds=t,
+                exposed=exposed,
+                overlap=overlap,
+                vs_unfused=t / unfused,
+                spread=timing.spread,
+            )
+        )
     return rows
 
 
@@ -278,11 +369,20 @@ def _rows(shape: str, shared: bool, pass_: str, timings: dict[str, common.Timing
 # report
 # --------------------------------------------------------------------------------------------
 
+
 def _cells(row: dict) -> tuple:
     exposed = "" if row["exposed"] is None else f"{row['exposed'] * 1e3:.1f}"
     overlap = "" if row["overlap"] is None else f"{row['overlap']:.0%}"
-    return ("yes" if row["shared"] else "no", row["pass_"], row["variant"], f"{row['seconds'] * 1e3:.1f}",
-            exposed, overlap, f"{row['vs_unfused']:.2f}", f"{row['spread']:.0%}")
+    return (
+        "yes" if row["shared"] else "no",
+        row["pass_"],
+        row["variant"],
+        f"{row['seconds'] * 1e3:.1f}",
+        exposed,
+        overlap,
+        f"{row['vs_unfused']:.2f}",
+        f"{row['spread']:.0%}",
+    )
 
 
 def summarize(rows: list[dict]) -> list[str]:
@@ -309,12 +409,17 @@ def summarize(rows: list[dict]) -> list[str]:
     noise = statistics.median(spreads)
     if round_gains:
         best_gain, where = max(round_gains)
-        verdict = (f"within the noise ({noise:.0%}): no measured gain from rounds here"
-                   if best_gain < 1 + noise else "a gain beyond the noise")
-        lines.append(f"- Rounds (num_chunks > 1) against `fused c=1`: at best {best_gain:.2f}x as fast ({where}); "
-                     f"{verdict}.")
-    lines.append(f"- Noise, (slowest - fastest round) / median: {noise:.0%} for the median row, "
-                 f"{spreads[-1]:.0%} at worst.")
+        verdict = (
+            f"within the noise ({noise:.0%}): no measured gain from rounds here"
+            if best_gain < 1 + noise
+            else "a gain beyond the noise"
+        )
+        lines.append(
+            f"- Rounds (num_chunks > 1) against `fused c=1`: at best {best_gain:.2f}x as fast ({where}); {verdict}."
+        )
+    lines.append(
+        f"- Noise, (slowest - fastest round) / median: {noise:.0%} for the median row, {spreads[-1]:.0%} at worst."
+    )
     return lines
 
 
@@ -332,9 +437,9 @@ def _document(sections, settings, args, backend, dtype, chunks, load) -> str:
         low, high = info["group_sizes"]
         parts.append(f"""## `{shape.name}`
 
-{shape.model}. Per rank: {info['rows_per_rank']} routed rows sent, {info['received']} received over
-{info['local_experts']} local experts ({low} to {high} rows each), {dtype}, grouped-matmul backend
-`{info['gmm_backend']}`.
+{shape.model}. Per rank: {info["rows_per_rank"]} routed rows sent, {info["received"]} received over
+{info["local_experts"]} local experts ({low} to {high} rows each), {dtype}, grouped-matmul backend
+`{info["gmm_backend"]}`.
 
 {table}
 

@@ -87,29 +87,102 @@ class Case:
 
 
 CASES = (
-    Case("qwen3-30b-a3b", "Qwen3-30B-A3B at EP=8: 128 experts / 8 ranks, top-8; H, I as in the model",
-         num_experts=16, hidden=2048, intermediate=768, tokens=4096, top_k=8, ep=8),
-    Case("qwen3.5-35b-a3b", "Qwen3.5-35B-A3B at EP=8: 256 experts / 8 ranks, top-8; H, I as in the model",
-         num_experts=32, hidden=2048, intermediate=512, tokens=8192, top_k=8, ep=8),
-    Case("mixtral-like", "Mixtral-8x7B without EP: 8 experts, top-2; H=4096, I=14336 scaled by 1/4",
-         num_experts=8, hidden=1024, intermediate=3584, tokens=1024, top_k=2, ep=1),
-    Case("qwen3-30b-a3b-2x", "as qwen3-30b-a3b with twice the tokens: 512 rows per group on average",
-         num_experts=16, hidden=2048, intermediate=768, tokens=8192, top_k=8, ep=8, projections=("gate_up",)),
-    Case("decode", "Qwen3-30B-A3B decoding without EP: 128 experts, top-8, 64 tokens; H, I as in the model. "
-         "Bound by reading every expert's weight for a few rows",
-         num_experts=128, hidden=2048, intermediate=768, tokens=64, top_k=8, ep=1, projections=("gate_up",)),
-    *(Case(f"small-{rows}", f"128 experts, {rows} rows each on average, max/mean 1.5 (evenly spread); "
-           f"H, I of Qwen3-30B-A3B", num_experts=128, hidden=2048, intermediate=768, tokens=rows * 16, top_k=8,
-           ep=1, projections=("gate_up",), spread=0.5) for rows in (8, 16, 32, 64)),
-    Case("small-16-skewed", "128 experts, 16 rows each on average, log-normal popularity sigma 1.0; H, I of "
-         "Qwen3-30B-A3B", num_experts=128, hidden=2048, intermediate=768, tokens=256, top_k=8, ep=1,
-         projections=("gate_up",), imbalance=1.0),
+    Case(
+        "qwen3-30b-a3b",
+        "Qwen3-30B-A3B at EP=8: 128 experts / 8 ranks, top-8; H, I as in the model",
+        num_experts=16,
+        hidden=2048,
+        intermediate=768,
+        tokens=4096,
+        top_k=8,
+        ep=8,
+    ),
+    Case(
+        "qwen3.5-35b-a3b",
+        "Qwen3.5-35B-A3B at EP=8: 256 experts / 8 ranks, top-8; H, I as in the model",
+        num_experts=32,
+        hidden=2048,
+        intermediate=512,
+        tokens=8192,
+        top_k=8,
+        ep=8,
+    ),
+    Case(
+        "mixtral-like",
+        "Mixtral-8x7B without EP: 8 experts, top-2; H=4096, I=14336 scaled by 1/4",
+        num_experts=8,
+        hidden=1024,
+        intermediate=3584,
+        tokens=1024,
+        top_k=2,
+        ep=1,
+    ),
+    Case(
+        "qwen3-30b-a3b-2x",
+        "as qwen3-30b-a3b with twice the tokens: 512 rows per group on average",
+        num_experts=16,
+        hidden=2048,
+        intermediate=768,
+        tokens=8192,
+        top_k=8,
+        ep=8,
+        projections=("gate_up",),
+    ),
+    Case(
+        "decode",
+        "Qwen3-30B-A3B decoding without EP: 128 experts, top-8, 64 tokens; H, I as in the model. "
+        "Bound by reading every expert's weight for a few rows",
+        num_experts=128,
+        hidden=2048,
+        intermediate=768,
+        tokens=64,
+        top_k=8,
+        ep=1,
+        projections=("gate_up",),
+    ),
+    *(
+        Case(
+            f"small-{rows}",
+            f"128 experts, {rows} rows each on average, max/mean 1.5 (evenly spread); H, I of Qwen3-30B-A3B",
+            num_experts=128,
+            hidden=2048,
+            intermediate=768,
+            tokens=rows * 16,
+            top_k=8,
+            ep=1,
+            projections=("gate_up",),
+            spread=0.5,
+        )
+        for rows in (8, 16, 32, 64)
+    ),
+    Case(
+        "small-16-skewed",
+        "128 experts, 16 rows each on average, log-normal popularity sigma 1.0; H, I of Qwen3-30B-A3B",
+        num_experts=128,
+        hidden=2048,
+        intermediate=768,
+        tokens=256,
+        top_k=8,
+        ep=1,
+        projections=("gate_up",),
+        imbalance=1.0,
+    ),
 )
 QUICK_CASES = (
-    Case("tiny", "smoke test: 4 experts, H=64, I=32", num_experts=4, hidden=64, intermediate=32,
-         tokens=64, top_k=2, ep=1),
-    Case("tiny-decode", "smoke test: 16 experts, 1 row each on average", num_experts=16, hidden=64,
-         intermediate=32, tokens=8, top_k=2, ep=1, projections=("gate_up",)),
+    Case(
+        "tiny", "smoke test: 4 experts, H=64, I=32", num_experts=4, hidden=64, intermediate=32, tokens=64, top_k=2, ep=1
+    ),
+    Case(
+        "tiny-decode",
+        "smoke test: 16 experts, 1 row each on average",
+        num_experts=16,
+        hidden=64,
+        intermediate=32,
+        tokens=8,
+        top_k=2,
+        ep=1,
+        projections=("gate_up",),
+    ),
 )
 
 
@@ -136,17 +209,35 @@ class Result:
         return self.dense_seconds / self.seconds
 
     def cells(self) -> tuple:
-        return (f"{self.case} {self.projection}", self.dtype, self.pass_, self.label, f"{self.seconds * 1e3:.4g}",
-                f"{self.flops / self.seconds / 1e9:.1f}", f"{self.ratio:.2f}")
+        return (
+            f"{self.case} {self.projection}",
+            self.dtype,
+            self.pass_,
+            self.label,
+            f"{self.seconds * 1e3:.4g}",
+            f"{self.flops / self.seconds / 1e9:.1f}",
+            f"{self.ratio:.2f}",
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     names = [c.name for c in CASES + QUICK_CASES]
     parser.add_argument("--case", action="append", choices=names, help="run only this case (repeatable)")
-    parser.add_argument("--dtype", action="append", choices=list(common.DTYPES),
-                        help="run only this dtype (repeatable; default: fp32 and bf16)")
-    common.renamed_option(parser, "--gmm-backend", "--backend", dest="gmm_backend", append=True, default=None,
-                        help="time only this grouped-matmul backend besides auto (repeatable; default: every eligible one)")
+    parser.add_argument(
+        "--dtype",
+        action="append",
+        choices=list(common.DTYPES),
+        help="run only this dtype (repeatable; default: fp32 and bf16)",
+    )
+    common.renamed_option(
+        parser,
+        "--gmm-backend",
+        "--backend",
+        dest="gmm_backend",
+        append=True,
+        default=None,
+        help="time only this grouped-matmul backend besides auto (repeatable; default: every eligible one)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -183,8 +274,9 @@ def _chosen_cases(args: argparse.Namespace) -> tuple[Case, ...]:
     return tuple(c for c in CASES + QUICK_CASES if c.name in args.case)
 
 
-def run_case(case: Case, projection: str, dtype_name: str, settings: common.Settings, *,
-             backends: list[str] | None = None) -> list[Result]:
+def run_case(
+    case: Case, projection: str, dtype_name: str, settings: common.Settings, *, backends: list[str] | None = None
+) -> list[Result]:
     """Time one case, projection and dtype, each pass: the table's rows, in table order.
 
     The candidates are every eligible grouped-matmul backend (or those named in ``backends``),
@@ -196,8 +288,8 @@ def run_case(case: Case, projection: str, dtype_name: str, settings: common.Sett
     T, G = case.rows, case.num_experts
     generator = torch.Generator().manual_seed(settings.seed + 1)
     x_TD = torch.randn(T, D, generator=generator).to(device, dtype)
-    weight_GND = torch.randn(G, N, D, generator=generator).div_(D ** 0.5).to(device, dtype)
-    dense_ND = torch.randn(N, D, generator=generator).div_(D ** 0.5).to(device, dtype)
+    weight_GND = torch.randn(G, N, D, generator=generator).div_(D**0.5).to(device, dtype)
+    dense_ND = torch.randn(N, D, generator=generator).div_(D**0.5).to(device, dtype)
     dy_TN = torch.randn(T, N, generator=generator).to(device, dtype)
 
     eligible = [s.name for s in gmm_backends(x_TD, weight_GND, trans_weight=True) if s.eligible]
@@ -211,15 +303,31 @@ def run_case(case: Case, projection: str, dtype_name: str, settings: common.Sett
         candidates: dict[str, tuple[str | None, bool]] = {name: (name, False) for name in timed}
         candidates[f"auto ({picked})"] = ("auto", True)
         candidates["dense mm"] = (None, False)
-        fns = {label: _call(pass_, backend, x_TD, weight_GND, dense_ND, dy_TN, counts)
-               for label, (backend, _) in candidates.items()}
+        fns = {
+            label: _call(pass_, backend, x_TD, weight_GND, dense_ND, dy_TN, counts)
+            for label, (backend, _) in candidates.items()
+        }
         timings = common.measure(fns, warmup=settings.warmup, repeats=settings.repeats, device=device)
         flops = 2.0 * T * D * N * (3 if pass_ == "fwd+bwd" else 1)
         dense_s = timings["dense mm"].median_s
         for label, (backend, is_auto) in candidates.items():
             ran = picked if is_auto else backend
-            results.append(Result(case.name, projection, dtype_name, pass_, label, ran, is_auto,
-                                  timings[label].median_s, flops, dense_s, T / G, timings[label].spread))
+            results.append(
+                Result(
+                    case.name,
+                    projection,
+                    dtype_name,
+                    pass_,
+                    label,
+                    ran,
+                    is_auto,
+                    timings[label].median_s,
+                    flops,
+                    dense_s,
+                    T / G,
+                    timings[label].spread,
+                )
+            )
     return results
 
 
@@ -248,8 +356,14 @@ def run_ceiling(cases, settings: common.Settings) -> dict[tuple[int, int, int], 
 
     Only cases whose groups average at least 64 rows; ``M`` up to ``T / 2``.
     """
-    shapes = sorted({(*case.dims(p), case.rows) for case in cases for p in case.projections
-                     if case.rows / case.num_experts >= CEILING_ROWS[0]})
+    shapes = sorted(
+        {
+            (*case.dims(p), case.rows)
+            for case in cases
+            for p in case.projections
+            if case.rows / case.num_experts >= CEILING_ROWS[0]
+        }
+    )
     generator = torch.Generator().manual_seed(settings.seed + 2)
     ceiling = {}
     for D, N, T in shapes:
@@ -258,7 +372,7 @@ def run_ceiling(cases, settings: common.Settings) -> dict[tuple[int, int, int], 
         weights_GND = torch.randn(T // min(row_counts), N, D, generator=generator).to(settings.device)
 
         def per_call(m: int) -> Callable[[], object]:
-            return lambda: [torch.mm(x_TD[i * m:(i + 1) * m], weights_GND[i].t()) for i in range(T // m)]
+            return lambda: [torch.mm(x_TD[i * m : (i + 1) * m], weights_GND[i].t()) for i in range(T // m)]
 
         fns = {m: per_call(m) for m in row_counts}
         fns["all"] = lambda: torch.mm(x_TD, weights_GND[0].t())
@@ -271,8 +385,10 @@ def _ceiling_table(ceiling: dict[tuple[int, int, int], dict[int, float]]) -> str
     if not ceiling:
         return f"(no case here has {CEILING_ROWS[0]}+ rows per group)"
     headers = ("D x N", "rows T", *(f"M = {m}" for m in CEILING_ROWS))
-    rows = [(f"{D}x{N}", T, *(f"{ratios[m]:.2f}" if m in ratios else "" for m in CEILING_ROWS))
-            for (D, N, T), ratios in ceiling.items()]
+    rows = [
+        (f"{D}x{N}", T, *(f"{ratios[m]:.2f}" if m in ratios else "" for m in CEILING_ROWS))
+        for (D, N, T), ratios in ceiling.items()
+    ]
     return common.markdown_table(headers, rows, align="lr" + "r" * len(CEILING_ROWS))
 
 
@@ -285,9 +401,12 @@ def summarize_ceiling(ceiling: dict[tuple[int, int, int], dict[int, float]]) -> 
     return [
         f"- Per-call BLAS ceiling (fp32 forward, one `torch.mm` per {LARGE_ROWS}-row group with its own weight, "
         f"over one `mm` of all rows): {min(at_large)[0]:.2f} to {max(at_large)[0]:.2f}; "
-        + (f"below {GOAL_RATIO}x for {'; '.join(below)}: no grouped matmul made of one BLAS call per group "
-           f"reaches {GOAL_RATIO}x dense forward there on this machine." if below
-           else f"at least {GOAL_RATIO}x for every shape.")
+        + (
+            f"below {GOAL_RATIO}x for {'; '.join(below)}: no grouped matmul made of one BLAS call per group "
+            f"reaches {GOAL_RATIO}x dense forward there on this machine."
+            if below
+            else f"at least {GOAL_RATIO}x for every shape."
+        )
     ]
 
 
@@ -325,9 +444,13 @@ def summarize(results: list[Result]) -> list[str]:
         f"- Noise: (slowest - fastest round) / median is {statistics.median(spreads):.0%} for the median row, "
         f"{noisiest.spread:.0%} at worst ({noisiest.case} {noisiest.projection} {noisiest.dtype} {noisiest.pass_} "
         f"{noisiest.label})"
-        + (f"; `auto` and the backend it picked (the same code) differ by {min(same_code):.2f}x to "
-           f"{max(same_code):.2f}x, so differences within {floor:.2f}x (or a row's own `1 + spread`, where "
-           f"wider) are noise." if same_code else "."),
+        + (
+            f"; `auto` and the backend it picked (the same code) differ by {min(same_code):.2f}x to "
+            f"{max(same_code):.2f}x, so differences within {floor:.2f}x (or a row's own `1 + spread`, where "
+            f"wider) are noise."
+            if same_code
+            else "."
+        ),
         f"- `auto` picked: {', '.join(sorted({r.backend for r in results if r.auto}))}.",
     ]
 
@@ -340,8 +463,9 @@ def summarize(results: list[Result]) -> list[str]:
     if torch_vs_loop:
         ratios = [q for q, *_ in torch_vs_loop]
         worst, worst_key, *_ = max(torch_vs_loop, key=lambda t: t[0])
-        slower = [f"{name(k)} ({q:.2f})" for q, k, a, b in sorted(torch_vs_loop, key=lambda t: -t[0])
-                  if beyond_noise(q, a, b)]
+        slower = [
+            f"{name(k)} ({q:.2f})" for q, k, a, b in sorted(torch_vs_loop, key=lambda t: -t[0]) if beyond_noise(q, a, b)
+        ]
         lines.append(
             f"- `torch` time / `loop` time: median {statistics.median(ratios):.2f}, from {min(ratios):.2f} to "
             f"{worst:.2f} ({name(worst_key)}); "
@@ -354,8 +478,11 @@ def summarize(results: list[Result]) -> list[str]:
         lines.append(
             f"- The backend `auto` picked, against the fastest single backend of the same row: time ratio at most "
             f"{worst:.2f} ({name(worst_key)}, fastest there: `{best.backend}`): "
-            + (f"slower beyond noise in: {'; '.join(f'{name(k)} ({q:.2f})' for q, k, *_ in slower)}." if slower
-               else "never slower beyond noise.")
+            + (
+                f"slower beyond noise in: {'; '.join(f'{name(k)} ({q:.2f})' for q, k, *_ in slower)}."
+                if slower
+                else "never slower beyond noise."
+            )
         )
 
     large = [(r.ratio, key) for key, rows in groups.items() for r in rows if r.auto and r.mean_rows >= LARGE_ROWS]
@@ -363,14 +490,19 @@ def summarize(results: list[Result]) -> list[str]:
         below = [f"{name(k)} ({q:.2f})" for q, k in sorted(large) if q < GOAL_RATIO]
         lines.append(
             f"- `auto` throughput / dense where groups average >= {LARGE_ROWS} rows: {min(large)[0]:.2f} to "
-            f"{max(large)[0]:.2f}; " + (f"below {GOAL_RATIO}x in {len(below)} of {len(large)}: {'; '.join(below)}."
-                                        if below else f"at least {GOAL_RATIO}x in all {len(large)}.")
+            f"{max(large)[0]:.2f}; "
+            + (
+                f"below {GOAL_RATIO}x in {len(below)} of {len(large)}: {'; '.join(below)}."
+                if below
+                else f"at least {GOAL_RATIO}x in all {len(large)}."
+            )
         )
     return lines
 
 
-def _document(cases, settings: common.Settings, table: str, ceiling_table: str, summary: list[str], args,
-              load: tuple) -> str:
+def _document(
+    cases, settings: common.Settings, table: str, ceiling_table: str, summary: list[str], args, load: tuple
+) -> str:
     extra = "".join(f" --case {c}" for c in args.case or []) + "".join(f" --dtype {d}" for d in args.dtype or [])
     extra += "".join(f" --gmm-backend {b}" for b in args.gmm_backend or [])
     command = f"epmoe bench gmm {settings.options()}{extra}"
@@ -378,10 +510,19 @@ def _document(cases, settings: common.Settings, table: str, ceiling_table: str, 
     for case in cases:
         counts = case.counts(settings.seed)
         dims = ", ".join(f"{p} {case.dims(p)[0]}x{case.dims(p)[1]}" for p in case.projections)
-        case_rows.append((case.name, case.model, case.num_experts, case.rows,
-                          f"{min(counts)} / {case.rows / case.num_experts:.0f} / {max(counts)}", dims))
+        case_rows.append(
+            (
+                case.name,
+                case.model,
+                case.num_experts,
+                case.rows,
+                f"{min(counts)} / {case.rows / case.num_experts:.0f} / {max(counts)}",
+                dims,
+            )
+        )
     cases_table = common.markdown_table(
-        ("case", "shape", "G", "rows T", "rows per group min / mean / max", "D x N"), case_rows, align="llrrll")
+        ("case", "shape", "G", "rows T", "rows per group min / mean / max", "D x N"), case_rows, align="llrrll"
+    )
     return f"""# Grouped matmul benchmark: `epmoe bench gmm`
 
 Reproduce (from the repository root, after `pip install -e .`):

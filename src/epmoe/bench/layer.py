@@ -73,9 +73,9 @@ from epmoe.bench.blocks import (
     Shape,
     block_step,
     build_blocks,
-    run_on_saved_model,
     load_causal_lm,
     model_step,
+    run_on_saved_model,
 )
 from epmoe.bench.compiled import run_compile
 from epmoe.demo import step_times
@@ -101,12 +101,16 @@ TRAINER_VARIANTS = (EPMOE_TRAINER, REPLICATED_TRAINER)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--part", action="append", choices=PARTS,
-                        help="run only this part (repeatable; default: all). ep1: one process, EP size 1; "
-                             "ep2: 2 gloo ranks on CPU; compile: torch.compile vs eager (block, EP=1 and EP=2 steps); "
-                             "lean: the lean data path (saved per token, wire bytes at EP 2 and 4, EP 1 and EP 2 "
-                             "steps) at Qwen3-30B-A3B and Mixtral-like shapes; static: dispatch='static' against "
-                             "'alltoallv' (decode steps at EP 2, host reads and collectives, buffer and wire cost)")
+    parser.add_argument(
+        "--part",
+        action="append",
+        choices=PARTS,
+        help="run only this part (repeatable; default: all). ep1: one process, EP size 1; "
+        "ep2: 2 gloo ranks on CPU; compile: torch.compile vs eager (block, EP=1 and EP=2 steps); "
+        "lean: the lean data path (saved per token, wire bytes at EP 2 and 4, EP 1 and EP 2 "
+        "steps) at Qwen3-30B-A3B and Mixtral-like shapes; static: dispatch='static' against "
+        "'alltoallv' (decode steps at EP 2, host reads and collectives, buffer and wire cost)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -161,8 +165,15 @@ class Ep1Result:
         rows = []
         for label in (EAGER, GROUPED, EPMOE, DENSE):
             seconds = self.timings[label].median_s
-            rows.append((self.shape.name, label, f"{seconds * 1e3:.1f}", f"{self.shape.flops / seconds / 1e9:.1f}",
-                         f"{self.epmoe_over(label):.2f}"))
+            rows.append(
+                (
+                    self.shape.name,
+                    label,
+                    f"{seconds * 1e3:.1f}",
+                    f"{self.shape.flops / seconds / 1e9:.1f}",
+                    f"{self.epmoe_over(label):.2f}",
+                )
+            )
         return rows
 
     def epmoe_over(self, label: str) -> float:
@@ -174,11 +185,20 @@ class Ep1Result:
         total, share = self.timings[EPMOE].median_s, self.gemm_share_in_step
         rows = []
         if share is not None:
-            rows += [(self.shape.name, "grouped matmuls (gate_up + down, fwd + bwd), in the step", share * total,
-                      f"{share:.0%}"),
-                     (self.shape.name, "outside the grouped matmuls, in the step", (1 - share) * total, f"{1 - share:.0%}")]
-        for name, key in (("grouped matmuls, timed alone", "gemm"), ("router (gate fwd + bwd), timed alone", "router"),
-                          ("SwiGLU (fwd + bwd), timed alone", "swiglu")):
+            rows += [
+                (
+                    self.shape.name,
+                    "grouped matmuls (gate_up + down, fwd + bwd), in the step",
+                    share * total,
+                    f"{share:.0%}",
+                ),
+                (self.shape.name, "outside the grouped matmuls, in the step", (1 - share) * total, f"{1 - share:.0%}"),
+            ]
+        for name, key in (
+            ("grouped matmuls, timed alone", "gemm"),
+            ("router (gate fwd + bwd), timed alone", "router"),
+            ("SwiGLU (fwd + bwd), timed alone", "swiglu"),
+        ):
             seconds = self.timings[key].median_s
             rows.append((self.shape.name, name, seconds, f"{seconds / total:.2f}x"))
         return [(shape, name, f"{seconds * 1e3:.1f}", share) for shape, name, seconds, share in rows]
@@ -196,8 +216,10 @@ class Ep1Result:
             verdict = "met" if met else "not met"
             lines.append(f"- {self.shape.name}: {what} = {value:.2f} (goal {op} {goal}): **{verdict}**")
         if self.gemm_share_in_step is not None:
-            lines.append(f"- {self.shape.name}: share of the epmoe step outside its grouped matmuls = "
-                         f"{1 - self.gemm_share_in_step:.0%} (profiled inside the step)")
+            lines.append(
+                f"- {self.shape.name}: share of the epmoe step outside its grouped matmuls = "
+                f"{1 - self.gemm_share_in_step:.0%} (profiled inside the step)"
+            )
         return lines
 
 
@@ -221,17 +243,22 @@ def run_ep1(shape: Shape, settings: common.Settings, dtype: torch.dtype = torch.
     experts = blocks[EPMOE].experts
     # Dense floor: the same FLOPs, nn.Linear-layout weights read transposed as the grouped calls read them.
     x_SH, h_SI, dgu_S2I, dd_SH = randn(S, H), randn(S, I), randn(S, 2 * I), randn(S, H)
-    w_gu, w_d = randn(2 * I, H) * H ** -0.5, randn(H, I) * I ** -0.5
+    w_gu, w_d = randn(2 * I, H) * H**-0.5, randn(H, I) * I**-0.5
     fns[DENSE] = _gemm_step(lambda x, w: x @ w.t(), (x_SH, h_SI), (w_gu, w_d), (dgu_S2I, dd_SH))
-    fns["gemm"] = _gemm_step(lambda x, w: grouped_mm(x, w, counts, trans_weight=True), (x_SH, h_SI),
-                             (experts.gate_up_proj.detach(), experts.down_proj.detach()), (dgu_S2I, dd_SH))
+    fns["gemm"] = _gemm_step(
+        lambda x, w: grouped_mm(x, w, counts, trans_weight=True),
+        (x_SH, h_SI),
+        (experts.gate_up_proj.detach(), experts.down_proj.detach()),
+        (dgu_S2I, dd_SH),
+    )
     fns["router"] = _router_step(blocks[EPMOE].gate, x_1TH.view(T, H), randn(T, shape.top_k))
     fns["swiglu"] = _swiglu_step(experts, randn(S, 2 * I), randn(S, I))
     eager = fns.pop(EAGER)
     timings = common.measure(fns, warmup=settings.warmup, repeats=settings.repeats, device=device)
     # eager is 5-30x slower than the rest: its own short pass, interleaved with epmoe (already warm: _parity ran it)
-    eager_pass = common.measure({EAGER: eager, EPMOE: fns[EPMOE]}, warmup=0,
-                                repeats=min(settings.repeats, EAGER_REPEATS), device=device)
+    eager_pass = common.measure(
+        {EAGER: eager, EPMOE: fns[EPMOE]}, warmup=0, repeats=min(settings.repeats, EAGER_REPEATS), device=device
+    )
     timings[EAGER] = eager_pass[EAGER]
     timings["epmoe (eager pass)"] = eager_pass[EPMOE]
     return Ep1Result(shape, timings, counts, max_rel_diff, _gemm_share_in_step(fns[EPMOE], device))
@@ -253,8 +280,10 @@ def _gemm_share_in_step(step: Callable[[], object], device: torch.device) -> flo
             step()
         platform.synchronize(device)
         wall = time.perf_counter() - start
-    inside = sum(e.device_time_total if cuda else e.cpu_time_total
-                 for e in prof.key_averages() if e.key in GMM_FUNCTIONS) * 1e-6
+    inside = (
+        sum(e.device_time_total if cuda else e.cpu_time_total for e in prof.key_averages() if e.key in GMM_FUNCTIONS)
+        * 1e-6
+    )
     return inside / wall
 
 
@@ -303,8 +332,10 @@ def _parity(blocks: dict[str, torch.nn.Module], x: torch.Tensor, dy: torch.Tenso
     reference = results(blocks[EAGER])
     diffs = {}
     for label in (GROUPED, EPMOE):
-        diffs[label] = max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-                           for a, b in zip(results(blocks[label]), reference))
+        diffs[label] = max(
+            ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+            for a, b in zip(results(blocks[label]), reference)
+        )
         blocks[label].zero_grad(set_to_none=True)
     blocks[EAGER].zero_grad(set_to_none=True)
     return diffs
@@ -317,20 +348,30 @@ class Ep1Report:
     def markdown(self) -> str:
         rows = [row for result in self.results for row in result.rows()]
         split_rows = [row for result in self.results for row in result.split_rows()]
-        lines = ["### EP size 1: one MoE block, forward + backward", "",
-                 common.markdown_table(EP1_HEADERS, rows, align="llrrr"), "",
-                 "### Where the epmoe step goes", "",
-                 common.markdown_table(SPLIT_HEADERS, split_rows, align="llrr"), "", "### Goals", ""]
+        lines = [
+            "### EP size 1: one MoE block, forward + backward",
+            "",
+            common.markdown_table(EP1_HEADERS, rows, align="llrrr"),
+            "",
+            "### Where the epmoe step goes",
+            "",
+            common.markdown_table(SPLIT_HEADERS, split_rows, align="llrr"),
+            "",
+            "### Goals",
+            "",
+        ]
         for result in self.results:
             lines += result.goals()
         lines.append("")
         for result in self.results:
             diffs = ", ".join(f"{k} {v:.1e}" for k, v in result.max_rel_diff.items())
             spread = max(t.spread for t in result.timings.values())
-            lines.append(f"- {result.shape.name}: rows per expert min / mean / max = {min(result.counts)} / "
-                         f"{result.shape.rows / result.shape.num_experts:.0f} / {max(result.counts)}; max relative "
-                         f"difference to eager (output and all grads): {diffs}; largest timing spread "
-                         f"(max-min)/median {spread:.0%}")
+            lines.append(
+                f"- {result.shape.name}: rows per expert min / mean / max = {min(result.counts)} / "
+                f"{result.shape.rows / result.shape.num_experts:.0f} / {max(result.counts)}; max relative "
+                f"difference to eager (output and all grads): {diffs}; largest timing spread "
+                f"(max-min)/median {spread:.0%}"
+            )
         return "\n".join(lines)
 
 
@@ -356,7 +397,7 @@ class Ep2Report:
     def markdown(self) -> str:
         notes = {
             EPMOE_DDP: f"apply_expert_parallel (dispatch {self.dispatch}), then DDP; step headers in backward "
-                       f"(check_steps='auto': on for CPU)",
+            f"(check_steps='auto': on for CPU)",
             EPMOE_UNCHECKED: "the same without the backward step headers (the forward's ride in the counts)",
             EPMOE_BALANCED: "epmoe + DDP, then every step expert_load, reset_expert_load and LoadBalancer.step",
             "transformers EP": "DistributedConfig(fsdp_size=2, ep_size=2), experts grouped_mm",
@@ -370,27 +411,39 @@ class Ep2Report:
                 rows.append((label, "-", "-", f"did not run: {self.errors[label].splitlines()[0][:160]}"))
             elif label in self.steps_ms:
                 rows.append((label, f"{self.steps_ms[label]:.1f}", f"{self.loss_diffs[label]:.2e}", notes[label]))
-        lines = [f"### EP size 2: {EP2_RANKS} gloo ranks, {EP2_LAYERS}-layer Qwen3-MoE, {self.tokens_per_rank} tokens "
-                 f"per rank, {self.threads_per_rank} thread(s) per rank", "",
-                 common.markdown_table(EP2_HEADERS, rows, align="lrrl"), ""]
-        for mine, theirs, what in ((EPMOE_DDP, "transformers EP", "epmoe + DDP step / transformers EP step"),
-                                   (EPMOE_DDP, REPLICATED_DDP, "epmoe + DDP step / replicated + DDP step"),
-                                   (EPMOE_DDP, EPMOE_UNCHECKED, "backward step headers on / off (cost of check_steps)"),
-                                   (EPMOE_BALANCED, EPMOE_DDP, "with / without telemetry reads and the balancer"),
-                                   (EPMOE_TRAINER, REPLICATED_TRAINER, "epmoe Trainer step / replicated Trainer step")):
+        lines = [
+            f"### EP size 2: {EP2_RANKS} gloo ranks, {EP2_LAYERS}-layer Qwen3-MoE, {self.tokens_per_rank} tokens "
+            f"per rank, {self.threads_per_rank} thread(s) per rank",
+            "",
+            common.markdown_table(EP2_HEADERS, rows, align="lrrl"),
+            "",
+        ]
+        for mine, theirs, what in (
+            (EPMOE_DDP, "transformers EP", "epmoe + DDP step / transformers EP step"),
+            (EPMOE_DDP, REPLICATED_DDP, "epmoe + DDP step / replicated + DDP step"),
+            (EPMOE_DDP, EPMOE_UNCHECKED, "backward step headers on / off (cost of check_steps)"),
+            (EPMOE_BALANCED, EPMOE_DDP, "with / without telemetry reads and the balancer"),
+            (EPMOE_TRAINER, REPLICATED_TRAINER, "epmoe Trainer step / replicated Trainer step"),
+        ):
             if mine in self.steps_ms and theirs in self.steps_ms:
                 lines.append(f"- {what} = {self.steps_ms[mine] / self.steps_ms[theirs]:.2f}")
         if EPMOE_DDP in self.steps_ms:
             share = self.count_load_us * 1e-3 * EP2_LAYERS / self.steps_ms[EPMOE_DDP]
-            lines.append(f"- forward-side telemetry (counting each layer's slots, always on): {self.count_load_us:.1f} us "
-                         f"per layer forward = {100 * share:.4f}% of the epmoe + DDP step")
+            lines.append(
+                f"- forward-side telemetry (counting each layer's slots, always on): {self.count_load_us:.1f} us "
+                f"per layer forward = {100 * share:.4f}% of the epmoe + DDP step"
+            )
         if EPMOE_BALANCED in self.steps_ms:
-            lines.append(f"- expert_load + reset_expert_load + LoadBalancer.step, timed inside the step: "
-                         f"{self.balancer_ms:.2f} ms = {100 * self.balancer_ms / self.steps_ms[EPMOE_BALANCED]:.2f}% "
-                         f"of it (the step-time ratio above is within the rounds' spread)")
+            lines.append(
+                f"- expert_load + reset_expert_load + LoadBalancer.step, timed inside the step: "
+                f"{self.balancer_ms:.2f} ms = {100 * self.balancer_ms / self.steps_ms[EPMOE_BALANCED]:.2f}% "
+                f"of it (the step-time ratio above is within the rounds' spread)"
+            )
         if EPMOE_TRAINER in self.trainer_drift:
-            lines.append(f"- epmoe Trainer loss vs replicated Trainer loss, max over {self.trainer_steps} steps: "
-                         f"{self.trainer_drift[EPMOE_TRAINER]:.2e} (fp32 rounding, grown by AdamW)")
+            lines.append(
+                f"- epmoe Trainer loss vs replicated Trainer loss, max over {self.trainer_steps} steps: "
+                f"{self.trainer_drift[EPMOE_TRAINER]:.2e} (fp32 rounding, grown by AdamW)"
+            )
         for rank, losses in enumerate(self.losses):
             lines.append(f"- rank {rank} losses: " + ", ".join(f"{k} {v:.6f}" for k, v in losses.items()))
         for label, error in self.errors.items():
@@ -405,16 +458,28 @@ def run_ep2(shape: Shape, settings: common.Settings) -> Ep2Report:
     labels = [label for label in results[0]["times"] if label not in errors]
     steps_ms = {label: 1e3 * max(statistics.median(r["times"][label]) for r in results) for label in labels}
     losses = [r["losses"] for r in results]
-    loss_diffs = {label: max(abs(r[label] - r["unsharded"]) for r in losses) for label in labels
-                  if label not in TRAINER_VARIANTS}
+    loss_diffs = {
+        label: max(abs(r[label] - r["unsharded"]) for r in losses) for label in labels if label not in TRAINER_VARIANTS
+    }
     trainer_drift = {}
     for label in TRAINER_VARIANTS:
         mine, ref = (results[0]["trainer_losses"][v] for v in (label, REPLICATED_TRAINER))
         loss_diffs[label] = abs(mine[0] - ref[0])
         trainer_drift[label] = max(abs(a - b) for a, b in zip(mine, ref))
-    return Ep2Report(shape, shape.tokens, threads, steps_ms, loss_diffs, losses, errors, results[0]["dispatch"],
-                     trainer_drift, len(results[0]["trainer_losses"][EPMOE_TRAINER]),
-                     max(r["count_load_us"] for r in results), max(r["balancer_ms"] for r in results))
+    return Ep2Report(
+        shape,
+        shape.tokens,
+        threads,
+        steps_ms,
+        loss_diffs,
+        losses,
+        errors,
+        results[0]["dispatch"],
+        trainer_drift,
+        len(results[0]["trainer_losses"][EPMOE_TRAINER]),
+        max(r["count_load_us"] for r in results),
+        max(r["balancer_ms"] for r in results),
+    )
 
 
 def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeats: int, seed: int) -> dict:
@@ -441,8 +506,9 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     balanced = copy.deepcopy(reference)
     epmoe.apply_expert_parallel(balanced)
     balancer_seconds: list[float] = []
-    steps[EPMOE_BALANCED] = model_step(DDP(balanced), ids, epmoe.LoadBalancer(balanced, update_rate=1e-3),
-                                       balancer_seconds)
+    steps[EPMOE_BALANCED] = model_step(
+        DDP(balanced), ids, epmoe.LoadBalancer(balanced, update_rate=1e-3), balancer_seconds
+    )
     steps[REPLICATED_DDP] = model_step(DDP(copy.deepcopy(reference)), ids)
     try:
         from transformers.distributed import DistributedConfig
@@ -477,9 +543,15 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     for _ in range(10_000):
         state.count_load(counts)
     count_load_us = (time.perf_counter() - start) / 10_000 * 1e6
-    return {"losses": losses, "times": times, "errors": errors, "dispatch": "/".join(dispatch),
-            "trainer_losses": trainer_losses, "count_load_us": count_load_us,
-            "balancer_ms": 1e3 * statistics.median(balancer_seconds[-repeats:])}
+    return {
+        "losses": losses,
+        "times": times,
+        "errors": errors,
+        "dispatch": "/".join(dispatch),
+        "trainer_losses": trainer_losses,
+        "count_load_us": count_load_us,
+        "balancer_ms": 1e3 * statistics.median(balancer_seconds[-repeats:]),
+    }
 
 
 def _trainer_steps(model: torch.nn.Module, prepare: bool, tokens: int, steps: int, seed: int):
@@ -491,9 +563,18 @@ def _trainer_steps(model: torch.nn.Module, prepare: bool, tokens: int, steps: in
     rows = torch.randint(0, model.config.vocab_size, (4 * steps, tokens // 2), generator=generator)
     dataset = [{"input_ids": row, "labels": row} for row in rows]
     with tempfile.TemporaryDirectory(prefix="epmoe-bench-trainer-") as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=2, max_steps=steps, logging_steps=1,
-                                 report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=seed,
-                                 dataloader_num_workers=0)
+        args = TrainingArguments(
+            output_dir=out,
+            per_device_train_batch_size=2,
+            max_steps=steps,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            disable_tqdm=True,
+            seed=seed,
+            dataloader_num_workers=0,
+        )
         timer = step_times(torch.device("cpu"))
         trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[timer])
         trainer.remove_callback(PrinterCallback)
@@ -527,9 +608,11 @@ def _document(shapes, settings: common.Settings, parts: list[str], sections: lis
     command = " ".join([*_allocator_env(), f"epmoe bench layer {settings.options()}{extra}"])
     described, shape_lines = [], []
     if set(parts) - {"lean", "static"}:
-        described += [_markdown(__doc__.split(chr(10), 2)[2].strip()),
-                      f"Goals: epmoe at most {GOALS['grouped_mm']}x transformers' `grouped_mm` time, at most "
-                      f"{GOALS['eager']}x\n`eager`, and at least {GOALS['dense']} of the dense floor's speed."]
+        described += [
+            _markdown(__doc__.split(chr(10), 2)[2].strip()),
+            f"Goals: epmoe at most {GOALS['grouped_mm']}x transformers' `grouped_mm` time, at most "
+            f"{GOALS['eager']}x\n`eager`, and at least {GOALS['dense']} of the dense floor's speed.",
+        ]
         shape_lines += [f"- {s.name}: {s.describe()}; expert GEMMs {s.flops / 1e9:.1f} GFLOP per step" for s in shapes]
     if "lean" in parts:
         described.append(_markdown(lean.__doc__.strip()))

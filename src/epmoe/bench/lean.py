@@ -72,9 +72,9 @@ from epmoe.bench.blocks import (
     Shape,
     block_step,
     build_blocks,
-    run_on_saved_model,
     load_causal_lm,
     model_step,
+    run_on_saved_model,
 )
 from epmoe.comm import count_traffic
 from epmoe.launch import run_ranks
@@ -91,8 +91,16 @@ STEP_NOTES = {
 }
 
 SAVED_HEADERS = ("shape", "kept for backward", "elements per token", "x epmoe's")
-WIRE_HEADERS = ("shape", "EP", "tokens per rank", "d (ranks per token)", "epmoe measured B/token",
-                "epmoe H-rows B/token", "per-slot B/token", "epmoe / per-slot")
+WIRE_HEADERS = (
+    "shape",
+    "EP",
+    "tokens per rank",
+    "d (ranks per token)",
+    "epmoe measured B/token",
+    "epmoe H-rows B/token",
+    "per-slot B/token",
+    "epmoe / per-slot",
+)
 EP1_STEP_HEADERS = ("shape", "variant", "step ms", "spread", "epmoe / this (rounds min-max)", "peak MiB above weights")
 STEP_HEADERS = ("variant", "step ms", "spread", "loss - unsharded loss (max over ranks)", "note")
 
@@ -109,21 +117,29 @@ class Plan:
     step_shape: Shape
 
     def wire_shapes(self) -> tuple[Shape, ...]:
-        return tuple(dataclasses.replace(s, intermediate=self.wire_intermediate, tokens=self.wire_tokens)
-                     for s in self.shapes)
+        return tuple(
+            dataclasses.replace(s, intermediate=self.wire_intermediate, tokens=self.wire_tokens) for s in self.shapes
+        )
 
 
 PLAN = Plan(
-    shapes=(Shape("Qwen3-30B-A3B", num_experts=128, top_k=8, hidden=2048, intermediate=768, tokens=512),
-            Shape("Mixtral-like", num_experts=8, top_k=2, hidden=1024, intermediate=3584, tokens=1024)),
-    wire_intermediate=16, wire_tokens=512,
-    step_shape=Shape("Qwen3-30B-A3B proportions, H and I halved", num_experts=128, top_k=8, hidden=1024,
-                     intermediate=384, tokens=512),
+    shapes=(
+        Shape("Qwen3-30B-A3B", num_experts=128, top_k=8, hidden=2048, intermediate=768, tokens=512),
+        Shape("Mixtral-like", num_experts=8, top_k=2, hidden=1024, intermediate=3584, tokens=1024),
+    ),
+    wire_intermediate=16,
+    wire_tokens=512,
+    step_shape=Shape(
+        "Qwen3-30B-A3B proportions, H and I halved", num_experts=128, top_k=8, hidden=1024, intermediate=384, tokens=512
+    ),
 )
 QUICK_PLAN = Plan(
-    shapes=(Shape("tiny, K=8", num_experts=32, top_k=8, hidden=64, intermediate=24, tokens=64),
-            Shape("tiny, K=2", num_experts=8, top_k=2, hidden=64, intermediate=224, tokens=64)),
-    wire_intermediate=8, wire_tokens=64,
+    shapes=(
+        Shape("tiny, K=8", num_experts=32, top_k=8, hidden=64, intermediate=24, tokens=64),
+        Shape("tiny, K=2", num_experts=8, top_k=2, hidden=64, intermediate=224, tokens=64),
+    ),
+    wire_intermediate=8,
+    wire_tokens=64,
     step_shape=Shape("tiny, K=8", num_experts=32, top_k=8, hidden=64, intermediate=24, tokens=64),
 )
 
@@ -142,8 +158,10 @@ def describe(quick: bool) -> str:
     """The shapes of part lean, as markdown lines."""
     plan = QUICK_PLAN if quick else PLAN
     lines = [f"- {s.name}: {s.describe()}" for s in plan.shapes]
-    lines.append(f"- wire bytes: the same E, K and H with I={plan.wire_intermediate}, {plan.wire_tokens} tokens "
-                 f"per rank, EP {' and '.join(map(str, WIRE_RANKS))}")
+    lines.append(
+        f"- wire bytes: the same E, K and H with I={plan.wire_intermediate}, {plan.wire_tokens} tokens "
+        f"per rank, EP {' and '.join(map(str, WIRE_RANKS))}"
+    )
     lines.append(f"- EP {STEP_RANKS} step: {plan.step_shape.name}: {plan.step_shape.describe()} per rank")
     return "\n".join(lines)
 
@@ -155,11 +173,13 @@ def describe(quick: bool) -> str:
 def kept_formulas(shape: Shape) -> list[tuple[str, int]]:
     """``(design: formula, elements per token)`` each design keeps for backward (module docstring)."""
     H, I, K, E = shape.hidden, shape.intermediate, shape.top_k, shape.num_experts
-    return [("plain autograd: K(2H + 4I)", K * (2 * H + 4 * I)),
-            ("Megatron-Core: K(H + 3I)", K * (H + 3 * I)),
-            ("Megatron-Core, moe_act recompute: K(H + 2I)", K * (H + 2 * I)),
-            ("SonicMoE: H + 2KI", H + 2 * K * I),
-            ("bound, SonicMoE + router probabilities: H + 2KI + E", H + 2 * K * I + E)]
+    return [
+        ("plain autograd: K(2H + 4I)", K * (2 * H + 4 * I)),
+        ("Megatron-Core: K(H + 3I)", K * (H + 3 * I)),
+        ("Megatron-Core, moe_act recompute: K(H + 2I)", K * (H + 2 * I)),
+        ("SonicMoE: H + 2KI", H + 2 * K * I),
+        ("bound, SonicMoE + router probabilities: H + 2KI + E", H + 2 * K * I + E),
+    ]
 
 
 def saved_elements_per_token(block: torch.nn.Module, x_1TH: torch.Tensor, dy_1TH: torch.Tensor) -> float:
@@ -211,14 +231,18 @@ class Ep1Result:
     def saved_rows(self) -> list[tuple]:
         lean = self.saved[EPMOE]
         measured = [(f"{label} block, measured", value) for label, value in self.saved.items()]
-        return [(self.shape.name, what, f"{value:.0f}", f"{value / lean:.2f}")
-                for what, value in measured + kept_formulas(self.shape)]
+        return [
+            (self.shape.name, what, f"{value:.0f}", f"{value / lean:.2f}")
+            for what, value in measured + kept_formulas(self.shape)
+        ]
 
     def saved_lines(self) -> list[str]:
         over = self.saved[EPMOE] - kept_formulas(self.shape)[-1][1]
-        return [f"- {self.shape.name}: epmoe keeps {over:+.0f} elements per token against the bound H + 2KI + E "
-                f"({over / self.shape.top_k:+.1f} per routing choice: its indices and weights); transformers' "
-                f"grouped_mm block keeps {self.saved[GROUPED] / self.saved[EPMOE]:.2f}x epmoe's"]
+        return [
+            f"- {self.shape.name}: epmoe keeps {over:+.0f} elements per token against the bound H + 2KI + E "
+            f"({over / self.shape.top_k:+.1f} per routing choice: its indices and weights); transformers' "
+            f"grouped_mm block keeps {self.saved[GROUPED] / self.saved[EPMOE]:.2f}x epmoe's"
+        ]
 
     def round_ratios(self) -> list[float]:
         """epmoe's time over grouped_mm's, round by round (the rounds interleave them)."""
@@ -231,16 +255,26 @@ class Ep1Result:
             timing, peak = self.timings[label], self.peak_bytes[label]
             ratio = self.timings[EPMOE].median_s / timing.median_s
             span = f" ({min(ratios):.2f}-{max(ratios):.2f})" if label == GROUPED else ""
-            rows.append((self.shape.name, label, f"{timing.median_s * 1e3:.1f}", f"{timing.spread:.0%}",
-                         f"{ratio:.2f}{span}", "n/a (CPU)" if peak is None else f"{peak / 2**20:.0f}"))
+            rows.append(
+                (
+                    self.shape.name,
+                    label,
+                    f"{timing.median_s * 1e3:.1f}",
+                    f"{timing.spread:.0%}",
+                    f"{ratio:.2f}{span}",
+                    "n/a (CPU)" if peak is None else f"{peak / 2**20:.0f}",
+                )
+            )
         return rows
 
     def step_verdict(self) -> str:
         ratio = self.timings[EPMOE].median_s / self.timings[GROUPED].median_s
         ratios = self.round_ratios()
         verdict = "met" if ratio <= 1 else ("within noise" if min(ratios) <= 1 else "not met")
-        return (f"- {self.shape.name}: epmoe / transformers grouped_mm step = {ratio:.2f} (rounds "
-                f"{min(ratios):.2f}-{max(ratios):.2f}; goal: no slower beyond noise): **{verdict}**")
+        return (
+            f"- {self.shape.name}: epmoe / transformers grouped_mm step = {ratio:.2f} (rounds "
+            f"{min(ratios):.2f}-{max(ratios):.2f}; goal: no slower beyond noise): **{verdict}**"
+        )
 
 
 def run_ep1(shape: Shape, settings: common.Settings, dtype: torch.dtype = torch.float32) -> Ep1Result:
@@ -275,8 +309,14 @@ class WireRow:
 
     def cells(self) -> tuple:
         per_token = [b / self.tokens for b in (self.measured_bytes, self.row_bytes, self.per_slot_bytes)]
-        return (self.shape.name, self.ep_size, self.tokens // self.ep_size, f"{self.spans / self.tokens:.2f}",
-                *(f"{b:.0f}" for b in per_token), f"{self.measured_bytes / self.per_slot_bytes:.3f}")
+        return (
+            self.shape.name,
+            self.ep_size,
+            self.tokens // self.ep_size,
+            f"{self.spans / self.tokens:.2f}",
+            *(f"{b:.0f}" for b in per_token),
+            f"{self.measured_bytes / self.per_slot_bytes:.3f}",
+        )
 
 
 def run_wire(shapes: tuple[Shape, ...], ep_size: int, settings: common.Settings) -> list[WireRow]:
@@ -288,8 +328,17 @@ def run_wire(shapes: tuple[Shape, ...], ep_size: int, settings: common.Settings)
         every = [result[i] for result in results]
         total = {key: sum(r[key] for r in every) for key in ("tokens", "spans", "measured", "rows", "slots")}
         row_bytes = 4 * shape.hidden * every[0]["element_size"]  # four exchanges of an H-wide row
-        rows.append(WireRow(shape, ep_size, total["tokens"], total["spans"], total["measured"],
-                            total["rows"] * row_bytes, total["slots"] * row_bytes))
+        rows.append(
+            WireRow(
+                shape,
+                ep_size,
+                total["tokens"],
+                total["spans"],
+                total["measured"],
+                total["rows"] * row_bytes,
+                total["slots"] * row_bytes,
+            )
+        )
     return rows
 
 
@@ -310,10 +359,16 @@ def _wire_rank(rank: int, world: int, shapes: tuple[Shape, ...], seed: int) -> l
             torch.autograd.backward(block(x_leaf), dy_1TH)
         rank_TK = torch.div(top_k_index_TK, e, rounding_mode="floor")
         spans_TW = torch.zeros(T, world, dtype=torch.int64).scatter_(1, rank_TK, 1)
-        results.append({"tokens": T, "spans": int(spans_TW.sum()), "measured": traffic.bytes_to_peers,
-                        "rows": int(spans_TW.sum() - spans_TW[:, rank].sum()),  # epmoe's, to other ranks
-                        "slots": int((rank_TK != rank).sum()),  # the per-slot layout's, to other ranks
-                        "element_size": x_1TH.element_size()})
+        results.append(
+            {
+                "tokens": T,
+                "spans": int(spans_TW.sum()),
+                "measured": traffic.bytes_to_peers,
+                "rows": int(spans_TW.sum() - spans_TW[:, rank].sum()),  # epmoe's, to other ranks
+                "slots": int((rank_TK != rank).sum()),  # the per-slot layout's, to other ranks
+                "element_size": x_1TH.element_size(),
+            }
+        )
     return results
 
 
@@ -339,19 +394,30 @@ class StepReport:
                 rows.append((label, "-", "-", "-", f"did not run: {self.errors[label].strip().splitlines()[-1][:160]}"))
             else:
                 timing = self.timings[label]
-                rows.append((label, f"{timing.median_s * 1e3:.1f}", f"{timing.spread:.0%}",
-                             f"{self.loss_diffs[label]:.2e}", note))
+                rows.append(
+                    (
+                        label,
+                        f"{timing.median_s * 1e3:.1f}",
+                        f"{timing.spread:.0%}",
+                        f"{self.loss_diffs[label]:.2e}",
+                        note,
+                    )
+                )
         return rows
 
     def verdicts(self) -> list[str]:
         t = self.timings
         ratios = [a / b for a, b in zip(t[A2A].samples_s, t[PER_SLOT].samples_s)]
         ratio = t[A2A].median_s / t[PER_SLOT].median_s
-        lines = [f"- epmoe all-to-all-v step / per-slot step = {ratio:.2f} (rounds {min(ratios):.2f}-"
-                 f"{max(ratios):.2f}; goal <= {STEP_GOAL}): **{'met' if ratio <= STEP_GOAL else 'not met'}**"]
+        lines = [
+            f"- epmoe all-to-all-v step / per-slot step = {ratio:.2f} (rounds {min(ratios):.2f}-"
+            f"{max(ratios):.2f}; goal <= {STEP_GOAL}): **{'met' if ratio <= STEP_GOAL else 'not met'}**"
+        ]
         if TRANSFORMERS_EP in t:
-            lines.append(f"- epmoe all-to-all-v step / transformers EP step = "
-                         f"{t[A2A].median_s / t[TRANSFORMERS_EP].median_s:.2f}")
+            lines.append(
+                f"- epmoe all-to-all-v step / transformers EP step = "
+                f"{t[A2A].median_s / t[TRANSFORMERS_EP].median_s:.2f}"
+            )
         per_slot, lean = self.exchanges[PER_SLOT].median_s, self.exchanges[A2A].median_s
         floor = (t[PER_SLOT].median_s - (per_slot - lean)) / t[PER_SLOT].median_s
         lines.append(
@@ -359,8 +425,12 @@ class StepReport:
             f"timed alone on these ranks (`all_to_all_single`, slowest rank), take {per_slot * 1e3:.1f} ms, "
             f"epmoe's {lean * 1e3:.1f} ms; the per-slot step without that difference would be {floor:.2f}x "
             f"itself: the floor of the ratio from the bytes alone on this machine"
-            + (f", above the goal of {STEP_GOAL}: beyond what loopback gloo lets the bytes save" if floor > STEP_GOAL
-               else ""))
+            + (
+                f", above the goal of {STEP_GOAL}: beyond what loopback gloo lets the bytes save"
+                if floor > STEP_GOAL
+                else ""
+            )
+        )
         return lines
 
 
@@ -368,8 +438,10 @@ def run_step(shape: Shape, settings: common.Settings) -> StepReport:
     """Save a one-layer Qwen3-MoE model of ``shape``'s experts, then time its EP 2 step variants."""
     results, threads = run_on_saved_model(_step_rank, STEP_RANKS, shape, settings)
     errors = results[0]["errors"]
-    loss_diffs = {label: max(abs(r["losses"][label] - r["losses"]["unsharded"]) for r in results)
-                  for label in results[0]["timings"]}
+    loss_diffs = {
+        label: max(abs(r["losses"][label] - r["losses"]["unsharded"]) for r in results)
+        for label in results[0]["timings"]
+    }
     return StepReport(shape, threads, results[0]["timings"], loss_diffs, errors, results[0]["exchanges"])
 
 
@@ -411,8 +483,12 @@ def _step_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repea
     for label in STEP_CONFIGS:
         losses[label] = steps[label]()
     timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
-    exchanges = common.measure({label: _row_exchanges(n, hidden, world) for label, n in rows.items()},
-                               warmup=warmup, repeats=repeats, ranks=True)
+    exchanges = common.measure(
+        {label: _row_exchanges(n, hidden, world) for label, n in rows.items()},
+        warmup=warmup,
+        repeats=repeats,
+        ranks=True,
+    )
     return {"losses": losses, "timings": timings, "errors": errors, "exchanges": exchanges}
 
 
@@ -459,28 +535,45 @@ class LeanReport:
 
     def markdown(self) -> str:
         step = self.step
-        lines = ["### Lean data path: saved for backward at EP 1, elements per token", "",
-                 common.markdown_table(SAVED_HEADERS, [r for result in self.ep1 for r in result.saved_rows()],
-                                       align="llrr"), ""]
+        lines = [
+            "### Lean data path: saved for backward at EP 1, elements per token",
+            "",
+            common.markdown_table(SAVED_HEADERS, [r for result in self.ep1 for r in result.saved_rows()], align="llrr"),
+            "",
+        ]
         lines += [line for result in self.ep1 for line in result.saved_lines()]
-        lines += ["- measured rows: the whole block (router included); formula rows: the experts (the bound adds "
-                  "the router's E probabilities); one int64 index counts as two fp32 elements", "",
-                  f"### Lean data path: bytes on the wire per token and step (forward + backward), EP "
-                  f"{' and '.join(map(str, WIRE_RANKS))}", "",
-                  common.markdown_table(WIRE_HEADERS, [row.cells() for row in self.wire], align="lrrrrrrr"), "",
-                  f"- the block's own router with random weights (std 0.02: routing close to uniform); "
-                  f"I={self.plan.wire_intermediate} (bytes do not depend on I); fp32 (4 B per element)",
-                  "- epmoe measured: `count_traffic`, what its all-to-all-v hands to other ranks; epmoe H-rows: its "
-                  "rows bound for other ranks (one per token and other rank its experts live on) x 4H from the "
-                  "routing, the rest of the measured bytes being each row's K expert ids and K weights (fp32) "
-                  "forward and their gradient's exchange backward", "",
-                  "### Lean data path: EP 1 step (block forward + backward), epmoe vs transformers grouped_mm", "",
-                  common.markdown_table(EP1_STEP_HEADERS, [r for result in self.ep1 for r in result.step_rows()],
-                                        align="llrrrr"), ""]
+        lines += [
+            "- measured rows: the whole block (router included); formula rows: the experts (the bound adds "
+            "the router's E probabilities); one int64 index counts as two fp32 elements",
+            "",
+            f"### Lean data path: bytes on the wire per token and step (forward + backward), EP "
+            f"{' and '.join(map(str, WIRE_RANKS))}",
+            "",
+            common.markdown_table(WIRE_HEADERS, [row.cells() for row in self.wire], align="lrrrrrrr"),
+            "",
+            f"- the block's own router with random weights (std 0.02: routing close to uniform); "
+            f"I={self.plan.wire_intermediate} (bytes do not depend on I); fp32 (4 B per element)",
+            "- epmoe measured: `count_traffic`, what its all-to-all-v hands to other ranks; epmoe H-rows: its "
+            "rows bound for other ranks (one per token and other rank its experts live on) x 4H from the "
+            "routing, the rest of the measured bytes being each row's K expert ids and K weights (fp32) "
+            "forward and their gradient's exchange backward",
+            "",
+            "### Lean data path: EP 1 step (block forward + backward), epmoe vs transformers grouped_mm",
+            "",
+            common.markdown_table(
+                EP1_STEP_HEADERS, [r for result in self.ep1 for r in result.step_rows()], align="llrrrr"
+            ),
+            "",
+        ]
         lines += [result.step_verdict() for result in self.ep1]
-        lines += ["", f"### Lean data path: EP {STEP_RANKS} step, {STEP_RANKS} gloo ranks, one-layer Qwen3-MoE "
-                  f"({step.shape.describe()} per rank), {step.threads_per_rank} thread(s) per rank", "",
-                  common.markdown_table(STEP_HEADERS, step.rows(), align="lrrrl"), ""]
+        lines += [
+            "",
+            f"### Lean data path: EP {STEP_RANKS} step, {STEP_RANKS} gloo ranks, one-layer Qwen3-MoE "
+            f"({step.shape.describe()} per rank), {step.threads_per_rank} thread(s) per rank",
+            "",
+            common.markdown_table(STEP_HEADERS, step.rows(), align="lrrrl"),
+            "",
+        ]
         lines += step.verdicts()
         lines.append("- every round's time is the slowest rank's; spread: (max - min) / median over the rounds")
         for label, error in step.errors.items():

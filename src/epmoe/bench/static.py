@@ -52,8 +52,10 @@ from epmoe.comm.steps import StepChannel
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
 
-MODES = {"dynamic": {"dispatch": "alltoallv", "check_steps": False},
-         "static": {"dispatch": "static", "check_steps": False}}
+MODES = {
+    "dynamic": {"dispatch": "alltoallv", "check_steps": False},
+    "static": {"dispatch": "static", "check_steps": False},
+}
 # the decode steps also with the route headers read on every forward: what dispatch="auto" runs at the
 # decode steps of generate (epmoe.ep.dispatch.static.DecodeDispatcher)
 DECODE_MODES = {**MODES, "static, headers read": {"dispatch": "static", "check_steps": True}}
@@ -63,14 +65,35 @@ RANKS = 2
 GOAL = 0.7  # static / dynamic decode step at batch 1 <=
 HOST_READS = ("tolist", "item", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
 COST_CASES = ((2, 8), (2, 2), (4, 8), (4, 2))  # (EP size, top-k)
-DECODE_HEADERS = ("batch per rank", "mode", "step ms", "spread", "static / dynamic", "in collectives ms",
-                  "one MoE layer ms", "static / dynamic (layer)",
-                  "host reads per layer (step / layers)", "collectives per layer")
+DECODE_HEADERS = (
+    "batch per rank",
+    "mode",
+    "step ms",
+    "spread",
+    "static / dynamic",
+    "in collectives ms",
+    "one MoE layer ms",
+    "static / dynamic (layer)",
+    "host reads per layer (step / layers)",
+    "collectives per layer",
+)
 TRAIN_HEADERS = ("mode", "host reads per layer (fwd+bwd, step / layers)", "collectives per layer (fwd+bwd)")
-COST_HEADERS = ("EP", "top-k", "T per rank", "rows received (dynamic)", "receive buffer rows (static, W x B)",
-                "bytes to peers, dynamic", "bytes to peers, static", "static / dynamic bytes",
-                "peak MiB, dynamic", "peak MiB, static", "static / dynamic memory",
-                "step ms, dynamic", "step ms, static", "static / dynamic time")
+COST_HEADERS = (
+    "EP",
+    "top-k",
+    "T per rank",
+    "rows received (dynamic)",
+    "receive buffer rows (static, W x B)",
+    "bytes to peers, dynamic",
+    "bytes to peers, static",
+    "static / dynamic bytes",
+    "peak MiB, dynamic",
+    "peak MiB, static",
+    "static / dynamic memory",
+    "step ms, dynamic",
+    "step ms, static",
+    "static / dynamic time",
+)
 
 
 @dataclass(frozen=True)
@@ -87,9 +110,11 @@ QUICK_PLAN = Plan(hidden=64, intermediate=64, cost_tokens=16, cost_experts=8)
 
 def describe(quick: bool) -> str:
     plan = QUICK_PLAN if quick else PLAN
-    return (f"- decode and training steps: Qwen3-MoE, 2 layers, H={plan.hidden}, I={plan.intermediate}, E=8, K=2, fp32\n"
-            f"- cost: one experts module, H={plan.hidden}, I={plan.intermediate}, E={plan.cost_experts}, "
-            f"T={plan.cost_tokens} per rank, fp32")
+    return (
+        f"- decode and training steps: Qwen3-MoE, 2 layers, H={plan.hidden}, I={plan.intermediate}, E=8, K=2, fp32\n"
+        f"- cost: one experts module, H={plan.hidden}, I={plan.intermediate}, E={plan.cost_experts}, "
+        f"T={plan.cost_tokens} per rank, fp32"
+    )
 
 
 @contextmanager
@@ -104,6 +129,7 @@ def counting():
         def read(self, *args, **kwargs):
             counts["reads"] += 1
             return original(self, *args, **kwargs)
+
         return read
 
     def header(self, *args, **kwargs):
@@ -169,8 +195,10 @@ def _decode_rank(rank: int, world: int, plan: Plan, warmup: int, repeats: int, s
     layers = base.config.num_hidden_layers
     generator = torch.Generator().manual_seed(seed + 100 + rank)
     out: dict = {"decode": {}, "train": {}, "layers": layers}
-    sent, received = torch.zeros(world * COLLECTIVE_BYTES, dtype=torch.uint8), torch.empty(world * COLLECTIVE_BYTES,
-                                                                                             dtype=torch.uint8)
+    sent, received = (
+        torch.zeros(world * COLLECTIVE_BYTES, dtype=torch.uint8),
+        torch.empty(world * COLLECTIVE_BYTES, dtype=torch.uint8),
+    )
     for batch in DECODE_BATCHES:
         models = {}  # fresh per batch: the static buffer is agreed at the first forward, B = the batch
         for mode, config in DECODE_MODES.items():
@@ -197,8 +225,11 @@ def _decode_rank(rank: int, world: int, plan: Plan, warmup: int, repeats: int, s
             out["decode"][batch, mode, "collectives"] = inside[mode]
             with counting() as counts, count_traffic() as traffic:
                 steps[mode]()
-            out["decode"][batch, mode] = (timings[mode], counts["reads"] / layers,
-                                          (counts["headers"] + traffic.exchanges) / layers)
+            out["decode"][batch, mode] = (
+                timings[mode],
+                counts["reads"] / layers,
+                (counts["headers"] + traffic.exchanges) / layers,
+            )
             out["decode"][batch, mode, "layer"] = timings[mode, "layer"]
     ids = torch.randint(0, base.config.vocab_size, (2, 8), generator=generator)
     for mode, config in MODES.items():
@@ -303,51 +334,92 @@ class StaticReport:
                 layer = self.decode[batch, mode, "layer"]
                 static = mode != "dynamic"
                 step_s, inside_s = self.decode[batch, mode, "collectives"]
-                rows.append((batch, mode, f"{timing.median_s * 1e3:.3f}", f"{timing.spread:.0%}",
-                             f"{self.ratio(batch, mode):.2f}" if static else "",
-                             f"{inside_s * 1e3:.3f} of {step_s * 1e3:.3f}", f"{layer.median_s * 1e3:.3f}",
-                             f"{self.layer_ratio(batch, mode):.2f}" if static else "", f"{reads:g}",
-                             f"{collectives:g}"))
+                rows.append(
+                    (
+                        batch,
+                        mode,
+                        f"{timing.median_s * 1e3:.3f}",
+                        f"{timing.spread:.0%}",
+                        f"{self.ratio(batch, mode):.2f}" if static else "",
+                        f"{inside_s * 1e3:.3f} of {step_s * 1e3:.3f}",
+                        f"{layer.median_s * 1e3:.3f}",
+                        f"{self.layer_ratio(batch, mode):.2f}" if static else "",
+                        f"{reads:g}",
+                        f"{collectives:g}",
+                    )
+                )
         train = [(mode, f"{reads:g}", f"{collectives:g}") for mode, (reads, collectives) in self.train.items()]
         goal = self.ratio(1)
         verdict = "met" if goal <= GOAL else "NOT met"
-        return (f"### Part static: decode steps at EP {RANKS} ({self.threads} threads per rank)\n\n"
-                f"{common.markdown_table(DECODE_HEADERS, rows)}\n\n"
-                f"Goal: static at most {GOAL}x dynamic at batch 1 (the whole decode step): {goal:.2f}x, {verdict} "
-                f"(one MoE layer alone: {self.layer_ratio(1):.2f}x). Load average during the run: "
-                f"{'unknown' if self.load is None else f'{self.load:.1f}'} (spread: (max - min) / median of the rounds)."
-                f"\n\nWhere the time goes: \"in collectives\" is the time inside the step's all-to-alls (mean of "
-                f"rounds timed again, ranks aligned before each step; this rank's), most of it waiting for the peer; "
-                f"a bare all-to-all of {COLLECTIVE_BYTES} bytes per peer with the ranks aligned took "
-                f"{self.decode[1, 'all-to-all'].median_s * 1e3:.3f} ms. Leaving out "
-                f"{self.decode[1, 'dynamic'][2] - self.decode[1, 'static'][2]:g} of the dynamic path's "
-                f"{self.decode[1, 'dynamic'][2]:g} collectives per layer saves at most that share of its time in "
-                f"collectives: the floor of the ratio, {self.floor(1):.2f}x at batch 1 ({self.floor(8):.2f}x at batch 8)"
-                f", were the static exchange's own work free. \"static, headers read\": the route headers read on "
-                f"every forward (one host read per layer), what `dispatch=\"auto\"` runs at the decode steps of "
-                f"`generate`.\n\n"
-                f"Training step (forward + backward, 2 x 8 tokens per rank):\n\n"
-                f"{common.markdown_table(TRAIN_HEADERS, train)}\n\n"
-                f"### Part static: cost of the fixed buffers (forward + backward of one layer, static_tokens = T)\n\n"
-                f"{common.markdown_table(COST_HEADERS, self.cost)}")
+        return (
+            f"### Part static: decode steps at EP {RANKS} ({self.threads} threads per rank)\n\n"
+            f"{common.markdown_table(DECODE_HEADERS, rows)}\n\n"
+            f"Goal: static at most {GOAL}x dynamic at batch 1 (the whole decode step): {goal:.2f}x, {verdict} "
+            f"(one MoE layer alone: {self.layer_ratio(1):.2f}x). Load average during the run: "
+            f"{'unknown' if self.load is None else f'{self.load:.1f}'} (spread: (max - min) / median of the rounds)."
+            f'\n\nWhere the time goes: "in collectives" is the time inside the step\'s all-to-alls (mean of '
+            f"rounds timed again, ranks aligned before each step; this rank's), most of it waiting for the peer; "
+            f"a bare all-to-all of {COLLECTIVE_BYTES} bytes per peer with the ranks aligned took "
+            f"{self.decode[1, 'all-to-all'].median_s * 1e3:.3f} ms. Leaving out "
+            f"{self.decode[1, 'dynamic'][2] - self.decode[1, 'static'][2]:g} of the dynamic path's "
+            f"{self.decode[1, 'dynamic'][2]:g} collectives per layer saves at most that share of its time in "
+            f"collectives: the floor of the ratio, {self.floor(1):.2f}x at batch 1 ({self.floor(8):.2f}x at batch 8)"
+            f', were the static exchange\'s own work free. "static, headers read": the route headers read on '
+            f'every forward (one host read per layer), what `dispatch="auto"` runs at the decode steps of '
+            f"`generate`.\n\n"
+            f"Training step (forward + backward, 2 x 8 tokens per rank):\n\n"
+            f"{common.markdown_table(TRAIN_HEADERS, train)}\n\n"
+            f"### Part static: cost of the fixed buffers (forward + backward of one layer, static_tokens = T)\n\n"
+            f"{common.markdown_table(COST_HEADERS, self.cost)}"
+        )
 
 
 def run_static(settings: common.Settings) -> StaticReport:
     """Both tables of the part (see the module docstring)."""
     plan = QUICK_PLAN if settings.quick else PLAN
     threads = max(1, settings.threads // RANKS)
-    results = run_ranks(_decode_rank, RANKS, plan, settings.warmup, settings.repeats, settings.seed,
-                        threads_per_rank=threads, timeout=1800)
+    results = run_ranks(
+        _decode_rank,
+        RANKS,
+        plan,
+        settings.warmup,
+        settings.repeats,
+        settings.seed,
+        threads_per_rank=threads,
+        timeout=1800,
+    )
     decode = dict(results[0]["decode"])
     load = common.load_average()
     cost = []
     for world, top_k in COST_CASES:
-        found = run_ranks(_cost_rank, world, plan, top_k, settings.warmup, settings.repeats, settings.seed,
-                          threads_per_rank=1, timeout=900)
+        found = run_ranks(
+            _cost_rank,
+            world,
+            plan,
+            top_k,
+            settings.warmup,
+            settings.repeats,
+            settings.seed,
+            threads_per_rank=1,
+            timeout=900,
+        )
         mine, ms, peak = found[0], found[0]["ms"], found[0]["peak"]
-        cost.append((world, top_k, plan.cost_tokens, mine["rows_received"], mine["buffer_rows"],
-                     mine["dynamic"], mine["static"], f"{mine['static'] / mine['dynamic']:.2f}",
-                     f"{peak['dynamic'] / 2**20:.2f}", f"{peak['static'] / 2**20:.2f}",
-                     f"{peak['static'] / peak['dynamic']:.2f}",
-                     f"{ms['dynamic']:.1f}", f"{ms['static']:.1f}", f"{ms['static'] / ms['dynamic']:.2f}"))
+        cost.append(
+            (
+                world,
+                top_k,
+                plan.cost_tokens,
+                mine["rows_received"],
+                mine["buffer_rows"],
+                mine["dynamic"],
+                mine["static"],
+                f"{mine['static'] / mine['dynamic']:.2f}",
+                f"{peak['dynamic'] / 2**20:.2f}",
+                f"{peak['static'] / 2**20:.2f}",
+                f"{peak['static'] / peak['dynamic']:.2f}",
+                f"{ms['dynamic']:.1f}",
+                f"{ms['static']:.1f}",
+                f"{ms['static'] / ms['dynamic']:.2f}",
+            )
+        )
     return StaticReport(decode, results[0]["train"], results[0]["layers"], cost, threads, load)

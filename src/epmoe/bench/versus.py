@@ -71,8 +71,12 @@ PROMPT = 8
 DECODE_BATCHES = (1, 8)
 # family: (experts, top-k, expert width key); top-k as the family's real models choose (Qwen3-MoE and
 # DeepSeek-V3 top-8, Mixtral top-2, GPT-OSS top-4)
-FAMILIES = {"qwen3_moe": (16, 8, "moe_intermediate_size"), "mixtral": (8, 2, "intermediate_size"),
-            "deepseek_v3": (16, 8, "moe_intermediate_size"), "gpt_oss": (16, 4, "intermediate_size")}
+FAMILIES = {
+    "qwen3_moe": (16, 8, "moe_intermediate_size"),
+    "mixtral": (8, 2, "intermediate_size"),
+    "deepseek_v3": (16, 8, "moe_intermediate_size"),
+    "gpt_oss": (16, 4, "intermediate_size"),
+}
 QUICK_FAMILIES = ("qwen3_moe",)
 # epmoe as it runs on accelerators: its CPU default (check_steps on) adds a step-header exchange to each
 # layer's backward, one collective and one host read, shown on a line of its own
@@ -96,16 +100,22 @@ QUICK_PLAN = Plan(hidden=64, intermediate=32, tokens=32, worlds=(2,), families=Q
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--family", action="append", choices=list(FAMILIES),
-                        help="run only this family (repeatable; default: all, --quick: qwen3_moe)")
+    parser.add_argument(
+        "--family",
+        action="append",
+        choices=list(FAMILIES),
+        help="run only this family (repeatable; default: all, --quick: qwen3_moe)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         from transformers.distributed import DistributedConfig  # noqa: F401
     except ImportError:
-        raise ValueError("epmoe bench versus needs transformers >= 5.24 (its DistributedConfig(ep_size=...)); "
-                         "pip install 'epmoe[models]'") from None
+        raise ValueError(
+            "epmoe bench versus needs transformers >= 5.24 (its DistributedConfig(ep_size=...)); "
+            "pip install 'epmoe[models]'"
+        ) from None
     settings = common.configure(args)
     plan = QUICK_PLAN if settings.quick else PLAN
     if args.family:
@@ -121,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
 
 def model_of(family: str, plan: Plan, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     experts, top_k, width = FAMILIES[family]
-    return build_model(family, num_experts=experts, top_k=top_k, hidden_size=plan.hidden,
-                       **{width: plan.intermediate}, dtype=dtype)
+    return build_model(
+        family, num_experts=experts, top_k=top_k, hidden_size=plan.hidden, **{width: plan.intermediate}, dtype=dtype
+    )
 
 
 def run_versus(plan: Plan, settings: common.Settings) -> VersusReport:
@@ -133,9 +144,18 @@ def run_versus(plan: Plan, settings: common.Settings) -> VersusReport:
             model_of(family, plan).save_pretrained(path)
             for world in plan.worlds:
                 threads = max(1, settings.threads // world)
-                report.runs[family, world] = run_ranks(_rank, world, path, family, plan, settings.warmup,
-                                                       settings.repeats, settings.seed,
-                                                       threads_per_rank=threads, timeout=1800)[0]
+                report.runs[family, world] = run_ranks(
+                    _rank,
+                    world,
+                    path,
+                    family,
+                    plan,
+                    settings.warmup,
+                    settings.repeats,
+                    settings.seed,
+                    threads_per_rank=threads,
+                    timeout=1800,
+                )[0]
     return report
 
 
@@ -150,21 +170,30 @@ def _rank(rank: int, world: int, path: str, family: str, plan: Plan, warmup: int
     ep, hf = _epmoe_fsdp(_load(path), world), _load(path, world)
     # the step first: FSDP2 initialises at a root forward, before any experts module runs alone
     out["step"], out["peak"] = _step_figures(ep, hf, plan, rank, warmup, repeats, seed)
-    out["layer"] = {name: _layer_figures(model, plan, rank, seed) for name, model in
-                    (("epmoe", ep), ("transformers", hf), ("epmoe static", _epmoe(path, **STATIC)),
-                     ("epmoe checked", _epmoe(path, check_steps=True)))}
+    out["layer"] = {
+        name: _layer_figures(model, plan, rank, seed)
+        for name, model in (
+            ("epmoe", ep),
+            ("transformers", hf),
+            ("epmoe static", _epmoe(path, **STATIC)),
+            ("epmoe checked", _epmoe(path, check_steps=True)),
+        )
+    }
     del ep
     out["decode"] = _decode_figures(path, hf, rank, warmup, repeats, seed)
     del hf  # trained by the step figures: the round trips and checks load their own
     out["saved"] = _save_round_trips(path, world, rank)
-    out["checked"] = {"lora": _checked(_lora_steps, path, world, rank, seed),
-                      "compile": _checked(_compiled_step, path, world, rank, seed),
-                      "trainer checkpoints": _trainer_checkpoints(path, world)}
+    out["checked"] = {
+        "lora": _checked(_lora_steps, path, world, rank, seed),
+        "compile": _checked(_compiled_step, path, world, rank, seed),
+        "trainer checkpoints": _trainer_checkpoints(path, world),
+    }
     return out
 
 
-def _load(path: str, ep_size: int | None = None, dtype: torch.dtype = torch.float32,
-          experts: str = "grouped_mm") -> torch.nn.Module:
+def _load(
+    path: str, ep_size: int | None = None, dtype: torch.dtype = torch.float32, experts: str = "grouped_mm"
+) -> torch.nn.Module:
     """The saved model; with ``ep_size``, through transformers' own EP (``fsdp_size`` the world)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -201,23 +230,37 @@ def _exactness(rank: int, world: int, path: str, seed: int) -> dict:
     from the unsharded model over :data:`STEPS` AdamW steps (float64), the largest rank's."""
     ref = _train(_load(path, dtype=torch.float64), rank, seed, reduce=True)
     out = {}
-    for name, build in (("epmoe", lambda: _epmoe_fsdp(_load(path, dtype=torch.float64), world)),
-                        ("transformers", lambda: _load(path, world, dtype=torch.float64))):
+    for name, build in (
+        ("epmoe", lambda: _epmoe_fsdp(_load(path, dtype=torch.float64), world)),
+        ("transformers", lambda: _load(path, world, dtype=torch.float64)),
+    ):
         try:
             got = _train(build(), rank, seed, reduce=False)
-            grads = [(_rel(step[p], ref_step[p]), p) for step, ref_step in zip(got["grads"], ref["grads"])
-                     for p in ref_step]
-            out[name] = {"loss": max(map(_rel, got["loss"], ref["loss"])), "grads": max(grads)[0],
-                         "worst": max(grads)[1]}
+            grads = [
+                (_rel(step[p], ref_step[p]), p) for step, ref_step in zip(got["grads"], ref["grads"]) for p in ref_step
+            ]
+            out[name] = {
+                "loss": max(map(_rel, got["loss"], ref["loss"])),
+                "grads": max(grads)[0],
+                "worst": max(grads)[1],
+            }
         except Exception:  # noqa: BLE001 - reported in the table with its error, the other system still runs
             out[name] = {"error": traceback.format_exc().strip().splitlines()[-1]}
     every = [None] * world
     dist.all_gather_object(every, out)
-    return {name: ({"error": next(r[name]["error"] for r in every if "error" in r[name])}
-                   if any("error" in r[name] for r in every) else
-                   {"loss": max(r[name]["loss"] for r in every),
-                    **max(({"grads": r[name]["grads"], "worst": r[name]["worst"]} for r in every),
-                          key=lambda g: g["grads"])}) for name in out}
+    return {
+        name: (
+            {"error": next(r[name]["error"] for r in every if "error" in r[name])}
+            if any("error" in r[name] for r in every)
+            else {
+                "loss": max(r[name]["loss"] for r in every),
+                **max(
+                    ({"grads": r[name]["grads"], "worst": r[name]["worst"]} for r in every), key=lambda g: g["grads"]
+                ),
+            }
+        )
+        for name in out
+    }
 
 
 def _train(model: torch.nn.Module, rank: int, seed: int, reduce: bool) -> dict:
@@ -263,8 +306,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # bytes per element of the dtype names torch.profiler records
-ITEMSIZE = {"float": 4, "double": 8, "long int": 8, "long": 8, "int": 4, "short": 2, "c10::BFloat16": 2,
-            "c10::Half": 2, "unsigned char": 1, "signed char": 1, "bool": 1}
+ITEMSIZE = {
+    "float": 4,
+    "double": 8,
+    "long int": 8,
+    "long": 8,
+    "int": 4,
+    "short": 2,
+    "c10::BFloat16": 2,
+    "c10::Half": 2,
+    "unsigned char": 1,
+    "signed char": 1,
+    "bool": 1,
+}
 
 
 def _collectives(fn) -> tuple[int, int]:
@@ -341,8 +395,9 @@ def _saved_bytes(model: torch.nn.Module, call) -> int:
 # the step and decode ---------------------------------------------------------------------------
 
 
-def _step_figures(ep: torch.nn.Module, hf: torch.nn.Module, plan: Plan, rank: int, warmup: int, repeats: int,
-                  seed: int) -> tuple[dict, dict]:
+def _step_figures(
+    ep: torch.nn.Module, hf: torch.nn.Module, plan: Plan, rank: int, warmup: int, repeats: int, seed: int
+) -> tuple[dict, dict]:
     """``({system: seconds per round}, {system: peak bytes, the largest rank's})`` of forward,
     backward and an AdamW step, interleaved round by round."""
     ids = _batch(ep.config.vocab_size, rank, 100, plan.tokens // 2, seed)
@@ -356,8 +411,10 @@ def _step_figures(ep: torch.nn.Module, hf: torch.nn.Module, plan: Plan, rank: in
     timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, peaks)
-    return ({name: list(t.samples_s) for name, t in timings.items()},
-            {name: max(r[name] for r in every) for name in peaks})
+    return (
+        {name: list(t.samples_s) for name, t in timings.items()},
+        {name: max(r[name] for r in every) for name in peaks},
+    )
 
 
 def _train_step(model: torch.nn.Module, ids: torch.Tensor):
@@ -377,8 +434,12 @@ def _decode_figures(path: str, hf: torch.nn.Module, rank: int, warmup: int, repe
     models = {"epmoe": _epmoe(path), "transformers": hf, "without EP": plain}
     out = {}
     for batch in DECODE_BATCHES:
-        prompt = torch.randint(0, plain.config.vocab_size, (batch, PROMPT),
-                               generator=torch.Generator().manual_seed(seed + 97 * rank + batch))
+        prompt = torch.randint(
+            0,
+            plain.config.vocab_size,
+            (batch, PROMPT),
+            generator=torch.Generator().manual_seed(seed + 97 * rank + batch),
+        )
         steps = {name: (lambda m=m: _generate(m, prompt)) for name, m in models.items()}
         timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
         out[batch] = {name: [s / NEW_TOKENS for s in t.samples_s] for name, t in timings.items()}
@@ -387,8 +448,14 @@ def _decode_figures(path: str, hf: torch.nn.Module, rank: int, warmup: int, repe
 
 def _generate(model: torch.nn.Module, prompt: torch.Tensor) -> None:
     with torch.no_grad():
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-                       min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 def _save_round_trips(path: str, world: int, rank: int) -> dict:
@@ -424,16 +491,20 @@ def _checked(check, path: str, world: int, rank: int, seed: int) -> dict:
     out = {}
     # epmoe's expert gradients averaged over the ranks like the reference's (its default without a
     # data-parallel wrapper sums them: the unsharded model on the ranks' batches concatenated)
-    for name, build in (("epmoe", lambda: _epmoe(path, torch.float64, expert_grad="mean")),
-                        ("transformers", lambda: _load(path, world, dtype=torch.float64))):
+    for name, build in (
+        ("epmoe", lambda: _epmoe(path, torch.float64, expert_grad="mean")),
+        ("transformers", lambda: _load(path, world, dtype=torch.float64)),
+    ):
         try:
             out[name] = _rel(check(build(), rank, seed, False), ref)
         except Exception:  # noqa: BLE001 - the table says what failed
             out[name] = "error: " + traceback.format_exc().strip().splitlines()[-1][:200]
     every = [None] * world
     dist.all_gather_object(every, out)
-    return {name: next((r[name] for r in every if isinstance(r[name], str)), None)
-            or max(r[name] for r in every) for name in out}
+    return {
+        name: next((r[name] for r in every if isinstance(r[name], str)), None) or max(r[name] for r in every)
+        for name in out
+    }
 
 
 def _lora_steps(model: torch.nn.Module, rank: int, seed: int, reduce: bool) -> torch.Tensor:
@@ -441,11 +512,20 @@ def _lora_steps(model: torch.nn.Module, rank: int, seed: int, reduce: bool) -> t
     rank's batches: the logits on a batch every rank shares."""
     from peft import LoraConfig, get_peft_model
 
-    targets = sorted({name.rsplit(".", 1)[-1] for name, p in model.named_parameters() if ".mlp.experts." in name
-                      and p.dim() == 3})
+    targets = sorted(
+        {name.rsplit(".", 1)[-1] for name, p in model.named_parameters() if ".mlp.experts." in name and p.dim() == 3}
+    )
     torch.manual_seed(seed)  # the same factors on every rank and in both systems
-    model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=[],
-                                             target_parameters=[f"mlp.experts.{t}" for t in targets]))
+    model = get_peft_model(
+        model,
+        LoraConfig(
+            r=2,
+            lora_alpha=4,
+            init_lora_weights=False,
+            target_modules=[],
+            target_parameters=[f"mlp.experts.{t}" for t in targets],
+        ),
+    )
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-2)
     for step in range(3):
@@ -476,8 +556,10 @@ def _trainer_checkpoints(path: str, world: int) -> str:
 
     with tempfile.TemporaryDirectory(prefix="epmoe-versus-trainer-") as out:
         try:
-            Trainer(model=_load(path, world), args=TrainingArguments(output_dir=out, save_strategy="steps",
-                                                                     report_to=[], use_cpu=True))
+            Trainer(
+                model=_load(path, world),
+                args=TrainingArguments(output_dir=out, save_strategy="steps", report_to=[], use_cpu=True),
+            )
             return "takes them"
         except ValueError as exc:
             return f"refused: {exc}"
@@ -514,71 +596,131 @@ class VersusReport:
         rows = []
         for name in ("epmoe", "transformers"):
             exact = r["exact"][name]
-            text = (f"error: {exact['error']}" if "error" in exact else
-                    ("exact" if max(exact["loss"], exact["grads"]) <= EXACT else "NOT exact") +
-                    f" (loss {exact['loss']:.1e}, gradients {exact['grads']:.1e}"
-                    + (f": `{exact['worst']}`)" if exact["grads"] > EXACT else ")"))
+            text = (
+                f"error: {exact['error']}"
+                if "error" in exact
+                else ("exact" if max(exact["loss"], exact["grads"]) <= EXACT else "NOT exact")
+                + f" (loss {exact['loss']:.1e}, gradients {exact['grads']:.1e}"
+                + (f": `{exact['worst']}`)" if exact["grads"] > EXACT else ")")
+            )
             rows.append((f"{name} exact vs the unsharded model ({STEPS} AdamW steps, fp64)", text, "", ""))
         step = {name: statistics.median(samples) for name, samples in r["step"].items()}
-        rows.append(("step time ms (fwd + bwd + AdamW)", *_pair(step, 1e3, "{:.1f}"),
-                     f"step time ratio {step['epmoe'] / step['transformers']:.2f}"))
-        rows.append(("peak memory per rank MiB (step)", *_pair(r["peak"], 2 ** -20, "{:.1f}"),
-                     _ratio(r["peak"])))
+        rows.append(
+            (
+                "step time ms (fwd + bwd + AdamW)",
+                *_pair(step, 1e3, "{:.1f}"),
+                f"step time ratio {step['epmoe'] / step['transformers']:.2f}",
+            )
+        )
+        rows.append(("peak memory per rank MiB (step)", *_pair(r["peak"], 2**-20, "{:.1f}"), _ratio(r["peak"])))
         layer = r["layer"]
-        for key, label, scale, fmt in (("saved", "saved activations per MoE layer KiB", 2 ** -10, "{:.1f}"),
-                                       ("wire", "bytes to peers per MoE layer KiB (fwd + bwd)", 2 ** -10, "{:.1f}"),
-                                       ("reads", "host reads per MoE layer (fwd + bwd)", 1, "{:.0f}"),
-                                       ("collectives", "collectives per MoE layer (fwd + bwd)", 1, "{:.0f}")):
+        for key, label, scale, fmt in (
+            ("saved", "saved activations per MoE layer KiB", 2**-10, "{:.1f}"),
+            ("wire", "bytes to peers per MoE layer KiB (fwd + bwd)", 2**-10, "{:.1f}"),
+            ("reads", "host reads per MoE layer (fwd + bwd)", 1, "{:.0f}"),
+            ("collectives", "collectives per MoE layer (fwd + bwd)", 1, "{:.0f}"),
+        ):
             pair = {name: layer[name][key] for name in ("epmoe", "transformers")}
             rows.append((label, *_pair(pair, scale, fmt), _ratio(pair)))
-        for variant, label in (("epmoe static", 'epmoe dispatch="static"'),
-                               ("epmoe checked", "epmoe check_steps=True (its CPU default)")):
-            rows.append((f"host reads / collectives per MoE layer, {label}",
-                         f'{layer[variant]["reads"]} / {layer[variant]["collectives"]}',
-                         f'{layer["transformers"]["reads"]} / {layer["transformers"]["collectives"]}', ""))
+        for variant, label in (
+            ("epmoe static", 'epmoe dispatch="static"'),
+            ("epmoe checked", "epmoe check_steps=True (its CPU default)"),
+        ):
+            rows.append(
+                (
+                    f"host reads / collectives per MoE layer, {label}",
+                    f"{layer[variant]['reads']} / {layer[variant]['collectives']}",
+                    f"{layer['transformers']['reads']} / {layer['transformers']['collectives']}",
+                    "",
+                )
+            )
         for batch, by_system in r["decode"].items():
             ms = {name: 1e3 * statistics.median(samples) for name, samples in by_system.items()}
-            rows.append((f"decode batch {batch} ms/token (without EP: {ms['without EP']:.1f})",
-                         *_pair(ms, 1, "{:.1f}"), _ratio(ms)))
+            rows.append(
+                (
+                    f"decode batch {batch} ms/token (without EP: {ms['without EP']:.1f})",
+                    *_pair(ms, 1, "{:.1f}"),
+                    _ratio(ms),
+                )
+            )
         saved = {name: (v if isinstance(v, str) else f"reloads, logits {v:.1e}") for name, v in r["saved"].items()}
-        rows.append(("save_pretrained on every rank, plain reload (this run)", saved["epmoe"], saved["transformers"], ""))
+        rows.append(
+            ("save_pretrained on every rank, plain reload (this run)", saved["epmoe"], saved["transformers"], "")
+        )
         return rows
 
     def features(self) -> list[tuple[str, str, str]]:
         """``(feature, epmoe, transformers)`` rows: what this run checked, and where the rest is shown."""
-        checked = {key: {name: _cell(value) for name, value in by_system.items()}
-                   for key, by_system in next(iter(self.runs.values()))["checked"].items() if key != "trainer checkpoints"}
-        exact = {name: [f"{family} EP {world}" for (family, world), r in self.runs.items()
-                        if "error" in r["exact"][name] or max(r["exact"][name]["loss"], r["exact"][name]["grads"]) > EXACT]
-                 for name in ("epmoe", "transformers")}
+        checked = {
+            key: {name: _cell(value) for name, value in by_system.items()}
+            for key, by_system in next(iter(self.runs.values()))["checked"].items()
+            if key != "trainer checkpoints"
+        }
+        exact = {
+            name: [
+                f"{family} EP {world}"
+                for (family, world), r in self.runs.items()
+                if "error" in r["exact"][name] or max(r["exact"][name]["loss"], r["exact"][name]["grads"]) > EXACT
+            ]
+            for name in ("epmoe", "transformers")
+        }
         refusal = next(iter(self.runs.values()))["checked"]["trainer checkpoints"]
         return [
-            ("families", "every MoE family transformers ships, exact or refused by name (README's families table)",
-             f"{len(ep_plans())} model directories whose config has a `base_model_ep_plan` (the table's last column)"),
-            (f"exact vs the unsharded model (this run: {len(self.runs)} runs above)",
-             *(f"not exact, or failed, in {', '.join(runs)}" if runs else "exact in every run"
-               for runs in exact.values())),
-            ("PEFT LoRA on the experts, 3 AdamW steps, logits vs the unsharded peft model (this run, fp64)",
-             checked["lora"]["epmoe"], checked["lora"]["transformers"]),
-            ("`torch.compile`, forward + backward, loss vs the unsharded model (this run, fp64)",
-             checked["compile"]["epmoe"], checked["compile"]["transformers"]),
-            ("Trainer", "`epmoe.prepare_trainer`: every parameter equals the Trainer without EP (tests/test_launchers.py)",
-             "takes the model as loaded"),
-            ("Trainer checkpoints, resume", "model and optimizer (DCP) in each checkpoint, resumed exactly at another "
-             "world size (tests/test_launchers.py)", f"(this run) {refusal}"),
-            ("DeepSpeed ZeRO 1-3", "`epmoe.prepare_deepspeed`, exact (tests/test_deepspeed.py)",
-             "none: `DistributedConfig` shards with FSDP2 at load"),
+            (
+                "families",
+                "every MoE family transformers ships, exact or refused by name (README's families table)",
+                f"{len(ep_plans())} model directories whose config has a `base_model_ep_plan` (the table's last column)",
+            ),
+            (
+                f"exact vs the unsharded model (this run: {len(self.runs)} runs above)",
+                *(
+                    f"not exact, or failed, in {', '.join(runs)}" if runs else "exact in every run"
+                    for runs in exact.values()
+                ),
+            ),
+            (
+                "PEFT LoRA on the experts, 3 AdamW steps, logits vs the unsharded peft model (this run, fp64)",
+                checked["lora"]["epmoe"],
+                checked["lora"]["transformers"],
+            ),
+            (
+                "`torch.compile`, forward + backward, loss vs the unsharded model (this run, fp64)",
+                checked["compile"]["epmoe"],
+                checked["compile"]["transformers"],
+            ),
+            (
+                "Trainer",
+                "`epmoe.prepare_trainer`: every parameter equals the Trainer without EP (tests/test_launchers.py)",
+                "takes the model as loaded",
+            ),
+            (
+                "Trainer checkpoints, resume",
+                "model and optimizer (DCP) in each checkpoint, resumed exactly at another "
+                "world size (tests/test_launchers.py)",
+                f"(this run) {refusal}",
+            ),
+            (
+                "DeepSpeed ZeRO 1-3",
+                "`epmoe.prepare_deepspeed`, exact (tests/test_deepspeed.py)",
+                "none: `DistributedConfig` shards with FSDP2 at load",
+            ),
             ("routing replay (RL)", "`epmoe.record_routing` / `replay_routing` (tests/test_replay*.py)", "no API"),
         ]
 
     def markdown(self) -> str:
         sections = []
-        for (family, world) in self.runs:
+        for family, world in self.runs:
             rows = self.lines(family, world)
-            sections.append(f"### {family}, EP {world}\n\n" + common.markdown_table(
-                ("figure", "epmoe", "transformers", "epmoe / transformers"), rows))
-        sections.append("### Features\n\n" + common.markdown_table(
-            ("feature", "epmoe", "transformers `DistributedConfig(ep_size=...)`"), self.features()))
+            sections.append(
+                f"### {family}, EP {world}\n\n"
+                + common.markdown_table(("figure", "epmoe", "transformers", "epmoe / transformers"), rows)
+            )
+        sections.append(
+            "### Features\n\n"
+            + common.markdown_table(
+                ("feature", "epmoe", "transformers `DistributedConfig(ep_size=...)`"), self.features()
+            )
+        )
         return "\n\n".join(sections)
 
     def document(self, settings: common.Settings) -> str:
@@ -586,8 +728,9 @@ class VersusReport:
 
         plan = self.plan
         default = (QUICK_PLAN if settings.quick else PLAN).families
-        options = settings.options() + ("".join(f" --family {f}" for f in plan.families)
-                                        if plan.families != default else "")
+        options = settings.options() + (
+            "".join(f" --family {f}" for f in plan.families) if plan.families != default else ""
+        )
         return f"""# epmoe or transformers' own expert parallelism: `epmoe bench versus`
 
 Reproduce (from the repository root, after `scripts/setup.sh test`):

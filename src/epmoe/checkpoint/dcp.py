@@ -55,7 +55,9 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     with own_state_dict():
         model_state, optim_state = dcp_state.get_state_dict(model, optimizer)
     for fqn, moments in optim_state.get("state", {}).items():
-        optim_state["state"][fqn] = _to_global(moments, {key: sharded[fqn] for key in moments} if fqn in sharded else {})
+        optim_state["state"][fqn] = _to_global(
+            moments, {key: sharded[fqn] for key in moments} if fqn in sharded else {}
+        )
     return {"model": _to_global(model_state, sharded), "optimizer": optim_state}
 
 
@@ -65,8 +67,10 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
 
     _check_model(model, "set_state_dict")
     if not isinstance(state, dict) or "model" not in state or (optimizer is not None and "optimizer" not in state):
-        raise ValueError("set_state_dict(state): expected the dict epmoe.get_state_dict returned (with 'model' and, "
-                         "given an optimizer, 'optimizer')")
+        raise ValueError(
+            "set_state_dict(state): expected the dict epmoe.get_state_dict returned (with 'model' and, "
+            "given an optimizer, 'optimizer')"
+        )
     sharded = _sharded_experts(model)
     model_state = _to_local(state["model"], sharded)
     if optimizer is None:
@@ -74,8 +78,10 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
             dcp_state.set_model_state_dict(model, model_state)
         return
     optim_state = dict(state["optimizer"])
-    optim_state["state"] = {fqn: _to_local(moments, {key: sharded[fqn] for key in moments} if fqn in sharded else {})
-                            for fqn, moments in optim_state.get("state", {}).items()}
+    optim_state["state"] = {
+        fqn: _to_local(moments, {key: sharded[fqn] for key in moments} if fqn in sharded else {})
+        for fqn, moments in optim_state.get("state", {}).items()
+    }
     with own_state_dict():
         dcp_state.set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
@@ -141,8 +147,9 @@ def expert_dtensor(local: torch.Tensor, state: ExpertParallelState, meshes: dict
     shape = list(local.shape)
     shape[dim] *= state.shard.ep_size
     shape = torch.Size(shape)
-    return DTensor.from_local(local, mesh, [Shard(dim)], run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(
+        local, mesh, [Shard(dim)], run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride()
+    )
 
 
 def _to_local(tensors: dict[str, Any], sharded: dict[str, _Sharded]) -> dict[str, Any]:

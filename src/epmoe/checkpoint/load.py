@@ -42,8 +42,13 @@ import torch
 from torch import nn
 
 try:
-    from transformers.core_model_loading import (Concatenate, ConversionOps, MergeModulelist, WeightConverter,
-                                                 build_glob_alternation)
+    from transformers.core_model_loading import (
+        Concatenate,
+        ConversionOps,
+        MergeModulelist,
+        WeightConverter,
+        build_glob_alternation,
+    )
 except ImportError:  # transformers is an optional extra; epmoe.from_pretrained needs it
     ConversionOps = object
     Concatenate = MergeModulelist = WeightConverter = build_glob_alternation = None
@@ -85,26 +90,39 @@ class MergeConcatenate(ConversionOps):
         self.dim = dim
 
     @torch.no_grad()
-    def convert(self, input_dict: dict[str, list[torch.Tensor]], source_patterns: list[str],
-                target_patterns: list[str], model: nn.Module | None = None, full_layer_name: str | None = None,
-                **kwargs: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self,
+        input_dict: dict[str, list[torch.Tensor]],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        model: nn.Module | None = None,
+        full_layer_name: str | None = None,
+        **kwargs: Any,
+    ) -> dict[str, torch.Tensor]:
         pieces = [input_dict.pop(pattern) for pattern in source_patterns if pattern in input_dict]
         if len(target_patterns) != 1 or not pieces or not pieces[0] or (self.dim is None and len(pieces) != 1):
-            raise ValueError(f"MergeConcatenate(dim={self.dim}): expected pieces for one target, got "
-                             f"{len(pieces)} source lists for targets {target_patterns}")
+            raise ValueError(
+                f"MergeConcatenate(dim={self.dim}): expected pieces for one target, got "
+                f"{len(pieces)} source lists for targets {target_patterns}"
+            )
         first = pieces[0][0]
         dim = 1 if self.dim is None else self.dim if self.dim >= 0 else self.dim + first.dim() + 1
         shapes = [[tuple(piece.shape) for piece in group] for group in pieces]  # dim: an axis of (n, ...)
         uniform = all(len(set(group)) == 1 and len(group) == len(pieces[0]) for group in shapes)
-        rest = {shape[:dim - 1] + shape[dim:] for group in shapes for shape in group}
+        rest = {shape[: dim - 1] + shape[dim:] for group in shapes for shape in group}
         if not (1 <= dim <= first.dim() and uniform and len(rest) == 1):
-            raise ValueError(f"MergeConcatenate(dim={self.dim}): pieces of shapes "
-                             f"{[(len(group), group[0]) for group in shapes]} do not stack then concatenate")
+            raise ValueError(
+                f"MergeConcatenate(dim={self.dim}): pieces of shapes "
+                f"{[(len(group), group[0]) for group in shapes]} do not stack then concatenate"
+            )
         widths = [group[0][dim - 1] for group in shapes]
-        shape = (len(pieces[0]), *first.shape[:dim - 1], sum(widths), *first.shape[dim:])
+        shape = (len(pieces[0]), *first.shape[: dim - 1], sum(widths), *first.shape[dim:])
         target = model.get_parameter(full_layer_name) if model is not None and full_layer_name else None
-        dtype = target.dtype if target is not None else functools.reduce(
-            torch.promote_types, (piece.dtype for group in pieces for piece in group))
+        dtype = (
+            target.dtype
+            if target is not None
+            else functools.reduce(torch.promote_types, (piece.dtype for group in pieces for piece in group))
+        )
         packed = torch.empty(shape, dtype=dtype, device=first.device)
         offset = 0
         for group, width in zip(pieces, widths):
@@ -138,8 +156,9 @@ def one_copy_conversions(load_config: Any, expert_keys: Iterable[str]) -> tuple[
         else:
             mapping.append(converter)
             continue
-        copied = converter.copy(list(converter._original_source_patterns), list(converter._original_target_patterns),
-                                operations=one_copy)
+        copied = converter.copy(
+            list(converter._original_source_patterns), list(converter._original_target_patterns), operations=one_copy
+        )
         originals[id(copied)] = converter
         mapping.append(copied)
     plan = dict(load_config.dtype_plan or {})
@@ -175,12 +194,19 @@ def raise_on_every_rank(error: str | None, shards: list, model: nn.Module) -> No
         group = ep_group_of(model)
         config = next(state for _, _, state in sharded_experts(model)).model.config
         channel = StepChannel(group, 1, timeout_s=step_timeout_s(config.timeout, group), what="EP")
-        channel.agree(channel.next_call(AGREE), platform.group_device(group), [], failed=error is not None,
-                      caller="epmoe.from_pretrained: the checkpoint does not hold every expert",
-                      what_failed="found some of their experts missing or with the wrong shape")
+        channel.agree(
+            channel.next_call(AGREE),
+            platform.group_device(group),
+            [],
+            failed=error is not None,
+            caller="epmoe.from_pretrained: the checkpoint does not hold every expert",
+            what_failed="found some of their experts missing or with the wrong shape",
+        )
     if error is not None:
-        raise ValueError(f"epmoe.from_pretrained: the checkpoint does not hold every expert: EP rank "
-                         f"{shards[0].ep_rank if shards else 0}: {error}")
+        raise ValueError(
+            f"epmoe.from_pretrained: the checkpoint does not hold every expert: EP rank "
+            f"{shards[0].ep_rank if shards else 0}: {error}"
+        )
 
 
 def as_local_parameters(model: nn.Module, expert_keys: dict[str, torch.dtype]) -> None:

@@ -75,17 +75,20 @@ class GatherExperts:
     def __init__(self, model: nn.Module):
         self.model = model
 
-    def __call__(self, model_to_save: nn.Module, state_dict: dict, distributed_config: Any, *,
-                 save_on_this_rank: bool = True) -> dict:
+    def __call__(
+        self, model_to_save: nn.Module, state_dict: dict, distributed_config: Any, *, save_on_this_rank: bool = True
+    ) -> dict:
         state_dict = type(self.model).gather_sharded_state_dict_for_save(
-            self.model, model_to_save, state_dict, distributed_config, save_on_this_rank=save_on_this_rank)
+            self.model, model_to_save, state_dict, distributed_config, save_on_this_rank=save_on_this_rank
+        )
         if getattr(model_to_save, "_hf_peft_config_loaded", False):
             return state_dict  # transformers' own adapters: adapter weights only, written as they are
         save = _SAVING.get()
         if save is None:
             raise RuntimeError(
                 f"epmoe: {type(self.model).__name__}.save_pretrained was called on the class, bypassing the EP "
-                f"model's save_pretrained: call model.save_pretrained(path) on every rank")
+                f"model's save_pretrained: call model.save_pretrained(path) on every rank"
+            )
         save.take(model_to_save, state_dict, save_on_this_rank)
         return {}  # transformers writes no weights: StreamedWeights writes them, tensor by tensor
 
@@ -105,7 +108,8 @@ class SavePretrained:
             raise ValueError(
                 "save_pretrained(push_to_hub=True): an expert-parallel model's weights are written after "
                 "transformers' own save, so they would not be uploaded; save, then upload the folder "
-                "(huggingface_hub.upload_folder)")
+                "(huggingface_hub.upload_folder)"
+            )
         weights = StreamedWeights(os.fspath(save_directory), options.arguments)
         token = _SAVING.set(weights)
         try:
@@ -143,7 +147,8 @@ def _written(model: nn.Module) -> None:
         raise ValueError(
             f"save_pretrained: this EP model's ranks {dist.get_process_group_ranks(ep.group)} do not include "
             f"global rank {WRITER}, which writes the checkpoint (transformers' convention): nothing was written. "
-            f"Save a model whose EP group (or \"dp\" group) includes global rank {WRITER}")
+            f'Save a model whose EP group (or "dp" group) includes global rank {WRITER}'
+        )
 
 
 class StreamedWeights:
@@ -184,21 +189,30 @@ class StreamedWeights:
         planned = self._revert(full)
         unwritable = sorted(key for key, tensor in planned.items() if tensor.dtype not in _SAFETENSORS_DTYPES)
         if unwritable:  # found by every rank that plans, before any transfer
-            raise TypeError(f"epmoe: save_pretrained cannot write {unwritable[:4]} (dtype "
-                            f"{planned[unwritable[0]].dtype}) to safetensors")
+            raise TypeError(
+                f"epmoe: save_pretrained cannot write {unwritable[:4]} (dtype "
+                f"{planned[unwritable[0]].dtype}) to safetensors"
+            )
         owner = _owners(planned, units, self._revert, set(self.sharded))
         del full
         weights_name = _add_variant(SAFE_WEIGHTS_NAME, variant)
         split = split_state_dict_into_shards_factory(
-            planned, get_storage_id=_storage_id, get_storage_size=_storage_size, max_shard_size=self.options.get(
-                "max_shard_size", "50GB"), filename_pattern=weights_name.replace(".safetensors", "{suffix}.safetensors"))
+            planned,
+            get_storage_id=_storage_id,
+            get_storage_size=_storage_size,
+            max_shard_size=self.options.get("max_shard_size", "50GB"),
+            filename_pattern=weights_name.replace(".safetensors", "{suffix}.safetensors"),
+        )
         for filename, keys in split.filename_to_tensors.items():
             self._write_file(filename, keys, planned, owner, units)
         if self.on_this_rank and split.is_sharded:
-            index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
-                     "weight_map": split.tensor_to_filename}
-            with open(os.path.join(self.directory, _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)), "w",
-                      encoding="utf-8") as f:
+            index = {
+                "metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+                "weight_map": split.tensor_to_filename,
+            }
+            with open(
+                os.path.join(self.directory, _add_variant(SAFE_WEIGHTS_INDEX_NAME, variant)), "w", encoding="utf-8"
+            ) as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     def _stand_in(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -218,8 +232,9 @@ class StreamedWeights:
             return planned
         stand_in, dtensor = entry
         full = dtensor.full_tensor()
-        return full if planned is stand_in else full.as_strided(planned.shape, planned.stride(),
-                                                                  planned.storage_offset())
+        return (
+            full if planned is stand_in else full.as_strided(planned.shape, planned.stride(), planned.storage_offset())
+        )
 
     def _revert(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' own conversion back to the class's checkpoint layout (unless
@@ -230,18 +245,28 @@ class StreamedWeights:
 
         return revert_weight_conversion(_SavedAs(self.model, state_dict), state_dict)
 
-    def _write_file(self, filename: str, keys: list[str], planned: dict, owner: dict[str, int],
-                    units: list[_PackedUnit | _ModuleListUnit]) -> None:
+    def _write_file(
+        self,
+        filename: str,
+        keys: list[str],
+        planned: dict,
+        owner: dict[str, int],
+        units: list[_PackedUnit | _ModuleListUnit],
+    ) -> None:
         """One safetensors file: the header from the plan, then its tensors, each unit's as its pieces
         arrive (the header lists them in that order)."""
         in_file = set(keys)
         sources: dict[int | None, list[str]] = {}  # None: the tensors every rank holds (not experts)
         for key in keys:
             sources.setdefault(owner.get(key), []).append(key)
-        order = [key for source, own in sources.items()
-                 for key in (own if source is None else [k for k in units[source].keys if k in in_file])]
-        writer = _SafetensorsWriter(os.path.join(self.directory, filename), order, planned) if self.on_this_rank \
-            else None
+        order = [
+            key
+            for source, own in sources.items()
+            for key in (own if source is None else [k for k in units[source].keys if k in in_file])
+        ]
+        writer = (
+            _SafetensorsWriter(os.path.join(self.directory, filename), order, planned) if self.on_this_rank else None
+        )
         try:
             for source, own in sources.items():
                 if source is None:  # every rank holds these; FSDP2's shards are gathered by every rank
@@ -263,8 +288,9 @@ class StreamedWeights:
             writer.close()
 
 
-def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], gathers: _WriterGathers
-                       ) -> tuple[dict[str, torch.Tensor], list[_PackedUnit | _ModuleListUnit]]:
+def _with_full_experts(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], gathers: _WriterGathers
+) -> tuple[dict[str, torch.Tensor], list[_PackedUnit | _ModuleListUnit]]:
     """``state_dict`` with every expert-parallel tensor replaced by its meta tensor of all ``E``
     experts, and the units that gather them, in the model's module order. A unit exists for each
     experts tensor the state dict holds: transformers builds it the same way on every rank (a
@@ -282,8 +308,9 @@ def _with_full_experts(model: nn.Module, state_dict: dict[str, torch.Tensor], ga
         prefix = f"{module_name}." if module_name else ""
         for name in state.sharded_names:
             if prefix + name in full:
-                unit = _PackedUnit(prefix + name, module.get_parameter(name).detach(), full[prefix + name].dtype, state,
-                                   gathers)
+                unit = _PackedUnit(
+                    prefix + name, module.get_parameter(name).detach(), full[prefix + name].dtype, state, gathers
+                )
                 full.update(unit.full)
                 units.append(unit)
     return full, units
@@ -316,8 +343,9 @@ class _PackedUnit:
     or a tensor whose unsharded rows go past all experts': zero-computation experts' rows, never
     read, not kept by EP, written as zeros) it gathers all ``E`` experts at once."""
 
-    def __init__(self, key: str, local: torch.Tensor, dtype: torch.dtype, state: ExpertParallelState,
-                 gathers: _WriterGathers):
+    def __init__(
+        self, key: str, local: torch.Tensor, dtype: torch.dtype, state: ExpertParallelState, gathers: _WriterGathers
+    ):
         self.key, self.local, self.dtype, self.gathers = key, local.contiguous(), dtype, gathers
         self.channel, self.parts = state.model.channel, state.shard.ep_size
         self.local_experts = state.shard.num_local_experts
@@ -354,7 +382,6 @@ class _PackedUnit:
             return None
         return {self.renumber(rank, key): tensor for key, tensor in revert({self.key: part.to(self.dtype)}).items()}
 
-
     def _whole(self, revert: Callable[[dict], dict]) -> dict[str, torch.Tensor] | None:
         gathered = self.gathers.gather_rows(self.channel, self.local)
         if gathered is None:
@@ -371,8 +398,9 @@ def _renumbering(whole: dict, part: dict, parts: int, local_experts: int) -> Cal
     split = [key.split(".") for key in whole]
     if len(part) * parts != len(whole) or len({len(segments) for segments in split}) != 1:
         return None
-    counting = [i for i in range(len(split[0]))
-                if len({s[i] for s in split}) > 1 and all(s[i].isdigit() for s in split)]
+    counting = [
+        i for i in range(len(split[0])) if len({s[i] for s in split}) > 1 and all(s[i].isdigit() for s in split)
+    ]
     if len(counting) != 1:
         return None
     at = counting[0]
@@ -394,11 +422,17 @@ class _ModuleListUnit:
     def __init__(self, state: ExpertParallelState, prefix: str, gathers: _WriterGathers):
         shard = state.shard
         self.channel, self.gathers = state.model.channel, gathers
-        self.local = {f"{prefix}{shard.local_start + j}.{k}": v.detach()
-                      for j, expert in enumerate(state.local_experts) for k, v in expert.state_dict().items()}
+        self.local = {
+            f"{prefix}{shard.local_start + j}.{k}": v.detach()
+            for j, expert in enumerate(state.local_experts)
+            for k, v in expert.state_dict().items()
+        }
         first = state.local_experts[0].state_dict()
-        self.full = {f"{prefix}{e}.{k}": torch.empty_like(v, device="meta")
-                     for e in range(shard.num_experts) for k, v in first.items()}
+        self.full = {
+            f"{prefix}{e}.{k}": torch.empty_like(v, device="meta")
+            for e in range(shard.num_experts)
+            for k, v in first.items()
+        }
         self.device = next(state.local_experts.parameters()).device
         self.keys: list[str] = []
 
@@ -423,8 +457,12 @@ class _ModuleListUnit:
         yield None if parts is None else revert({k: v for part in parts for k, v in part.items()})
 
 
-def _owners(planned: dict[str, torch.Tensor], units: list[_PackedUnit | _ModuleListUnit],
-            revert: Callable[[dict], dict], stand_ins: set[int]) -> dict[str, int]:
+def _owners(
+    planned: dict[str, torch.Tensor],
+    units: list[_PackedUnit | _ModuleListUnit],
+    revert: Callable[[dict], dict],
+    stand_ins: set[int],
+) -> dict[str, int]:
     """Which unit each planned key comes from. Each unit is reverted alone when written, so its keys
     there must be exactly the ones the whole dict's conversion gives it; a conversion that mixes
     several units (or experts with other weights) cannot be written unit by unit and raises, before
@@ -443,13 +481,19 @@ def _owners(planned: dict[str, torch.Tensor], units: list[_PackedUnit | _ModuleL
             if key in owner or key not in planned or planned[key].shape != tensor.shape:
                 raise NotImplementedError(
                     f"epmoe: save_pretrained cannot write {key!r} one experts tensor at a time (the class's weight "
-                    f"conversion combines several tensors into it); save with save_original_format=False")
+                    f"conversion combines several tensors into it); save with save_original_format=False"
+                )
             owner[key] = index
-    stray = [key for key, tensor in planned.items()
-             if tensor.device.type == "meta" and key not in owner and id(_root(tensor)) not in stand_ins]
+    stray = [
+        key
+        for key, tensor in planned.items()
+        if tensor.device.type == "meta" and key not in owner and id(_root(tensor)) not in stand_ins
+    ]
     if stray:
-        raise NotImplementedError(f"epmoe: save_pretrained cannot attribute {stray[:4]} to one experts tensor; "
-                                  f"save with save_original_format=False")
+        raise NotImplementedError(
+            f"epmoe: save_pretrained cannot attribute {stray[:4]} to one experts tensor; "
+            f"save with save_original_format=False"
+        )
     return owner
 
 
@@ -477,10 +521,21 @@ def _root(tensor: torch.Tensor) -> torch.Tensor:
 
 
 _SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 
 
@@ -497,8 +552,11 @@ class _SafetensorsWriter:
         for key in keys:
             tensor = planned[key]
             size = tensor.numel() * tensor.element_size()
-            header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                           "data_offsets": [offset, offset + size]}
+            header[key] = {
+                "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data_offsets": [offset, offset + size],
+            }
             self.expected.append((key, tensor.dtype, tuple(tensor.shape)))
             offset += size
         encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -510,8 +568,10 @@ class _SafetensorsWriter:
     def write(self, key: str, tensor: torch.Tensor) -> None:
         expected_key, dtype, shape = self.expected[self.next]
         if key != expected_key or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-            raise RuntimeError(f"epmoe: {key!r} {tuple(tensor.shape)} {tensor.dtype} written where the plan has "
-                               f"{expected_key!r} {shape} {dtype}")
+            raise RuntimeError(
+                f"epmoe: {key!r} {tuple(tensor.shape)} {tensor.dtype} written where the plan has "
+                f"{expected_key!r} {shape} {dtype}"
+            )
         self.next += 1
         if tensor.numel():
             data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
@@ -543,8 +603,10 @@ def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
     each rank's). Collective: every rank calls it."""
     with own_state_dict():
         out = peft_model.state_dict()
-    out = {key: value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2 shards, in key order
-           for key, value in out.items()}
+    out = {
+        key: value.full_tensor() if isinstance(value, DTensor) else value  # FSDP2 shards, in key order
+        for key, value in out.items()
+    }
     gathers = _WriterGathers()
     for name, module, state in expert_lora_wrappers(peft_model):
         if not gathers.joins(state.model.channel):
@@ -571,8 +633,9 @@ class _WriterGathers:
     def gather(self, channel: StepChannel, local: torch.Tensor) -> list[torch.Tensor] | None:
         """``local`` of every EP rank, on the writer (``None`` elsewhere)."""
         parts = [torch.empty_like(local) for _ in range(channel.size)] if self.rank == WRITER else None
-        return self._run(channel, local.device, lambda: dist.gather(local, parts, dst=WRITER, group=channel.group),
-                         parts)
+        return self._run(
+            channel, local.device, lambda: dist.gather(local, parts, dst=WRITER, group=channel.group), parts
+        )
 
     def gather_rows(self, channel: StepChannel, local: torch.Tensor) -> torch.Tensor | None:
         """Every EP rank's ``local`` rows in rank order, as one tensor on the writer (received in
@@ -601,8 +664,9 @@ class _WriterGathers:
 
     def gather_object(self, channel: StepChannel, obj, device: torch.device) -> list | None:
         parts = [None] * channel.size if self.rank == WRITER else None
-        return self._run(channel, device, lambda: dist.gather_object(obj, parts, dst=WRITER, group=channel.group),
-                         parts)
+        return self._run(
+            channel, device, lambda: dist.gather_object(obj, parts, dst=WRITER, group=channel.group), parts
+        )
 
     def _start(self, channel: StepChannel, device: torch.device) -> None:
         """The step header opening this save on ``channel``, once, before its first transfer."""

@@ -52,5 +52,6 @@ def _warn(module, state_dict, prefix, local_metadata) -> None:
         f"of it would lose or swap experts. Save with model.save_pretrained(path) on every rank, or "
         f"epmoe.get_state_dict(model, optimizer) for torch.distributed.checkpoint; a PEFT adapter with "
         f"peft_model.save_pretrained(path, state_dict=epmoe.adapter_state_dict(peft_model))",
-        ExpertStateDictWarning, stacklevel=3,
+        ExpertStateDictWarning,
+        stacklevel=3,
     )

@@ -18,8 +18,9 @@ BENCHMARKS = {"gmm": gmm, "layer": layer, "fused": fused, "checkpoint": checkpoi
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     modules = BENCHMARKS
-    parser = commands.add_parser("bench", help="benchmarks: tables of time and FLOP/s",
-                                 description=__doc__.splitlines()[0].replace("``", "'"))
+    parser = commands.add_parser(
+        "bench", help="benchmarks: tables of time and FLOP/s", description=__doc__.splitlines()[0].replace("``", "'")
+    )
     subcommands = parser.add_subparsers(dest="benchmark", required=True, metavar="{" + ",".join(modules) + "}")
     for name, module in modules.items():
         summary = (module.__doc__ or name).strip().splitlines()[0].replace("``", "'")

@@ -31,13 +31,21 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn (ignored under torchrun; default 2)")
     parser.add_argument("--steps", type=int, default=20, help="training steps (default 20)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float64 (default float32)")
-    renamed_option(parser, "--gmm-backend", "--backend", dest="gmm_backend", default="auto",
-                   help="grouped-matmul backend (default auto)")
+    renamed_option(
+        parser,
+        "--gmm-backend",
+        "--backend",
+        dest="gmm_backend",
+        default="auto",
+        help="grouped-matmul backend (default auto)",
+    )
     parser.add_argument("--device", default="cpu", help="cpu | cuda | npu (default cpu)")
-    parser.add_argument("--trainer", action="store_true",
-                        help="train both models through transformers.Trainer instead of a DDP loop")
-    parser.add_argument("--balance", action="store_true",
-                        help="auxiliary-loss-free load balancing (epmoe.LoadBalancer) on both models")
+    parser.add_argument(
+        "--trainer", action="store_true", help="train both models through transformers.Trainer instead of a DDP loop"
+    )
+    parser.add_argument(
+        "--balance", action="store_true", help="auxiliary-loss-free load balancing (epmoe.LoadBalancer) on both models"
+    )
     parser.add_argument("--out", default="epmoe-out", help="directory for the plot (default ./epmoe-out)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the run is abandoned")
     parser.set_defaults(run=run)
@@ -64,9 +72,10 @@ def window_imbalance(result: TrainResult) -> list[tuple[int, int, float]]:
     ``LOAD_WINDOW`` steps, averaged over the layers."""
     out = []
     for start in range(0, len(result.records), LOAD_WINDOW):
-        part = result.records[start:start + LOAD_WINDOW]
-        values = [max_over_mean([sum(column) for column in zip(*(r.load[name] for r in part))])
-                  for name in part[0].load]
+        part = result.records[start : start + LOAD_WINDOW]
+        values = [
+            max_over_mean([sum(column) for column in zip(*(r.load[name] for r in part))]) for name in part[0].load
+        ]
         out.append((part[0].step, part[-1].step + 1, statistics.fmean(values)))
     return out
 
@@ -83,8 +92,15 @@ def plot_load(result: TrainResult, path: Path) -> Path:
     fig, axes = plt.subplots(1, len(names), figsize=(4.5 * len(names) + 1, 4.5), squeeze=False)
     top = max(max(max(step) for step in layer) for layer in shares)
     for ax, name, layer in zip(axes[0], names, shares):
-        image = ax.imshow([list(col) for col in zip(*layer)], aspect="auto", origin="lower", cmap="viridis",
-                          vmin=0, vmax=top, interpolation="nearest")
+        image = ax.imshow(
+            [list(col) for col in zip(*layer)],
+            aspect="auto",
+            origin="lower",
+            cmap="viridis",
+            vmin=0,
+            vmax=top,
+            interpolation="nearest",
+        )
         ax.set_title(name.replace(".mlp.experts", ""), fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("expert")
@@ -130,15 +146,24 @@ def _validate(args: argparse.Namespace) -> TrainOptions:
         raise ValueError(f"--timeout: must be > 0 seconds, got {args.timeout}")
     if args.device != "cpu" and not platform.is_available(args.device):
         raise ValueError(f"--device: {args.device!r} is not available on this machine")
-    options = TrainOptions(family=args.model, steps=args.steps, dtype=args.dtype, backend=args.gmm_backend,
-                           device=args.device, trainer=args.trainer, balance=args.balance,
-                           show_progress=not args.trainer)
+    options = TrainOptions(
+        family=args.model,
+        steps=args.steps,
+        dtype=args.dtype,
+        backend=args.gmm_backend,
+        device=args.device,
+        trainer=args.trainer,
+        balance=args.balance,
+        show_progress=not args.trainer,
+    )
     ExpertParallelConfig(gmm_backend=args.gmm_backend)  # a bad --gmm-backend fails here, not in every rank
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
     if options.num_experts % world:
         what = "the torchrun world size" if _under_torchrun() else "--nproc"
-        raise ValueError(f"{what}: {world} ranks cannot share the demo model's {options.num_experts} experts "
-                         f"evenly; use a divisor of {options.num_experts} (1, 2, 4, 8...)")
+        raise ValueError(
+            f"{what}: {world} ranks cannot share the demo model's {options.num_experts} experts "
+            f"evenly; use a divisor of {options.num_experts} (1, 2, 4, 8...)"
+        )
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
@@ -172,8 +197,11 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_table(result))
     worst = max(r.diff for r in result.records)
-    loop = ("transformers.Trainer (epmoe.prepare_trainer on the EP side)" if args.trainer
-            else "DistributedDataParallel + gradient clipping")
+    loop = (
+        "transformers.Trainer (epmoe.prepare_trainer on the EP side)"
+        if args.trainer
+        else "DistributedDataParallel + gradient clipping"
+    )
     timed = result.records[1:] or result.records  # step 0 includes warm-up
     ratio = statistics.median(r.time_ep for r in timed) / statistics.median(r.time_ref for r in timed)
     print(
@@ -182,11 +210,15 @@ def run(args: argparse.Namespace) -> int:
         f"{result.gmm_backend}; without EP: transformers' eager experts"
         f"\nmax |loss difference| {worst:.2e}; median step time with EP / without EP: {ratio:.2f}"
     )
-    print(f"checkpoint: save_pretrained at EP={result.world_size}, reloaded by plain transformers at EP=1: "
-          f"max relative logits difference {result.reload_error:.2e}")
+    print(
+        f"checkpoint: save_pretrained at EP={result.world_size}, reloaded by plain transformers at EP=1: "
+        f"max relative logits difference {result.reload_error:.2e}"
+    )
     windows = ", ".join(f"steps {start}-{end - 1} {value:.2f}" for start, end, value in window_imbalance(result))
-    print(f"expert load max/mean of {LOAD_WINDOW}-step windows (mean over layers): {windows}"
-          f"{' (LoadBalancer on)' if args.balance else ' (--balance: with epmoe.LoadBalancer)'}")
+    print(
+        f"expert load max/mean of {LOAD_WINDOW}-step windows (mean over layers): {windows}"
+        f"{' (LoadBalancer on)' if args.balance else ' (--balance: with epmoe.LoadBalancer)'}"
+    )
     path = plot(result, Path(args.out) / f"demo-{args.model}-loss.png")
     print(f"loss curves plotted to {path.resolve()}")
     heat = plot_load(result, Path(args.out) / f"demo-{args.model}-load.png")

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from epmoe.comm.steps import world_size
 from epmoe.errors import double_backward_error
 
-
 _GROUPS: dict[str, dist.ProcessGroup] = {}  # group_name -> the latest group of that name: the op takes names
 
 
@@ -61,8 +60,9 @@ def record_traffic(bytes_to_peers: int) -> None:
 
 
 @torch.library.custom_op("epmoe::all_to_all_v", mutates_args=())
-def _all_to_all_v_op(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str
-                     ) -> torch.Tensor:
+def _all_to_all_v_op(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group_name: str
+) -> torch.Tensor:
     """The op behind :func:`all_to_all_v` (a ``torch.library`` custom op: ``torch.compile`` traces
     it as one call, its output rows ``sum(output_splits)``); counted by :func:`count_traffic`."""
     group = _GROUPS[group_name]

@@ -45,7 +45,8 @@ def exchange_counts(
         if ep_size > 1:  # the peers are entering the lengths exchange: join it, flagged, then raise
             lengths = torch.zeros(ep_size, 1, dtype=torch.int64, device=platform.group_device(group))
             StepChannel(group, 1, what="exchange_counts").exchange(
-                Position(MODEL_WIDE, COUNTS, 0), lengths, torch.ones((), dtype=torch.int64, device=lengths.device))
+                Position(MODEL_WIDE, COUNTS, 0), lengths, torch.ones((), dtype=torch.int64, device=lengths.device)
+            )
         raise
     if ep_size == 1:
         both = tokens_per_expert.to(torch.int64).tolist()
@@ -58,8 +59,10 @@ def exchange_counts(
     )
     if any(invalid):
         bad = [rank for rank, flag in enumerate(invalid) if flag]
-        raise ValueError(f"exchange_counts(tokens_per_expert): rank(s) {bad} passed an invalid histogram (see "
-                         f"their error); no rank exchanges counts")
+        raise ValueError(
+            f"exchange_counts(tokens_per_expert): rank(s) {bad} passed an invalid histogram (see "
+            f"their error); no rank exchanges counts"
+        )
     theirs = [row[0] for row in lengths]
     if any(n != length for n in theirs):
         raise ValueError(
@@ -81,9 +84,13 @@ class CountsExchanged(NamedTuple):
     extras_sent: list[list[int]]  # (W, k) the extra columns this rank sent each peer
 
 
-def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expert: torch.Tensor,
-                       rows_dtype: torch.dtype | None = None, extra: torch.Tensor | None = None
-                       ) -> CountsExchanged:
+def exchange_counts_on(
+    channel: StepChannel,
+    position: Position,
+    tokens_per_expert: torch.Tensor,
+    rows_dtype: torch.dtype | None = None,
+    extra: torch.Tensor | None = None,
+) -> CountsExchanged:
     """:func:`exchange_counts` as one header exchange on ``channel`` at ``position`` (lengths known
     to agree; ``channel.width`` at least ``e + 2``, ``e + 2 + k`` with ``k`` extra columns), plus
     every source's total slots (each row also carries its sender's histogram total and ``rows_dtype``,
@@ -102,8 +109,8 @@ def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expe
         columns.append(extra.to(torch.int64).view(-1 if extra.dim() == 2 else 1, extra.shape[-1]).expand(W, -1))
     received, flags, sent = channel.exchange(position, torch.cat(columns, dim=1), negative, echo=True)
     k = 0 if extra is None else extra.shape[-1]
-    extras_received, extras_sent = [row[len(row) - k:] for row in received], [row[len(row) - k:] for row in sent]
-    received, sent = [row[:len(row) - k] for row in received], [row[:len(row) - k] for row in sent]
+    extras_received, extras_sent = [row[len(row) - k :] for row in received], [row[len(row) - k :] for row in sent]
+    received, sent = [row[: len(row) - k] for row in received], [row[: len(row) - k] for row in sent]
     send_counts = [c for row in sent for c in row[:-2]]
     recv_counts = [c for row in received for c in row[:-2]]
     if any(flags):
@@ -120,8 +127,14 @@ def exchange_counts_on(channel: StepChannel, position: Position, tokens_per_expe
 
 def _validate(tokens_per_expert, ep_size: int) -> None:
     if not isinstance(tokens_per_expert, torch.Tensor):
-        raise TypeError(f"exchange_counts(tokens_per_expert): expected a Tensor, got {type(tokens_per_expert).__name__}")
-    if tokens_per_expert.dim() != 1 or tokens_per_expert.dtype.is_floating_point or tokens_per_expert.dtype == torch.bool:
+        raise TypeError(
+            f"exchange_counts(tokens_per_expert): expected a Tensor, got {type(tokens_per_expert).__name__}"
+        )
+    if (
+        tokens_per_expert.dim() != 1
+        or tokens_per_expert.dtype.is_floating_point
+        or tokens_per_expert.dtype == torch.bool
+    ):
         raise ValueError(
             f"exchange_counts(tokens_per_expert): expected a 1-D integer tensor, got shape "
             f"{tuple(tokens_per_expert.shape)} dtype {tokens_per_expert.dtype}"

@@ -170,7 +170,7 @@ class RowLayout:
     def expert_major_splits(self, j0: int, j1: int) -> list[int]:
         """Per peer ``s``, the expert-major rows of experts ``[j0, j1)`` from (or to) ``s``."""
         e, counts = self.e, self.counts_expert_major_WE
-        return [sum(counts[s * e + j0:s * e + j1]) for s in range(self.ep_size)]
+        return [sum(counts[s * e + j0 : s * e + j1]) for s in range(self.ep_size)]
 
     def expert_rows(self, j0: int, j1: int) -> tuple[int, int]:
         """``(start, end)``: the expert-major slice of experts ``[j0, j1)``."""

@@ -67,15 +67,17 @@ def _all_to_all(x_WB: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return out
 
 
-def static_exchange_with(words_WL: torch.Tensor, x_WB: torch.Tensor, group: dist.ProcessGroup
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def static_exchange_with(
+    words_WL: torch.Tensor, x_WB: torch.Tensor, group: dist.ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(words, x)`` received: :func:`static_exchange` of ``words_WL`` (``(W, L)`` int64, row ``w``
     for rank ``w``) and of ``x_WB`` (``(W*B, C)`` floats) in one collective, the float block
     differentiable (its backward: :func:`static_exchange` of the gradients, one collective)."""
     W = dist.get_world_size(group)
     if words_WL.dim() != 2 or words_WL.shape[0] != W or words_WL.dtype != torch.int64:
-        raise ValueError(f"static_exchange_with(words_WL): expected ({W}, L) int64, got {tuple(words_WL.shape)} "
-                         f"{words_WL.dtype}")
+        raise ValueError(
+            f"static_exchange_with(words_WL): expected ({W}, L) int64, got {tuple(words_WL.shape)} {words_WL.dtype}"
+        )
     if x_WB.dim() != 2 or x_WB.shape[0] % W:
         raise ValueError(f"static_exchange_with(x_WB): expected (W*B, C) for W={W}, got {tuple(x_WB.shape)}")
     return _WordsAndRows.apply(words_WL, x_WB, group)
@@ -89,11 +91,16 @@ class _WordsAndRows(torch.autograd.Function):
         W, L = words_WL.shape
         ctx.group = group
         row_bytes = x_WB.shape[0] // W * x_WB.shape[1] * x_WB.element_size()
-        bytes_WN = torch.cat([words_WL.contiguous().view(torch.uint8).view(W, L * 8),
-                              x_WB.contiguous().view(torch.uint8).view(W, row_bytes)], dim=1)
+        bytes_WN = torch.cat(
+            [
+                words_WL.contiguous().view(torch.uint8).view(W, L * 8),
+                x_WB.contiguous().view(torch.uint8).view(W, row_bytes),
+            ],
+            dim=1,
+        )
         got_WN = _all_to_all(bytes_WN, group)
-        words = got_WN[:, :L * 8].contiguous().view(torch.int64)
-        x = got_WN[:, L * 8:].contiguous().view(x_WB.dtype).view(x_WB.shape)
+        words = got_WN[:, : L * 8].contiguous().view(torch.int64)
+        x = got_WN[:, L * 8 :].contiguous().view(x_WB.dtype).view(x_WB.shape)
         ctx.mark_non_differentiable(words)
         return words, x
 

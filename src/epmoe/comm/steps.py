@@ -52,9 +52,16 @@ HEADER = 5  # MAGIC, layer, phase, call, flag
 DEFAULT_TIMEOUT_S = 300.0
 
 FORWARD, BACKWARD, GRAD_REDUCE, CLIP, SAVE, COUNTS, TELEMETRY, AGREE = 1, 2, 3, 4, 5, 6, 7, 8
-PHASES = {FORWARD: "forward", BACKWARD: "backward", GRAD_REDUCE: "expert-gradient reduction",
-          CLIP: "clip_grad_norm_", SAVE: "save_pretrained", COUNTS: "exchange_counts", TELEMETRY: "expert_load",
-          AGREE: "agreement"}
+PHASES = {
+    FORWARD: "forward",
+    BACKWARD: "backward",
+    GRAD_REDUCE: "expert-gradient reduction",
+    CLIP: "clip_grad_norm_",
+    SAVE: "save_pretrained",
+    COUNTS: "exchange_counts",
+    TELEMETRY: "expert_load",
+    AGREE: "agreement",
+}
 MODEL_WIDE = -1  # the layer of a position that concerns the whole model (clip, save)
 
 
@@ -82,8 +89,10 @@ class _DtypeCodes(dict):
 
 
 DTYPE_CODES = _DtypeCodes()
-_DTYPE_NAMES = {DTYPE_CODES[d]: str(d) for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
-                                                 torch.float8_e4m3fn, torch.float8_e5m2)}
+_DTYPE_NAMES = {
+    DTYPE_CODES[d]: str(d)
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+}
 
 
 class OutOfStepError(RuntimeError):
@@ -153,7 +162,9 @@ def step_group(group: dist.ProcessGroup | None, timeout_s: float) -> dist.Proces
     for _ in range(max(row[0] for row in rows) - known):
         dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
     return dist.new_group(
-        ranks, timeout=datetime.timedelta(seconds=timeout_s), backend=dist.get_backend(group),
+        ranks,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        backend=dist.get_backend(group),
         use_local_synchronization=True,
     )
 
@@ -165,8 +176,14 @@ class StepChannel:
     group's own timeout where that is not longer (:func:`step_group`'s), else by waiting on the
     collective at most that long (a channel over the user's group)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, width: int, layer_names: tuple[str, ...] = (),
-                 timeout_s: float | None = None, what: str = "EP"):
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        width: int,
+        layer_names: tuple[str, ...] = (),
+        timeout_s: float | None = None,
+        what: str = "EP",
+    ):
         self.group, self.width, self.layer_names, self.timeout_s, self.what = group, width, layer_names, timeout_s, what
         own = group_timeout_s(group) if timeout_s is not None else None
         # a group whose own timeout is longer (the user's): each exchange waits at most timeout_s itself
@@ -184,8 +201,9 @@ class StepChannel:
         self.calls[phase] = self.calls.get(phase, 0) + 1
         return Position(MODEL_WIDE, phase, self.calls[phase])
 
-    def exchange(self, position: Position, payload_Wn: torch.Tensor, flag: torch.Tensor | None = None, *,
-                 echo: bool = False) -> tuple[list[list[int]], ...]:
+    def exchange(
+        self, position: Position, payload_Wn: torch.Tensor, flag: torch.Tensor | None = None, *, echo: bool = False
+    ) -> tuple[list[list[int]], ...]:
         """Send ``payload_Wn[r]`` (``(W, n)`` int64, ``n <= width``, on the group's device) to rank
         ``r`` with this rank's header; return ``(payloads received per source, flags per source)``
         once every header matched. ``flag``: a 0-d integer tensor on the same device (no host read).
@@ -194,11 +212,14 @@ class StepChannel:
         W, n = payload_Wn.shape
         device = payload_Wn.device
         head = torch.tensor([MAGIC, position.layer, position.phase, position.call, 0], dtype=torch.int64)
-        rows = torch.cat([
-            platform.host_to_device(head, device).expand(W, HEADER),
-            payload_Wn.to(torch.int64),
-            payload_Wn.new_zeros(W, self.width - n, dtype=torch.int64),
-        ], dim=1)
+        rows = torch.cat(
+            [
+                platform.host_to_device(head, device).expand(W, HEADER),
+                payload_Wn.to(torch.int64),
+                payload_Wn.new_zeros(W, self.width - n, dtype=torch.int64),
+            ],
+            dim=1,
+        )
         if flag is not None:
             rows[:, HEADER - 1] = flag
         received = torch.empty_like(rows)
@@ -220,7 +241,7 @@ class StepChannel:
                     f"({self.what} rank {self.rank}) is at {position.describe(self.layer_names)}: the ranks run "
                     f"different collectives (a rank skipped or added one)"
                 )
-            theirs = Position(*row[1:HEADER - 1])
+            theirs = Position(*row[1 : HEADER - 1])
             if theirs != position:
                 raise OutOfStepError(
                     f"epmoe: {self.what} ranks are out of step: this rank ({self.what} rank {self.rank}) is at "
@@ -228,8 +249,8 @@ class StepChannel:
                     f"{theirs.describe(self.layer_names)}. Every rank of the group must run the same forwards and "
                     f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)"
                 )
-        payloads, flags = [row[HEADER:HEADER + n] for row in got], [row[HEADER - 1] for row in got]
-        return (payloads, flags, [row[HEADER:HEADER + n] for row in sent]) if echo else (payloads, flags)
+        payloads, flags = [row[HEADER : HEADER + n] for row in got], [row[HEADER - 1] for row in got]
+        return (payloads, flags, [row[HEADER : HEADER + n] for row in sent]) if echo else (payloads, flags)
 
     def check(self, position: Position, device: torch.device, payload: list[int] = ()) -> None:
         """A header exchange carrying the same ``payload`` to every peer, which must send the same."""
@@ -245,10 +266,18 @@ class StepChannel:
                     f"reduce (e.g. parameters frozen on some ranks only)"
                 )
 
-    def agree(self, position: Position, device: torch.device, fields: Sequence[tuple[str, int]],
-              extra: Sequence[int] = (), *, failed: bool = False, caller: str = "epmoe",
-              show: Callable[[str, int], object] | None = None,
-              what_failed: str = "rejected their input") -> list[list[int]]:
+    def agree(
+        self,
+        position: Position,
+        device: torch.device,
+        fields: Sequence[tuple[str, int]],
+        extra: Sequence[int] = (),
+        *,
+        failed: bool = False,
+        caller: str = "epmoe",
+        show: Callable[[str, int], object] | None = None,
+        what_failed: str = "rejected their input",
+    ) -> list[list[int]]:
         """The agreement step: validate, then agree, then change anything.
 
         One header exchange in which every rank shows every peer the same row: its ``fields``
@@ -269,19 +298,30 @@ class StepChannel:
             return received
         bad = [rank for rank, theirs in enumerate(flags) if theirs]
         if bad:
-            raise ValueError(f"{caller}: {self.what} rank(s) {bad} {what_failed} (see their error); no rank "
-                             f"goes on (this is {self.what} rank {self.rank})")
+            raise ValueError(
+                f"{caller}: {self.what} rank(s) {bad} {what_failed} (see their error); no rank "
+                f"goes on (this is {self.what} rank {self.rank})"
+            )
         for index, (name, _) in enumerate(fields):
             values = [theirs[index] for theirs in received]
             if len(set(values)) > 1:
                 shown = [show(name, v) for v in values] if show is not None else values
                 by_rank = f": {shown} by rank" if None not in shown else ""
-                raise ValueError(f"{caller}: the {self.what} ranks disagree on the {name}{by_rank} (this is "
-                                 f"{self.what} rank {self.rank})")
+                raise ValueError(
+                    f"{caller}: the {self.what} ranks disagree on the {name}{by_rank} (this is "
+                    f"{self.what} rank {self.rank})"
+                )
         return received
 
-    def all_reduce(self, tensor: torch.Tensor, position: Position, *, op=dist.ReduceOp.SUM, header: bool = True,
-                   async_op: bool = False):
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        position: Position,
+        *,
+        op=dist.ReduceOp.SUM,
+        header: bool = True,
+        async_op: bool = False,
+    ):
         """``tensor`` reduced in place over the group, after a header at ``position`` carrying its
         element count (unless ``header`` is off); a failure or timeout raises :meth:`failed`'s error."""
         if header:
@@ -293,8 +333,11 @@ class StepChannel:
 
     def failed(self, position: Position, exc: BaseException) -> RuntimeError:
         """The error a failed or timed-out collective of this group becomes."""
-        bound = ("the process group's timeout bounds the wait" if self.timeout_s is None
-                 else f"epmoe waits at most ExpertParallelConfig.timeout = {self.timeout_s:g} s")
+        bound = (
+            "the process group's timeout bounds the wait"
+            if self.timeout_s is None
+            else f"epmoe waits at most ExpertParallelConfig.timeout = {self.timeout_s:g} s"
+        )
         return RuntimeError(
             f"epmoe: {self.what} rank {self.rank}: a collective of the {self.what} group failed at "
             f"{position.describe(self.layer_names)}: another rank died, raised, or is out of step ({bound}): {exc}"

@@ -50,9 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from epmoe.checkpoint.state_dict_warning import warn_on_bare_state_dict
-from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe import platform
+from epmoe.checkpoint.save import GatherExperts, SavePretrained
+from epmoe.checkpoint.state_dict_warning import warn_on_bare_state_dict
 from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import unfaithful_experts
@@ -153,8 +153,9 @@ def apply_expert_parallel(
 
     found = find_experts_modules(model)
     if not found:
-        raise ValueError(_refusal(model, found) or
-                         f"apply_expert_parallel(model): no experts module found in {type(model).__name__}")
+        raise ValueError(
+            _refusal(model, found) or f"apply_expert_parallel(model): no experts module found in {type(model).__name__}"
+        )
     applied = _shards_applied_before(found, ep_size)
     if applied is not None:
         return applied
@@ -171,19 +172,34 @@ def apply_expert_parallel(
 
     modules = dict(model.named_modules())
     ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, shards)
-    ep_model = EPModel(model, config, group, ep_size, ep_channel, dp_channel, dp_size,
-                       [_ancestors(modules, name) for name, _, _ in found])
+    ep_model = EPModel(
+        model,
+        config,
+        group,
+        ep_size,
+        ep_channel,
+        dp_channel,
+        dp_size,
+        [_ancestors(modules, name) for name, _, _ in found],
+    )
     _swap_forwards(modules, found, checked, ep_model, config)
     if ep_model.sharded:
         _attach_to_model(model)
     if checked.declined_fused:
         name, reason = next(iter(checked.declined_fused.items()))
-        logger.warning("epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",
-                       len(checked.declined_fused), name, reason)
+        logger.warning(
+            "epmoe: %d experts modules (first: %s) run dispatch='alltoallv', not 'fused': %s",
+            len(checked.declined_fused),
+            name,
+            reason,
+        )
     logger.info(
         "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
-        len(found), ep_size, backend.name if backend else "chosen at the first forward (meta weights)",
-        config.gmm_backend, "; declined: " + "; ".join(declined) if declined else "",
+        len(found),
+        ep_size,
+        backend.name if backend else "chosen at the first forward (meta weights)",
+        config.gmm_backend,
+        "; declined: " + "; ".join(declined) if declined else "",
     )
     return shards
 
@@ -195,35 +211,45 @@ def _shards_applied_before(found: list, ep_size: int) -> list[ExpertShard] | Non
     if all(state is not None for state in done):
         sizes = {state.shard.ep_size for state in done}
         if sizes != {ep_size}:
-            raise ValueError(f"apply_expert_parallel(model): already expert-parallel over {sizes.pop()} ranks, "
-                             f"not {ep_size}")
+            raise ValueError(
+                f"apply_expert_parallel(model): already expert-parallel over {sizes.pop()} ranks, not {ep_size}"
+            )
         return [state.shard for state in done]
     if any(state is not None for state in done):
         raise ValueError("apply_expert_parallel(model): the model is partly expert-parallel already")
     return None
 
 
-def _swap_forwards(modules: dict[str, nn.Module], found: list, checked: _Checked, ep_model: EPModel,
-                   config: ExpertParallelConfig) -> None:
+def _swap_forwards(
+    modules: dict[str, nn.Module], found: list, checked: _Checked, ep_model: EPModel, config: ExpertParallelConfig
+) -> None:
     """Shard each experts module, keep its record (its dispatcher built here, once) and swap the
     forwards that run it: the packed module's, a ``ModuleList``'s block's, a fused shared-expert block's.
     Expert weights tied across modules (one parameter in two experts modules) stay tied."""
     tied: dict[int, nn.Parameter] = {}
-    for layer, ((name, module, owner), shard, transport, returns_logits) in enumerate(zip(
-        found, checked.shards, checked.transport, checked.returns_logits
-    )):
+    for layer, ((name, module, owner), shard, transport, returns_logits) in enumerate(
+        zip(found, checked.shards, checked.transport, checked.returns_logits)
+    ):
         dispatcher = make_dispatcher(transport, module, config)
         shared = [p for _, p in shared_parameters(module)]  # found on all E experts, before sharding
         if isinstance(module, nn.ModuleList):
             local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend, shared)
-            attach_state(owner, ExpertParallelState(shard, ep_model, local, transport=dispatcher,
-                                                    returns_router_logits=returns_logits, layer=layer))
+            attach_state(
+                owner,
+                ExpertParallelState(
+                    shard, ep_model, local, transport=dispatcher, returns_router_logits=returns_logits, layer=layer
+                ),
+            )
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
             sharded, unread = _shard_parameters(module, shard, tied)
             local = LocalExperts(module, config.gmm_backend, shared, post=per_expert_post(module))
-            attach_state(module, ExpertParallelState(shard, ep_model, local, transport=dispatcher, sharded_names=sharded,
-                                                     unread_rows=unread, layer=layer))
+            attach_state(
+                module,
+                ExpertParallelState(
+                    shard, ep_model, local, transport=dispatcher, sharded_names=sharded, unread_rows=unread, layer=layer
+                ),
+            )
             forward = zero_experts_forward if zero_experts(module) else expert_parallel_forward
             module.forward = types.MethodType(forward, module)
             if owner is not module:  # stacked-rows experts: the module around their holder calls it
@@ -254,8 +280,9 @@ def _attach_to_model(model: nn.Module) -> None:
         model.num_parameters = NumParameters(model)
 
 
-def _step_channels(group, ep_size: int, dp_group, dp_size: int, config: ExpertParallelConfig,
-                   shards: list[ExpertShard]) -> tuple[StepChannel | None, StepChannel | None]:
+def _step_channels(
+    group, ep_size: int, dp_group, dp_size: int, config: ExpertParallelConfig, shards: list[ExpertShard]
+) -> tuple[StepChannel | None, StepChannel | None]:
     """The model's EP and ``"dp"`` step channels, each on a group created for it with
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
     names = tuple(shard.module_name for shard in shards)
@@ -279,8 +306,11 @@ class _Checked:
 
 
 def _validate(
-    model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]], config: ExpertParallelConfig,
-    ep_rank: int, ep_size: int,
+    model: nn.Module,
+    found: list[tuple[str, nn.Module, nn.Module]],
+    config: ExpertParallelConfig,
+    ep_rank: int,
+    ep_size: int,
 ) -> _Checked:
     """Every check and probe, nothing changed; ValueError / TypeError naming the module on failure."""
     modules = dict(model.named_modules())
@@ -339,9 +369,11 @@ def _check_input_weighted_block(model: nn.Module, name: str, experts: nn.Module,
     every token is one :mod:`epmoe.integrations.input_weighted` runs (checked on a probe)."""
     reason = input_weighted_block_reason(block, experts) if block is not None else "they sit in no block"
     if reason is not None:
-        raise ValueError(f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot run, "
-                         f"nothing was changed: {type(experts).__name__} at {name} (1 module; its forward takes "
-                         f"every token for every expert): {reason}")
+        raise ValueError(
+            f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot run, "
+            f"nothing was changed: {type(experts).__name__} at {name} (1 module; its forward takes "
+            f"every token for every expert): {reason}"
+        )
 
 
 def _refusal(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]) -> str | None:
@@ -355,15 +387,22 @@ def _refusal(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]) ->
         by_class[type(module).__name__] = (first[0], first[1], first[2] + 1)
     if not by_class:
         return None
-    parts = [f"{cls} at {name} ({count} module{'s' if count > 1 else ''}): {reason}"
-             for cls, (name, reason, count) in by_class.items()]
-    return (f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot run, nothing was "
-            f"changed: " + "; ".join(parts))
+    parts = [
+        f"{cls} at {name} ({count} module{'s' if count > 1 else ''}): {reason}"
+        for cls, (name, reason, count) in by_class.items()
+    ]
+    return (
+        f"apply_expert_parallel(model): {type(model).__name__} holds experts epmoe cannot run, nothing was "
+        f"changed: " + "; ".join(parts)
+    )
 
 
 def _check_ranks_agree(
-    group: dist.ProcessGroup | None, ep_size: int, config: ExpertParallelConfig,
-    found: list[tuple[str, nn.Module, nn.Module]], error: Exception | None,
+    group: dist.ProcessGroup | None,
+    ep_size: int,
+    config: ExpertParallelConfig,
+    found: list[tuple[str, nn.Module, nn.Module]],
+    error: Exception | None,
 ) -> None:
     """Raise on every rank if any rank's validation failed or the ranks disagree on the config or the
     experts modules (their names, number of experts, and every parameter's name, shape and dtype),
@@ -372,8 +411,12 @@ def _check_ranks_agree(
     the EP group (:meth:`~epmoe.comm.steps.StepChannel.agree`; none for a group of one)."""
     if ep_size > 1:
         names = [f"config.{f.name} (here {getattr(config, f.name)!r})" for f in dataclasses.fields(config)] + [
-            "experts modules (names)", "experts modules' numbers of experts", "experts' parameter names and shapes",
-            "experts' dtype", "experts' parameter dtypes"]
+            "experts modules (names)",
+            "experts modules' numbers of experts",
+            "experts' parameter names and shapes",
+            "experts' dtype",
+            "experts' parameter dtypes",
+        ]
         values = [0] * len(names)  # a rank whose validation failed shows nothing (its modules may be broken)
         if error is None:
             layouts = [_parameter_layout(module) for _, module, _ in found]
@@ -391,8 +434,14 @@ def _check_ranks_agree(
         def show(name: str, value: int) -> str | None:
             return dtype_name(value) if name == "experts' dtype" else None
 
-        channel.agree(channel.next_call(AGREE), platform.group_device(group), fields, failed=error is not None,
-                      caller="apply_expert_parallel", show=show)
+        channel.agree(
+            channel.next_call(AGREE),
+            platform.group_device(group),
+            fields,
+            failed=error is not None,
+            caller="apply_expert_parallel",
+            show=show,
+        )
     if error is not None:
         raise error
 
@@ -400,16 +449,19 @@ def _check_ranks_agree(
 def _loaded_expert_parallel(model: nn.Module) -> str | None:
     """The refusal of a model transformers' own expert parallelism sharded at load
     (``from_pretrained(..., distributed_config=DistributedConfig(ep_size > 1))``), or ``None``."""
-    config = next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "distributed_config")),
-                  None)
+    config = next(
+        (m.config for m in model.modules() if hasattr(getattr(m, "config", None), "distributed_config")), None
+    )
     ep_size = getattr(getattr(config, "distributed_config", None), "ep_size", None) or 1
     if ep_size <= 1:
         return None
-    return (f"apply_expert_parallel(model): {type(model).__name__} was loaded with transformers' own expert "
-            f"parallelism (distributed_config with ep_size={ep_size}): its experts are sharded already and would "
-            f"be sharded twice. One change moves the load to epmoe: model, shards = epmoe.from_pretrained("
-            f"ModelClass, path, distributed_config=...) with the same DistributedConfig, in place of "
-            f"ModelClass.from_pretrained(path, distributed_config=...)")
+    return (
+        f"apply_expert_parallel(model): {type(model).__name__} was loaded with transformers' own expert "
+        f"parallelism (distributed_config with ep_size={ep_size}): its experts are sharded already and would "
+        f"be sharded twice. One change moves the load to epmoe: model, shards = epmoe.from_pretrained("
+        f"ModelClass, path, distributed_config=...) with the same DistributedConfig, in place of "
+        f"ModelClass.from_pretrained(path, distributed_config=...)"
+    )
 
 
 def _data_parallel_wrapper(module: nn.Module) -> str | None:
@@ -440,8 +492,10 @@ def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tupl
     if config.dispatch == "static":
         reason = StaticDispatcher.ineligible_reason(experts)
         if reason is not None:
-            raise ValueError(f"apply_expert_parallel: dispatch='static' cannot run {type(experts).__name__}: {reason}; "
-                             f"use dispatch='alltoallv'")
+            raise ValueError(
+                f"apply_expert_parallel: dispatch='static' cannot run {type(experts).__name__}: {reason}; "
+                f"use dispatch='alltoallv'"
+            )
         return "static", None
     if config.dispatch != "fused" or config.capacity_factor is not None:  # capacity: see the config
         return "alltoallv", None
@@ -450,13 +504,16 @@ def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tupl
         weight = experts.down_proj
         computed = family_compute_dtype(experts)
         if computed is not None and torch.promote_types(computed, weight.dtype) != weight.dtype:
-            reason = (f"its own forward computes its experts in {torch.promote_types(computed, weight.dtype)}, "
-                      f"its weights are {weight.dtype}: the fused ops run one dtype")
+            reason = (
+                f"its own forward computes its experts in {torch.promote_types(computed, weight.dtype)}, "
+                f"its weights are {weight.dtype}: the fused ops run one dtype"
+            )
     return ("fused", None) if reason is None else ("alltoallv", reason)
 
 
-def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.Parameter]
-                      ) -> tuple[tuple[str, ...], dict[str, int]]:
+def _shard_parameters(
+    module: nn.Module, shard: ExpertShard, tied: dict[int, nn.Parameter]
+) -> tuple[tuple[str, ...], dict[str, int]]:
     """Keep experts ``[local_start, local_end)`` of every per-expert parameter (weights and biases,
     rows ``[j*rows, (j+1)*rows)`` for expert ``j``: :func:`~epmoe.ep.recognize.expert_rows`); return
     their names, and the rows past all experts' that were dropped (zero-computation experts', never
@@ -468,7 +525,7 @@ def _shard_parameters(module: nn.Module, shard: ExpertShard, tied: dict[int, nn.
     for name, rows in expert_rows(module):
         param = module.get_parameter(name)
         if id(param) not in tied:
-            local = param.detach()[shard.local_start * rows:shard.local_end * rows].clone()
+            local = param.detach()[shard.local_start * rows : shard.local_end * rows].clone()
             tied[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
         if param.shape[0] > shard.num_experts * rows:
             unread[name] = param.shape[0] - shard.num_experts * rows
@@ -488,7 +545,7 @@ def _shard_module_list(experts: nn.ModuleList, shard: ExpertShard) -> nn.ModuleL
     for index in range(shard.num_experts):
         if not shard.local_start <= index < shard.local_end:
             experts[index] = NonLocalExpert(index // shard.num_local_experts)
-    return nn.ModuleList(experts[shard.local_start:shard.local_end])
+    return nn.ModuleList(experts[shard.local_start : shard.local_end])
 
 
 def _block_returns_router_logits(name: str, block: nn.Module) -> bool:
@@ -509,8 +566,10 @@ def _block_returns_router_logits(name: str, block: nn.Module) -> bool:
         try:
             out = block(torch.zeros(1, 1, weight.shape[-1], dtype=weight.dtype, device=weight.device))
         except Exception as exc:  # noqa: BLE001 - any failure of the model's own forward, reported by name
-            raise ValueError(f"apply_expert_parallel: {name}: the block's own forward failed on a probe token: "
-                             f"{type(exc).__name__}: {exc}") from exc
+            raise ValueError(
+                f"apply_expert_parallel: {name}: the block's own forward failed on a probe token: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             block.train(was_training)
     return isinstance(out, tuple)

@@ -27,21 +27,36 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from epmoe.checkpoint.load import (
+    as_local_parameters,
+    as_meta_dtensors,
+    load_error,
+    one_copy_conversions,
+    raise_on_every_rank,
+    restore_conversions,
+)
 from epmoe.checkpoint.state_dict_warning import own_state_dict
-from epmoe.checkpoint.load import (as_local_parameters, as_meta_dtensors, load_error, one_copy_conversions,
-                                   raise_on_every_rank, restore_conversions)
 from epmoe.compose.apply import apply_expert_parallel
 from epmoe.ep.lora import mark_full_shapes
 from epmoe.ep.params import expert_parameters
 from epmoe.platform import group_device
 from epmoe.training.fsdp import shard_dense
 
-HUB_ARGUMENTS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token",
-                 "trust_remote_code")  # what from_pretrained passes on to its config
+HUB_ARGUMENTS = (
+    "cache_dir",
+    "force_download",
+    "local_files_only",
+    "proxies",
+    "revision",
+    "subfolder",
+    "token",
+    "trust_remote_code",
+)  # what from_pretrained passes on to its config
 
 
-def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=None, distributed_config=None,
-                    **kwargs: Any):
+def from_pretrained(
+    model_class: type, path, ep_group: Any = None, *, ep_config=None, distributed_config=None, **kwargs: Any
+):
     """``(model, shards)``: ``model_class.from_pretrained(path, **kwargs)`` made expert-parallel over
     ``ep_group`` (see :func:`epmoe.apply_expert_parallel`) without materialising other ranks' experts.
     ``model_class``: a transformers model class or an Auto class. ``distributed_config``: a
@@ -62,8 +77,7 @@ def from_pretrained(model_class: type, path, ep_group: Any = None, *, ep_config=
             found["shards"] = apply_expert_parallel(model, ep_group, config=ep_config)
             expert_keys = as_meta_dtensors(model)
             load_config, originals = one_copy_conversions(load_config, expert_keys)
-            info = model_class._load_pretrained_model(model, state_dict, checkpoint_files, load_config,
-                                                      expected_keys)
+            info = model_class._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
             restore_conversions(model, originals)
             raise_on_every_rank(load_error(info[0], expert_keys), found["shards"], model)
             as_local_parameters(model, expert_keys)
@@ -83,10 +97,15 @@ def _concrete_class(model_class: Any, path, kwargs: dict[str, Any]) -> type:
     mapping gives the checkpoint's config (``config=`` if given), built on the meta device to ask."""
     if isinstance(model_class, type) and hasattr(model_class, "_load_pretrained_model"):
         return model_class
-    if not (isinstance(model_class, type) and callable(getattr(model_class, "from_config", None))
-            and callable(getattr(model_class, "from_pretrained", None))):
-        raise TypeError(f"from_pretrained(model_class): expected a transformers model class or Auto class "
-                        f"(AutoModelForCausalLM...), got {model_class!r}")
+    if not (
+        isinstance(model_class, type)
+        and callable(getattr(model_class, "from_config", None))
+        and callable(getattr(model_class, "from_pretrained", None))
+    ):
+        raise TypeError(
+            f"from_pretrained(model_class): expected a transformers model class or Auto class "
+            f"(AutoModelForCausalLM...), got {model_class!r}"
+        )
     from transformers import AutoConfig, PretrainedConfig
 
     config = kwargs.get("config")
@@ -97,21 +116,24 @@ def _concrete_class(model_class: Any, path, kwargs: dict[str, Any]) -> type:
         try:
             resolved = type(model_class.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False)))
         except ValueError as exc:
-            raise TypeError(f"from_pretrained(model_class): {model_class.__name__} has no model class for "
-                            f"{type(config).__name__}: {exc}") from exc
+            raise TypeError(
+                f"from_pretrained(model_class): {model_class.__name__} has no model class for "
+                f"{type(config).__name__}: {exc}"
+            ) from exc
     return resolved
 
 
 # what a DistributedConfig may hold for epmoe to take it: field -> the value it must have, and why not
-UNMAPPED = {"tp_size": (1, "epmoe does not tensor-parallelise the dense part; give fsdp_size the ranks instead"),
-            "pp_size": (1, "pipeline parallelism is not epmoe's"),
-            "dp_replicate_size": (1, "HSDP replicas: use fsdp_size over the whole world"),
-            "tp_plan": (None, "tensor parallelism is not epmoe's"),
-            "ep_plan": (None, "epmoe finds the experts modules itself"),
-            "fsdp_plan": (None, "epmoe shards the model's decoder layers and the root"),
-            "fsdp_cpu_offload": (False, "not mapped; shard_dense the model yourself with an offload policy"),
-            "fsdp_mixed_precision": (False, "not mapped; shard_dense the model yourself with a mixed-precision "
-                                            "policy")}
+UNMAPPED = {
+    "tp_size": (1, "epmoe does not tensor-parallelise the dense part; give fsdp_size the ranks instead"),
+    "pp_size": (1, "pipeline parallelism is not epmoe's"),
+    "dp_replicate_size": (1, "HSDP replicas: use fsdp_size over the whole world"),
+    "tp_plan": (None, "tensor parallelism is not epmoe's"),
+    "ep_plan": (None, "epmoe finds the experts modules itself"),
+    "fsdp_plan": (None, "epmoe shards the model's decoder layers and the root"),
+    "fsdp_cpu_offload": (False, "not mapped; shard_dense the model yourself with an offload policy"),
+    "fsdp_mixed_precision": (False, "not mapped; shard_dense the model yourself with a mixed-precision policy"),
+}
 
 
 def _meshes_of(config: Any) -> tuple[Any, Any]:
@@ -120,24 +142,32 @@ def _meshes_of(config: Any) -> tuple[Any, Any]:
     try:
         from transformers.distributed import DistributedConfig
     except ImportError:
-        raise ValueError("from_pretrained(distributed_config): needs transformers >= 5.24 "
-                         "(transformers.distributed.DistributedConfig)") from None
+        raise ValueError(
+            "from_pretrained(distributed_config): needs transformers >= 5.24 "
+            "(transformers.distributed.DistributedConfig)"
+        ) from None
     if not isinstance(config, DistributedConfig):
-        raise TypeError(f"from_pretrained(distributed_config): expected a transformers DistributedConfig, "
-                        f"got {type(config).__name__}")
+        raise TypeError(
+            f"from_pretrained(distributed_config): expected a transformers DistributedConfig, "
+            f"got {type(config).__name__}"
+        )
     for field, (wanted, why) in UNMAPPED.items():
         value = getattr(config, field, wanted)
-        if (bool(value) if wanted is None else value not in (wanted, None)):
+        if bool(value) if wanted is None else value not in (wanted, None):
             raise ValueError(f"from_pretrained(distributed_config): {field}={value!r} is not taken: {why}")
     if config.ep_implementation not in ("auto", "all_to_all"):
-        raise ValueError(f"from_pretrained(distributed_config): ep_implementation={config.ep_implementation!r}: "
-                         "epmoe replaces transformers' token exchange ('auto' or 'all_to_all'); leave it out")
+        raise ValueError(
+            f"from_pretrained(distributed_config): ep_implementation={config.ep_implementation!r}: "
+            "epmoe replaces transformers' token exchange ('auto' or 'all_to_all'); leave it out"
+        )
     if not dist.is_initialized():
         raise ValueError("from_pretrained(distributed_config): torch.distributed is not initialized")
     world, ep_size = dist.get_world_size(), config.ep_size
     if ep_size <= 1 or config.fsdp_size != world:
-        raise ValueError(f"from_pretrained(distributed_config): expected ep_size > 1 and fsdp_size equal to the "
-                         f"world ({world}), got ep_size={ep_size}, fsdp_size={config.fsdp_size}")
+        raise ValueError(
+            f"from_pretrained(distributed_config): expected ep_size > 1 and fsdp_size equal to the "
+            f"world ({world}), got ep_size={ep_size}, fsdp_size={config.fsdp_size}"
+        )
     from torch.distributed.device_mesh import init_device_mesh
 
     device = group_device().type

@@ -78,21 +78,27 @@ class ExpertParallelConfig:
             )
 
         timeout = self.timeout
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                    or not 0 < timeout < float("inf")):
-            raise ValueError(f"ExpertParallelConfig(timeout): expected a positive number of seconds or None, "
-                             f"got {timeout!r}")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf")
+        ):
+            raise ValueError(
+                f"ExpertParallelConfig(timeout): expected a positive number of seconds or None, got {timeout!r}"
+            )
         if not (isinstance(self.check_steps, bool) or self.check_steps == "auto"):
-            raise ValueError(f"ExpertParallelConfig(check_steps): expected True, False or 'auto', "
-                             f"got {self.check_steps!r}")
+            raise ValueError(
+                f"ExpertParallelConfig(check_steps): expected True, False or 'auto', got {self.check_steps!r}"
+            )
 
         factor = self.capacity_factor
-        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float))
-                                   or not 0 < factor < float("inf")):
+        if factor is not None and (
+            isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor < float("inf")
+        ):
             raise ValueError(f"ExpertParallelConfig(capacity_factor): expected None or a number > 0, got {factor!r}")
         if factor is not None and self.dispatch == "fused":
-            raise ValueError("ExpertParallelConfig(capacity_factor): drops slots between the exchange and the grouped "
-                             "matmul, which the fused ops do not expose; use dispatch='alltoallv' or 'auto'")
+            raise ValueError(
+                "ExpertParallelConfig(capacity_factor): drops slots between the exchange and the grouped "
+                "matmul, which the fused ops do not expose; use dispatch='alltoallv' or 'auto'"
+            )
         self._check_static()
 
     def _check_static(self) -> None:
@@ -101,18 +107,24 @@ class ExpertParallelConfig:
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
             raise ValueError(f"ExpertParallelConfig(static_tokens): expected None or an int >= 1, got {tokens!r}")
         if tokens is not None and self.dispatch != "static":
-            raise ValueError(f"ExpertParallelConfig(static_tokens): sizes the static exchange's buffer; it needs "
-                             f"dispatch='static', not {self.dispatch!r}")
+            raise ValueError(
+                f"ExpertParallelConfig(static_tokens): sizes the static exchange's buffer; it needs "
+                f"dispatch='static', not {self.dispatch!r}"
+            )
         if self.dispatch != "static":
             return
         if self.capacity_factor is not None:
-            raise ValueError("ExpertParallelConfig(capacity_factor): the static exchange is dropless by construction "
-                             "(each expert's capacity would need the counts on the host); use dispatch='alltoallv' "
-                             "with capacity_factor, or dispatch='static' without it")
+            raise ValueError(
+                "ExpertParallelConfig(capacity_factor): the static exchange is dropless by construction "
+                "(each expert's capacity would need the counts on the host); use dispatch='alltoallv' "
+                "with capacity_factor, or dispatch='static' without it"
+            )
         if self.num_chunks != "auto":
-            raise ValueError(f"ExpertParallelConfig(num_chunks): {self.num_chunks!r} pipelines the fused ops, which "
-                             f"dispatch='static' does not run (it sends fixed-size buffers); leave num_chunks='auto' "
-                             f"or use dispatch='fused'")
+            raise ValueError(
+                f"ExpertParallelConfig(num_chunks): {self.num_chunks!r} pipelines the fused ops, which "
+                f"dispatch='static' does not run (it sends fixed-size buffers); leave num_chunks='auto' "
+                f"or use dispatch='fused'"
+            )
 
     def decodes_static(self) -> bool:
         """The rule by which ``dispatch="auto"`` takes the static exchange: at the decode steps of a
@@ -150,4 +162,3 @@ class ExpertShard:
     local_end: int
     ep_rank: int
     ep_size: int
-

@@ -71,8 +71,11 @@ def decorated_forward(cls: type) -> Callable | None:
 
 def _is_decorator_wrapper(forward: Callable) -> bool:
     code = getattr(forward, "__code__", None)
-    return (hasattr(forward, "__wrapped__") and code is not None
-            and code.co_filename.replace("\\", "/").endswith("transformers/integrations/moe.py"))
+    return (
+        hasattr(forward, "__wrapped__")
+        and code is not None
+        and code.co_filename.replace("\\", "/").endswith("transformers/integrations/moe.py")
+    )
 
 
 def departures(module: nn.Module, *, whole: bool) -> list[str]:
@@ -145,14 +148,20 @@ def unfaithful_experts(found: list[tuple[str, nn.Module, nn.Module]]) -> list[tu
         if verdict is not None:
             out.append((name, module, f"{'; '.join(departing)}, and {verdict}"))
         else:
-            logger.info("epmoe: %s at %s departs from the decorated experts contract (%s); its own forward equals "
-                        "epmoe's on a probe of every expert (%.1f ms)", type(module).__name__, name,
-                        "; ".join(departing), 1e3 * (time.perf_counter() - start))
+            logger.info(
+                "epmoe: %s at %s departs from the decorated experts contract (%s); its own forward equals "
+                "epmoe's on a probe of every expert (%.1f ms)",
+                type(module).__name__,
+                name,
+                "; ".join(departing),
+                1e3 * (time.perf_counter() - start),
+            )
     return out
 
 
-def contract_rows(module: nn.Module, x_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
-                  top_k_weights_TK: torch.Tensor, *, whole: bool) -> torch.Tensor:
+def contract_rows(
+    module: nn.Module, x_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, *, whole: bool
+) -> torch.Tensor:
     """``(T, H)``: the decorated contract on ``module``'s weights and flags, one route at a time in
     plain torch (what epmoe runs, written as a reference; see the module docstring). ``whole``: a
     per-expert post module (:func:`~epmoe.ep.recognize.per_expert_post`) runs on each route."""
@@ -176,8 +185,9 @@ def _probe(module: nn.Module, whole: bool) -> str | None:
     hidden = up.shape[1] if weights_transposed(module) else up.shape[2]
     device = torch.device("cpu") if up.is_meta else up.device
     generator = torch.Generator(device="cpu").manual_seed(0)
-    stand_ins = {name: _stand_in(p, num, generator).to(device) for name, p in module.named_parameters()
-                 if p.is_floating_point()}
+    stand_ins = {
+        name: _stand_in(p, num, generator).to(device) for name, p in module.named_parameters() if p.is_floating_point()
+    }
     tokens, top_k = 2 * num, (min(2, num) if whole else 1)
     index_TK = (torch.arange(tokens).unsqueeze(1) + torch.arange(top_k)) % num
     weights_TK = torch.rand(tokens, top_k, generator=generator) + 0.1 if whole else torch.ones(tokens, top_k)
@@ -201,13 +211,16 @@ def _probe(module: nn.Module, whole: bool) -> str | None:
     worst = float((error_T / scale_T).max())
     if worst <= _TOLERANCE:
         return None
-    return (f"its own forward differs from epmoe's routed MLP on a probe ({tokens} tokens over all {num} experts, "
-            f"K={top_k}, random weights: largest relative difference {worst:.2g})")
+    return (
+        f"its own forward differs from epmoe's routed MLP on a probe ({tokens} tokens over all {num} experts, "
+        f"K={top_k}, random weights: largest relative difference {worst:.2g})"
+    )
 
 
 def _contract(whole: bool) -> Callable:
     def run(module: nn.Module, x_TH, top_k_index_TK, top_k_weights_TK):
         return contract_rows(module, x_TH, top_k_index_TK, top_k_weights_TK, whole=whole)
+
     return run
 
 
@@ -216,10 +229,10 @@ def _stand_in(param: torch.Tensor, num: int, generator: torch.Generator) -> torc
     ``j`` a window of one buffer starting ``j * 7`` elements in (see the module docstring)."""
     shape = tuple(param.shape)
     inner = math.prod(shape[1:]) if shape else 1
-    std = inner ** -0.25 if len(shape) >= 2 else 1.0
+    std = inner**-0.25 if len(shape) >= 2 else 1.0
     if len(shape) >= 2 and shape[0] == num:
         flat = torch.randn(inner + (num - 1) * _STAND_IN_STEP, generator=generator) * std
-        strides = [_STAND_IN_STEP] + [math.prod(shape[i + 1:]) for i in range(1, len(shape))]
+        strides = [_STAND_IN_STEP] + [math.prod(shape[i + 1 :]) for i in range(1, len(shape))]
         return flat.as_strided(shape, strides)
     return torch.randn(shape, generator=generator) * std
 

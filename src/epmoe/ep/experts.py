@@ -113,8 +113,9 @@ def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor,
     return projection_calls(weights, trans_weight)
 
 
-def projection_calls(weights: dict[str, torch.Tensor], trans_weight: bool
-                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
+def projection_calls(
+    weights: dict[str, torch.Tensor], trans_weight: bool
+) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
     """The grouped matmuls on ``weights`` (by projection name) as ``(x, weight, trans_weight)``, ``x``
     an empty ``(0, K)`` tensor like the rows each one multiplies (contiguous, freshly allocated)."""
     k_dim = 2 if trans_weight else 1
@@ -143,7 +144,11 @@ def experts_backend(module: nn.Module, backend: str = "auto") -> GmmBackend:
 
 
 def experts_forward(
-    module: nn.Module, x_em: torch.Tensor, counts: Sequence[int] | torch.Tensor, *, backend: str = "auto",
+    module: nn.Module,
+    x_em: torch.Tensor,
+    counts: Sequence[int] | torch.Tensor,
+    *,
+    backend: str = "auto",
     sync_weights: WeightsHook | None = None,
 ) -> torch.Tensor:
     """Run ``module``'s (local) experts on ``x_em``; ``counts[j]`` consecutive rows go to expert ``j``
@@ -163,8 +168,13 @@ class LocalExperts:
     part; as ``experts_implementation="epmoe"`` the module's own forward runs it).
     """
 
-    def __init__(self, module: nn.Module, backend: str = "auto", shared: Sequence[nn.Parameter] | None = None,
-                 post: str | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        backend: str = "auto",
+        shared: Sequence[nn.Parameter] | None = None,
+        post: str | None = None,
+    ):
         self.module = module
         self.post = post
         self.packed = not isinstance(module, nn.ModuleList)
@@ -199,8 +209,9 @@ class LocalExperts:
     def triples(self) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
         """A ``ModuleList``'s ``(gate, up, down)`` Linears if they run grouped (recognised once, and
         again only if an expert's layers were replaced since, e.g. wrapped by PEFT), else ``None``."""
-        if not self.packed and any(a is not b for old, new in zip(self._children, self._layers())
-                                   for a, b in zip(old, new)):
+        if not self.packed and any(
+            a is not b for old, new in zip(self._children, self._layers()) for a, b in zip(old, new)
+        ):
             self._triples, self._children = linear_triples(self.module), self._layers()
         return self._triples
 
@@ -211,8 +222,14 @@ class LocalExperts:
         rows by counts read to the host."""
         return self.packed or self.triples is not None
 
-    def gmm_backend(self, up: torch.Tensor | None = None, down: torch.Tensor | None = None, *,
-                    counts: list[int] | None = None, backward: bool = True) -> GmmBackend:
+    def gmm_backend(
+        self,
+        up: torch.Tensor | None = None,
+        down: torch.Tensor | None = None,
+        *,
+        counts: list[int] | None = None,
+        backward: bool = True,
+    ) -> GmmBackend:
         """The backend every grouped matmul of this module's MLP runs on (both projections, forward
         and backward; :attr:`grouped` experts only), for weights ``up`` / ``down`` as a forward uses
         them (default: the module's own) on rows like the ones the ops gather (contiguous, fresh).
@@ -232,8 +249,9 @@ class LocalExperts:
             return self.gmm.backend_for(list(gmm_probes(self.module).values()), counts=counts, backward=backward)
         return self.gmm.backend_for_weights((up, down), self.trans_weight, counts=counts, backward=backward)
 
-    def forward(self, x_em: torch.Tensor, counts: Sequence[int] | torch.Tensor, *,
-                sync_weights: WeightsHook | None = None) -> torch.Tensor:
+    def forward(
+        self, x_em: torch.Tensor, counts: Sequence[int] | torch.Tensor, *, sync_weights: WeightsHook | None = None
+    ) -> torch.Tensor:
         """The local experts on ``x_em``; ``counts[j]`` consecutive rows go to expert ``j``.
 
         ``x_em``: ``(A, H)``, rows expert-major. ``counts``: ints, or a 1-D integer tensor, which the
@@ -324,8 +342,15 @@ class LocalExperts:
         self._compute_dtypes[dtype] = torch.promote_types(family, dtype)
         return self._compute_dtypes[dtype]
 
-    def routed_mlp(self, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs, *,
-                   sync_weights: WeightsHook | None = None, sources: RowSources | None = None) -> torch.Tensor:
+    def routed_mlp(
+        self,
+        x_RH: torch.Tensor,
+        weights_RK: torch.Tensor,
+        pairs: RowPairs,
+        *,
+        sync_weights: WeightsHook | None = None,
+        sources: RowSources | None = None,
+    ) -> torch.Tensor:
         """``(R, H)``: rows ``x_RH`` through the local experts their ``pairs`` name, weighted by
         ``weights_RK`` and summed per row (:mod:`epmoe.ep.mlp`): through the ``epmoe::routed_mlp``
         custom op (:func:`~epmoe.ep.mlp.routed_mlp_custom_op`), or, for experts that are not
@@ -341,15 +366,26 @@ class LocalExperts:
                 x_RH = x_RH.to(self.compute_dtype(self._weight_dtype()))
             forward = functools.partial(self.forward, sync_weights=sync_weights)
             if sources is not None and self._split_shared():
-                forward = functools.partial(self._by_source, pairs=pairs, K=weights_RK.shape[1], sources=sources,
-                                            sync_weights=sync_weights)
+                forward = functools.partial(
+                    self._by_source, pairs=pairs, K=weights_RK.shape[1], sources=sources, sync_weights=sync_weights
+                )
             return routed_mlp_autograd(forward, x_RH, weights_RK, pairs)
         up, down, up_bias, down_bias = self.weights(sync_weights)  # in the compute dtype
-        return routed_mlp_custom_op(self.key, x_RH.to(up.dtype) if self.packed else x_RH, weights_RK, pairs,
-                                    up, down, up_bias, down_bias, trans_weight=self.trans_weight)
+        return routed_mlp_custom_op(
+            self.key,
+            x_RH.to(up.dtype) if self.packed else x_RH,
+            weights_RK,
+            pairs,
+            up,
+            down,
+            up_bias,
+            down_bias,
+            trans_weight=self.trans_weight,
+        )
 
-    def weights(self, sync_weights: WeightsHook | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    def weights(
+        self, sync_weights: WeightsHook | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """``(up, down, up_bias, down_bias)`` as a forward of :attr:`grouped` experts uses them
         (through ``sync_weights``), read with :attr:`trans_weight`: packed experts' own tensors
         (biases ``None`` without ``has_bias``; read as packed views: :func:`~epmoe.ep.recognize.as_packed`), or a
@@ -376,8 +412,16 @@ class LocalExperts:
         named = dict(self.module.named_parameters(remove_duplicate=False))
         return torch.is_grad_enabled() and any(named[n].requires_grad for n in self.shared_names)
 
-    def _by_source(self, x_PH: torch.Tensor, counts: list[int] | torch.Tensor, *, pairs: RowPairs, K: int,
-                   sources: RowSources, sync_weights: WeightsHook) -> torch.Tensor:
+    def _by_source(
+        self,
+        x_PH: torch.Tensor,
+        counts: list[int] | torch.Tensor,
+        *,
+        pairs: RowPairs,
+        K: int,
+        sources: RowSources,
+        sync_weights: WeightsHook,
+    ) -> torch.Tensor:
         """:meth:`forward` on the pairs ``x_PH`` (expert-major, counts ``counts``), run once per source
         rank on that rank's pairs, each run seeing its own view of every shared parameter
         (:func:`~epmoe.ep.grads.shared_by_source`, whose backward sends each source rank the gradient
@@ -405,8 +449,9 @@ class LocalExperts:
         ends_W = torch.tensor(list(itertools.accumulate(sources.rows_W)), device=device)
         source_P = torch.bucketize(pairs.slot_P // K, ends_W, right=True)
         counts_e = torch.as_tensor(counts, device=device)
-        expert_P = torch.repeat_interleave(torch.arange(counts_e.numel(), device=device), counts_e,
-                                           output_size=x_PH.shape[0])
+        expert_P = torch.repeat_interleave(
+            torch.arange(counts_e.numel(), device=device), counts_e, output_size=x_PH.shape[0]
+        )
         call = _ExpertsCall(self.module, functools.partial(self.forward, sync_weights=sync_once))
         outs, order = [], []
         for s, view in enumerate(views):
@@ -425,8 +470,9 @@ class LocalExperts:
         down_w = torch.stack([t[2].weight for t in triples])
         return [torch.cat([gate_w, up_w], dim=1), down_w]
 
-    def _packed_forward(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
-                        ) -> torch.Tensor:
+    def _packed_forward(
+        self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
+    ) -> torch.Tensor:
         module = self.module
         if self.post is not None:
             return self._with_post(x_em, counts, sync_weights)
@@ -435,8 +481,9 @@ class LocalExperts:
             y = module.post_expert_norm(y)
         return y
 
-    def _with_post(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
-                   ) -> torch.Tensor:
+    def _with_post(
+        self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
+    ) -> torch.Tensor:
         """The grouped MLP, then the per-expert post module on each row with its local expert's id
         (``ids_em``, expert-major as the rows). Its parameters are per expert: synced with the MLP's
         weights, in one call of ``sync_weights``, and stood in for by name."""
@@ -446,33 +493,45 @@ class LocalExperts:
                 f"epmoe: {type(self.module).__name__}.{self.post}: PEFT LoRA on the per-expert post module's weights is "
                 f"not supported: its factors span every expert's row, which expert parallelism splits. Leave these "
                 f"weights out of target_parameters (LoRA on the experts' projections, attention and other Linears "
-                f"works)")
+                f"works)"
+            )
         names = [name for name, _ in post.named_parameters()]
         post_weights = [post.get_parameter(name) for name in names]
         synced = {}
 
         def with_post_weights(weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
             out = sync_weights([*weights, *post_weights], per_parameter=per_parameter)
-            synced.update(zip(names, out[len(weights):]))
-            return out[:len(weights)]
+            synced.update(zip(names, out[len(weights) :]))
+            return out[: len(weights)]
 
         _, y_em = self._grouped_mlp(x_em.to(self.compute_dtype(self._weight_dtype())), counts, with_post_weights)
         counts_e = torch.as_tensor(counts, device=y_em.device)
-        ids_em = torch.repeat_interleave(torch.arange(counts_e.numel(), device=y_em.device), counts_e,
-                                         output_size=y_em.shape[0])
+        ids_em = torch.repeat_interleave(
+            torch.arange(counts_e.numel(), device=y_em.device), counts_e, output_size=y_em.shape[0]
+        )
         return torch.func.functional_call(post, synced, (y_em, ids_em), tie_weights=False)
 
-    def _grouped_mlp(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _grouped_mlp(
+        self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`~epmoe.ep.mlp.expert_mlp` through :func:`epmoe.grouped_mm` (plain autograd), on
         the backend :attr:`gmm` chose (asked inside the op: nothing of the choice is traced)."""
         up, down, up_bias, down_bias = self.weights(sync_weights)
         trans_weight, choice = self.trans_weight, self.gmm
-        return expert_mlp(x_em, counts, up, down, up_bias, down_bias, self.gate_activation,
-                          lambda x, w: grouped_mm(x, w, counts, trans_weight=trans_weight, backend=choice))
+        return expert_mlp(
+            x_em,
+            counts,
+            up,
+            down,
+            up_bias,
+            down_bias,
+            self.gate_activation,
+            lambda x, w: grouped_mm(x, w, counts, trans_weight=trans_weight, backend=choice),
+        )
 
-    def _module_list_forward(self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
-                             ) -> torch.Tensor:
+    def _module_list_forward(
+        self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
+    ) -> torch.Tensor:
         experts = self.module
         if self.triples is not None:
             return self._grouped_mlp(x_em, counts, sync_weights)[1]
@@ -483,7 +542,7 @@ class LocalExperts:
         # gradients (as the grouped paths do), not None; it also keeps the output connected to x_em,
         # whose exchange must run in backward on every rank.
         starts = prefix(counts)
-        return torch.cat([expert(x_em[starts[j]:starts[j + 1]]) for j, expert in enumerate(experts)])
+        return torch.cat([expert(x_em[starts[j] : starts[j + 1]]) for j, expert in enumerate(experts)])
 
 
 @dataclass(frozen=True)
@@ -508,8 +567,16 @@ class _ExpertsCall(nn.Module):
         return self.run(x, counts)
 
 
-_MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
-            torch.ops.aten.matmul, torch.ops.aten.linear, torch.ops.aten.mv, torch.ops.aten.addmv}
+_MATMULS = {
+    torch.ops.aten.mm,
+    torch.ops.aten.addmm,
+    torch.ops.aten.bmm,
+    torch.ops.aten.baddbmm,
+    torch.ops.aten.matmul,
+    torch.ops.aten.linear,
+    torch.ops.aten.mv,
+    torch.ops.aten.addmv,
+}
 
 
 class _DtypeRecorder(TorchDispatchMode):
@@ -569,8 +636,13 @@ def _probe_compute_dtype(module: nn.Module, up: torch.Tensor) -> torch.dtype:
             with recorder:
                 out = forward(module, x, index, weights)
     except Exception as exc:  # noqa: BLE001 - any failure of the family's own forward: computed as its weights
-        logger.warning("epmoe: %s's own forward failed on a probe (%s: %s): its experts compute in %s",
-                       type(module).__name__, type(exc).__name__, exc, up.dtype)
+        logger.warning(
+            "epmoe: %s's own forward failed on a probe (%s: %s): its experts compute in %s",
+            type(module).__name__,
+            type(exc).__name__,
+            exc,
+            up.dtype,
+        )
         return up.dtype
     if not isinstance(out, torch.Tensor):  # not the experts contract's single tensor: its matmuls alone
         return functools.reduce(torch.promote_types, recorder.matmuls, up.dtype)

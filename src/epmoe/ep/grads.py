@@ -82,8 +82,9 @@ class ExpertGradPolicy:
     ``ExpertParallelConfig.check_steps``, whether each ``"dp"`` reduction starts with a step header.
     """
 
-    def __init__(self, mode: str, ep_size: int, dp_channel: StepChannel | None, dp_size: int,
-                 check_steps: bool | str = "auto"):
+    def __init__(
+        self, mode: str, ep_size: int, dp_channel: StepChannel | None, dp_size: int, check_steps: bool | str = "auto"
+    ):
         self.mode = mode
         self.ep_size = ep_size
         self.dp_channel, self.dp_size = dp_channel, dp_size
@@ -152,8 +153,10 @@ class ExpertGradPolicy:
                 f"ExpertParallelConfig(expert_grad='sum') cannot be honoured; use 'auto' or 'mean'"
             )
         if self.wrapper is not None and self.wrapper != reducer:
-            raise ValueError(f"epmoe: the model already runs under {self.wrapper}, which averages the expert "
-                             f"gradients itself; {reducer} would average them again")
+            raise ValueError(
+                f"epmoe: the model already runs under {self.wrapper}, which averages the expert "
+                f"gradients itself; {reducer} would average them again"
+            )
         self.set_wrapper(reducer)
         self.reducer = reducer
         self._decide()
@@ -164,16 +167,23 @@ class ExpertGradPolicy:
         if decision == self._logged:
             return
         self._logged = decision
-        how = (f"divided by the {self.data_parallel_size} data-parallel ranks" if decision == "mean"
-               else "summed over every rank's tokens")
-        why = f" ({self.wrapper})" if self.mode == "auto" and self.wrapper else (
-            " (no data-parallel wrapper seen yet)" if self.mode == "auto" else "")
+        how = (
+            f"divided by the {self.data_parallel_size} data-parallel ranks"
+            if decision == "mean"
+            else "summed over every rank's tokens"
+        )
+        why = (
+            f" ({self.wrapper})"
+            if self.mode == "auto" and self.wrapper
+            else (" (no data-parallel wrapper seen yet)" if self.mode == "auto" else "")
+        )
         logger.info("epmoe: expert_grad=%r -> %r%s: expert gradients are %s", self.mode, decision, why, how)
 
     def _all_reduce(self, flat: torch.Tensor, position: Position, *, async_op: bool = False):
         """``flat`` summed over ``"dp"``, after a step header at ``position`` where checks are on."""
-        return self.dp_channel.all_reduce(flat, position, header=checks_on(self.check_steps, flat.device),
-                                          async_op=async_op)
+        return self.dp_channel.all_reduce(
+            flat, position, header=checks_on(self.check_steps, flat.device), async_op=async_op
+        )
 
     def finish(self, grads: list[torch.Tensor | None], position: Position, arm: Arm) -> list[torch.Tensor | None]:
         """Reduce ``grads`` over ``"dp"`` (one flat buffer) and apply the scale; ``None`` entries stay.
@@ -193,12 +203,13 @@ class ExpertGradPolicy:
             if g is None:
                 out.append(None)
                 continue
-            out.append(flat[offset:offset + g.numel()].view_as(g).to(g.dtype))
+            out.append(flat[offset : offset + g.numel()].view_as(g).to(g.dtype))
             offset += g.numel()
         return out
 
-    def reduce_later(self, params: list[nn.Parameter], grads: list[torch.Tensor | None], position: Position,
-                     arm: Arm) -> None:
+    def reduce_later(
+        self, params: list[nn.Parameter], grads: list[torch.Tensor | None], position: Position, arm: Arm
+    ) -> None:
         """Start the ``"dp"`` all-reduce of ``grads`` (one flat buffer) without waiting; at the end of
         this backward, :meth:`_land` scales the sums and adds them to ``params``' ``.grad``. The rest
         of the backward runs meanwhile (on NCCL / HCCL the collective has its own stream). ``arm`` is
@@ -225,7 +236,7 @@ class ExpertGradPolicy:
                 flat.mul_(scale)
             offset = 0
             for p in params:
-                part = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+                part = flat[offset : offset + p.numel()].view_as(p).to(p.dtype)
                 offset += p.numel()
                 if p.grad is None:
                     p.grad = part
@@ -258,8 +269,9 @@ class _ExpertGradSync(torch.autograd.Function):
         return (None, None, None, *policy.finish(list(grads), ctx.position, ctx.arm))
 
 
-def finish_weights(policy: ExpertGradPolicy, weights: Sequence[torch.Tensor], position: Position,
-                   arm: Arm) -> list[torch.Tensor]:
+def finish_weights(
+    policy: ExpertGradPolicy, weights: Sequence[torch.Tensor], position: Position, arm: Arm
+) -> list[torch.Tensor]:
     """``weights`` (an experts module's, as its forward uses them) with their gradients finished by
     ``policy`` in the backward, before they flow into their leaves: weights reached through a wrapper
     (PEFT's LoRA parametrization ``W + B @ A``, the stack of a ``ModuleList``'s Linear weights) are
@@ -268,8 +280,9 @@ def finish_weights(policy: ExpertGradPolicy, weights: Sequence[torch.Tensor], po
     return list(_ExpertGradSync.apply(policy, arm, position, *weights))
 
 
-def register_param_hooks(policy: ExpertGradPolicy, params: Sequence[nn.Parameter],
-                         position: Callable[[], Position], arm: Arm) -> None:
+def register_param_hooks(
+    policy: ExpertGradPolicy, params: Sequence[nn.Parameter], position: Callable[[], Position], arm: Arm
+) -> None:
     """For experts run by their own forward (no weight tensor to intercept): a gradient hook per
     parameter that finishes its incoming gradient (one collective per parameter over ``"dp"``);
     ``position()`` gives the layer's position when the hook runs; ``arm`` as for :func:`finish_weights`."""
@@ -300,8 +313,9 @@ class _SharedBySource(torch.autograd.Function):
         if torch.is_grad_enabled():
             raise double_backward_error("shared-parameter gradients by source rank")
         W, n = ctx.W, ctx.params
-        sent_WN = torch.stack([torch.cat([d.reshape(-1).to(ctx.dtype) for d in d_views[s * n:(s + 1) * n]])
-                               for s in range(W)])
+        sent_WN = torch.stack(
+            [torch.cat([d.reshape(-1).to(ctx.dtype) for d in d_views[s * n : (s + 1) * n]]) for s in range(W)]
+        )
         received_WN = all_to_all_v(sent_WN, [1] * W, [1] * W, ctx.group)
         total_N = received_WN[0].clone()
         for row in received_WN[1:]:
@@ -309,13 +323,14 @@ class _SharedBySource(torch.autograd.Function):
         grads, offset = [], 0
         for shape, dtype in ctx.meta:
             size = math.prod(shape)
-            grads.append(total_N[offset:offset + size].view(shape).to(dtype))
+            grads.append(total_N[offset : offset + size].view(shape).to(dtype))
             offset += size
         return (None, None, dx, *grads)
 
 
-def shared_by_source(x: torch.Tensor, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None
-                     ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+def shared_by_source(
+    x: torch.Tensor, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
     """``(x, views)``: ``x`` (the rows an experts module runs: gradients pass through), and per source
     rank ``s`` of ``group`` the views ``views[s]`` of ``params`` (parameters shared by the experts)
     that the rows of rank ``s`` run with. In backward, each rank's parameters get the gradient its
@@ -326,4 +341,4 @@ def shared_by_source(x: torch.Tensor, params: Sequence[torch.Tensor], group: dis
     W = world_size(group, "shared_by_source")
     out = _SharedBySource.apply(group, W, x, *params)
     n = len(params)
-    return out[0], [list(out[1 + s * n:1 + (s + 1) * n]) for s in range(W)]
+    return out[0], [list(out[1 + s * n : 1 + (s + 1) * n]) for s in range(W)]

@@ -39,9 +39,11 @@ from torch import nn
 SAMPLE = 64  # elements of each replicated parameter in the fingerprint
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (odd: a bijection mod 2**64)
 
-FIX = ("clip with epmoe.clip_grad_norm_(model, max_norm) (the whole model's norm, every expert once); "
-       "with accelerate call epmoe.prepare_accelerator(accelerator), with a transformers Trainer "
-       "epmoe.prepare_trainer(trainer), once, before training")
+FIX = (
+    "clip with epmoe.clip_grad_norm_(model, max_norm) (the whole model's norm, every expert once); "
+    "with accelerate call epmoe.prepare_accelerator(accelerator), with a transformers Trainer "
+    "epmoe.prepare_trainer(trainer), once, before training"
+)
 
 
 class StepGuard:
@@ -66,8 +68,9 @@ class StepGuard:
 
     def _record(self, root: nn.Module) -> None:
         self._armed = False
-        self._records = [[p.grad, p.grad._version] for p in root.parameters()
-                         if p.grad is not None and self._is_expert(p)]
+        self._records = [
+            [p.grad, p.grad._version] for p in root.parameters() if p.grad is not None and self._is_expert(p)
+        ]
 
     def bless(self) -> None:
         """epmoe's own clip changed the recorded gradients: that change is the right one."""
@@ -83,10 +86,12 @@ class StepGuard:
             return torch.zeros(2, dtype=torch.int64, device=device)
         records, self._records = self._records, []
         # changed since: its version moved and it is not zeros (a zero_grad(set_to_none=False))
-        moved = [_spread(grad.detach(), 16).ne(0).any().to(device) for grad, version in records
-                 if grad._version != version]
-        changed = (torch.stack(moved).any().to(torch.int64) if moved
-                   else torch.zeros((), dtype=torch.int64, device=device))
+        moved = [
+            _spread(grad.detach(), 16).ne(0).any().to(device) for grad, version in records if grad._version != version
+        ]
+        changed = (
+            torch.stack(moved).any().to(torch.int64) if moved else torch.zeros((), dtype=torch.int64, device=device)
+        )
         return torch.stack([changed, self.fingerprint(root, device)])
 
     def fingerprint(self, root: nn.Module, device: torch.device) -> torch.Tensor:
@@ -95,8 +100,9 @@ class StepGuard:
         params = [p for p in root.parameters() if not self._is_expert(p) and _plain(p)]
         versions = sum(p._version for p in params) + len(params)
         if self._fingerprint is None or versions != self._versions or self._fingerprint.device != device:
-            self._fingerprint = _fingerprint(params, device) if params else torch.ones((), dtype=torch.int64,
-                                                                                        device=device)
+            self._fingerprint = (
+                _fingerprint(params, device) if params else torch.ones((), dtype=torch.int64, device=device)
+            )
             self._versions = versions
         return self._fingerprint
 
@@ -132,7 +138,7 @@ def _plain(p: torch.Tensor) -> bool:
 def _spread(t: torch.Tensor, n: int) -> torch.Tensor:
     """Up to ``n`` elements of ``t``, evenly spaced over it (a view: no copy of ``t``)."""
     flat = t.reshape(-1)
-    return flat[::max(1, flat.numel() // n)][:n]
+    return flat[:: max(1, flat.numel() // n)][:n]
 
 
 @torch.no_grad()

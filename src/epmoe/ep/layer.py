@@ -38,15 +38,21 @@ from epmoe.ep.state import ExpertParallelState, state_of
 
 
 def routed_experts(
-    state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
-    top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None,
+    state: ExpertParallelState,
+    hidden_TH: torch.Tensor,
+    top_k_index_TK: torch.Tensor,
+    top_k_weights_TK: torch.Tensor,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """``(T, H)``: every token's routed experts' outputs, weighted and summed (plus the shared
     expert's, where one is given: only to a transport that carries it, overlapped with its
     communication)."""
     shard, transport = state.shard, state.transport
-    if (top_k_index_TK.dim() != 2 or top_k_index_TK.shape[0] != hidden_TH.shape[0]
-            or top_k_weights_TK.shape != top_k_index_TK.shape):
+    if (
+        top_k_index_TK.dim() != 2
+        or top_k_index_TK.shape[0] != hidden_TH.shape[0]
+        or top_k_weights_TK.shape != top_k_index_TK.shape
+    ):
         raise ValueError(
             f"{shard.module_name}: expected top_k_index and top_k_weights of shape (T, K) with T={hidden_TH.shape[0]}, "
             f"got {tuple(top_k_index_TK.shape)} and {tuple(top_k_weights_TK.shape)}"
@@ -66,15 +72,22 @@ def routed_experts(
     return out_TH.to(hidden_TH.dtype)  # experts that compute in a wider dtype are summed in it, then cast
 
 
-def _route(transport: Dispatcher, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
-           top_k_weights_TK: torch.Tensor, shared: SharedExpert | None) -> torch.Tensor:
+def _route(
+    transport: Dispatcher,
+    state: ExpertParallelState,
+    hidden_TH: torch.Tensor,
+    top_k_index_TK: torch.Tensor,
+    top_k_weights_TK: torch.Tensor,
+    shared: SharedExpert | None,
+) -> torch.Tensor:
     """Dispatch, experts, combine."""
     rows, meta = transport.dispatch(state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
     return transport.combine(state, transport.experts(state, rows, meta), meta)
 
 
 _route_eagerly = torch.compiler.disable(
-    _route, reason="the counts exchange reads the counts to the host: one graph break per layer")
+    _route, reason="the counts exchange reads the counts to the host: one graph break per layer"
+)
 
 
 def expert_parallel_forward(

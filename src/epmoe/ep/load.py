@@ -26,7 +26,6 @@ from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER
 from epmoe.ep.state import ExpertParallelState, require_ep_states
 
 
-
 def global_load(state: ExpertParallelState, counter: str) -> torch.Tensor:
     """``(E,)`` int64: the slots each global expert received in ``counter`` of one layer, summed over
     the EP group (one header exchange; none on a single rank)."""

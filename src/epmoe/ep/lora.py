@@ -106,19 +106,25 @@ def refuse_unsupported(module: nn.Module) -> None:
     param = getattr(base, getattr(module, "parameter_name", ""), None)  # the one this wrapper adapts
     if layout is not None:
         what = f"stacked-rows expert weights ({', '.join(layout.names)}: every expert's rows in one 2-D tensor)"
-        why = ("its factors span every expert, which expert parallelism splits (the family's own forward does "
-               "not run such a wrapper either)")
+        why = (
+            "its factors span every expert, which expert parallelism splits (the family's own forward does "
+            "not run such a wrapper either)"
+        )
     elif state.shard.ep_size > 1 and isinstance(param, torch.Tensor) and param.dim() != 3:
         what = f"the per-expert {module.parameter_name} ({param.dim()}-D)"
         why = "peft lays its factors out as for one matrix spanning every expert, which expert parallelism splits"
     elif zero_experts(base) and state.shard.ep_size > 1:
         what = "experts beside zero-computation experts"
-        why = ("peft sizes the unsharded model's factors over the zero experts' never-read rows too, which a "
-               "shard does not keep, so they would start unlike the unsharded model's")
+        why = (
+            "peft sizes the unsharded model's factors over the zero experts' never-read rows too, which a "
+            "shard does not keep, so they would start unlike the unsharded model's"
+        )
     else:
         return
-    raise ValueError(f"epmoe: {state.shard.module_name}: PEFT LoRA on {what} is not supported: {why}. Leave these "
-                     "weights out of target_parameters (LoRA on attention and other Linears works)")
+    raise ValueError(
+        f"epmoe: {state.shard.module_name}: PEFT LoRA on {what} is not supported: {why}. Leave these "
+        "weights out of target_parameters (LoRA on attention and other Linears works)"
+    )
 
 
 @torch.compiler.disable

@@ -51,8 +51,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from epmoe import platform
-from epmoe.errors import double_backward_error
 from epmoe.ep.routing import ACCUMULATION_DTYPES, RowPairs
+from epmoe.errors import double_backward_error
 from epmoe.gmm.registry import counts_once, run_grouped_mm, run_grouped_mm_backward
 
 # a grouped matmul with its counts and backend bound: (x_AD rows grouped by local expert, weight) -> y_AN
@@ -70,10 +70,17 @@ def register_experts(experts: object) -> int:
     return key
 
 
-def expert_mlp(x_AH: torch.Tensor, counts: Sequence[int] | torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-               up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
-               gate: Callable[[torch.Tensor], torch.Tensor], matmul: GroupedMatmul,
-               padding_A: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_mlp(
+    x_AH: torch.Tensor,
+    counts: Sequence[int] | torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    gate: Callable[[torch.Tensor], torch.Tensor],
+    matmul: GroupedMatmul,
+    padding_A: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h_AN, y_AH)``: the local experts' MLP on rows grouped by local expert, ``counts[j]`` rows
     for expert ``j`` (``x_AH``, rows expert-major)::
 
@@ -98,8 +105,9 @@ def expert_mlp(x_AH: torch.Tensor, counts: Sequence[int] | torch.Tensor, up: tor
     return h_AN, y_AH if down_bias is None else y_AH + down_bias[expert_A]
 
 
-def expert_of_rows(counts: Sequence[int] | torch.Tensor, num_rows: int, device: torch.device, *,
-                   padded: bool = False) -> torch.Tensor:
+def expert_of_rows(
+    counts: Sequence[int] | torch.Tensor, num_rows: int, device: torch.device, *, padded: bool = False
+) -> torch.Tensor:
     """``(A,)``: each row's local expert, for rows grouped by expert (``counts[j]`` rows for expert
     ``j``); built where the counts are (host counts: on the host, then copied), its gather's
     backward an index_put. ``padded``: the rows past the counts' sum are padding (given the last
@@ -114,8 +122,13 @@ def expert_of_rows(counts: Sequence[int] | torch.Tensor, num_rows: int, device: 
     return platform.host_to_device(torch.repeat_interleave(experts, counts_e, output_size=num_rows), device)
 
 
-def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: torch.Tensor, out_dtype: torch.dtype,
-                 padded: bool = False) -> torch.Tensor:
+def weighted_sum(
+    y_PH: torch.Tensor,
+    weights_RK: torch.Tensor | None,
+    pair_RK: torch.Tensor,
+    out_dtype: torch.dtype,
+    padded: bool = False,
+) -> torch.Tensor:
     """``(R, H)``: each row's pairs' outputs times their weights (``None``: unweighted), summed in ``k``
     order in float32 or wider (as ``torch.sum`` accumulates 16-bit floats); rows without a pair at
     some ``k`` (``pair_RK == P``) take a zero row there (``padded``: ``P = R * K`` and some may have
@@ -136,17 +149,28 @@ def weighted_sum(y_PH: torch.Tensor, weights_RK: torch.Tensor | None, pair_RK: t
         if weights_RK is None:
             out_RH = y_RH.to(sum_dtype) if out_RH is None else out_RH.add_(y_RH)
         elif out_RH is None:
-            out_RH = (y_RH * weights_RK[:, k:k + 1]).to(sum_dtype)
+            out_RH = (y_RH * weights_RK[:, k : k + 1]).to(sum_dtype)
         else:
-            out_RH.addcmul_(y_RH, weights_RK[:, k:k + 1])
+            out_RH.addcmul_(y_RH, weights_RK[:, k : k + 1])
     return out_RH.to(out_dtype)
 
 
 @torch.library.custom_op("epmoe::routed_mlp", mutates_args=())
 def _routed_mlp_op(
-    x_RH: torch.Tensor, weights_RK: torch.Tensor, slot_P: torch.Tensor, pair_RK: torch.Tensor, counts_e: torch.Tensor,
-    host_counts: list[int] | None, up: torch.Tensor, down: torch.Tensor, up_bias: torch.Tensor | None,
-    down_bias: torch.Tensor | None, trans_weight: bool, experts_key: int, differentiable: bool, padded: bool,
+    x_RH: torch.Tensor,
+    weights_RK: torch.Tensor,
+    slot_P: torch.Tensor,
+    pair_RK: torch.Tensor,
+    counts_e: torch.Tensor,
+    host_counts: list[int] | None,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    trans_weight: bool,
+    experts_key: int,
+    differentiable: bool,
+    padded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out_RH, h_PN)``: the rows' routed MLP and the up projection's output (kept for backward);
     ``padded``: the pairs are padded (see the module docstring)."""
@@ -154,9 +178,17 @@ def _routed_mlp_op(
     experts = _LIVE[experts_key]
     backend = experts.gmm_backend(up, down, counts=host_counts, backward=differentiable)
     counts = host_counts if host_counts is not None else counts_once(backend, counts_e, up.shape[0], x_RH.device)
-    h_PN, y_PH = expert_mlp(x_RH[slot_P // K], counts_e, up, down, up_bias, down_bias, experts.gate_activation,
-                            lambda x, w: run_grouped_mm(x, w, counts, trans_weight, backend),
-                            _padding(counts_e, slot_P.numel()) if padded else None)
+    h_PN, y_PH = expert_mlp(
+        x_RH[slot_P // K],
+        counts_e,
+        up,
+        down,
+        up_bias,
+        down_bias,
+        experts.gate_activation,
+        lambda x, w: run_grouped_mm(x, w, counts, trans_weight, backend),
+        _padding(counts_e, slot_P.numel()) if padded else None,
+    )
     return weighted_sum(y_PH, weights_RK, pair_RK, x_RH.dtype, padded), h_PN
 
 
@@ -166,17 +198,42 @@ def _padding(counts_e: torch.Tensor, num_pairs: int) -> torch.Tensor:
 
 
 @_routed_mlp_op.register_fake
-def _routed_mlp_fake(x_RH, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias, down_bias,
-                     trans_weight, experts_key, differentiable, padded):
+def _routed_mlp_fake(
+    x_RH,
+    weights_RK,
+    slot_P,
+    pair_RK,
+    counts_e,
+    host_counts,
+    up,
+    down,
+    up_bias,
+    down_bias,
+    trans_weight,
+    experts_key,
+    differentiable,
+    padded,
+):
     return torch.empty_like(x_RH), x_RH.new_empty(slot_P.shape[0], up.shape[1 if trans_weight else 2])
 
 
 @torch.library.custom_op("epmoe::routed_mlp_backward", mutates_args=())
 def _routed_mlp_backward_op(
-    dout_RH: torch.Tensor, x_RH: torch.Tensor, h_PN: torch.Tensor, weights_RK: torch.Tensor, slot_P: torch.Tensor,
-    pair_RK: torch.Tensor, counts_e: torch.Tensor, host_counts: list[int] | None, up: torch.Tensor,
-    down: torch.Tensor, up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, trans_weight: bool,
-    experts_key: int, padded: bool,
+    dout_RH: torch.Tensor,
+    x_RH: torch.Tensor,
+    h_PN: torch.Tensor,
+    weights_RK: torch.Tensor,
+    slot_P: torch.Tensor,
+    pair_RK: torch.Tensor,
+    counts_e: torch.Tensor,
+    host_counts: list[int] | None,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    trans_weight: bool,
+    experts_key: int,
+    padded: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx_RH, dweights_RK, d_up, d_down, d_up_bias, d_down_bias)`` (empty where there is no bias);
     padded pairs (``padded``) get zero gradients (the matmuls' rows for them are masked)."""
@@ -233,17 +290,51 @@ def _row_dots(a_PN: torch.Tensor, b_PN: torch.Tensor, dtype: torch.dtype) -> tor
 
 
 @_routed_mlp_backward_op.register_fake
-def _routed_mlp_backward_fake(dout_RH, x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down,
-                              up_bias, down_bias, trans_weight, experts_key, padded):
+def _routed_mlp_backward_fake(
+    dout_RH,
+    x_RH,
+    h_PN,
+    weights_RK,
+    slot_P,
+    pair_RK,
+    counts_e,
+    host_counts,
+    up,
+    down,
+    up_bias,
+    down_bias,
+    trans_weight,
+    experts_key,
+    padded,
+):
     empty = x_RH.new_empty(0)
-    return (torch.empty_like(x_RH), torch.empty_like(weights_RK), torch.empty_like(up), torch.empty_like(down),
-            empty if up_bias is None else torch.empty_like(up_bias),
-            empty if down_bias is None else torch.empty_like(down_bias))
+    return (
+        torch.empty_like(x_RH),
+        torch.empty_like(weights_RK),
+        torch.empty_like(up),
+        torch.empty_like(down),
+        empty if up_bias is None else torch.empty_like(up_bias),
+        empty if down_bias is None else torch.empty_like(down_bias),
+    )
 
 
 def _setup_context(ctx, inputs, output):
-    (x_RH, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias, down_bias, trans_weight,
-     experts_key, _, padded) = inputs
+    (
+        x_RH,
+        weights_RK,
+        slot_P,
+        pair_RK,
+        counts_e,
+        host_counts,
+        up,
+        down,
+        up_bias,
+        down_bias,
+        trans_weight,
+        experts_key,
+        _,
+        padded,
+    ) = inputs
     ctx.save_for_backward(x_RH, output[1], weights_RK, slot_P, pair_RK, counts_e, up, down, up_bias, down_bias)
     ctx.options = (host_counts, trans_weight, experts_key, padded)
     ctx.set_materialize_grads(False)  # h's gradient is never used: no (P, 2I) zeros for it
@@ -257,34 +348,83 @@ def _backward(ctx, dout_RH, _dh):
         dout_RH = torch.zeros_like(x_RH)
     host_counts, trans_weight, experts_key, padded = ctx.options
     dx, dweights, d_up, d_down, d_up_bias, d_down_bias = torch.ops.epmoe.routed_mlp_backward(
-        dout_RH.contiguous(), x_RH, h_PN, weights_RK, slot_P, pair_RK, counts_e, host_counts, up, down, up_bias,
-        down_bias, trans_weight, experts_key, padded)
+        dout_RH.contiguous(),
+        x_RH,
+        h_PN,
+        weights_RK,
+        slot_P,
+        pair_RK,
+        counts_e,
+        host_counts,
+        up,
+        down,
+        up_bias,
+        down_bias,
+        trans_weight,
+        experts_key,
+        padded,
+    )
     needs = ctx.needs_input_grad
-    return (dx if needs[0] else None, dweights if needs[1] else None, None, None, None, None,
-            d_up if needs[6] else None, d_down if needs[7] else None,
-            d_up_bias if needs[8] else None, d_down_bias if needs[9] else None, None, None, None, None)
+    return (
+        dx if needs[0] else None,
+        dweights if needs[1] else None,
+        None,
+        None,
+        None,
+        None,
+        d_up if needs[6] else None,
+        d_down if needs[7] else None,
+        d_up_bias if needs[8] else None,
+        d_down_bias if needs[9] else None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 _routed_mlp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def routed_mlp_custom_op(experts_key: int, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs,
-                         up: torch.Tensor, down: torch.Tensor, up_bias: torch.Tensor | None,
-                         down_bias: torch.Tensor | None, *, trans_weight: bool) -> torch.Tensor:
+def routed_mlp_custom_op(
+    experts_key: int,
+    x_RH: torch.Tensor,
+    weights_RK: torch.Tensor,
+    pairs: RowPairs,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    *,
+    trans_weight: bool,
+) -> torch.Tensor:
     """``(R, H)``: the rows' routed MLP through ``epmoe::routed_mlp`` (see the module docstring);
     ``experts_key``: from :func:`register_experts` (the op asks that experts module for its gate and
     its grouped-matmul backend)."""
     differentiable = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x_RH, weights_RK, up, down, up_bias, down_bias))
+        t is not None and t.requires_grad for t in (x_RH, weights_RK, up, down, up_bias, down_bias)
+    )
     host_counts = None if torch.compiler.is_compiling() else pairs.host_counts_e
     out_RH, _ = torch.ops.epmoe.routed_mlp(
-        x_RH, weights_RK, pairs.slot_P, pairs.pair_RK, pairs.counts_e, host_counts, up, down, up_bias, down_bias,
-        trans_weight, experts_key, differentiable, pairs.padded)
+        x_RH,
+        weights_RK,
+        pairs.slot_P,
+        pairs.pair_RK,
+        pairs.counts_e,
+        host_counts,
+        up,
+        down,
+        up_bias,
+        down_bias,
+        trans_weight,
+        experts_key,
+        differentiable,
+        pairs.padded,
+    )
     return out_RH
 
 
-def routed_mlp_autograd(experts_forward, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs
-                        ) -> torch.Tensor:
+def routed_mlp_autograd(experts_forward, x_RH: torch.Tensor, weights_RK: torch.Tensor, pairs: RowPairs) -> torch.Tensor:
     """``(R, H)``: the same as :func:`routed_mlp_custom_op` through plain autograd, for experts run by
     ``experts_forward(x_PH, counts)`` (which keeps what autograd keeps)."""
     K = weights_RK.shape[1]

@@ -67,9 +67,17 @@ class EPModel:
     module, in ``named_modules()`` order, the modules from ``root`` down to it.
     """
 
-    def __init__(self, root: nn.Module, config: ExpertParallelConfig, group: dist.ProcessGroup | None,
-                 ep_size: int, channel: StepChannel | None, dp_channel: StepChannel | None, dp_size: int,
-                 paths: Sequence[tuple[nn.Module, ...]]):
+    def __init__(
+        self,
+        root: nn.Module,
+        config: ExpertParallelConfig,
+        group: dist.ProcessGroup | None,
+        ep_size: int,
+        channel: StepChannel | None,
+        dp_channel: StepChannel | None,
+        dp_size: int,
+        paths: Sequence[tuple[nn.Module, ...]],
+    ):
         self.root, self.config, self.group = root, config, group
         self.channel, self.dp_channel = channel, dp_channel
         self.paths = list(paths)
@@ -147,8 +155,9 @@ class EPModel:
         is active, or ``fully_shard`` sits on a path to the experts. Attribute reads and ``isinstance``
         only (nothing the look itself changes), so ``torch.compile`` traces it without a break or a
         recompile."""
-        return (DistributedDataParallel._get_active_ddp_module() is not None
-                or any(isinstance(m, FSDPModule) for path in self.paths for m in path))
+        return DistributedDataParallel._get_active_ddp_module() is not None or any(
+            isinstance(m, FSDPModule) for path in self.paths for m in path
+        )
 
     def _before_forward(self, module: nn.Module, args: tuple) -> None:
         """The root's forward pre-hook: see which data-parallel wrapper runs this forward. While
@@ -187,13 +196,23 @@ class EPModel:
         self._fsdp = tuple(any(isinstance(m, FSDPModule) for m in path) for path in self.paths)
         if any(self._fsdp):
             policy.set_wrapper("FSDP2 fully_shard")
-        self._deepspeed = any(getattr(hook, "__qualname__", "").startswith("DeepSpeedEngine.")
-                              for path in self.paths for m in path for hook in m._forward_pre_hooks.values())
+        self._deepspeed = any(
+            getattr(hook, "__qualname__", "").startswith("DeepSpeedEngine.")
+            for path in self.paths
+            for m in path
+            for hook in m._forward_pre_hooks.values()
+        )
         if not self.started:  # the first forward with gradients states the policy (set_wrapper states changes)
             policy.log()
 
-    def use_weights(self, layer: int, weights: Sequence[torch.Tensor], position: Callable[[], Position], *,
-                    per_parameter: bool = False) -> list[torch.Tensor]:
+    def use_weights(
+        self,
+        layer: int,
+        weights: Sequence[torch.Tensor],
+        position: Callable[[], Position],
+        *,
+        per_parameter: bool = False,
+    ) -> list[torch.Tensor]:
         """The weights of experts module ``layer`` as its forward should use them: their leaves checked
         and marked, their gradients finished by :attr:`policy` (``weights`` wrapped, or with
         ``per_parameter`` a gradient hook on each, for experts run by their own forward).
@@ -206,8 +225,12 @@ class EPModel:
             # eagerly, the same parameters as the last forward's, still marked as this model's, and nothing
             # the look at the wrappers reads changed since they were checked: nothing to check or mark again
             checked = () if torch.compiler.is_compiling() else self._checked.get(layer, ())
-            if not (len(checked) == len(weights) + 2 and checked[0] == self._seen and checked[1] == policy.reducer
-                    and all(w is c and getattr(w, _MARK, None) is self for w, c in zip(weights, checked[2:]))):
+            if not (
+                len(checked) == len(weights) + 2
+                and checked[0] == self._seen
+                and checked[1] == policy.reducer
+                and all(w is c and getattr(w, _MARK, None) is self for w, c in zip(weights, checked[2:]))
+            ):
                 self._check_leaves(layer, weights)
         if per_parameter:
             register_param_hooks(policy, weights, position, self.arm_guard)
@@ -221,8 +244,10 @@ class EPModel:
         by :meth:`use_weights` in a forward with gradients); parameters are remembered as checked."""
         leaves = [leaf for w in weights for leaf in _leaves(w)]
         self.started = True
-        if any(hasattr(p, "ds_id") and getattr(p, "ds_zero_placement_family", None) != DEEPSPEED_EXPERT_FAMILY
-               for p in leaves):
+        if any(
+            hasattr(p, "ds_id") and getattr(p, "ds_zero_placement_family", None) != DEEPSPEED_EXPERT_FAMILY
+            for p in leaves
+        ):
             raise ValueError(
                 "epmoe: DeepSpeed ZeRO stage 3 partitions the expert parameters, which differ on every EP rank, "
                 "over all ranks: call epmoe.prepare_deepspeed(model) after apply_expert_parallel and before "

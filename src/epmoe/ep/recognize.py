@@ -54,8 +54,11 @@ _LINEAR_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 def is_packed_experts(module: nn.Module) -> bool:
     """Whether ``module`` is a transformers v5 packed experts module (``@use_experts_implementation``),
     or packed experts epmoe adopted (:func:`adopt_packed_experts`)."""
-    if not (hasattr(module, "has_gate") and hasattr(module, "has_bias")
-            and (hasattr(module, "is_transposed") or ADOPTED_TRANSPOSED in vars(module))):
+    if not (
+        hasattr(module, "has_gate")
+        and hasattr(module, "has_bias")
+        and (hasattr(module, "is_transposed") or ADOPTED_TRANSPOSED in vars(module))
+    ):
         return False
     if stacked_rows(module) is not None:
         return True
@@ -114,17 +117,24 @@ def _looks_like_experts(name: str, module: nn.Module) -> bool:
     if not any(p.dim() >= 2 for p in module.parameters()):  # weights, not only norms or scales
         return False
     leaf, cls = name.rsplit(".", 1)[-1].lower(), type(module).__name__.lower()
-    one_layer = type(module).__module__.startswith("torch.nn") and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
-    if not re.search(r"shared|router|gate|gating", leaf + " " + cls) and not one_layer and (
-            "expert" in leaf or re.search(r"experts?$", cls)):
+    one_layer = type(module).__module__.startswith("torch.nn") and not isinstance(
+        module, (nn.ModuleList, nn.ModuleDict)
+    )
+    if (
+        not re.search(r"shared|router|gate|gating", leaf + " " + cls)
+        and not one_layer
+        and ("expert" in leaf or re.search(r"experts?$", cls))
+    ):
         return True
     num = getattr(module, "num_experts", None)
     return isinstance(num, int) and any(
-        isinstance(child, nn.Embedding) and child.num_embeddings == num for child in module.children())
+        isinstance(child, nn.Embedding) and child.num_embeddings == num for child in module.children()
+    )
 
 
-def unsupported_experts(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]
-                        ) -> list[tuple[str, nn.Module, str]]:
+def unsupported_experts(
+    model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]
+) -> list[tuple[str, nn.Module, str]]:
     """``(name, module, why epmoe cannot run it)`` for every experts-like module
     (:func:`experts_like_modules`) that :func:`find_experts_modules` did not recognise (``found``)."""
     recognised = {name for name, _, _ in found}
@@ -144,40 +154,63 @@ def _why_unsupported(model: nn.Module, modules: dict[str, nn.Module], name: str,
     config = getattr(model, "config", None)
     where = "in an encoder-decoder model, " if getattr(config, "is_encoder_decoder", False) else ""
     if any("attention" in type(a).__name__.lower() for a in ancestors[1:]) or any(
-            re.search(r"attn|attention", p) for p in parts[:-1]):
-        return (f"{where}experts inside attention (a mixture of attention heads): epmoe runs experts that are "
-                f"a layer's MLP, called with each token's top-k experts")
+        re.search(r"attn|attention", p) for p in parts[:-1]
+    ):
+        return (
+            f"{where}experts inside attention (a mixture of attention heads): epmoe runs experts that are "
+            f"a layer's MLP, called with each token's top-k experts"
+        )
     if any(isinstance(child, nn.Embedding) for child in module.children()):
-        return (f"{where}experts are rows of nn.Embedding tables (one vector per expert, retrieved by product "
-                f"keys), not per-expert MLP weights")
+        return (
+            f"{where}experts are rows of nn.Embedding tables (one vector per expert, retrieved by product "
+            f"keys), not per-expert MLP weights"
+        )
     parent = ancestors[-1]
     if not any(re.search(r"gate|gating|router", child_name) for child_name, _ in parent.named_children()):
-        return (f"{where}no router beside it in {type(parent).__name__} (its forward takes "
-                f"{', '.join(_signature(module))}), so there is nothing to route tokens across ranks by")
+        return (
+            f"{where}no router beside it in {type(parent).__name__} (its forward takes "
+            f"{', '.join(_signature(module))}), so there is nothing to route tokens across ranks by"
+        )
     params = _signature(module)
     if params != _EXPERTS_CONTRACT:
-        return (f"{where}its forward takes ({', '.join(params)}), not the experts contract "
-                f"({', '.join(_EXPERTS_CONTRACT)}) with top-k expert ids")
+        return (
+            f"{where}its forward takes ({', '.join(params)}), not the experts contract "
+            f"({', '.join(_EXPERTS_CONTRACT)}) with top-k expert ids"
+        )
     shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters())
     leading = {n: p.shape[0] for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
     # only running its own forward tells these layouts apart, which weights on the meta device cannot
-    meta = ("{} only its own forward can tell, and its weights are on the meta device (load them, then apply "
-            "expert parallelism)") if any(p.is_meta for p in module.parameters()) else ""
+    meta = (
+        (
+            "{} only its own forward can tell, and its weights are on the meta device (load them, then apply "
+            "expert parallelism)"
+        )
+        if any(p.is_meta for p in module.parameters())
+        else ""
+    )
     if len(set(leading.values())) > 1:
-        return (f"{where}its 3-D weights hold different numbers of experts ({shapes})" + (meta.format(
-                ": whether the ids past the experts with weights are zero-computation experts") or (
+        return f"{where}its 3-D weights hold different numbers of experts ({shapes})" + (
+            meta.format(": whether the ids past the experts with weights are zero-computation experts")
+            or (
                 ", and its own forward is not a packed MLP on the experts with weights returning the token "
-                "times its weight for the ids past them (zero-computation experts)")))
+                "times its weight for the ids past them (zero-computation experts)"
+            )
+        )
     num = getattr(module, "num_experts", None)
-    if not leading and isinstance(num, int) and all(
-            p.dim() == 2 and p.shape[0] % num == 0 for p in module.parameters()):
-        return (f"{where}expert weights flattened to 2-D, {num} experts' rows stacked ({shapes})" + (meta.format(
-                ": which is the gate, the up and the down projection") or (
-                ": no reading of them as one gated MLP's gate, up and down projections agrees with its own "
-                "forward")))
+    if (
+        not leading
+        and isinstance(num, int)
+        and all(p.dim() == 2 and p.shape[0] % num == 0 for p in module.parameters())
+    ):
+        return f"{where}expert weights flattened to 2-D, {num} experts' rows stacked ({shapes})" + (
+            meta.format(": which is the gate, the up and the down projection")
+            or (": no reading of them as one gated MLP's gate, up and down projections agrees with its own forward")
+        )
     if leading:
-        return (f"{where}packed experts without transformers' @use_experts_implementation flags (has_gate, "
-                f"is_transposed, has_bias): the layout of {shapes} is not inferred")
+        return (
+            f"{where}packed experts without transformers' @use_experts_implementation flags (has_gate, "
+            f"is_transposed, has_bias): the layout of {shapes} is not inferred"
+        )
     return f"{where}per-expert weights in a layout epmoe does not recognise ({shapes})"
 
 
@@ -230,8 +263,9 @@ def adopt_packed_experts(module: nn.Module) -> bool:
         layouts = layouts if len(layouts) == 1 and not zero else []
     else:
         layouts = [t for t in layouts if _computes_layout(module, up_name, t, has_bias, own_gate, dense, num)]
-    if len(layouts) != 1 or (zero and (dense or not _zero_experts_are_identity(
-            module, num, zero, up.shape[1 if layouts[0] else 2]))):
+    if len(layouts) != 1 or (
+        zero and (dense or not _zero_experts_are_identity(module, num, zero, up.shape[1 if layouts[0] else 2]))
+    ):
         return False
     _set_flags(module, up_name == "gate_up_proj", has_bias, layouts[0], own_gate)
     module._epmoe_adopted = "every token" if dense else "contract"  # an attribute: copies keep it
@@ -262,8 +296,9 @@ def _zero_experts_are_identity(module: nn.Module, num: int, zero: int, hidden: i
     return isinstance(own, torch.Tensor) and own.shape == x.shape and _close(own, weights * x)
 
 
-def _top_two(first_R: torch.Tensor, second_R: torch.Tensor, weight: float | torch.Tensor, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _top_two(
+    first_R: torch.Tensor, second_R: torch.Tensor, weight: float | torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(top_k_index (R, 2), top_k_weights (R, 2))`` of a probe, weights in ``dtype``: each row's
     ``first_R`` expert with ``weight``, its ``second_R`` with weight 0."""
     weights = torch.zeros(first_R.shape[0], 2, dtype=dtype, device=first_R.device)
@@ -298,8 +333,13 @@ def adopt_stacked_experts(module: nn.Module) -> tuple[str, nn.Module] | None:
     :class:`StackedRows` and a gate. ``None`` otherwise, and for weights on the meta device."""
     num = getattr(module, "num_experts", None)
     children = [(n, c) for n, c in module.named_children() if any(True for _ in c.parameters())]
-    if (_signature(module) != _EXPERTS_CONTRACT or not isinstance(num, int) or num < 1 or len(children) != 1
-            or any(True for _ in module.parameters(recurse=False))):
+    if (
+        _signature(module) != _EXPERTS_CONTRACT
+        or not isinstance(num, int)
+        or num < 1
+        or len(children) != 1
+        or any(True for _ in module.parameters(recurse=False))
+    ):
         return None
     holder_name, holder = children[0]
     if stacked_rows(holder) is not None:  # adopted before (its weights may be sharded since)
@@ -383,7 +423,9 @@ def expert_rows(module: nn.Module) -> list[tuple[str, int]]:
     if layout is not None:
         return list(zip(layout.names, layout.rows))
     num, zero = num_experts_of(module), zero_experts(module)
-    own = [(n, 1) for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] in (num, num + zero)]
+    own = [
+        (n, 1) for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] in (num, num + zero)
+    ]
     post = per_expert_post(module)
     return own if post is None else own + [(f"{post}.{n}", 1) for n, _ in module.get_submodule(post).named_parameters()]
 
@@ -396,9 +438,13 @@ def per_expert_post(module: nn.Module) -> str | None:
     expert's rank, with local expert ids; whether the module's own forward does exactly that is
     :mod:`epmoe.ep.contract`'s probe."""
     num = num_experts_of(module)
-    found = [name for name, child in module.named_children()
-             if (params := list(child.parameters())) and all(p.dim() >= 1 and p.shape[0] == num for p in params)
-             and len(_signature(child)) == 2]
+    found = [
+        name
+        for name, child in module.named_children()
+        if (params := list(child.parameters()))
+        and all(p.dim() >= 1 and p.shape[0] == num for p in params)
+        and len(_signature(child)) == 2
+    ]
     return found[0] if len(found) == 1 and not getattr(module, "has_post_expert_norm", False) else None
 
 
@@ -452,13 +498,21 @@ def _default_gate(module: nn.Module, h: torch.Tensor) -> torch.Tensor:
     return module.act_fn(gate) * up
 
 
-def _computes_layout(module: nn.Module, up_name: str, transposed: bool, has_bias: bool, own_gate: bool,
-                     dense: bool, num: int) -> bool:
+def _computes_layout(
+    module: nn.Module, up_name: str, transposed: bool, has_bias: bool, own_gate: bool, dense: bool, num: int
+) -> bool:
     """Whether ``module``'s own forward equals the packed MLP of that layout (:func:`_agrees`);
     ``num``: the experts with weights."""
     up = getattr(module, up_name)
-    return _agrees(module, module, lambda: _set_flags(module, up_name == "gate_up_proj", has_bias, transposed,
-                                                      own_gate), num, up.shape[1 if transposed else 2], up, dense)
+    return _agrees(
+        module,
+        module,
+        lambda: _set_flags(module, up_name == "gate_up_proj", has_bias, transposed, own_gate),
+        num,
+        up.shape[1 if transposed else 2],
+        up,
+        dense,
+    )
 
 
 def _computes_stacked(module: nn.Module, holder: nn.Module, layout: StackedRows, num: int) -> bool:
@@ -471,8 +525,9 @@ def _computes_stacked(module: nn.Module, holder: nn.Module, layout: StackedRows,
 _PROBE_ATTRIBUTES = _ADOPTED_FLAGS + ("_apply_gate", "_epmoe_stacked")
 
 
-def _agrees(module: nn.Module, holder: nn.Module, set_flags, num: int, hidden: int, weight: torch.Tensor,
-            dense: bool) -> bool:
+def _agrees(
+    module: nn.Module, holder: nn.Module, set_flags, num: int, hidden: int, weight: torch.Tensor, dense: bool
+) -> bool:
     """Whether ``module``'s own forward equals the packed MLP (:func:`packed_mlp_rows`) of ``holder``
     with the flags ``set_flags()`` gives it, on a probe of two rows per expert (``num`` experts,
     ``hidden`` wide, in ``weight``'s dtype and device): called with the contract (each row's expert
@@ -495,8 +550,11 @@ def _agrees(module: nn.Module, holder: nn.Module, set_flags, num: int, hidden: i
         for flag in _PROBE_ATTRIBUTES:
             vars(holder).pop(flag, None)
         vars(holder).update(saved)
-    return (isinstance(own, torch.Tensor) and own.numel() == expected.numel()  # (T, 1, H) from DBRX's: reshaped
-            and _close(own.reshape(expected.shape), expected))
+    return (
+        isinstance(own, torch.Tensor)
+        and own.numel() == expected.numel()  # (T, 1, H) from DBRX's: reshaped
+        and _close(own.reshape(expected.shape), expected)
+    )
 
 
 def _close(own: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -528,8 +586,9 @@ def shared_parameters(experts: nn.Module) -> list[tuple[str, nn.Parameter]]:
     rank may keep a single expert). EP never shards these: they are replicated, like the rest of the
     model."""
     if not isinstance(experts, nn.ModuleList) and not is_packed_experts(experts):
-        raise TypeError(f"shared_parameters(experts): expected packed or nn.ModuleList experts, got "
-                        f"{type(experts).__name__}")
+        raise TypeError(
+            f"shared_parameters(experts): expected packed or nn.ModuleList experts, got {type(experts).__name__}"
+        )
     if isinstance(experts, nn.ModuleList):
         holders: dict[int, int] = {}
         for expert in experts:
@@ -595,8 +654,11 @@ def _computes_triple(expert: nn.Module, gate: nn.Linear, up: nn.Linear, down: nn
             own = expert(x)
             expected = down(expert.act_fn(gate(x)) * up(x))
         tolerance = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 2e-2
-        verdict = (isinstance(own, torch.Tensor) and own.shape == expected.shape
-                   and torch.allclose(own, expected, rtol=tolerance, atol=tolerance))
+        verdict = (
+            isinstance(own, torch.Tensor)
+            and own.shape == expected.shape
+            and torch.allclose(own, expected, rtol=tolerance, atol=tolerance)
+        )
         _TRIPLE_VERDICTS[expert] = verdict
     return verdict
 
@@ -625,6 +687,8 @@ def fused_ineligible_reason(experts: nn.Module) -> str | None:
     if getattr(experts, "has_post_expert_norm", False) or per_expert_post(experts) is not None:
         return "a post-expert norm would have to run between the grouped matmul and the exchange"
     if shared_parameters(experts):
-        return (f"its parameters shared by every expert ({shared_parameters(experts)[0][0]}...) get their gradient "
-                f"split by source rank on the all-to-all-v path only")
+        return (
+            f"its parameters shared by every expert ({shared_parameters(experts)[0][0]}...) get their gradient "
+            f"split by source rank on the all-to-all-v path only"
+        )
     return None

@@ -60,8 +60,14 @@ class RowPairs:
         return self.host_counts_e if self.host_counts_e is not None else self.counts_e
 
 
-def pair_rows(local_expert_RK: torch.Tensor, num_local: int, num_pairs: int | None = None,
-              host_counts_e: list[int] | None = None, *, padded: bool = False) -> RowPairs:
+def pair_rows(
+    local_expert_RK: torch.Tensor,
+    num_local: int,
+    num_pairs: int | None = None,
+    host_counts_e: list[int] | None = None,
+    *,
+    padded: bool = False,
+) -> RowPairs:
     """The pairs of rows whose ``K`` choices go to ``local_expert_RK`` (``num_local`` where the
     expert is not local). ``num_pairs``: how many are local (from the counts exchange; ``None``: all
     ``R * K``, a single rank's case, so nothing is read to the host, and a choice outside
@@ -97,7 +103,7 @@ def keep_first(pairs: RowPairs, capacity: int, host_counts_e: list[int]) -> tupl
     starts_e = pairs.counts_e.cumsum(0) - pairs.counts_e
     expert_P = torch.repeat_interleave(torch.arange(len(kept_e), device=device), pairs.counts_e, output_size=P)
     dropped_P = (torch.arange(P, device=device) - starts_e[expert_P]) >= capacity
-    slot_P = pairs.slot_P[torch.sort(dropped_P.to(torch.int8), stable=True).indices[:sum(kept_e)]]
+    slot_P = pairs.slot_P[torch.sort(dropped_P.to(torch.int8), stable=True).indices[: sum(kept_e)]]
     R, K = pairs.pair_RK.shape
     pair_S = torch.full((R * K,), slot_P.numel(), dtype=torch.int64, device=device)
     pair_S.index_copy_(0, slot_P, torch.arange(slot_P.numel(), device=device))
@@ -132,12 +138,13 @@ def token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int
     order_R = torch.sort(1 - sends_WT, stable=True).indices[:num_rows]  # rank-major, then token
     row_WT = torch.full((ep_size * T,), num_rows, dtype=torch.int64, device=device)
     row_WT.index_copy_(0, order_R, torch.arange(num_rows, device=device))
-    row_TD = torch.sort(row_WT.view(ep_size, T).t(), dim=1).values[:, :min(K, ep_size)]
+    row_TD = torch.sort(row_WT.view(ep_size, T).t(), dim=1).values[:, : min(K, ep_size)]
     return TokenRows(order_R % T, row_TD)
 
 
-def static_token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int, block: int
-                      ) -> tuple[TokenRows, torch.Tensor]:
+def static_token_rows(
+    top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_size: int, block: int
+) -> tuple[TokenRows, torch.Tensor]:
     """``(rows, rows_W)``: the static transport's rows, ``W`` blocks of ``block`` (``B >= T``) rows,
     block ``w`` the tokens with an expert on rank ``w`` in token order, then padding rows (token
     ``T``: zero rows); ``rows_W`` (``(W,)`` int64): the real rows of each block. Built on the device
@@ -152,8 +159,8 @@ def static_token_rows(top_k_index_TK: torch.Tensor, experts_per_rank: int, ep_si
     row_TW = torch.where(dest_TW.bool(), start_W + dest_TW.cumsum(0) - 1, W * B)  # W*B: no row
     token_R = torch.full((W * B + 1,), T, dtype=torch.int64, device=dest_TW.device)
     token_TW = torch.arange(T, device=dest_TW.device).view(T, 1).expand(T, W)
-    token_R = token_R.scatter(0, row_TW.reshape(-1), token_TW.reshape(-1))[:W * B]
-    row_TD = torch.sort(row_TW, dim=1).values[:, :min(K, W)]
+    token_R = token_R.scatter(0, row_TW.reshape(-1), token_TW.reshape(-1))[: W * B]
+    row_TD = torch.sort(row_TW, dim=1).values[:, : min(K, W)]
     return TokenRows(token_R, row_TD, padded=True), dest_TW.sum(0)
 
 
@@ -166,8 +173,14 @@ class GatherRows(torch.autograd.Function):
     summed in rank order."""
 
     @staticmethod
-    def forward(ctx, x_TH: torch.Tensor, route_TC: torch.Tensor | None, token_R: torch.Tensor, row_TD: torch.Tensor,
-                padded: bool) -> torch.Tensor:
+    def forward(
+        ctx,
+        x_TH: torch.Tensor,
+        route_TC: torch.Tensor | None,
+        token_R: torch.Tensor,
+        row_TD: torch.Tensor,
+        padded: bool,
+    ) -> torch.Tensor:
         ctx.save_for_backward(row_TD)
         ctx.hidden, ctx.route_dtype = x_TH.shape[1], None if route_TC is None else route_TC.dtype
         if route_TC is not None:
@@ -181,8 +194,8 @@ class GatherRows(torch.autograd.Function):
         (row_TD,) = ctx.saved_tensors
         if ctx.route_dtype is None:
             return _sum_by_token(dx_RX, row_TD), None, None, None, None
-        droute_RC = dx_RX[:, ctx.hidden:].contiguous().view(ctx.route_dtype)
-        return _sum_by_token(dx_RX[:, :ctx.hidden], row_TD), _sum_by_token(droute_RC, row_TD), None, None, None
+        droute_RC = dx_RX[:, ctx.hidden :].contiguous().view(ctx.route_dtype)
+        return _sum_by_token(dx_RX[:, : ctx.hidden], row_TD), _sum_by_token(droute_RC, row_TD), None, None, None
 
 
 class SumRows(torch.autograd.Function):
@@ -234,4 +247,3 @@ def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
     for column in row_TD.unbind(1):
         out_TH += y_RH[column]
     return out_TH.to(y_RH.dtype)
-

@@ -111,8 +111,9 @@ class ExpertParallelState:
         """The experts' weights as this forward uses them, gradients finished by the model's policy
         (:meth:`~epmoe.ep.model.EPModel.use_weights`; this method is the
         :class:`~epmoe.ep.experts.WeightsHook` the experts' compute takes)."""
-        return self.model.use_weights(self.layer, weights, lambda: self.position(GRAD_REDUCE),
-                                      per_parameter=per_parameter)
+        return self.model.use_weights(
+            self.layer, weights, lambda: self.position(GRAD_REDUCE), per_parameter=per_parameter
+        )
 
 
 def attach_state(module: nn.Module, state: ExpertParallelState) -> None:
@@ -152,8 +153,9 @@ def ep_states(model: nn.Module) -> Iterator[tuple[str, nn.Module, ExpertParallel
             yield name, module, state
 
 
-def sharded_experts(model: nn.Module, *, packed_only: bool = False
-                    ) -> Iterator[tuple[str, nn.Module, ExpertParallelState]]:
+def sharded_experts(
+    model: nn.Module, *, packed_only: bool = False
+) -> Iterator[tuple[str, nn.Module, ExpertParallelState]]:
     """:func:`ep_states` whose experts are sharded over more than one rank: packed experts modules,
     and (unless ``packed_only``) blocks around ``nn.ModuleList`` experts."""
     for name, module, state in ep_states(model):

@@ -76,8 +76,9 @@ class GmmBackend:
         for such calls and asks no counts."""
         return None
 
-    def forward(self, x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor,
-                trans_weight: bool) -> torch.Tensor:
+    def forward(
+        self, x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, trans_weight: bool
+    ) -> torch.Tensor:
         """``y_TN``: rows of group ``g`` times ``weight[g]`` (``weight[g].T`` when ``trans_weight``)."""
         raise NotImplementedError
 

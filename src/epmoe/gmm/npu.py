@@ -45,8 +45,10 @@ class NpuBackend(GmmBackend):
         if too_big:
             return f"inner dims {too_big} exceed the kernel's limit of {MAX_INNER_DIM}"
         if not (weight.is_contiguous() or weight.transpose(1, 2).is_contiguous()):
-            return (f"weight strides {weight.stride()} are neither contiguous nor transposed in the last two dims "
-                    f"(the only layouts the kernel reads)")
+            return (
+                f"weight strides {weight.stride()} are neither contiguous nor transposed in the last two dims "
+                f"(the only layouts the kernel reads)"
+            )
         return None
 
     @staticmethod
@@ -58,8 +60,12 @@ class NpuBackend(GmmBackend):
             return LoopBackend().forward(x_TD, weight, counts, trans_weight)
         w_GDN = weight.transpose(1, 2) if trans_weight else weight
         (y_TN,) = platform.torch_npu().npu_grouped_matmul(
-            [x_TD], [w_GDN], group_list=self._group_list(counts, x_TD.device),
-            split_item=3, group_type=0, group_list_type=1,
+            [x_TD],
+            [w_GDN],
+            group_list=self._group_list(counts, x_TD.device),
+            split_item=3,
+            group_type=0,
+            group_list_type=1,
         )
         return y_TN
 
@@ -68,7 +74,11 @@ class NpuBackend(GmmBackend):
             return LoopBackend().grad_weight(x_TD, dy_TN, counts, trans_weight)
         a, b = (dy_TN, x_TD) if trans_weight else (x_TD, dy_TN)
         (dw,) = platform.torch_npu().npu_grouped_matmul(
-            [a.t()], [b], group_list=self._group_list(counts, x_TD.device),
-            split_item=3, group_type=2, group_list_type=1,
+            [a.t()],
+            [b],
+            group_list=self._group_list(counts, x_TD.device),
+            split_item=3,
+            group_type=2,
+            group_list_type=1,
         )
         return dw

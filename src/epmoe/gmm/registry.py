@@ -120,8 +120,13 @@ def gmm_backends_for(calls: Mapping[str, tuple[torch.Tensor, torch.Tensor, bool]
 
 
 def select_backend(
-    x: torch.Tensor, weight: torch.Tensor, *, trans_weight: bool = False, backend: str = "auto",
-    counts: list[int] | None = None, backward: bool = True,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    trans_weight: bool = False,
+    backend: str = "auto",
+    counts: list[int] | None = None,
+    backward: bool = True,
 ) -> GmmBackend:
     """The backend ``grouped_mm`` runs for these operands (raises if a named one declines).
 
@@ -132,17 +137,24 @@ def select_backend(
     calls = [(None, x, weight, trans_weight)]
     named = os.environ.get(ENV_BACKEND, "").strip() or backend
     if isinstance(named, str) and named.startswith(PREFERRED):
-        statuses = _judge(calls, "select_backend", only=named[len(PREFERRED):])
+        statuses = _judge(calls, "select_backend", only=named[len(PREFERRED) :])
         if statuses and statuses[0].eligible:  # the preferred backend takes these operands
             return choose_backend(statuses, backend=named, counts=counts, x=x, backward=backward)
         named = backend = "auto"  # it declines them (or is unknown): the usual choice
     only = named if isinstance(named, str) and named != "auto" else None  # a named backend: judge it alone
-    return choose_backend(_judge(calls, "select_backend", only=only), backend=backend, counts=counts, x=x,
-                          backward=backward)
+    return choose_backend(
+        _judge(calls, "select_backend", only=only), backend=backend, counts=counts, x=x, backward=backward
+    )
 
 
-def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto", counts: list[int] | None = None,
-                   x: torch.Tensor | None = None, backward: bool = True) -> GmmBackend:
+def choose_backend(
+    statuses: Sequence[BackendStatus],
+    *,
+    backend: str = "auto",
+    counts: list[int] | None = None,
+    x: torch.Tensor | None = None,
+    backward: bool = True,
+) -> GmmBackend:
     """The registered backend to run, given each backend's status (from :func:`gmm_backends` or
     :func:`gmm_backends_for`).
 
@@ -157,7 +169,7 @@ def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto", 
     forced = os.environ.get(ENV_BACKEND, "").strip()
     name = forced or backend
     if name.startswith(PREFERRED):  # select_backend found the preferred one eligible
-        name = name[len(PREFERRED):]
+        name = name[len(PREFERRED) :]
     registered = {b.name: b for b in _registry}
     if name != "auto":
         if name not in registered:
@@ -176,7 +188,8 @@ def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto", 
                 continue
             candidate = registered[status.name]
             if candidate.by_counts and (
-                    counts is None or candidate.counts_reason(counts, x, backward=backward) is not None):
+                counts is None or candidate.counts_reason(counts, x, backward=backward) is not None
+            ):
                 continue  # it would run, but not faster here
             chosen = candidate
             break
@@ -185,13 +198,15 @@ def choose_backend(statuses: Sequence[BackendStatus], *, backend: str = "auto", 
         if declined and not chosen.accelerated:
             _warn_fallback(chosen, declined)
     if chosen.accelerated:
-        errors.log_once(logger, logging.INFO, ("gmm info", chosen.name), "epmoe grouped_mm: using the %r backend",
-                        chosen.name)
+        errors.log_once(
+            logger, logging.INFO, ("gmm info", chosen.name), "epmoe grouped_mm: using the %r backend", chosen.name
+        )
     return chosen
 
 
-def _judge(calls: list[tuple[str | None, object, object, object]], caller: str, only: str | None = None
-           ) -> list[BackendStatus]:
+def _judge(
+    calls: list[tuple[str | None, object, object, object]], caller: str, only: str | None = None
+) -> list[BackendStatus]:
     """Each registered backend's status (``only``: that backend's alone) on every call ``(label, x,
     weight, trans_weight)``, validated first; ``x`` is judged contiguous, as :func:`grouped_mm` passes
     it to the backend."""
@@ -238,8 +253,18 @@ class Operands:
     @classmethod
     def of(cls, x: torch.Tensor, weight: torch.Tensor, trans_weight: bool) -> Operands:
         x_aligned, weight_aligned = (t.device.type == "meta" or t.data_ptr() % 16 == 0 for t in (x, weight))
-        return cls(x.device, x.dtype, weight.dtype, trans_weight, x.shape[-1], x.stride(), x_aligned,
-                   tuple(weight.shape), weight.stride(), weight_aligned)
+        return cls(
+            x.device,
+            x.dtype,
+            weight.dtype,
+            trans_weight,
+            x.shape[-1],
+            x.stride(),
+            x_aligned,
+            tuple(weight.shape),
+            weight.stride(),
+            weight_aligned,
+        )
 
 
 Call = tuple[torch.Tensor, torch.Tensor, bool]  # one grouped matmul's (x, weight, trans_weight)
@@ -296,16 +321,24 @@ class BackendChoice:
         self._fixed = {}
         self.key = self._register()
 
-    def backend_for(self, calls: Sequence[Call], *, counts: list[int] | None = None, backward: bool = True
-                    ) -> GmmBackend:
+    def backend_for(
+        self, calls: Sequence[Call], *, counts: list[int] | None = None, backward: bool = True
+    ) -> GmmBackend:
         """The backend for ``calls`` (``(x, weight, trans_weight)`` each, on one device and dtype;
         ``counts``: the groups' rows where the caller has them on the host, ``backward``: whether the
         calls will be differentiated), judged as the class docstring says."""
-        return choose_backend(self._statuses(calls), backend=self.requested, counts=counts, x=calls[0][0],
-                              backward=backward)
+        return choose_backend(
+            self._statuses(calls), backend=self.requested, counts=counts, x=calls[0][0], backward=backward
+        )
 
-    def backend_for_weights(self, weights: Sequence[torch.Tensor], trans_weight: bool, *,
-                            counts: list[int] | None = None, backward: bool = True) -> GmmBackend:
+    def backend_for_weights(
+        self,
+        weights: Sequence[torch.Tensor],
+        trans_weight: bool,
+        *,
+        counts: list[int] | None = None,
+        backward: bool = True,
+    ) -> GmmBackend:
         """:meth:`backend_for` the grouped matmuls on ``weights`` (each read with ``trans_weight``) on
         rows like the ones an op gathers (contiguous, fresh): what an op that runs the family's
         matmuls asks each time it runs. Its answer is kept per registry, ``$EPMOE_GMM_BACKEND``,
@@ -313,15 +346,21 @@ class BackendChoice:
         dictionary lookup; where the counts may change the answer (``"auto"`` with a ``by_counts``
         backend that :meth:`~epmoe.gmm.backend.GmmBackend.calls_reason` leaves to the counts, such as
         ``batched`` in an undifferentiated call on the CPU), it is chosen again per call instead."""
-        key = (_registry_version, os.environ.get(ENV_BACKEND, ""), backward, trans_weight,
-               *((w.device, w.dtype, w.shape, w.stride(), w.is_meta or w.data_ptr() % 16 == 0) for w in weights))
+        key = (
+            _registry_version,
+            os.environ.get(ENV_BACKEND, ""),
+            backward,
+            trans_weight,
+            *((w.device, w.dtype, w.shape, w.stride(), w.is_meta or w.data_ptr() % 16 == 0) for w in weights),
+        )
         chosen = self._fixed.get(key)
         if chosen is None:
             calls = [(w.new_empty(0, w.shape[2 if trans_weight else 1]), w, trans_weight) for w in weights]
             chosen = self.backend_for(calls, counts=counts, backward=backward)
             named = os.environ.get(ENV_BACKEND, "").strip() or self.requested
-            if named != "auto" or all(b.calls_reason(calls[0][0], backward=backward) is not None
-                                      for b in _registry if b.by_counts):
+            if named != "auto" or all(
+                b.calls_reason(calls[0][0], backward=backward) is not None for b in _registry if b.by_counts
+            ):
                 self._fixed[key] = chosen
         return chosen
 
@@ -342,7 +381,9 @@ class BackendChoice:
             again = self._judged.get(again_key)
             if again is None:
                 again = self._judged[again_key] = (
-                    _both(statuses, _judge([(None, *call) for call in differ.values()], "grouped_mm")), operands)
+                    _both(statuses, _judge([(None, *call) for call in differ.values()], "grouped_mm")),
+                    operands,
+                )
             statuses = again[0]
         return statuses
 
@@ -359,8 +400,14 @@ def choice_of(key: int) -> BackendChoice:
 
 def _warn_fallback(backend: GmmBackend, declined: list[tuple[str, str]]) -> None:
     reasons = "; ".join(f"{name}: {reason}" for name, reason in declined)
-    errors.log_once(logger, logging.WARNING, ("gmm warning", backend.name),
-                    "epmoe grouped_mm: falling back to the %r backend (%s)", backend.name, reasons)
+    errors.log_once(
+        logger,
+        logging.WARNING,
+        ("gmm warning", backend.name),
+        "epmoe grouped_mm: falling back to the %r backend (%s)",
+        backend.name,
+        reasons,
+    )
 
 
 def check_operands(x: object, weight: object, trans_weight: object, caller: str = "grouped_mm") -> None:
@@ -403,8 +450,9 @@ def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
     return values
 
 
-def backend_counts(backend: GmmBackend, counts_G: torch.Tensor, host_counts: list[int] | None,
-                   x_TD: torch.Tensor, num_groups: int) -> list[int] | torch.Tensor:
+def backend_counts(
+    backend: GmmBackend, counts_G: torch.Tensor, host_counts: list[int] | None, x_TD: torch.Tensor, num_groups: int
+) -> list[int] | torch.Tensor:
     """The counts as ``backend`` takes them: ``host_counts`` where the caller has them, else the
     ``(G,)`` tensor on ``x_TD``'s device for a :attr:`~GmmBackend.device_counts` backend (not read:
     its values are trusted), else ``counts_G`` read to the host once and validated."""
@@ -415,8 +463,9 @@ def backend_counts(backend: GmmBackend, counts_G: torch.Tensor, host_counts: lis
     return _counts_list(counts_G, num_groups, x_TD.shape[0])
 
 
-def counts_once(backend: GmmBackend, counts_G: torch.Tensor, num_groups: int, device: torch.device
-                ) -> list[int] | torch.Tensor:
+def counts_once(
+    backend: GmmBackend, counts_G: torch.Tensor, num_groups: int, device: torch.device
+) -> list[int] | torch.Tensor:
     """For an op that issues several grouped matmuls on the same counts on ``backend`` and holds no
     host counts (where it does, every call takes those): the ``(G,)`` tensor on ``device`` for a
     :attr:`~GmmBackend.device_counts` backend (not read), else ``counts_G`` read to the host once and
@@ -428,8 +477,9 @@ def counts_once(backend: GmmBackend, counts_G: torch.Tensor, num_groups: int, de
     return values
 
 
-def run_grouped_mm(x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, trans_weight: bool,
-                   backend: GmmBackend) -> torch.Tensor:
+def run_grouped_mm(
+    x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int] | torch.Tensor, trans_weight: bool, backend: GmmBackend
+) -> torch.Tensor:
     """``y_TN``: the one body of every grouped matmul epmoe runs (the ``epmoe::grouped_mm`` op, and
     the ops that run grouped matmuls inside): rows of group ``g`` of ``x_TD`` times ``weight[g]``
     (transposed with ``trans_weight``) on ``backend``, as it was chosen (not judged here).
@@ -440,9 +490,16 @@ def run_grouped_mm(x_TD: torch.Tensor, weight: torch.Tensor, counts: list[int] |
         return backend.forward(x_TD.contiguous(), weight, counts, trans_weight)
 
 
-def run_grouped_mm_backward(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: torch.Tensor,
-                            counts: list[int] | torch.Tensor, trans_weight: bool, backend: GmmBackend,
-                            need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def run_grouped_mm_backward(
+    dy_TN: torch.Tensor,
+    x_TD: torch.Tensor,
+    weight: torch.Tensor,
+    counts: list[int] | torch.Tensor,
+    trans_weight: bool,
+    backend: GmmBackend,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx_TD, dW)`` of :func:`run_grouped_mm` on the same backend: ``dx = dy @ W^T`` per group and
     ``dW`` in the weight's layout (zero for an empty group); an empty tensor for a gradient not
     needed (``x_TD`` may be an empty ``(0, D)`` probe when only ``dx`` is)."""
@@ -459,19 +516,35 @@ def run_grouped_mm_backward(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: tor
     return dx, dw
 
 
-def _op_backend(x_TD: torch.Tensor, weight: torch.Tensor, trans_weight: bool, backend: str, choice: int,
-                host_counts: list[int] | None, backward: bool) -> GmmBackend:
+def _op_backend(
+    x_TD: torch.Tensor,
+    weight: torch.Tensor,
+    trans_weight: bool,
+    backend: str,
+    choice: int,
+    host_counts: list[int] | None,
+    backward: bool,
+) -> GmmBackend:
     """The backend of one ``epmoe::grouped_mm`` call: its caller's :class:`BackendChoice` (``choice``
     >= 0), else chosen here from ``backend`` (:func:`select_backend`)."""
     if choice >= 0:
         return choice_of(choice).backend_for([(x_TD, weight, trans_weight)], counts=host_counts, backward=backward)
-    return select_backend(x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts,
-                          backward=backward)
+    return select_backend(
+        x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts, backward=backward
+    )
 
 
 @torch.library.custom_op("epmoe::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor, host_counts: list[int] | None,
-                   trans_weight: bool, backend: str, choice: int, differentiable: bool) -> torch.Tensor:
+def _grouped_mm_op(
+    x_TD: torch.Tensor,
+    weight: torch.Tensor,
+    counts_G: torch.Tensor,
+    host_counts: list[int] | None,
+    trans_weight: bool,
+    backend: str,
+    choice: int,
+    differentiable: bool,
+) -> torch.Tensor:
     """The op behind :func:`grouped_mm`: the backend chosen here and the counts read to the host
     here where it needs them (once), so that ``torch.compile`` traces neither (only
     :func:`_grouped_mm_fake`)."""
@@ -486,9 +559,18 @@ def _grouped_mm_fake(x_TD, weight, counts_G, host_counts, trans_weight, backend,
 
 
 @torch.library.custom_op("epmoe::grouped_mm_backward", mutates_args=())
-def _grouped_mm_backward_op(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: torch.Tensor, counts_G: torch.Tensor,
-                            host_counts: list[int] | None, trans_weight: bool, backend: str, choice: int,
-                            need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _grouped_mm_backward_op(
+    dy_TN: torch.Tensor,
+    x_TD: torch.Tensor,
+    weight: torch.Tensor,
+    counts_G: torch.Tensor,
+    host_counts: list[int] | None,
+    trans_weight: bool,
+    backend: str,
+    choice: int,
+    need_dx: bool,
+    need_dw: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx_TD, dW)`` on the backend the forward ran (chosen again from the same operands, which
     a :class:`BackendChoice` answers without judging; the choice depends on nothing else); a
     gradient not needed is an empty tensor."""
@@ -498,8 +580,9 @@ def _grouped_mm_backward_op(dy_TN: torch.Tensor, x_TD: torch.Tensor, weight: tor
 
 
 @_grouped_mm_backward_op.register_fake
-def _grouped_mm_backward_fake(dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, need_dx,
-                              need_dw):
+def _grouped_mm_backward_fake(
+    dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, need_dx, need_dw
+):
     empty = x_TD.new_empty(0)
     return (torch.empty_like(x_TD) if need_dx else empty), (torch.empty_like(weight) if need_dw else empty)
 
@@ -516,8 +599,9 @@ def _backward(ctx, dy_TN):
     x_TD, weight, counts_G = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[:2]
     host_counts, trans_weight, backend, choice = ctx.options
-    dx, dw = torch.ops.epmoe.grouped_mm_backward(dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend,
-                                                 choice, need_dx, need_dw)
+    dx, dw = torch.ops.epmoe.grouped_mm_backward(
+        dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, need_dx, need_dw
+    )
     return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None, None, None
 
 
@@ -566,5 +650,6 @@ def grouped_mm(
         if torch.compiler.is_compiling():
             host_counts = None  # a traced list would be a constant of the graph
     differentiable = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return torch.ops.epmoe.grouped_mm(x.contiguous(), weight, counts_G, host_counts, trans_weight, backend, choice,
-                                      differentiable)
+    return torch.ops.epmoe.grouped_mm(
+        x.contiguous(), weight, counts_G, host_counts, trans_weight, backend, choice, differentiable
+    )

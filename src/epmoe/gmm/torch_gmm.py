@@ -85,8 +85,9 @@ class TorchBackend(GmmBackend):
         if n_bytes % 16:  # dy (T, N) feeds the backward kernels
             return f"output width N={w_GDN.shape[2]} x {x.element_size()} B is not a multiple of 16 bytes (backward needs it)"
         check_pointer = kind == "cuda"
-        return (_misaligned("x", x, check_pointer=check_pointer)
-                or _misaligned("weight", w_GDN, check_pointer=check_pointer))
+        return _misaligned("x", x, check_pointer=check_pointer) or _misaligned(
+            "weight", w_GDN, check_pointer=check_pointer
+        )
 
     @staticmethod
     def _offsets(counts: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:

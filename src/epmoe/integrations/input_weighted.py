@@ -38,7 +38,7 @@ def _parts(block: nn.Module, experts: nn.Module) -> tuple[nn.Module | None, list
 def _route(block: nn.Module, router: nn.Module, x_TH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(weights_TK, index_TK, logits)`` from the block's own router: the ``k`` largest of its dense scores."""
     scores_TE, logits = router(x_TH)
-    k = getattr(router, "top_k", None) or getattr(block, "top_k")
+    k = getattr(router, "top_k", None) or block.top_k
     weights_TK, index_TK = torch.topk(scores_TE, k, dim=1)
     return weights_TK, index_TK, logits
 
@@ -52,9 +52,11 @@ def input_weighted_block_reason(block: nn.Module, experts: nn.Module) -> str | N
         return f"{type(block).__name__} has no router child with a weight, or more than one other child"
     weight = router.weight
     if weight.is_meta or any(p.is_meta for p in experts.parameters()):
-        return (f"{type(block).__name__}'s weights are on the meta device (epmoe.from_pretrained), where its "
-                f"forward cannot be checked on a probe: load the model with from_pretrained, then call "
-                f"epmoe.apply_expert_parallel")
+        return (
+            f"{type(block).__name__}'s weights are on the meta device (epmoe.from_pretrained), where its "
+            f"forward cannot be checked on a probe: load the model with from_pretrained, then call "
+            f"epmoe.apply_expert_parallel"
+        )
     x_TH = torch.linspace(-1.0, 1.0, 6 * weight.shape[1], device=weight.device).view(6, -1).to(weight.dtype)
     devices = [weight.device] if weight.device.type == "cuda" else []
     try:
@@ -71,8 +73,10 @@ def input_weighted_block_reason(block: nn.Module, experts: nn.Module) -> str | N
     tolerance = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 2e-2
     if own.reshape(expected.shape).allclose(expected, rtol=tolerance, atol=tolerance):
         return None
-    return (f"{type(block).__name__}'s forward is not its shared expert plus the sum of its experts on "
-            f"each token scaled by the router's top-k scores")
+    return (
+        f"{type(block).__name__}'s forward is not its shared expert plus the sum of its experts on "
+        f"each token scaled by the router's top-k scores"
+    )
 
 
 def input_weighted_block_forward(block: nn.Module, hidden_states: torch.Tensor):

@@ -52,8 +52,9 @@ EXPERTS_IMPLEMENTATION = "epmoe"  # the name models ask for: experts_implementat
 _ATTRIBUTE = "_epmoe_experts_implementation"  # where a module keeps its LocalExperts: read through local_experts
 
 
-def epmoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                          top_k_weights: torch.Tensor) -> torch.Tensor:
+def epmoe_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """``(T, H)``: every token's routed experts' outputs, weighted by ``top_k_weights`` and summed,
     in ``hidden_states``' dtype: transformers' experts forward contract.
 
@@ -98,33 +99,42 @@ def _make_local_experts(module: nn.Module) -> LocalExperts:
     if not is_packed_experts(module):
         raise ValueError(
             f"experts_implementation={EXPERTS_IMPLEMENTATION!r}: {type(module).__name__} is not packed experts "
-            f"(3-D gate_up_proj or up_proj and down_proj, with @use_experts_implementation's flags)")
+            f"(3-D gate_up_proj or up_proj and down_proj, with @use_experts_implementation's flags)"
+        )
     reason = unfaithful_reason(module, whole=False)
     if reason is not None:
-        raise ValueError(f"experts_implementation={EXPERTS_IMPLEMENTATION!r}: {type(module).__name__} cannot run "
-                         f"through epmoe: {reason}; load it with experts_implementation='eager'")
+        raise ValueError(
+            f"experts_implementation={EXPERTS_IMPLEMENTATION!r}: {type(module).__name__} cannot run "
+            f"through epmoe: {reason}; load it with experts_implementation='eager'"
+        )
     experts = LocalExperts(module)
     module.__dict__[_ATTRIBUTE] = experts
     return experts
 
 
 _set_up = torch.compiler.disable(
-    _make_local_experts, reason="epmoe's experts implementation sets each experts module up at its first forward: "
-    "run one forward before torch.compile(fullgraph=True)")
+    _make_local_experts,
+    reason="epmoe's experts implementation sets each experts module up at its first forward: "
+    "run one forward before torch.compile(fullgraph=True)",
+)
 
 
-def _check_routing(module: nn.Module, x_TH: torch.Tensor, top_k_index: torch.Tensor,
-                   top_k_weights: torch.Tensor) -> None:
+def _check_routing(
+    module: nn.Module, x_TH: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> None:
     """``ValueError`` / ``TypeError`` naming the argument for routing that does not fit ``x_TH``."""
     name = type(module).__name__
     if top_k_index.dim() != 2 or top_k_index.shape[0] != x_TH.shape[0]:
-        raise ValueError(f"{name}: expected top_k_index of shape (T, K) with T={x_TH.shape[0]}, "
-                         f"got {tuple(top_k_index.shape)}")
+        raise ValueError(
+            f"{name}: expected top_k_index of shape (T, K) with T={x_TH.shape[0]}, got {tuple(top_k_index.shape)}"
+        )
     if top_k_index.dtype.is_floating_point or top_k_index.dtype.is_complex or top_k_index.dtype == torch.bool:
         raise TypeError(f"{name}: expected an integer top_k_index, got {top_k_index.dtype}")
     if top_k_weights.shape != top_k_index.shape:
-        raise ValueError(f"{name}: expected top_k_weights of top_k_index's shape {tuple(top_k_index.shape)}, "
-                         f"got {tuple(top_k_weights.shape)}")
+        raise ValueError(
+            f"{name}: expected top_k_weights of top_k_index's shape {tuple(top_k_index.shape)}, "
+            f"got {tuple(top_k_weights.shape)}"
+        )
 
 
 def register() -> bool:

@@ -22,8 +22,9 @@ from epmoe.ep.layer import routed_experts
 from epmoe.ep.state import state_of
 
 
-def zero_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor) -> torch.Tensor:
+def zero_experts_forward(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     """Drop-in for the experts' ``forward(hidden [T, H], top_k_index [T, K], top_k_weights [T, K])``
     (see the module docstring); the sum in the wider of the hidden and routing weights' dtypes, cast
     back to the hidden dtype once."""
@@ -34,8 +35,12 @@ def zero_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_i
     real_TK = top_k_index < state.shard.num_experts
     slot_S = torch.nonzero(real_TK.reshape(-1)).squeeze(1)
     token_S = torch.div(slot_S, K, rounding_mode="floor")
-    routed_SH = routed_experts(state, x_TH[token_S], top_k_index.reshape(-1)[slot_S].unsqueeze(1),
-                               top_k_weights.reshape(-1)[slot_S].unsqueeze(1))
+    routed_SH = routed_experts(
+        state,
+        x_TH[token_S],
+        top_k_index.reshape(-1)[slot_S].unsqueeze(1),
+        top_k_weights.reshape(-1)[slot_S].unsqueeze(1),
+    )
     zero_TH = top_k_weights.masked_fill(real_TK, 0).sum(1, keepdim=True) * x_TH
     out_TH = zero_TH.index_add(0, token_S, routed_SH.to(zero_TH.dtype))
     return out_TH.to(hidden_states.dtype).view(shape)

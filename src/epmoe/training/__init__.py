@@ -29,6 +29,18 @@ from epmoe.training.reference import reference_model
 from epmoe.training.replay import RoutingRecord, record_routing, replay_routing, routes_from_vllm
 from epmoe.training.trainer import prepare_trainer
 
-__all__ = ["LoadBalancer", "RoutingRecord", "clip_grad_norm_", "expert_parameters", "is_expert_parameter",
-           "prepare_accelerator", "prepare_deepspeed", "prepare_trainer", "record_routing", "reference_model",
-           "replay_rollout_routing", "replay_routing", "routes_from_vllm"]
+__all__ = [
+    "LoadBalancer",
+    "RoutingRecord",
+    "clip_grad_norm_",
+    "expert_parameters",
+    "is_expert_parameter",
+    "prepare_accelerator",
+    "prepare_deepspeed",
+    "prepare_trainer",
+    "record_routing",
+    "reference_model",
+    "replay_rollout_routing",
+    "replay_routing",
+    "routes_from_vllm",
+]

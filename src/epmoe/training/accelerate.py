@@ -46,8 +46,9 @@ def prepare_accelerator(accelerator: Any) -> Any:
     except ImportError:  # pragma: no cover - accelerate is what the caller hands in
         Accelerator = None
     if Accelerator is None or not isinstance(accelerator, Accelerator):
-        raise TypeError(f"prepare_accelerator(accelerator): expected an accelerate.Accelerator, got "
-                        f"{type(accelerator).__name__}")
+        raise TypeError(
+            f"prepare_accelerator(accelerator): expected an accelerate.Accelerator, got {type(accelerator).__name__}"
+        )
     refuse_fsdp1(accelerator, "prepare_accelerator")
     if remembered(accelerator, PREPARED):
         return accelerator
@@ -67,9 +68,11 @@ def _prepare_deepspeed_path(accelerator: Any) -> None:
     engine = getattr(getattr(accelerator, "deepspeed_engine_wrapped", None), "engine", None)
     module = getattr(engine, "module", None)
     if isinstance(module, nn.Module) and any(True for _ in ep_states(module)) and not hasattr(module, MARKER):
-        raise ValueError("prepare_accelerator(accelerator): accelerator.prepare has already built the DeepSpeed "
-                         "engine of an expert-parallel model without epmoe's expert groups; call "
-                         "epmoe.prepare_accelerator(accelerator) before accelerator.prepare")
+        raise ValueError(
+            "prepare_accelerator(accelerator): accelerator.prepare has already built the DeepSpeed "
+            "engine of an expert-parallel model without epmoe's expert groups; call "
+            "epmoe.prepare_accelerator(accelerator) before accelerator.prepare"
+        )
     prepare = accelerator.prepare
 
     def prepare_with_expert_groups(*args: Any, device_placement: Any = None) -> Any:
@@ -88,5 +91,7 @@ def refuse_fsdp1(accelerator: Any, caller: str) -> None:
     kind = str(getattr(accelerator, "distributed_type", ""))
     plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
     if kind.endswith("FSDP") and getattr(plugin, "fsdp_version", 1) != 2:
-        raise ValueError(f"{caller}: accelerate's FSDP1 shards every parameter, experts included, which differ per "
-                         f"EP rank; use FSDP2 (fsdp_version=2, FSDP_VERSION=2), whose ignored modules keep them out")
+        raise ValueError(
+            f"{caller}: accelerate's FSDP1 shards every parameter, experts included, which differ per "
+            f"EP rank; use FSDP2 (fsdp_version=2, FSDP_VERSION=2), whose ignored modules keep them out"
+        )

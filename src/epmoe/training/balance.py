@@ -41,7 +41,9 @@ class LoadBalancer:
         if isinstance(update_rate, bool) or not isinstance(update_rate, (int, float)) or not update_rate > 0:
             raise ValueError(f"LoadBalancer(update_rate): expected a number > 0, got {update_rate!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"LoadBalancer(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"LoadBalancer(optimizer): expected a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         self.update_rate = float(update_rate)
         self.bias: dict[str, torch.Tensor] = {}
         self._states = require_ep_states(model, "LoadBalancer")
@@ -54,8 +56,7 @@ class LoadBalancer:
                 self.bias[name] = own
             else:
                 _check_softmax_top_k(name, router)
-                self.bias[name] = torch.zeros(state.shard.num_experts, dtype=torch.float32,
-                                              device=router.weight.device)
+                self.bias[name] = torch.zeros(state.shard.num_experts, dtype=torch.float32, device=router.weight.device)
                 router.register_forward_hook(_biased_selection(self.bias[name]))
             remember(router, _BALANCED)
             if _COUNTER not in state.load_counters:
@@ -91,8 +92,10 @@ class LoadBalancer:
         for name, bias in self.bias.items():
             block = modules.get(name.rsplit(".", 1)[0]) if "." in name else None
             if block is None:
-                raise ValueError(f"LoadBalancer.mirror(other): {type(other).__name__} has no module "
-                                 f"{name.rsplit('.', 1)[0]!r}: pass the unsharded model itself, unwrapped")
+                raise ValueError(
+                    f"LoadBalancer.mirror(other): {type(other).__name__} has no module "
+                    f"{name.rsplit('.', 1)[0]!r}: pass the unsharded model itself, unwrapped"
+                )
             router = block_router(block)
             own = getattr(router, "e_score_correction_bias", None)
             if isinstance(own, torch.Tensor):
@@ -124,6 +127,7 @@ def _biased_selection(bias: torch.Tensor):
         logits, weights, _ = output
         new_weights, index = _select(router, logits, bias, weights.dtype)
         return logits, new_weights, index
+
     return hook
 
 
@@ -131,17 +135,22 @@ def _check_softmax_top_k(name: str, router: nn.Module) -> None:
     """The router must be a ``top-k of softmax(logits)`` router that :func:`_select` reproduces exactly."""
     weight = getattr(router, "weight", None)
     if not isinstance(getattr(router, "top_k", None), int) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"LoadBalancer: the router of {name} ({type(router).__name__}) has no top_k and (E, H) "
-                         f"weight: cannot bias its expert selection")
+        raise ValueError(
+            f"LoadBalancer: the router of {name} ({type(router).__name__}) has no top_k and (E, H) "
+            f"weight: cannot bias its expert selection"
+        )
     probe = torch.randn(8, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
     with torch.no_grad():
         output = router(probe)
         ok = isinstance(output, tuple) and len(output) == 3
         if ok:
             logits, weights, index = output
-            mine_weights, mine_index = _select(router, logits, torch.zeros(logits.shape[-1], device=logits.device),
-                                               weights.dtype)
+            mine_weights, mine_index = _select(
+                router, logits, torch.zeros(logits.shape[-1], device=logits.device), weights.dtype
+            )
             ok = torch.equal(mine_index, index) and torch.equal(mine_weights, weights)
     if not ok:
-        raise ValueError(f"LoadBalancer: the router of {name} ({type(router).__name__}) is not a top-k-of-softmax "
-                         f"router (its output differs from that rule on a probe): cannot bias its selection")
+        raise ValueError(
+            f"LoadBalancer: the router of {name} ({type(router).__name__}) is not a top-k-of-softmax "
+            f"router (its output differs from that rule on a probe): cannot bias its selection"
+        )

@@ -85,9 +85,10 @@ class _Part:
 
     def reduce(self, norm_type: float, device: torch.device) -> torch.Tensor:
         if self.grads:
-            norms = torch.stack([torch.linalg.vector_norm(_local(g), norm_type).to(torch.float64).to(device)
-                                 for g in self.grads])
-            local = norms.max() if math.isinf(norm_type) else (norms ** norm_type).sum()
+            norms = torch.stack(
+                [torch.linalg.vector_norm(_local(g), norm_type).to(torch.float64).to(device) for g in self.grads]
+            )
+            local = norms.max() if math.isinf(norm_type) else (norms**norm_type).sum()
         else:  # this rank holds no gradient of the part, but its peers may: join their reduction
             local = torch.zeros((), dtype=torch.float64, device=device)
         op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM

@@ -102,8 +102,10 @@ def prepare_deepspeed(model: nn.Module) -> nn.Module:
     if not ep_models:
         return model  # EP size 1: nothing is sharded, DeepSpeed's data parallelism is right as it is
     if len(ep_models) > 1:
-        raise ValueError("prepare_deepspeed(model): the model holds experts of more than one expert-parallel "
-                         "application; apply_expert_parallel once to the whole model")
+        raise ValueError(
+            "prepare_deepspeed(model): the model holds experts of more than one expert-parallel "
+            "application; apply_expert_parallel once to the whole model"
+        )
     sync = ep_models[0].policy
     if sync.mode == "sum":
         raise ValueError(
@@ -111,8 +113,10 @@ def prepare_deepspeed(model: nn.Module) -> nn.Module:
             "gradients included, so ExpertParallelConfig(expert_grad='sum') cannot be honoured; use 'auto' or 'mean'"
         )
     if sync.wrapper is not None and sync.wrapper != REDUCER:
-        raise ValueError(f"prepare_deepspeed(model): the model already ran under {sync.wrapper}; DeepSpeed would "
-                         f"average its expert gradients again")
+        raise ValueError(
+            f"prepare_deepspeed(model): the model already ran under {sync.wrapper}; DeepSpeed would "
+            f"average its expert gradients again"
+        )
     name = group_name(sync.ep_size)
     for p in expert_parameters(model):  # LoRA factors on the experts narrowed to this rank's first
         p.allreduce = False
@@ -173,8 +177,10 @@ def split_moe_param_groups(optimizer: Any, caller: str) -> None:
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     unnamed = [f"{_UNNAMED}{index}" for index in range(len(groups))]  # the helper keys groups by name
-    named = [{**group, "params": list(group["params"]), "name": group.get("name", label)}
-             for group, label in zip(groups, unnamed)]
+    named = [
+        {**group, "params": list(group["params"]), "name": group.get("name", label)}
+        for group, label in zip(groups, unnamed)
+    ]
     split = split_params_into_different_moe_groups_for_optimizer(named)
     optimizer.param_groups = []
     for group in split:
@@ -204,8 +210,11 @@ def check_moe_param_groups(param_groups: Any, caller: str) -> None:
         marked = [_is_marked(p) for p in params]
         moe = isinstance(group, dict) and bool(group.get("moe", False))
         if (moe and not all(marked)) or (not moe and any(marked)):
-            what = ("mixes expert and non-expert parameters in a MoE group" if moe
-                    else "holds expert parameters outside DeepSpeed MoE groups")
+            what = (
+                "mixes expert and non-expert parameters in a MoE group"
+                if moe
+                else "holds expert parameters outside DeepSpeed MoE groups"
+            )
             raise ValueError(
                 f"{caller}: param group {index} of the optimizer given to DeepSpeed {what}: DeepSpeed would "
                 f"partition and reduce the experts, which differ on every EP rank, as replicated parameters. Call "
@@ -229,17 +238,19 @@ def check_zero_config(zero: Any, caller: str) -> None:
     if stage != 3:
         return
     if not _has_autoep():
-        raise ValueError(f"{caller}: DeepSpeed ZeRO stage 3 places expert parameters only from DeepSpeed 0.19 on "
-                         f"(deepspeed.module_inject.auto_ep_layer); upgrade DeepSpeed or use ZeRO stage 1 or 2")
+        raise ValueError(
+            f"{caller}: DeepSpeed ZeRO stage 3 places expert parameters only from DeepSpeed 0.19 on "
+            f"(deepspeed.module_inject.auto_ep_layer); upgrade DeepSpeed or use ZeRO stage 1 or 2"
+        )
     for option in OFFLOADS:
         settings = read(option)
-        device = (settings.get("device", "none") if isinstance(settings, dict)
-                  else getattr(settings, "device", "none"))
+        device = settings.get("device", "none") if isinstance(settings, dict) else getattr(settings, "device", "none")
         device = getattr(device, "value", device)
         if device not in (None, "none", "cpu"):
             raise ValueError(
                 f"{caller}: DeepSpeed ZeRO stage 3 with zero_optimization.{option} (device {device!r}) is not "
-                f"supported on an expert-parallel model; offload to device 'cpu', or remove {option}")
+                f"supported on an expert-parallel model; offload to device 'cpu', or remove {option}"
+            )
 
 
 def check_plugin(plugin: Any, caller: str) -> None:
@@ -280,8 +291,9 @@ def _check_and_hand_over(root: nn.Module, name: str) -> None:
     model = ep_model(root)
     policy = model.policy
     ours_ep = dist.get_process_group_ranks(model.group if model.group is not None else dist.group.WORLD)
-    ours_dp = (dist.get_process_group_ranks(policy.dp_channel.group) if policy.dp_channel is not None
-               else [dist.get_rank()])
+    ours_dp = (
+        dist.get_process_group_ranks(policy.dp_channel.group) if policy.dp_channel is not None else [dist.get_rank()]
+    )
     theirs_ep = dist.get_process_group_ranks(groups._get_expert_parallel_group(name))
     theirs_dp = dist.get_process_group_ranks(groups._get_expert_data_parallel_group(name))
     if sorted(ours_ep) != sorted(theirs_ep) or sorted(ours_dp) != sorted(theirs_dp):
@@ -293,8 +305,10 @@ def _check_and_hand_over(root: nn.Module, name: str) -> None:
         )
     world = dist.get_world_size()
     if world != policy.data_parallel_size:
-        raise ValueError(f"prepare_deepspeed: DeepSpeed runs over {world} ranks but the experts are "
-                         f"sharded over {policy.ep_size} and replicated over {policy.dp_size}")
+        raise ValueError(
+            f"prepare_deepspeed: DeepSpeed runs over {world} ranks but the experts are "
+            f"sharded over {policy.ep_size} and replicated over {policy.dp_size}"
+        )
     policy.hand_over(REDUCER)
 
 
@@ -329,19 +343,26 @@ def _groups_class() -> type:
             from deepspeed.utils import groups
 
             if use_data_before_expert_parallel_:
-                raise ValueError("prepare_deepspeed: DeepSpeed's use_data_before_expert_parallel_ layout is not "
-                                 "epmoe's ('dp', 'ep') mesh; leave it off")
+                raise ValueError(
+                    "prepare_deepspeed: DeepSpeed's use_data_before_expert_parallel_ layout is not "
+                    "epmoe's ('dp', 'ep') mesh; leave it off"
+                )
             if groups.mpu is not None:
-                raise ValueError("prepare_deepspeed: DeepSpeed with model (tensor / pipeline) parallelism is not "
-                                 "supported on an expert-parallel model")
+                raise ValueError(
+                    "prepare_deepspeed: DeepSpeed with model (tensor / pipeline) parallelism is not "
+                    "supported on an expert-parallel model"
+                )
             engine = _calling_engine()
             if engine is not None:  # before the optimizer partitions anything
                 check_zero_config(engine._config.zero_config, "deepspeed.initialize on an EP model")
-                if engine.zero_optimization_stage() == 3 and (has_expert_lora(self._root)
-                                                              or hasattr(self._root, "peft_config")):
-                    raise ValueError("deepspeed.initialize on an EP model: DeepSpeed ZeRO stage 3 with a PEFT model "
-                                     "(LoRA) around an expert-parallel model is not supported (its adapters would be "
-                                     "saved from ZeRO-3's partitions); use ZeRO stage 1 or 2")
+                if engine.zero_optimization_stage() == 3 and (
+                    has_expert_lora(self._root) or hasattr(self._root, "peft_config")
+                ):
+                    raise ValueError(
+                        "deepspeed.initialize on an EP model: DeepSpeed ZeRO stage 3 with a PEFT model "
+                        "(LoRA) around an expert-parallel model is not supported (its adapters would be "
+                        "saved from ZeRO-3's partitions); use ZeRO stage 1 or 2"
+                    )
             client_optimizer = getattr(engine, "client_optimizer", None)
             if isinstance(client_optimizer, torch.optim.Optimizer):  # before DeepSpeed's own checks of its groups
                 check_moe_param_groups(client_optimizer.param_groups, "deepspeed.initialize on an EP model")
@@ -380,8 +401,13 @@ def prepare_deepspeed_trainer(trainer: Any) -> None:
         )
     prepare_deepspeed(trainer.model)
     if getattr(plugin, "zero_stage", None) == 3:
-        replace(trainer, "save_model", lambda output_dir=None, _internal_call=False: without_deepspeed_branch(
-            trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call))
+        replace(
+            trainer,
+            "save_model",
+            lambda output_dir=None, _internal_call=False: without_deepspeed_branch(
+                trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call
+            ),
+        )
 
 
 def without_deepspeed_branch(trainer: Any, method: Any, *args: Any, **kwargs: Any) -> Any:

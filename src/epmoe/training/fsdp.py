@@ -143,8 +143,11 @@ def shard_dense(model: nn.Module, mesh: Any) -> nn.Module:
     for p in dense:
         dtypes[p.dtype] += p.numel()
     main = dtypes.most_common(1)[0][0] if dtypes else None
-    own_dtype = [m for m in model.modules() if any(p.dtype != main and p.requires_grad and p not in experts
-                                                   for p in m.parameters(recurse=False))]
+    own_dtype = [
+        m
+        for m in model.modules()
+        if any(p.dtype != main and p.requires_grad and p not in experts for p in m.parameters(recurse=False))
+    ]
     blocks = set(getattr(model, "_no_split_modules", None) or ())
     for module in own_dtype + [m for m in model.modules() if type(m).__name__ in blocks]:
         fully_shard(module, mesh=mesh, ignored_params=experts)

@@ -76,9 +76,12 @@ def static_decode_steps(model: nn.Module) -> Iterator[None]:
     generate call inside one (an assistant sharing the layers) leaves them as they are."""
     swapped = []
     for _, _, state in sharded_experts(model):
-        if (state.model.config.decodes_static() and not isinstance(state.transport, DecodeDispatcher)
-                and not state.experts.shared_names  # found before sharding (the local shapes cannot tell)
-                and StaticDispatcher.ineligible_reason(state.local_experts) is None):
+        if (
+            state.model.config.decodes_static()
+            and not isinstance(state.transport, DecodeDispatcher)
+            and not state.experts.shared_names  # found before sharding (the local shapes cannot tell)
+            and StaticDispatcher.ineligible_reason(state.local_experts) is None
+        ):
             decode = StaticDispatcher(state.local_experts, state.model.config, read_headers=True)
             swapped.append((state, state.transport))
             state.transport = DecodeDispatcher(state.transport, decode)

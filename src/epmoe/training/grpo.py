@@ -40,10 +40,11 @@ def replay_rollout_routing(trainer: Any) -> Any:
     """
     if not callable(getattr(trainer, "_generate_and_score_completions", None)) or not hasattr(trainer, "model"):
         raise TypeError(f"replay_rollout_routing(trainer): expected TRL's GRPOTrainer, got {type(trainer).__name__}")
-    for flag, why in (("use_vllm", "vLLM generates: convert its routed experts with epmoe.routes_from_vllm"),
-                      ("use_transformers_continuous_batching", "continuous batching does not run the batch "
-                                                               "position after position"),
-                      ("tools", "tool calls generate several times per batch")):
+    for flag, why in (
+        ("use_vllm", "vLLM generates: convert its routed experts with epmoe.routes_from_vllm"),
+        ("use_transformers_continuous_batching", "continuous batching does not run the batch position after position"),
+        ("tools", "tool calls generate several times per batch"),
+    ):
         if getattr(trainer, flag, None):
             raise ValueError(f"replay_rollout_routing(trainer): {flag} is set: {why}")
     if remembered(trainer, _REPLAYING):
@@ -73,8 +74,10 @@ def _install(trainer: Any) -> None:
         finally:  # a failed scoring leaves no record to the next batch
             rollout.pop("record", None)
         if record is None:
-            raise ValueError("replay_rollout_routing: the batch was scored without a generation by this model's "
-                             "generate (GRPOTrainer._generate_single_turn): there are no routes to replay")
+            raise ValueError(
+                "replay_rollout_routing: the batch was scored without a generation by this model's "
+                "generate (GRPOTrainer._generate_single_turn): there are no routes to replay"
+            )
         output["routes"] = rollout_routes(record, output["prompt_ids"], output["completion_ids"])
         return output
 
@@ -105,9 +108,11 @@ def rollout_routes(record: RoutingRecord, prompt_ids: torch.Tensor, completion_i
     layers, batch, seen, top_k = by_position.shape
     prompt = record.calls[0][1]
     if (batch, prompt) != tuple(prompt_ids.shape):
-        raise ValueError(f"replay_rollout_routing: generate ran {batch} prompts of {prompt} positions, the batch "
-                         f"holds {tuple(prompt_ids.shape)}: the routes cannot be placed")
+        raise ValueError(
+            f"replay_rollout_routing: generate ran {batch} prompts of {prompt} positions, the batch "
+            f"holds {tuple(prompt_ids.shape)}: the routes cannot be placed"
+        )
     length = prompt + completion_ids.shape[1]
     routes = by_position.new_full((layers, batch, length, top_k), -1)
-    routes[:, :, :min(seen, length)] = by_position[:, :, :length]
+    routes[:, :, : min(seen, length)] = by_position[:, :, :length]
     return routes.transpose(0, 1).contiguous().to(prompt_ids.device)

@@ -39,8 +39,10 @@ def reference_model(model: nn.Module, weights_from: nn.Module | None = None) -> 
         if not isinstance(weights_from, nn.Module):
             raise TypeError(f"reference_model(weights_from): expected an nn.Module, got {type(weights_from).__name__}")
         if any(True for _ in ep_states(weights_from)):
-            raise ValueError("reference_model(weights_from): it is already expert-parallel; use "
-                             "reference_model(weights_from) itself, or copy.deepcopy(weights_from)")
+            raise ValueError(
+                "reference_model(weights_from): it is already expert-parallel; use "
+                "reference_model(weights_from) itself, or copy.deepcopy(weights_from)"
+            )
     reference = copy.deepcopy(model)
     reference.eval()
     for param in reference.parameters():
@@ -62,19 +64,32 @@ def _copy_weights(reference: nn.Module, source: nn.Module) -> None:
             narrow[prefix + name] = (shard.local_start, shard.num_local_experts, shard.num_experts)
         if not state.experts.packed:  # the record sits on the block; its ModuleList holds the local experts
             held = state.local_experts[0]
-            list_name = next(n for n, m in module.named_modules()
-                             if isinstance(m, nn.ModuleList) and any(e is held for e in m))
-            elsewhere += [f"{prefix}{list_name}.{i}." for i in range(shard.num_experts)
-                          if not shard.local_start <= i < shard.local_end]
+            list_name = next(
+                n for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and any(e is held for e in m)
+            )
+            elsewhere += [
+                f"{prefix}{list_name}.{i}."
+                for i in range(shard.num_experts)
+                if not shard.local_start <= i < shard.local_end
+            ]
     # every name of a tensor held under several (a norm every expert of a ModuleList shares, tied weights)
-    targets = dict([*reference.named_parameters(remove_duplicate=False), *reference.named_buffers(remove_duplicate=False)])
-    sources = {name: tensor for name, tensor in [*source.named_parameters(remove_duplicate=False),
-                                                 *source.named_buffers(remove_duplicate=False)]
-               if not name.startswith(tuple(elsewhere))}
+    targets = dict(
+        [*reference.named_parameters(remove_duplicate=False), *reference.named_buffers(remove_duplicate=False)]
+    )
+    sources = {
+        name: tensor
+        for name, tensor in [
+            *source.named_parameters(remove_duplicate=False),
+            *source.named_buffers(remove_duplicate=False),
+        ]
+        if not name.startswith(tuple(elsewhere))
+    }
     missing, unexpected = sorted(targets.keys() - sources.keys()), sorted(sources.keys() - targets.keys())
     if missing or unexpected:
-        raise ValueError(f"reference_model(weights_from): not the same architecture: {len(missing)} names it lacks "
-                         f"{missing[:3]}, {len(unexpected)} the EP model lacks {unexpected[:3]}")
+        raise ValueError(
+            f"reference_model(weights_from): not the same architecture: {len(missing)} names it lacks "
+            f"{missing[:3]}, {len(unexpected)} the EP model lacks {unexpected[:3]}"
+        )
     with torch.no_grad():
         for name, target in targets.items():
             full = sources[name]
@@ -82,10 +97,14 @@ def _copy_weights(reference: nn.Module, source: nn.Module) -> None:
                 start, local, experts = narrow[name]
                 rows = target.shape[0] // local  # rows per expert (flattened experts: several)
                 if full.shape[0] != rows * experts or full.shape[1:] != target.shape[1:]:
-                    raise ValueError(f"reference_model(weights_from): {name} is {tuple(full.shape)}, expected "
-                                     f"({rows * experts}, {', '.join(map(str, target.shape[1:]))}) for {experts} experts")
+                    raise ValueError(
+                        f"reference_model(weights_from): {name} is {tuple(full.shape)}, expected "
+                        f"({rows * experts}, {', '.join(map(str, target.shape[1:]))}) for {experts} experts"
+                    )
                 full = full.narrow(0, start * rows, target.shape[0])
             elif full.shape != target.shape:
-                raise ValueError(f"reference_model(weights_from): {name} is {tuple(full.shape)}, the EP model's "
-                                 f"{tuple(target.shape)}")
+                raise ValueError(
+                    f"reference_model(weights_from): {name} is {tuple(full.shape)}, the EP model's "
+                    f"{tuple(target.shape)}"
+                )
             target.copy_(full)

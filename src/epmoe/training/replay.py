@@ -80,8 +80,10 @@ def _routers(model: nn.Module, caller: str) -> list[_Router]:
         blocks = [(named.get(id(path[-1]), ""), path[-2] if len(path) > 1 else path[-1]) for path in found.paths]
     else:
         modules = dict(model.named_modules())
-        blocks = [(name, modules[name.rsplit(".", 1)[0]] if "." in name else model)
-                  for name, _, _ in find_experts_modules(model)]
+        blocks = [
+            (name, modules[name.rsplit(".", 1)[0]] if "." in name else model)
+            for name, _, _ in find_experts_modules(model)
+        ]
     if not blocks:
         raise ValueError(f"{caller}(model): {type(model).__name__} has no experts module")
     return [_router_of(name, block, caller) for name, block in blocks]
@@ -95,8 +97,10 @@ def _router_of(name: str, block: nn.Module, caller: str) -> _Router:
     top_k = getattr(router, "top_k", None)
     top_k = top_k if isinstance(top_k, int) else block_top_k(block)
     if not isinstance(num_experts, int):
-        raise ValueError(f"{caller}: the router of {name} ({type(router).__name__}) has no expert count "
-                         f"(num_experts, n_routed_experts or an (E, H) weight)")
+        raise ValueError(
+            f"{caller}: the router of {name} ({type(router).__name__}) has no expert count "
+            f"(num_experts, n_routed_experts or an (E, H) weight)"
+        )
     return _Router(name, block, router, num_experts, top_k)
 
 
@@ -118,8 +122,14 @@ class _Selection(TorchFunctionMode):
         return result
 
     def _is_selection(self, scores, k, dim=-1, largest=True, sorted=True, **_) -> bool:
-        return (isinstance(scores, torch.Tensor) and scores.dim() >= 1 and k == self.router.top_k
-                and scores.shape[-1] == self.router.num_experts and dim in (-1, scores.dim() - 1) and largest)
+        return (
+            isinstance(scores, torch.Tensor)
+            and scores.dim() >= 1
+            and k == self.router.top_k
+            and scores.shape[-1] == self.router.num_experts
+            and dim in (-1, scores.dim() - 1)
+            and largest
+        )
 
 
 class _Hub:
@@ -128,8 +138,10 @@ class _Hub:
 
     def __init__(self, router: _Router):
         self.router, self.sessions, self.modes = router, [], []
-        self.handles = [router.scope.register_forward_pre_hook(self._enter),
-                        router.scope.register_forward_hook(self._exit, always_call=True)]
+        self.handles = [
+            router.scope.register_forward_pre_hook(self._enter),
+            router.scope.register_forward_hook(self._exit, always_call=True),
+        ]
 
     def _enter(self, _module, _args):
         mode = _Selection(self.router, list(self.sessions))
@@ -178,8 +190,11 @@ class RoutingRecord:
         """``(L, N, K)`` int64: per experts module, every recorded token's ``K`` global expert ids (call
         order, then token order)."""
         self._check_complete()
-        return torch.stack([torch.cat(ids) for ids in self._ids]) if self._ids[0] else \
-            torch.empty(len(self._ids), 0, self.top_k[0], dtype=torch.int64)
+        return (
+            torch.stack([torch.cat(ids) for ids in self._ids])
+            if self._ids[0]
+            else torch.empty(len(self._ids), 0, self.top_k[0], dtype=torch.int64)
+        )
 
     def routes_by_position(self) -> torch.Tensor:
         """``(L, B, S, K)`` int64 of a record whose forwards all ran the same ``B`` sequences one after the
@@ -187,19 +202,26 @@ class RoutingRecord:
         self._check_complete()
         batches = {batch for batch, _ in self.calls}
         if len(batches) != 1:
-            raise ValueError(f"RoutingRecord.routes_by_position: the recorded forwards ran batches of {sorted(batches)} "
-                             f"sequences, not one batch position after position: use routes()")
+            raise ValueError(
+                f"RoutingRecord.routes_by_position: the recorded forwards ran batches of {sorted(batches)} "
+                f"sequences, not one batch position after position: use routes()"
+            )
         batch = batches.pop()
-        return torch.stack([torch.cat([ids.view(batch, -1, ids.shape[-1]) for ids in layer], dim=1)
-                            for layer in self._ids])
+        return torch.stack(
+            [torch.cat([ids.view(batch, -1, ids.shape[-1]) for ids in layer], dim=1) for layer in self._ids]
+        )
 
     def _check_complete(self) -> None:
         if len({len(ids) for ids in self._ids}) != 1 or len(self._ids[0]) != len(self.calls):
-            raise ValueError("RoutingRecord: some experts modules did not run in every recorded forward (or ran "
-                             "twice); routes need every module once per forward")
+            raise ValueError(
+                "RoutingRecord: some experts modules did not run in every recorded forward (or ran "
+                "twice); routes need every module once per forward"
+            )
         if len(set(self.top_k)) != 1:
-            raise ValueError(f"RoutingRecord: the experts modules select different numbers of experts "
-                             f"{self.top_k}: one tensor cannot hold them")
+            raise ValueError(
+                f"RoutingRecord: the experts modules select different numbers of experts "
+                f"{self.top_k}: one tensor cannot hold them"
+            )
 
 
 class record_routing:
@@ -218,7 +240,8 @@ class record_routing:
     def __enter__(self) -> RoutingRecord:
         calls = self.record.calls
         self._root_hook = self._model.register_forward_pre_hook(
-            lambda _module, args, kwargs: calls.append(_batch_and_length(args, kwargs)), with_kwargs=True)
+            lambda _module, args, kwargs: calls.append(_batch_and_length(args, kwargs)), with_kwargs=True
+        )
         _attach(self._routers, self)
         return self.record
 
@@ -273,8 +296,9 @@ class replay_routing:
         self.routes = routes.to(device=None if weight is None else weight.device, dtype=torch.int64)
         self.used = [0] * len(self._routers)  # flat routes: tokens taken, per experts module
         self.errors: list[str] = []
-        self._checkpointed = any(getattr(m, "gradient_checkpointing", False) is True and m.training
-                                 for m in model.modules())
+        self._checkpointed = any(
+            getattr(m, "gradient_checkpointing", False) is True and m.training for m in model.modules()
+        )
         self._selections_with_grad = self._backwards = 0  # under gradient checkpointing
 
     def __enter__(self) -> replay_routing:
@@ -287,14 +311,21 @@ class replay_routing:
             self._agree(f"{exc_type.__name__} raised inside the block", "raised inside their replay_routing block")
             return
         if self.routes.dim() == 3:
-            left = [(r.name, self.routes.shape[1] - used) for r, used in zip(self._routers, self.used)
-                    if used < self.routes.shape[1]]
+            left = [
+                (r.name, self.routes.shape[1] - used)
+                for r, used in zip(self._routers, self.used)
+                if used < self.routes.shape[1]
+            ]
             if left:
-                self.errors.append(f"routes for {left[0][1]} token(s) of {left[0][0]} were left over: the "
-                                   f"routes cover more tokens than the block's forwards")
+                self.errors.append(
+                    f"routes for {left[0][1]} token(s) of {left[0][0]} were left over: the "
+                    f"routes cover more tokens than the block's forwards"
+                )
         if self._selections_with_grad and not self._backwards:
-            self.errors.append("gradient checkpointing recomputes the routers in backward: run the backward inside "
-                               "the replay_routing block (the recomputation must see the same routes)")
+            self.errors.append(
+                "gradient checkpointing recomputes the routers in backward: run the backward inside "
+                "the replay_routing block (the recomputation must see the same routes)"
+            )
         error = self.errors[0] if self.errors else None
         self._agree(error, "could not replay their routes")
         if error is not None:
@@ -304,8 +335,14 @@ class replay_routing:
         """Raise on every rank of the EP group if any rank found ``error`` (one agreement step)."""
         channel = self._ep.channel if self._ep is not None else None
         if channel is not None:
-            channel.agree(channel.next_call(AGREE), platform.group_device(self._ep.group), [],
-                          failed=error is not None, caller="epmoe.replay_routing", what_failed=what_failed)
+            channel.agree(
+                channel.next_call(AGREE),
+                platform.group_device(self._ep.group),
+                [],
+                failed=error is not None,
+                caller="epmoe.replay_routing",
+                what_failed=what_failed,
+            )
 
     def select(self, layer: int, scores: torch.Tensor, result):
         """The selection with this layer's replayed ids, weighted by the router's own ``scores`` there."""
@@ -331,12 +368,14 @@ class replay_routing:
         routes = self.routes[layer]
         if routes.dim() == 2:  # (N, K): the next tokens in call order
             if self._checkpointed and torch.is_grad_enabled():
-                self.errors.append("flat (L, N, K) routes under gradient checkpointing: the recomputation in backward "
-                                   "would take the next tokens' routes; give per-position (L, B, S, K) routes")
+                self.errors.append(
+                    "flat (L, N, K) routes under gradient checkpointing: the recomputation in backward "
+                    "would take the next tokens' routes; give per-position (L, B, S, K) routes"
+                )
                 return None
             start = self.used[layer]
             self.used[layer] = start + tokens
-            taken = routes[start:start + tokens]
+            taken = routes[start : start + tokens]
             return torch.cat([taken, taken.new_full((tokens - taken.shape[0], routes.shape[-1]), -1)])
         batch, length, k = routes.shape  # (B, S, K): this forward's B sequences, from position 0
         if tokens % batch:
@@ -346,31 +385,49 @@ class replay_routing:
             if not self._by_record:
                 self.errors.append(f"a forward of {tokens // batch} positions is shorter than the routes' {length}")
                 return None
-            routes = routes[:, :tokens // batch]  # a synced generate's steps past this rank's sequences
+            routes = routes[:, : tokens // batch]  # a synced generate's steps past this rank's sequences
         return torch.cat([routes, routes.new_full((batch, tokens // batch - routes.shape[1], k), -1)], 1).view(-1, k)
 
 
 def _routes_error(routes: Any, routers: Sequence[_Router]) -> str | None:
     """What is wrong with ``routes`` for these routers (one host read, on the routes' device), or ``None``."""
-    if not isinstance(routes, torch.Tensor) or routes.dtype.is_floating_point or routes.dtype.is_complex \
-            or routes.dtype == torch.bool:
+    if (
+        not isinstance(routes, torch.Tensor)
+        or routes.dtype.is_floating_point
+        or routes.dtype.is_complex
+        or routes.dtype == torch.bool
+    ):
         return f"expected an integer tensor or a RoutingRecord, got {type(routes).__name__}"
     top_k = {router.top_k for router in routers}
-    if routes.dim() not in (3, 4) or routes.shape[0] != len(routers) or len(top_k) != 1 \
-            or routes.shape[-1] != top_k.pop():
-        return (f"expected (L, N, K) or (L, B, S, K) routes with L={len(routers)} experts modules and K = "
-                f"{sorted({r.top_k for r in routers})}, got shape {tuple(routes.shape)}")
+    if (
+        routes.dim() not in (3, 4)
+        or routes.shape[0] != len(routers)
+        or len(top_k) != 1
+        or routes.shape[-1] != top_k.pop()
+    ):
+        return (
+            f"expected (L, N, K) or (L, B, S, K) routes with L={len(routers)} experts modules and K = "
+            f"{sorted({r.top_k for r in routers})}, got shape {tuple(routes.shape)}"
+        )
     if routes.numel() == 0:
         return None
     uncovered = routes < 0
     high = torch.tensor([r.num_experts for r in routers], device=routes.device).view(-1, *[1] * (routes.dim() - 1))
     sorted_ids = routes.sort(dim=-1).values
-    bad = torch.stack([(routes < -1).any(), (routes >= high).any(),
-                       (uncovered.any(-1) != uncovered.all(-1)).any(),
-                       ((sorted_ids[..., 1:] == sorted_ids[..., :-1]) & (sorted_ids[..., 1:] >= 0)).any()]).tolist()
-    reasons = ["an id below -1", f"an id not below the experts' count {sorted({r.num_experts for r in routers})}",
-               "a token with some of its K ids -1 (not covered) and others not",
-               "a token routed twice to one expert"]
+    bad = torch.stack(
+        [
+            (routes < -1).any(),
+            (routes >= high).any(),
+            (uncovered.any(-1) != uncovered.all(-1)).any(),
+            ((sorted_ids[..., 1:] == sorted_ids[..., :-1]) & (sorted_ids[..., 1:] >= 0)).any(),
+        ]
+    ).tolist()
+    reasons = [
+        "an id below -1",
+        f"an id not below the experts' count {sorted({r.num_experts for r in routers})}",
+        "a token with some of its K ids -1 (not covered) and others not",
+        "a token routed twice to one expert",
+    ]
     return next((f"routes hold {reason}" for reason, b in zip(reasons, bad) if b), None)
 
 
@@ -393,16 +450,20 @@ def routes_from_vllm(routed_experts: Any, *, length: int | None = None, padding_
     tensors = [torch.as_tensor(seq).to(torch.int64) for seq in sequences]
     shapes = {tuple(t.shape[1:]) for t in tensors}
     if any(t.dim() != 3 for t in tensors) or len(shapes) != 1:
-        raise ValueError(f"routes_from_vllm(routed_experts): expected (tokens, layers, K) ids with the same layers "
-                         f"and K, got shapes {[tuple(t.shape) for t in tensors]}")
+        raise ValueError(
+            f"routes_from_vllm(routed_experts): expected (tokens, layers, K) ids with the same layers "
+            f"and K, got shapes {[tuple(t.shape) for t in tensors]}"
+        )
     longest = max(t.shape[0] for t in tensors)
     length = longest if length is None else length
     if isinstance(length, bool) or not isinstance(length, int) or length < longest:
-        raise ValueError(f"routes_from_vllm(length): expected an int of at least the longest sequence's "
-                         f"{longest} positions, got {length!r}")
+        raise ValueError(
+            f"routes_from_vllm(length): expected an int of at least the longest sequence's "
+            f"{longest} positions, got {length!r}"
+        )
     layers, top_k = shapes.pop()
     routes = torch.full((layers, len(tensors), length, top_k), -1, dtype=torch.int64)
     for b, ids in enumerate(tensors):
         start = length - ids.shape[0] if padding_side == "left" else 0
-        routes[:, b, start:start + ids.shape[0]] = ids.transpose(0, 1)
+        routes[:, b, start : start + ids.shape[0]] = ids.transpose(0, 1)
     return routes

@@ -70,17 +70,27 @@ def prepare_trainer(trainer: Any) -> Any:
         raise TypeError(f"prepare_trainer(trainer): expected a transformers.Trainer, got {type(trainer).__name__}")
     states = [state for _, _, state in ep_states(model)]
     if not states:
-        raise ValueError("prepare_trainer(trainer): trainer.model is not expert-parallel; call "
-                         "epmoe.apply_expert_parallel(model) before building the Trainer")
+        raise ValueError(
+            "prepare_trainer(trainer): trainer.model is not expert-parallel; call "
+            "epmoe.apply_expert_parallel(model) before building the Trainer"
+        )
     deepspeed = getattr(trainer, "is_deepspeed_enabled", False)
     fsdp = getattr(trainer, "is_fsdp_enabled", False)
-    for option, why in (("save_on_each_node", "each node's first rank would write a checkpoint, but the experts "
-                                               "are gathered to global rank 0 only"),
-                        ("load_best_model_at_end", "Trainer reloads the best checkpoint with load_state_dict of a "
-                                                   "full checkpoint into the sharded model")):
+    for option, why in (
+        (
+            "save_on_each_node",
+            "each node's first rank would write a checkpoint, but the experts are gathered to global rank 0 only",
+        ),
+        (
+            "load_best_model_at_end",
+            "Trainer reloads the best checkpoint with load_state_dict of a full checkpoint into the sharded model",
+        ),
+    ):
         if getattr(trainer.args, option, False):
-            raise ValueError(f"prepare_trainer(trainer): TrainingArguments({option}=True) is not supported on an "
-                             f"expert-parallel model: {why}")
+            raise ValueError(
+                f"prepare_trainer(trainer): TrainingArguments({option}=True) is not supported on an "
+                f"expert-parallel model: {why}"
+            )
     if remembered(trainer, PREPARED):
         return trainer
     if deepspeed:  # DeepSpeed reduces, averages and clips the expert gradients itself
@@ -129,16 +139,25 @@ def _save_from_every_rank(trainer: Any, fsdp: bool) -> None:
         if trainer.args.should_save:
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict)
         if isinstance(getattr(model, "save_pretrained", None), SavePretrained):
-            model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict,
-                                  is_main_process=False)
+            model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict, is_main_process=False)
 
     replace(trainer, "_save", save)
     if fsdp:  # Trainer's FSDP branch saves this rank's experts only (or, SHARDED_STATE_DICT, nothing)
-        replace(trainer, "save_model", lambda output_dir=None, _internal_call=False: without_fsdp_branch(
-            trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call))
+        replace(
+            trainer,
+            "save_model",
+            lambda output_dir=None, _internal_call=False: without_fsdp_branch(
+                trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call
+            ),
+        )
         # the scheduler and rank 0's moments, not the plugin's files, which hold rank 0's experts
-        replace(trainer, "_save_optimizer_and_scheduler", lambda output_dir: without_fsdp_branch(
-            trainer, type(trainer)._save_optimizer_and_scheduler, trainer, output_dir))
+        replace(
+            trainer,
+            "_save_optimizer_and_scheduler",
+            lambda output_dir: without_fsdp_branch(
+                trainer, type(trainer)._save_optimizer_and_scheduler, trainer, output_dir
+            ),
+        )
 
 
 def _resume_from_dcp(trainer: Any) -> None:
@@ -184,10 +203,13 @@ def _dcp_callback_class() -> type:
                 return
             checkpoint = os.path.join(args.output_dir, f"{CHECKPOINT_PREFIX}-{state.global_step}")
             if not os.path.isdir(checkpoint):
-                raise ValueError(f"prepare_trainer: the Trainer's checkpoint {checkpoint} is not where it is expected "
-                                 f"(a hyperparameter search writes elsewhere): its epmoe_dcp/ cannot be written")
-            dcp.save(get_state_dict(_unwrapped(self.trainer), self.trainer.optimizer),
-                     checkpoint_id=_dcp_dir(checkpoint))
+                raise ValueError(
+                    f"prepare_trainer: the Trainer's checkpoint {checkpoint} is not where it is expected "
+                    f"(a hyperparameter search writes elsewhere): its epmoe_dcp/ cannot be written"
+                )
+            dcp.save(
+                get_state_dict(_unwrapped(self.trainer), self.trainer.optimizer), checkpoint_id=_dcp_dir(checkpoint)
+            )
 
     DcpCheckpoint.__module__ = __name__
     return DcpCheckpoint

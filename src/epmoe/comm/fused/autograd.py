@@ -23,13 +23,12 @@ from typing import Any
 import torch
 
 from epmoe.comm.fused import npu
-from epmoe.comm.fused.compute import shared_backward, shared_forward
 from epmoe.comm.fused.backends import FusedBackend, choose_fused_backend
+from epmoe.comm.fused.compute import shared_backward, shared_forward
 from epmoe.comm.fused.pipelined import Result, Run, grad_weight
 from epmoe.comm.layout import RowLayout
 from epmoe.errors import double_backward_error
 from epmoe.gmm.backend import GmmBackend
-
 
 
 @dataclass(frozen=True, eq=False)
@@ -61,8 +60,9 @@ def _start_forward(
             fused_shared = (shared_x, shared_weight, trans)
         else:
             side = shared_forward(shared_x, shared_weight, trans)
-    return backend, Run(call.plan, weight, call.trans_weight, call.group, call.gmm_backend, side,
-                        fused_shared=fused_shared)
+    return backend, Run(
+        call.plan, weight, call.trans_weight, call.group, call.gmm_backend, side, fused_shared=fused_shared
+    )
 
 
 def _finish_forward(ctx, result: Result, dw_x: torch.Tensor, weight, shared_x, shared_weight) -> torch.Tensor | None:
@@ -87,8 +87,16 @@ def _start_backward(ctx, op: str, dy: torch.Tensor | None, dshared_y) -> tuple[t
     side = None
     if dshared_y is not None and (need_x or need_w):
         side = shared_backward(shared_x, shared_weight, call.trans_shared_weight, dshared_y, need_x, need_w)
-    return dy, Run(call.plan, weight, not call.trans_weight, call.group, call.gmm_backend, side,
-                   dw_x=dw_x, dw_trans=call.trans_weight)
+    return dy, Run(
+        call.plan,
+        weight,
+        not call.trans_weight,
+        call.group,
+        call.gmm_backend,
+        side,
+        dw_x=dw_x,
+        dw_trans=call.trans_weight,
+    )
 
 
 def _finish_backward(ctx, dx, dw, side_out: list[torch.Tensor] | None) -> tuple:

@@ -30,8 +30,9 @@ class FusedBackend(Protocol):
 
     name: str
 
-    def ineligible_reason(self, call: Any, x: torch.Tensor, weight: torch.Tensor, trans_weight: bool, *,
-                          unsupported: str | None = None) -> str | None:
+    def ineligible_reason(
+        self, call: Any, x: torch.Tensor, weight: torch.Tensor, trans_weight: bool, *, unsupported: str | None = None
+    ) -> str | None:
         """Why this backend cannot run this call (the same answer on every rank), or ``None``."""
 
     def dispatch(self, run: pipelined.Run, x_rank_major: torch.Tensor, **options) -> pipelined.Result: ...
@@ -64,8 +65,15 @@ class PipelinedBackend:
 BACKENDS: tuple[FusedBackend, ...] = (NpuFusedBackend(), PipelinedBackend())
 
 
-def choose_fused_backend(call: Any, x: torch.Tensor, weight: torch.Tensor, trans_weight: bool, *, strict: bool,
-                  unsupported: str | None = None) -> FusedBackend:
+def choose_fused_backend(
+    call: Any,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    trans_weight: bool,
+    *,
+    strict: bool,
+    unsupported: str | None = None,
+) -> FusedBackend:
     """The backend for one run, the same on all ranks (see the module docstring); ``strict``: a
     forward, where a named ``impl`` that declines raises ``ValueError``."""
     if call.impl == "auto":
@@ -77,10 +85,19 @@ def choose_fused_backend(call: Any, x: torch.Tensor, weight: torch.Tensor, trans
         reason = backend.ineligible_reason(call, x, weight, trans_weight, unsupported=unsupported)
         if reason is None:
             why = "; ".join(f"{name} declined: {r}" for name, r in declined) or None
-            errors.log_once(logger, logging.INFO, (call.op, backend.name, why), "epmoe %s: %s path%s", call.op,
-                            backend.name, f" ({why})" if why else "")
+            errors.log_once(
+                logger,
+                logging.INFO,
+                (call.op, backend.name, why),
+                "epmoe %s: %s path%s",
+                call.op,
+                backend.name,
+                f" ({why})" if why else "",
+            )
             return backend
         if strict and call.impl != "auto":
-            raise ValueError(f"{call.op}(impl={call.impl!r}): the {backend.name} backend cannot run this call: {reason}")
+            raise ValueError(
+                f"{call.op}(impl={call.impl!r}): the {backend.name} backend cannot run this call: {reason}"
+            )
         declined.append((backend.name, reason))
     raise AssertionError(f"epmoe: no fused backend accepted {call.op} (the last one never declines)")

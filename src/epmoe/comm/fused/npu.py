@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 from epmoe import platform
-from epmoe.comm.layout import RowLayout
 from epmoe.comm.fused.pipelined import Result, Run, grad_weight
+from epmoe.comm.layout import RowLayout
 
 A3_DEVICE_PREFIX = "Ascend910_93"
 SUPPORTED_EP_SIZES = (8, 16, 32, 64)
@@ -103,15 +103,18 @@ def volume_reason(plan: RowLayout, width: int, element_size: int) -> str | None:
         for peer, peer_rows in enumerate(rows_W):
             volume = peer_rows * width * element_size
             if not MIN_PEER_BYTES <= volume <= MAX_PEER_BYTES:
-                return (
-                    f"{name} volume with rank {peer} is {volume} B, outside "
-                    f"[{MIN_PEER_BYTES}, {MAX_PEER_BYTES}] B"
-                )
+                return f"{name} volume with rank {peer} is {volume} B, outside [{MIN_PEER_BYTES}, {MAX_PEER_BYTES}] B"
     return None
 
 
 def decide(
-    plan: RowLayout, x: torch.Tensor, weight: torch.Tensor, trans_weight: bool, group: Any, *, unsupported: str | None = None
+    plan: RowLayout,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    trans_weight: bool,
+    group: Any,
+    *,
+    unsupported: str | None = None,
 ) -> str | None:
     """``None`` when every rank runs the fused op for this call, else why not; the same on all ranks.
 

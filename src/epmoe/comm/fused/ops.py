@@ -88,12 +88,31 @@ def alltoallv_gmm(
         ``(sum(recv_counts), H1)`` expert-major, or ``None``. Differentiable in every tensor input.
     """
     call, shared = _prepare(
-        "alltoallv_gmm", x, weight, send_counts, recv_counts, group, trans_weight, shared_x, shared_weight,
-        trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend, check,
+        "alltoallv_gmm",
+        x,
+        weight,
+        send_counts,
+        recv_counts,
+        group,
+        trans_weight,
+        shared_x,
+        shared_weight,
+        trans_shared_weight,
+        return_permuted,
+        num_chunks,
+        impl,
+        gmm_backend,
+        check,
     )
     if impl == "reference":
         return reference.dispatch(
-            call.plan, x, weight, trans_weight, group, shared=shared, return_permuted=return_permuted,
+            call.plan,
+            x,
+            weight,
+            trans_weight,
+            group,
+            shared=shared,
+            return_permuted=return_permuted,
             gmm_backend=call.gmm_backend.name,
         )
     return AlltoallvGmm.apply(x, weight, shared_x, shared_weight, call)
@@ -135,26 +154,68 @@ def gmm_alltoallv(
         dispatch's input; ``shared_y`` ``(BS, N2)`` or ``None``. Differentiable in every tensor input.
     """
     call, shared = _prepare(
-        "gmm_alltoallv", x, weight, send_counts, recv_counts, group, trans_weight, shared_x, shared_weight,
-        trans_shared_weight, False, num_chunks, impl, gmm_backend, check,
+        "gmm_alltoallv",
+        x,
+        weight,
+        send_counts,
+        recv_counts,
+        group,
+        trans_weight,
+        shared_x,
+        shared_weight,
+        trans_shared_weight,
+        False,
+        num_chunks,
+        impl,
+        gmm_backend,
+        check,
     )
     if impl == "reference":
-        return reference.combine(call.plan, x, weight, trans_weight, group, shared=shared,
-                                 gmm_backend=call.gmm_backend.name)
+        return reference.combine(
+            call.plan, x, weight, trans_weight, group, shared=shared, gmm_backend=call.gmm_backend.name
+        )
     return GmmAlltoallv.apply(x, weight, shared_x, shared_weight, call)
 
 
 def _prepare(
-    op, x, weight, send_counts, recv_counts, group, trans_weight, shared_x, shared_weight, trans_shared_weight,
-    return_permuted, num_chunks, impl, gmm_backend, check,
+    op,
+    x,
+    weight,
+    send_counts,
+    recv_counts,
+    group,
+    trans_weight,
+    shared_x,
+    shared_weight,
+    trans_shared_weight,
+    return_permuted,
+    num_chunks,
+    impl,
+    gmm_backend,
+    check,
 ) -> tuple[Call, tuple[torch.Tensor, torch.Tensor, bool] | None]:
     """Validate every argument, agree with the peers unless ``check`` is off, build the :class:`Call`."""
     ep_size = world_size(group, op)
     try:
         if not isinstance(check, bool):
             raise TypeError(f"{op}(check): expected a bool, got {type(check).__name__}")
-        call, shared = _validate(op, x, weight, send_counts, recv_counts, group, ep_size, trans_weight, shared_x,
-                                 shared_weight, trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend)
+        call, shared = _validate(
+            op,
+            x,
+            weight,
+            send_counts,
+            recv_counts,
+            group,
+            ep_size,
+            trans_weight,
+            shared_x,
+            shared_weight,
+            trans_shared_weight,
+            return_permuted,
+            num_chunks,
+            impl,
+            gmm_backend,
+        )
     except (TypeError, ValueError):
         if check is not False and ep_size > 1:  # the peers must not wait for this rank: tell them
             try:
@@ -169,12 +230,28 @@ def _prepare(
 
 
 def _validate(
-    op, x, weight, send_counts, recv_counts, group, ep_size, trans_weight, shared_x, shared_weight,
-    trans_shared_weight, return_permuted, num_chunks, impl, gmm_backend,
+    op,
+    x,
+    weight,
+    send_counts,
+    recv_counts,
+    group,
+    ep_size,
+    trans_weight,
+    shared_x,
+    shared_weight,
+    trans_shared_weight,
+    return_permuted,
+    num_chunks,
+    impl,
+    gmm_backend,
 ) -> tuple[Call, tuple[torch.Tensor, torch.Tensor, bool] | None]:
     """Every check a rank can make on its own (no collective)."""
-    for name, flag in (("trans_weight", trans_weight), ("trans_shared_weight", trans_shared_weight),
-                       ("return_permuted", return_permuted)):
+    for name, flag in (
+        ("trans_weight", trans_weight),
+        ("trans_shared_weight", trans_shared_weight),
+        ("return_permuted", return_permuted),
+    ):
         if not isinstance(flag, bool):
             raise TypeError(f"{op}({name}): expected a bool, got {type(flag).__name__}")
     if not isinstance(impl, str) or impl not in IMPLS:
@@ -214,44 +291,64 @@ def _agree(op: str, group, ep_size: int, call: Call | None, x: torch.Tensor | No
     """The agreement step (see the module docstring): ``ValueError`` on every rank unless every rank's
     arguments were valid (``call`` is ``None`` on a rank whose were not) and fit together;
     ``exchanged_width``: the columns of the rows that travel."""
-    fields = [("dtype", 0), ("exchanged row width", 0), ("number of rounds (num_chunks clamped to e)", 0),
-              ("local experts e", 0), ("len(send_counts)", 0), ("len(recv_counts)", 0), ("impl", 0)]
+    fields = [
+        ("dtype", 0),
+        ("exchanged row width", 0),
+        ("number of rounds (num_chunks clamped to e)", 0),
+        ("local experts e", 0),
+        ("len(send_counts)", 0),
+        ("len(recv_counts)", 0),
+        ("impl", 0),
+    ]
     blocks = [0] * (4 * ep_size)  # per peer r: rows sent to r, their hash; then per source s: rows expected, hash
     if call is not None:
         plan, e = call.plan, call.plan.e
-        send, recv = (plan.counts_rank_major_WE, plan.counts_expert_major_WE) if op == "alltoallv_gmm" else (
-            plan.counts_expert_major_WE, plan.counts_rank_major_WE)
-        values = [dtype_code(x.dtype), exchanged_width, len(plan.rounds), e, len(send), len(recv),
-                  IMPLS.index(call.impl)]
+        send, recv = (
+            (plan.counts_rank_major_WE, plan.counts_expert_major_WE)
+            if op == "alltoallv_gmm"
+            else (plan.counts_expert_major_WE, plan.counts_rank_major_WE)
+        )
+        values = [
+            dtype_code(x.dtype),
+            exchanged_width,
+            len(plan.rounds),
+            e,
+            len(send),
+            len(recv),
+            IMPLS.index(call.impl),
+        ]
         fields = [(name, value) for (name, _), value in zip(fields, values)]
         for r in range(ep_size):
-            block_sent, block_expected = send[r * e:(r + 1) * e], recv[r * e:(r + 1) * e]
-            blocks[2 * r:2 * r + 2] = [sum(block_sent), _counts_hash(block_sent)]
-            blocks[2 * ep_size + 2 * r:2 * ep_size + 2 * r + 2] = [sum(block_expected), _counts_hash(block_expected)]
+            block_sent, block_expected = send[r * e : (r + 1) * e], recv[r * e : (r + 1) * e]
+            blocks[2 * r : 2 * r + 2] = [sum(block_sent), _counts_hash(block_sent)]
+            blocks[2 * ep_size + 2 * r : 2 * ep_size + 2 * r + 2] = [sum(block_expected), _counts_hash(block_expected)]
 
     def show(name: str, value: int) -> object:
         return dtype_name(value) if name == "dtype" else IMPLS[value] if name == "impl" else value
 
     channel = StepChannel(group, len(fields) + len(blocks))
     device = x.device if x is not None else platform.group_device(group)  # a rank whose arguments failed
-    rows = channel.agree(Position(MODEL_WIDE, AGREE, 0), device, fields, blocks, failed=call is None, caller=op,
-                         show=show)
+    rows = channel.agree(
+        Position(MODEL_WIDE, AGREE, 0), device, fields, blocks, failed=call is None, caller=op, show=show
+    )
     if call is None:
         return
-    me, headers = channel.rank, [row[len(fields):] for row in rows]
+    me, headers = channel.rank, [row[len(fields) :] for row in rows]
     for r, receiver in enumerate(headers):
         for s, sender in enumerate(headers):
-            sent = sender[2 * r:2 * r + 2]
-            expected = receiver[2 * ep_size + 2 * s:2 * ep_size + 2 * s + 2]
+            sent = sender[2 * r : 2 * r + 2]
+            expected = receiver[2 * ep_size + 2 * s : 2 * ep_size + 2 * s + 2]
             if sent != expected:
-                how = (f"expects {expected[0]} rows from rank {s}, which sends {sent[0]}" if sent[0] != expected[0]
-                       else f"expects from rank {s} the {sent[0]} rows it sends, split differently over its experts")
+                how = (
+                    f"expects {expected[0]} rows from rank {s}, which sends {sent[0]}"
+                    if sent[0] != expected[0]
+                    else f"expects from rank {s} the {sent[0]} rows it sends, split differently over its experts"
+                )
                 raise ValueError(
                     f"{op}(recv_counts): rank {r} {how} (send_counts[{r}*e:({r}+1)*e] on rank {s} must equal "
                     f"recv_counts[{s}*e:({s}+1)*e] on rank {r}; epmoe.exchange_counts builds matching counts; "
                     f"this is rank {me})"
                 )
-
 
 
 def _check_routed(op: str, x: Any, weight: Any, trans_weight: bool) -> None:

@@ -90,8 +90,14 @@ class _Exchange:
         return self.received
 
 
-def grad_weight(x_TD: torch.Tensor, dy_TN: torch.Tensor, weight: torch.Tensor, counts: list[int], trans_weight: bool,
-                backend: GmmBackend) -> torch.Tensor:
+def grad_weight(
+    x_TD: torch.Tensor,
+    dy_TN: torch.Tensor,
+    weight: torch.Tensor,
+    counts: list[int],
+    trans_weight: bool,
+    backend: GmmBackend,
+) -> torch.Tensor:
     """``dW`` shaped like ``weight``: ``x_g^T dy_g`` per group (``dy_g^T x_g`` with ``trans_weight``),
     zero for an empty group (the grouped-matmul body's weight gradient)."""
     return run_grouped_mm_backward(dy_TN, x_TD, weight, counts, trans_weight, backend, False, True)[1]
@@ -172,8 +178,13 @@ def combine(run: Run, x_expert_major: torch.Tensor, *, addend: torch.Tensor | No
         y = received[0]
     else:  # round c holds, source rank by source rank, the rows of r's experts [j0, j1): interleave
         starts = [prefix(splits) for splits in rank_major_splits]
-        y = torch.cat([buffer.narrow(0, starts[c][r], rank_major_splits[c][r])
-                       for r in range(plan.ep_size) for c, buffer in enumerate(received)])
+        y = torch.cat(
+            [
+                buffer.narrow(0, starts[c][r], rank_major_splits[c][r])
+                for r in range(plan.ep_size)
+                for c, buffer in enumerate(received)
+            ]
+        )
     return Result(
         y=_fresh([y], x_expert_major),
         permuted=None,

@@ -38,7 +38,8 @@ from epmoe.ep.dispatch.fused import FusedDispatcher
 from epmoe.ep.dispatch.static import StaticDispatcher
 
 DISPATCHERS: dict[str, type[Dispatcher]] = {
-    cls.name: cls for cls in (AllToAllVDispatcher, FusedDispatcher, StaticDispatcher)}
+    cls.name: cls for cls in (AllToAllVDispatcher, FusedDispatcher, StaticDispatcher)
+}
 
 
 def make_dispatcher(name: str, experts: nn.Module, config: ExpertParallelConfig) -> Dispatcher:

@@ -65,9 +65,14 @@ class AllToAllVDispatcher(Dispatcher):
         counts as a tensor)."""
         return state.model.channel is None and state.model.config.capacity_factor is None and state.experts.grouped
 
-    def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
-                 top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None
-                 ) -> tuple[torch.Tensor, AllToAllVMeta]:
+    def dispatch(
+        self,
+        state: ExpertParallelState,
+        hidden_TH: torch.Tensor,
+        top_k_index_TK: torch.Tensor,
+        top_k_weights_TK: torch.Tensor,
+        shared: SharedExpert | None = None,
+    ) -> tuple[torch.Tensor, AllToAllVMeta]:
         """``(x_RH, meta)``: the rows this rank's local experts run, source-major."""
         shard = state.shard
         if self.traced_whole(state):
@@ -96,8 +101,7 @@ class AllToAllVDispatcher(Dispatcher):
         pairs = pair_rows(local_expert_RK, e, sum(host_counts), host_counts)
         factor = state.model.config.capacity_factor
         if factor is not None:
-            pairs, dropped = keep_first(pairs, math.ceil(factor * counts.global_slots / shard.num_experts),
-                                        host_counts)
+            pairs, dropped = keep_first(pairs, math.ceil(factor * counts.global_slots / shard.num_experts), host_counts)
             state.count_load(dropped, (DROPPED_COUNTER,))
         return x_RH, AllToAllVMeta(counts, rows, weights_RK, pairs)
 
@@ -107,8 +111,9 @@ class AllToAllVDispatcher(Dispatcher):
         rank, then token, then k), the others' outputs zero and counted as dropped (see
         :class:`~epmoe.ep.config.ExpertParallelConfig`)."""
         sources = None if meta.rows is None else RowSources(meta.counts.recv_rows_W, meta.counts.group)
-        return state.experts.routed_mlp(x_RH, meta.weights_RK, meta.pairs, sync_weights=state.sync_weights,
-                                        sources=sources)
+        return state.experts.routed_mlp(
+            x_RH, meta.weights_RK, meta.pairs, sync_weights=state.sync_weights, sources=sources
+        )
 
     def combine(self, state: ExpertParallelState, y_RH: torch.Tensor, meta: AllToAllVMeta) -> torch.Tensor:
         """``(T, H)``: the rows back to their senders, summed per token in rank order; its backward

@@ -68,8 +68,14 @@ class Dispatcher(ABC):
         return False
 
     @abstractmethod
-    def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
-                 top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None) -> tuple[torch.Tensor, Any]:
+    def dispatch(
+        self,
+        state: ExpertParallelState,
+        hidden_TH: torch.Tensor,
+        top_k_index_TK: torch.Tensor,
+        top_k_weights_TK: torch.Tensor,
+        shared: SharedExpert | None = None,
+    ) -> tuple[torch.Tensor, Any]:
         """``(rows, meta)``: the tokens on their experts' ranks, in the transport's row order, and what
         :meth:`experts` and :meth:`combine` need of this call. ``shared``: only where
         :attr:`carries_shared`."""
@@ -97,8 +103,12 @@ class LayerCounts:
     recv_rows_W: list[int]  # (W,) rows this rank receives from each rank (empty on a single rank)
 
 
-def exchange_layer_counts(state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
-                          rows_W: torch.Tensor | None = None) -> LayerCounts:
+def exchange_layer_counts(
+    state: ExpertParallelState,
+    hidden_TH: torch.Tensor,
+    top_k_index_TK: torch.Tensor,
+    rows_W: torch.Tensor | None = None,
+) -> LayerCounts:
     """The counts exchange of a layer forward (see the module docstring): this rank's slots per
     global expert from ``top_k_index_TK`` and ``rows_W`` (``(W,)`` int64 on the device, rows this rank
     sends to each rank; ``None``: none counted), with the EP group (one host read either way; the ranks
@@ -123,9 +133,14 @@ def exchange_layer_counts(state: ExpertParallelState, hidden_TH: torch.Tensor, t
         exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, extra)
         recv = exchanged.recv_counts
         counts = LayerCounts(
-            exchanged.send_counts, recv, [sum(recv[s * e + j] for s in range(W)) for j in range(e)], channel.group,
-            sum(exchanged.slots_by_rank), [row[0] for row in exchanged.extras_sent],
-            [row[0] for row in exchanged.extras_received])
+            exchanged.send_counts,
+            recv,
+            [sum(recv[s * e + j] for s in range(W)) for j in range(e)],
+            channel.group,
+            sum(exchanged.slots_by_rank),
+            [row[0] for row in exchanged.extras_sent],
+            [row[0] for row in exchanged.extras_received],
+        )
         if guarded:
             check_guard([row[1:] for row in exchanged.extras_received], position.describe(channel.layer_names))
     state.count_load(counts.local_counts_e)

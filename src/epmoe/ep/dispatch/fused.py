@@ -112,12 +112,18 @@ class FusedDispatcher(Dispatcher):
     def __init__(self, experts: nn.Module, config: ExpertParallelConfig):
         self.trans_weight = not weights_transposed(experts)  # nn.Linear layout (E, out, in) is our "transposed"
         self.weight_names = tuple(packed_weight_names(experts))  # (up or gate_up, down): no bias
-        self.options = dict(num_chunks=config.num_chunks,
-                            check=False)  # the counts were exchanged (and agreed) by exchange_layer_counts
+        self.options = dict(
+            num_chunks=config.num_chunks, check=False
+        )  # the counts were exchanged (and agreed) by exchange_layer_counts
 
-    def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
-                 top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None
-                 ) -> tuple[torch.Tensor, FusedMeta]:
+    def dispatch(
+        self,
+        state: ExpertParallelState,
+        hidden_TH: torch.Tensor,
+        top_k_index_TK: torch.Tensor,
+        top_k_weights_TK: torch.Tensor,
+        shared: SharedExpert | None = None,
+    ) -> tuple[torch.Tensor, FusedMeta]:
         """``(h, meta)``: the up projection's output on the experts' ranks, expert-major."""
         counts = exchange_layer_counts(state, hidden_TH, top_k_index_TK)
         up_proj, down_proj = state.sync_weights([getattr(state.local_experts, n) for n in self.weight_names])
@@ -129,11 +135,19 @@ class FusedDispatcher(Dispatcher):
             shared_up = dict(shared_x=hidden_TH, shared_weight=gate_up_weight, trans_shared_weight=True)
         backend = state.experts.gmm_backend()  # chosen once per experts module, device and dtype
         h_expert_major, shared_gate_up, _ = alltoallv_gmm(
-            x_rank_major, up_proj, counts.send_counts_WE, counts.recv_counts_WE, counts.group,
-            trans_weight=self.trans_weight, gmm_backend=backend, **shared_up, **self.options,
+            x_rank_major,
+            up_proj,
+            counts.send_counts_WE,
+            counts.recv_counts_WE,
+            counts.group,
+            trans_weight=self.trans_weight,
+            gmm_backend=backend,
+            **shared_up,
+            **self.options,
         )
-        return h_expert_major, FusedMeta(counts, slots, hidden_TH, top_k_weights_TK, down_proj, backend, shared,
-                                         shared_gate_up)
+        return h_expert_major, FusedMeta(
+            counts, slots, hidden_TH, top_k_weights_TK, down_proj, backend, shared, shared_gate_up
+        )
 
     def experts(self, state: ExpertParallelState, h_expert_major: torch.Tensor, meta: FusedMeta) -> torch.Tensor:
         """The experts' gate / activation on the up projection's output."""
@@ -146,14 +160,25 @@ class FusedDispatcher(Dispatcher):
         shared_down = {}
         if shared is not None:
             gate, up = meta.shared_gate_up.chunk(2, dim=-1)
-            shared_down = dict(shared_x=shared.mlp.act_fn(gate) * up, shared_weight=shared.mlp.down_proj.weight,
-                               trans_shared_weight=True)
+            shared_down = dict(
+                shared_x=shared.mlp.act_fn(gate) * up,
+                shared_weight=shared.mlp.down_proj.weight,
+                trans_shared_weight=True,
+            )
         y_rank_major, shared_TH = gmm_alltoallv(
-            a_expert_major, meta.down_proj, counts.recv_counts_WE, counts.send_counts_WE, counts.group,
-            trans_weight=self.trans_weight, gmm_backend=meta.gmm_backend, **shared_down, **self.options,
+            a_expert_major,
+            meta.down_proj,
+            counts.recv_counts_WE,
+            counts.send_counts_WE,
+            counts.group,
+            trans_weight=self.trans_weight,
+            gmm_backend=meta.gmm_backend,
+            **shared_down,
+            **self.options,
         )
         out_TH = state.backward_header(
-            unpermute_and_combine(y_rank_major, meta.top_k_weights_TK, meta.slots, meta.hidden_TH.dtype))
+            unpermute_and_combine(y_rank_major, meta.top_k_weights_TK, meta.slots, meta.hidden_TH.dtype)
+        )
         if shared is None:
             return out_TH
         if shared.gate is not None:

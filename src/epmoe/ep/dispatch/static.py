@@ -68,8 +68,17 @@ import torch.distributed as dist
 from torch import nn
 
 from epmoe.comm.static import static_exchange, static_exchange_with
-from epmoe.comm.steps import FORWARD, HEADER, MAGIC, OutOfStepError, Position, StepChannel, checks_on, dtype_code, \
-    dtype_name
+from epmoe.comm.steps import (
+    FORWARD,
+    HEADER,
+    MAGIC,
+    OutOfStepError,
+    Position,
+    StepChannel,
+    checks_on,
+    dtype_code,
+    dtype_name,
+)
 from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.dispatch.base import Dispatcher, SharedExpert
 from epmoe.ep.experts import WeightsHook
@@ -82,8 +91,10 @@ GUARD = 2  # the step guard's values in each route header (zeros where it does n
 ROUTE_HEAD = HEADER + 4 + GUARD  # step header, dtype code, B, the sender's T, its rows for the peer, guard
 # the dtypes' header codes, computed once (torch.compile traces a lookup, not zlib)
 _DTYPE_CODES = {dtype: dtype_code(dtype) for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
-FIX = ("set ExpertParallelConfig(static_tokens=N) with N at least every rank's largest batch (tokens per forward), "
-       "or check_steps=True to let the ranks re-agree on the buffer")
+FIX = (
+    "set ExpertParallelConfig(static_tokens=N) with N at least every rank's largest batch (tokens per forward), "
+    "or check_steps=True to let the ranks re-agree on the buffer"
+)
 
 
 @dataclass(frozen=True)
@@ -159,9 +170,14 @@ class StaticDispatcher(Dispatcher):
         device = next(state.local_experts.parameters()).device
         return not (self.read_headers or checks_on(state.model.config.check_steps, device))
 
-    def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
-                 top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None
-                 ) -> tuple[torch.Tensor, StaticMeta]:
+    def dispatch(
+        self,
+        state: ExpertParallelState,
+        hidden_TH: torch.Tensor,
+        top_k_index_TK: torch.Tensor,
+        top_k_weights_TK: torch.Tensor,
+        shared: SharedExpert | None = None,
+    ) -> tuple[torch.Tensor, StaticMeta]:
         """``(x_RH, meta)``: the rows this rank's local experts run, ``W`` blocks of ``B`` by source
         rank (the rows of a group of one: the tokens)."""
         shard = state.shard
@@ -175,8 +191,9 @@ class StaticDispatcher(Dispatcher):
         position = state.position(FORWARD)
         T, K = top_k_index_TK.shape
         e, W = shard.num_local_experts, link.channel.size
-        read = (self.read_headers or checks_on(state.model.config.check_steps, hidden_TH.device)
-                or link.guard is not None)
+        read = (
+            self.read_headers or checks_on(state.model.config.check_steps, hidden_TH.device) or link.guard is not None
+        )
         # the weights ride beside the rows in the wider dtype of the two: both arrive exact, with autograd
         carried = torch.promote_types(hidden_TH.dtype, top_k_weights_TK.dtype)
         H = hidden_TH.shape[1]
@@ -185,12 +202,14 @@ class StaticDispatcher(Dispatcher):
             fits = T <= B
             if fits:
                 rows, rows_W = static_token_rows(top_k_index_TK, e, W, B)
-                sent_RX = GatherRows.apply(torch.cat([hidden_TH.to(carried), top_k_weights_TK.to(carried)], dim=1),
-                                           None, *rows)
+                sent_RX = GatherRows.apply(
+                    torch.cat([hidden_TH.to(carried), top_k_weights_TK.to(carried)], dim=1), None, *rows
+                )
             else:  # the header alone tells the peers; no row travels
                 sent_RX = hidden_TH.new_zeros(W * B, H + K, dtype=carried)
-            route_WL = self._route(link, position, hidden_TH.dtype, top_k_index_TK, rows if fits else None,
-                                   rows_W if fits else None, B)
+            route_WL = self._route(
+                link, position, hidden_TH.dtype, top_k_index_TK, rows if fits else None, rows_W if fits else None, B
+            )
             received_WL, received_RX = static_exchange_with(route_WL, sent_RX, link.channel.group)
             if read or self.block is None:
                 needed = self._read_headers(link, position, received_WL, hidden_TH.dtype, B)
@@ -198,13 +217,17 @@ class StaticDispatcher(Dispatcher):
                     self.block = max(needed, 1)
                     continue
                 if needed > B:
-                    raise ValueError(f"epmoe: the static exchange's buffer holds static_tokens={B} tokens, an EP rank "
-                                     f"has {needed} in this forward (this is EP rank {link.channel.rank}, with {T}); "
-                                     f"{FIX}")
+                    raise ValueError(
+                        f"epmoe: the static exchange's buffer holds static_tokens={B} tokens, an EP rank "
+                        f"has {needed} in this forward (this is EP rank {link.channel.rank}, with {T}); "
+                        f"{FIX}"
+                    )
             else:
                 if not fits:
-                    raise ValueError(f"epmoe: this EP rank ({link.channel.rank}) has {T} tokens in this forward, more "
-                                     f"than the static exchange's buffer of B={B} rows; its peers raise too: {FIX}")
+                    raise ValueError(
+                        f"epmoe: this EP rank ({link.channel.rank}) has {T} tokens in this forward, more "
+                        f"than the static exchange's buffer of B={B} rows; its peers raise too: {FIX}"
+                    )
                 self._assert_headers(link, position, received_WL, hidden_TH.dtype, B)
             break
         # each choice's local expert, e where it is another rank's or the row is padding (ids -1)
@@ -229,19 +252,30 @@ class StaticDispatcher(Dispatcher):
         return state.backward_header(SumRows.apply(static_exchange(y_RH, meta.group), *meta.rows))
 
     @staticmethod
-    def _route(link: _Link, position: Position, dtype: torch.dtype, top_k_index_TK: torch.Tensor,
-               rows: TokenRows | None, rows_W: torch.Tensor | None, B: int) -> torch.Tensor:
+    def _route(
+        link: _Link,
+        position: Position,
+        dtype: torch.dtype,
+        top_k_index_TK: torch.Tensor,
+        rows: TokenRows | None,
+        rows_W: torch.Tensor | None,
+        B: int,
+    ) -> torch.Tensor:
         """``(W, L)`` int64: the route block for each peer, ``L = ROUTE_HEAD + B*K``: the step header
         (its flag set where this rank's rows do not fit), the dtype, ``B``, this rank's ``T``, its
         rows for the peer, the guard's values, then each row's ``K`` expert ids (-1: padding)."""
         T, K = top_k_index_TK.shape
         W, device = link.channel.size, top_k_index_TK.device
-        head = _device_ints([MAGIC, position.layer, position.phase, position.call, int(rows is None),
-                             _DTYPE_CODES.get(dtype, 0), B, T], device)
+        head = _device_ints(
+            [MAGIC, position.layer, position.phase, position.call, int(rows is None), _DTYPE_CODES.get(dtype, 0), B, T],
+            device,
+        )
         guard = link.guard if link.guard is not None else torch.zeros(GUARD, dtype=torch.int64, device=device)
         if rows is None:  # does not fit: the header alone, so every rank learns it
-            rows_W, ids_WL = torch.zeros(W, dtype=torch.int64, device=device), torch.full(
-                (W, B * K), -1, dtype=torch.int64, device=device)
+            rows_W, ids_WL = (
+                torch.zeros(W, dtype=torch.int64, device=device),
+                torch.full((W, B * K), -1, dtype=torch.int64, device=device),
+            )
         else:
             padded_TK = torch.cat([top_k_index_TK.long(), top_k_index_TK.new_full((1, K), -1, dtype=torch.int64)])
             ids_WL = padded_TK[rows.token_R].reshape(W, B * K)
@@ -259,36 +293,42 @@ class StaticDispatcher(Dispatcher):
                 raise OutOfStepError(
                     f"epmoe: EP rank {source} sent something other than a static route header of B={B} while this "
                     f"rank (EP rank {channel.rank}) is at {position.describe(channel.layer_names)}: the ranks run "
-                    f"different collectives (a rank skipped or added one)")
-            theirs = Position(*row[1:HEADER - 1])
+                    f"different collectives (a rank skipped or added one)"
+                )
+            theirs = Position(*row[1 : HEADER - 1])
             if theirs != position:
                 raise OutOfStepError(
                     f"epmoe: EP ranks are out of step: this rank (EP rank {channel.rank}) is at "
                     f"{position.describe(channel.layer_names)}, EP rank {source} is at "
                     f"{theirs.describe(channel.layer_names)}. Every rank of the group must run the same forwards and "
-                    f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)")
+                    f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)"
+                )
         dtypes = [row[HEADER] for row in rows]
         if len(set(dtypes)) > 1:
             raise ValueError(
                 f"epmoe: the EP ranks run {position.describe(channel.layer_names)} in different dtypes: "
                 f"{[dtype_name(d) for d in dtypes]} by rank (this is EP rank {channel.rank}); every rank must hold "
-                f"the model in the same dtype (call model.to(dtype) on every rank)")
+                f"the model in the same dtype (call model.to(dtype) on every rank)"
+            )
         if link.guard is not None:
-            check_guard([row[ROUTE_HEAD - GUARD:] for row in rows], position.describe(channel.layer_names))
+            check_guard([row[ROUTE_HEAD - GUARD :] for row in rows], position.describe(channel.layer_names))
         return max(row[HEADER + 2] for row in rows)
 
     @staticmethod
-    def _assert_headers(link: _Link, position: Position, received_WL: torch.Tensor, dtype: torch.dtype, B: int
-                        ) -> None:
+    def _assert_headers(link: _Link, position: Position, received_WL: torch.Tensor, dtype: torch.dtype, B: int) -> None:
         """The same checks on the device, no host read: a device-side assertion where a peer's route
         header differs from this rank's position, ``B`` or dtype, or its rows did not fit."""
-        expected = _device_ints([MAGIC, position.layer, position.phase, position.call, 0, _DTYPE_CODES.get(dtype, 0), B],
-                                received_WL.device)
-        ok = (received_WL[:, :HEADER + 2] == expected).all()  # the flag (0) says the peer's rows fit
+        expected = _device_ints(
+            [MAGIC, position.layer, position.phase, position.call, 0, _DTYPE_CODES.get(dtype, 0), B], received_WL.device
+        )
+        ok = (received_WL[:, : HEADER + 2] == expected).all()  # the flag (0) says the peer's rows fit
         where = position.describe(link.channel.layer_names)
-        torch._assert_async(ok, f"epmoe: at {where}, an EP rank's static route header differs from this rank's: "
-                                f"a peer's batch outgrew the static exchange's buffer of B={B} rows, or the ranks are "
-                                f"out of step or in different dtypes; {FIX}")
+        torch._assert_async(
+            ok,
+            f"epmoe: at {where}, an EP rank's static route header differs from this rank's: "
+            f"a peer's batch outgrew the static exchange's buffer of B={B} rows, or the ranks are "
+            f"out of step or in different dtypes; {FIX}",
+        )
 
 
 def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
@@ -317,8 +357,14 @@ class DecodeDispatcher(Dispatcher):
         self.prompt, self.decode = prompt, decode
         self.forwards = 0  # this layer's forwards in the generate call so far
 
-    def dispatch(self, state: ExpertParallelState, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor,
-                 top_k_weights_TK: torch.Tensor, shared: SharedExpert | None = None) -> tuple[torch.Tensor, object]:
+    def dispatch(
+        self,
+        state: ExpertParallelState,
+        hidden_TH: torch.Tensor,
+        top_k_index_TK: torch.Tensor,
+        top_k_weights_TK: torch.Tensor,
+        shared: SharedExpert | None = None,
+    ) -> tuple[torch.Tensor, object]:
         """The prompt's transport at the call's first forward, the static exchange after it."""
         transport = self.decode if self.forwards else self.prompt
         self.forwards += 1
