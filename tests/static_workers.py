@@ -309,7 +309,7 @@ def auto_generate(rank, world):
     try:
         for cls in originals:
             cls.dispatch = counted(cls)
-        for kwargs in runs.values():
+        for label, kwargs in runs.items():  # noqa: B007 - label is read by counted()'s dispatch
             with torch.no_grad():
                 want = dynamic.generate(prompt, do_sample=False, pad_token_id=0, **kwargs)
                 got = auto.generate(prompt, do_sample=False, pad_token_id=0, **kwargs)
