@@ -452,12 +452,14 @@ def _loaded_expert_parallel(model: nn.Module) -> str | None:
     config = next(
         (m.config for m in model.modules() if hasattr(getattr(m, "config", None), "distributed_config")), None
     )
-    ep_size = getattr(getattr(config, "distributed_config", None), "ep_size", None) or 1
-    if ep_size <= 1:
+    distributed = getattr(config, "distributed_config", None)
+    ep_size, tp_size = (getattr(distributed, key, None) or 1 for key in ("ep_size", "tp_size"))
+    if ep_size <= 1 and tp_size <= 1:
         return None
     return (
         f"apply_expert_parallel(model): {type(model).__name__} was loaded with transformers' own expert "
-        f"parallelism (distributed_config with ep_size={ep_size}): its experts are sharded already and would "
+        f"or tensor parallelism (distributed_config with ep_size={ep_size}, tp_size={tp_size}): its experts are "
+        f"sharded already and would "
         f"be sharded twice. One change moves the load to epmoe: model, shards = epmoe.from_pretrained("
         f"ModelClass, path, distributed_config=...) with the same DistributedConfig, in place of "
         f"ModelClass.from_pretrained(path, distributed_config=...)"

@@ -184,7 +184,7 @@ class GatherRows(torch.autograd.Function):
         ctx.save_for_backward(row_TD)
         ctx.hidden, ctx.route_dtype = x_TH.shape[1], None if route_TC is None else route_TC.dtype
         if route_TC is not None:
-            x_TH = torch.cat([x_TH, route_TC.contiguous().view(x_TH.dtype)], dim=1)
+            x_TH = torch.cat([x_TH, _whole(route_TC).view(x_TH.dtype)], dim=1)
         if padded:  # padding rows read an appended zero row (index T)
             x_TH = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])
         return x_TH[token_R]
@@ -194,7 +194,7 @@ class GatherRows(torch.autograd.Function):
         (row_TD,) = ctx.saved_tensors
         if ctx.route_dtype is None:
             return _sum_by_token(dx_RX, row_TD), None, None, None, None
-        droute_RC = dx_RX[:, ctx.hidden :].contiguous().view(ctx.route_dtype)
+        droute_RC = _whole(dx_RX[:, ctx.hidden :]).view(ctx.route_dtype)
         return _sum_by_token(dx_RX[:, : ctx.hidden], row_TD), _sum_by_token(droute_RC, row_TD), None, None, None
 
 
@@ -224,7 +224,7 @@ class UnpackRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, packed_RX: torch.Tensor, hidden: int, route_dtype: torch.dtype):
-        route_RC = packed_RX[:, hidden:].contiguous().view(route_dtype)
+        route_RC = _whole(packed_RX[:, hidden:]).view(route_dtype)
         ctx.rows, ctx.hidden, ctx.route_columns = packed_RX.shape[0], hidden, route_RC.shape[1]
         ctx.dtype, ctx.route_dtype, ctx.device = packed_RX.dtype, route_dtype, packed_RX.device
         return packed_RX[:, :hidden].contiguous(), route_RC  # copies: the packed buffer is not kept
@@ -235,7 +235,13 @@ class UnpackRoute(torch.autograd.Function):
             dx_RH = torch.zeros(ctx.rows, ctx.hidden, dtype=ctx.dtype, device=ctx.device)
         if droute_RC is None:
             droute_RC = torch.zeros(ctx.rows, ctx.route_columns, dtype=ctx.route_dtype, device=ctx.device)
-        return torch.cat([dx_RH, droute_RC.contiguous().view(ctx.dtype)], dim=1), None, None
+        return torch.cat([dx_RH, _whole(droute_RC).view(ctx.dtype)], dim=1), None, None
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous from the start of its own storage (a copy where not): what a ``view(dtype)``
+    of another element size needs, whatever the rows' count and the columns' offset."""
+    return t if t.is_contiguous() and t.storage_offset() == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:

@@ -149,7 +149,8 @@ def shard_dense(model: nn.Module, mesh: Any) -> nn.Module:
         if any(p.dtype != main and p.requires_grad and p not in experts for p in m.parameters(recurse=False))
     ]
     blocks = set(getattr(model, "_no_split_modules", None) or ())
-    for module in own_dtype + [m for m in model.modules() if type(m).__name__ in blocks]:
+    units = [*reversed(own_dtype), *(m for m in model.modules() if type(m).__name__ in blocks and m not in own_dtype)]
+    for module in (m for m in units if m is not model):  # inner units first, each once; the root last
         fully_shard(module, mesh=mesh, ignored_params=experts)
     return fully_shard(model, mesh=mesh, ignored_params=experts)
 
