@@ -459,8 +459,8 @@ def _loaded_expert_parallel(model: nn.Module) -> str | None:
     return (
         f"apply_expert_parallel(model): {type(model).__name__} was loaded with transformers' own expert "
         f"or tensor parallelism (distributed_config with ep_size={ep_size}, tp_size={tp_size}): its experts are "
-        f"sharded already and would "
-        f"be sharded twice. One change moves the load to epmoe: model, shards = epmoe.from_pretrained("
+        f"sharded already and would be sharded twice. One change moves the load to epmoe: model, shards = "
+        f"epmoe.from_pretrained("
         f"ModelClass, path, distributed_config=...) with the same DistributedConfig, in place of "
         f"ModelClass.from_pretrained(path, distributed_config=...)"
     )
