@@ -169,8 +169,9 @@ class GatherRows(torch.autograd.Function):
     token's hidden state once per destination rank (zero rows for padding); with a ``route_TC``
     (``None`` or ``(T, C)`` float, ``C`` times its itemsize a multiple of ``x_TH``'s), ``(R, H + C')``:
     each row followed by the bytes of its token's route, carried exactly in ``x_TH``'s dtype so one
-    exchange moves both (:class:`UnpackRoute` splits them). Backward: each token's rows' gradients
-    summed in rank order."""
+    exchange moves both (:class:`UnpackRoute` splits them; each reinterpretation reads a fresh copy of
+    the route's few columns, which a view to another element size needs from its storage's start).
+    Backward: each token's rows' gradients summed in rank order."""
 
     @staticmethod
     def forward(
@@ -184,7 +185,7 @@ class GatherRows(torch.autograd.Function):
         ctx.save_for_backward(row_TD)
         ctx.hidden, ctx.route_dtype = x_TH.shape[1], None if route_TC is None else route_TC.dtype
         if route_TC is not None:
-            x_TH = torch.cat([x_TH, _whole(route_TC).view(x_TH.dtype)], dim=1)
+            x_TH = torch.cat([x_TH, route_TC.clone(memory_format=torch.contiguous_format).view(x_TH.dtype)], dim=1)
         if padded:  # padding rows read an appended zero row (index T)
             x_TH = torch.cat([x_TH, x_TH.new_zeros(1, x_TH.shape[1])])
         return x_TH[token_R]
@@ -194,7 +195,7 @@ class GatherRows(torch.autograd.Function):
         (row_TD,) = ctx.saved_tensors
         if ctx.route_dtype is None:
             return _sum_by_token(dx_RX, row_TD), None, None, None, None
-        droute_RC = _whole(dx_RX[:, ctx.hidden :]).view(ctx.route_dtype)
+        droute_RC = dx_RX[:, ctx.hidden :].clone(memory_format=torch.contiguous_format).view(ctx.route_dtype)
         return _sum_by_token(dx_RX[:, : ctx.hidden], row_TD), _sum_by_token(droute_RC, row_TD), None, None, None
 
 
@@ -224,7 +225,7 @@ class UnpackRoute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, packed_RX: torch.Tensor, hidden: int, route_dtype: torch.dtype):
-        route_RC = _whole(packed_RX[:, hidden:]).view(route_dtype)
+        route_RC = packed_RX[:, hidden:].clone(memory_format=torch.contiguous_format).view(route_dtype)
         ctx.rows, ctx.hidden, ctx.route_columns = packed_RX.shape[0], hidden, route_RC.shape[1]
         ctx.dtype, ctx.route_dtype, ctx.device = packed_RX.dtype, route_dtype, packed_RX.device
         return packed_RX[:, :hidden].contiguous(), route_RC  # copies: the packed buffer is not kept
@@ -235,13 +236,11 @@ class UnpackRoute(torch.autograd.Function):
             dx_RH = torch.zeros(ctx.rows, ctx.hidden, dtype=ctx.dtype, device=ctx.device)
         if droute_RC is None:
             droute_RC = torch.zeros(ctx.rows, ctx.route_columns, dtype=ctx.route_dtype, device=ctx.device)
-        return torch.cat([dx_RH, _whole(droute_RC).view(ctx.dtype)], dim=1), None, None
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """``t`` contiguous from the start of its own storage (a copy where not): what a ``view(dtype)``
-    of another element size needs, whatever the rows' count and the columns' offset."""
-    return t if t.is_contiguous() and t.storage_offset() == 0 else t.clone(memory_format=torch.contiguous_format)
+        return (
+            torch.cat([dx_RH, droute_RC.clone(memory_format=torch.contiguous_format).view(ctx.dtype)], dim=1),
+            None,
+            None,
+        )
 
 
 def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
