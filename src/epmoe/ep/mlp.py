@@ -275,7 +275,6 @@ def _routed_mlp_backward_op(
     dx_PH, d_up = run_grouped_mm_backward(dh_PN, x_RH[row_P], up, counts, trans_weight, backend, True, True)
     del dh_PN
     dx_RH = weighted_sum(dx_PH, None, pair_RK, x_RH.dtype, padded)
-    del dx_PH
     dweights_RK = torch.zeros(weights_RK.numel(), dtype=weights_RK.dtype, device=weights_RK.device)
     dweights_RK.index_copy_(0, slot_P, dw_P.to(weights_RK.dtype))
     return dx_RH, dweights_RK.view_as(weights_RK), d_up, d_down, d_up_bias, d_down_bias
