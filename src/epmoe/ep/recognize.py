@@ -177,6 +177,11 @@ def _why_unsupported(model: nn.Module, modules: dict[str, nn.Module], name: str,
             f"{where}its forward takes ({', '.join(params)}), not the experts contract "
             f"({', '.join(_EXPERTS_CONTRACT)}) with top-k expert ids"
         )
+    return _why_layout_unsupported(module, where)
+
+
+def _why_layout_unsupported(module: nn.Module, where: str) -> str:
+    """Why an experts module that takes the experts contract has weights epmoe cannot lay out."""
     shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters())
     leading = {n: p.shape[0] for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
     # only running its own forward tells these layouts apart, which weights on the meta device cannot
