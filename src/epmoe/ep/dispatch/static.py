@@ -199,17 +199,8 @@ class StaticDispatcher(Dispatcher):
         H = hidden_TH.shape[1]
         while True:
             B = self.block or 0
-            fits = T <= B
-            if fits:
-                rows, rows_W = static_token_rows(top_k_index_TK, e, W, B)
-                sent_RX = GatherRows.apply(
-                    torch.cat([hidden_TH.to(carried), top_k_weights_TK.to(carried)], dim=1), None, *rows
-                )
-            else:  # the header alone tells the peers; no row travels
-                sent_RX = hidden_TH.new_zeros(W * B, H + K, dtype=carried)
-            route_WL = self._route(
-                link, position, hidden_TH.dtype, top_k_index_TK, rows if fits else None, rows_W if fits else None, B
-            )
+            rows, rows_W, sent_RX = _sent_rows(hidden_TH, top_k_index_TK, top_k_weights_TK, carried, e, W, B)
+            route_WL = self._route(link, position, hidden_TH.dtype, top_k_index_TK, rows, rows_W, B)
             received_WL, received_RX = static_exchange_with(route_WL, sent_RX, link.channel.group)
             if read or self.block is None:
                 needed = self._read_headers(link, position, received_WL, hidden_TH.dtype, B)
@@ -223,7 +214,7 @@ class StaticDispatcher(Dispatcher):
                         f"{FIX}"
                     )
             else:
-                if not fits:
+                if rows is None:  # the batch outgrew the buffer
                     raise ValueError(
                         f"epmoe: this EP rank ({link.channel.rank}) has {T} tokens in this forward, more "
                         f"than the static exchange's buffer of B={B} rows; its peers raise too: {FIX}"
@@ -379,3 +370,23 @@ class DecodeDispatcher(Dispatcher):
     def _of(self, meta: object) -> Dispatcher:
         """The transport whose :meth:`dispatch` made ``meta``."""
         return self.decode if isinstance(meta, StaticMeta) else self.prompt
+
+
+def _sent_rows(
+    hidden_TH: torch.Tensor,
+    top_k_index_TK: torch.Tensor,
+    top_k_weights_TK: torch.Tensor,
+    carried: torch.dtype,
+    e: int,
+    W: int,
+    B: int,
+) -> tuple:
+    """``(rows, rows_W, sent_RX)``: the ``W x B`` buffer rows to send, each token's hidden state and
+    routing weights in ``carried`` (the wider dtype of the two); where the batch outgrows ``B``,
+    ``(None, None, zeros)``: the header alone tells the peers, no row travels."""
+    T, K = top_k_index_TK.shape
+    if T > B:
+        return None, None, hidden_TH.new_zeros(W * B, hidden_TH.shape[1] + K, dtype=carried)
+    rows, rows_W = static_token_rows(top_k_index_TK, e, W, B)
+    carried_TX = torch.cat([hidden_TH.to(carried), top_k_weights_TK.to(carried)], dim=1)
+    return rows, rows_W, GatherRows.apply(carried_TX, None, *rows)
