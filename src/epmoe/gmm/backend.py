@@ -10,10 +10,10 @@ A backend computes, for groups ``g = 0..G-1`` of consecutive rows of ``x``::
     +--------+
 
 ``forward`` gives ``y_TN``; ``grad_weight`` gives ``dW`` with the weight's own layout. The autograd
-(and every validation) lives in :mod:`epmoe.gmm.registry`, so a backend only multiplies: it receives
-validated, contiguous ``x``, ``counts`` as a Python list (or, for a backend with ``device_counts``,
-possibly a ``(G,)`` int64 tensor on ``x``'s device, which it must not read to the host) and never
-sees ``T == 0``.
+lives in :mod:`epmoe.gmm.op` and every validation in :mod:`epmoe.gmm.registry`, so a backend only
+multiplies: it receives validated, contiguous ``x``, ``counts`` as a Python list (or, for a backend
+with ``device_counts``, possibly a ``(G,)`` int64 tensor on ``x``'s device, which it must not read
+to the host) and never sees ``T == 0``.
 """
 
 from __future__ import annotations

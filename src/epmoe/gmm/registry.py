@@ -1,33 +1,24 @@
-"""``grouped_mm``: validation, backend registry and choice, and the autograd shared by all backends.
-
-    grouped_mm(x_TD, weight, counts)            validate shapes and dtypes (traceable)
-      -> epmoe::grouped_mm (custom op)          choose: $EPMOE_GMM_BACKEND, else backend=, else
-         |                                      ("auto") the first eligible backend (or ask the
-         |                                      caller's BackendChoice); counts as it takes them: a
-         |                                      device tensor, unread, for a backend with
-         |                                      device_counts (torch), else read to the host once
-         |                                      and validated (host lists: validated first)
-         |--forward-->  run_grouped_mm: backend.forward(x, W)             -> y_TN
-         <-backward--   epmoe::grouped_mm_backward: the same choice, then run_grouped_mm_backward:
-                        backend.forward(dy, W, transposed) -> dx_TD
-                        backend.grad_weight(x, dy)         -> dW (zero for empty groups)
-
-Both ops are ``torch.library`` custom ops with fake kernels (output shapes from the operands alone)
-and registered autograd, so ``torch.compile`` traces a grouped matmul as one opaque call, in any
-dtype, and never the backend choice, its logging or the host read of the counts.
-:func:`run_grouped_mm` and :func:`run_grouped_mm_backward` are the one body of those ops: the other
-ops that run grouped matmuls inside (``epmoe::routed_mlp``, the fused ``alltoallv_gmm`` /
-``gmm_alltoallv``) call them with the backend object they were given.
+"""The grouped-matmul backends: which are registered, which one runs a call (and why each other
+declines), and how a chosen one runs; the op that users call is :mod:`epmoe.gmm.op`.
 
 Registry order is the order of preference: ``npu``, ``batched`` (which ``auto`` takes only where its
 cost rule accepts the call's counts: small, even groups), ``torch``, then ``loop``, which always
-accepts and stays last. The first time an accelerated backend runs, one INFO line says so; the first time the
-dispatcher falls back past accelerated backends, one WARNING names each one that declined and why.
+accepts and stays last. :func:`select_backend` and :func:`choose_backend` pick one:
+``$EPMOE_GMM_BACKEND``, else a named backend, else (``"auto"``) the first eligible one. The first time
+an accelerated backend runs, one INFO line says so; the first time the choice falls back past
+accelerated backends, one WARNING names each one that declined and why.
 
 A caller that issues several grouped matmuls on the same weights (an experts module's up and down
 projections, in forward and backward) holds one :class:`BackendChoice`: the registered backends
 judge the family of calls together, once per device and dtype, and one backend runs them all; the
 calls are judged again only where their :class:`Operands` differ from the ones judged.
+
+Operands are validated here (:func:`check_operands`), as the backends are asked about them, and
+counts are given to a backend as it takes them (:func:`backend_counts`, :func:`counts_once`).
+:func:`run_grouped_mm` and :func:`run_grouped_mm_backward` run a chosen backend: the one body of the
+``epmoe::grouped_mm`` op and of the other ops that run grouped matmuls inside
+(``epmoe::routed_mlp``, the fused ``alltoallv_gmm`` / ``gmm_alltoallv``), which call them with the
+backend object they were given.
 """
 
 from __future__ import annotations
@@ -42,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from epmoe import errors
-from epmoe.errors import double_backward_error
 from epmoe.gmm.backend import BackendStatus, GmmBackend
 from epmoe.gmm.batched import BatchedBackend
 from epmoe.gmm.loop import LoopBackend
@@ -208,8 +198,8 @@ def _judge(
     calls: list[tuple[str | None, object, object, object]], caller: str, only: str | None = None
 ) -> list[BackendStatus]:
     """Each registered backend's status (``only``: that backend's alone) on every call ``(label, x,
-    weight, trans_weight)``, validated first; ``x`` is judged contiguous, as :func:`grouped_mm` passes
-    it to the backend."""
+    weight, trans_weight)``, validated first; ``x`` is judged contiguous, as
+    :func:`~epmoe.gmm.op.grouped_mm` passes it to the backend."""
     judged = []
     for label, x, weight, trans_weight in calls:
         check_operands(x, weight, trans_weight, caller if label is None else f"{caller}[{label!r}]")
@@ -290,7 +280,7 @@ class BackendChoice:
     after the registry changes, the family is judged again. ``$EPMOE_GMM_BACKEND`` and, for
     ``"auto"``, a backend that wins only on some group sizes apply per call, from the judged
     statuses (no backend is asked). The backend of a forward runs its backward too, as in
-    :func:`grouped_mm`.
+    :func:`~epmoe.gmm.op.grouped_mm`.
 
     What is judged per call, then, is only what can change between calls: the ops that run the
     family (``epmoe::routed_mlp``) ask :meth:`backend_for_weights`, which keeps each answer by the
@@ -438,7 +428,7 @@ def check_operands(x: object, weight: object, trans_weight: object, caller: str 
         )
 
 
-def _counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
+def counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
     """``counts`` as a Python list, validated; at most one host read of a tensor."""
     values = errors.int_list("grouped_mm(counts)", counts)
     if len(values) != num_groups:
@@ -460,7 +450,7 @@ def backend_counts(
         return host_counts
     if backend.device_counts:
         return counts_G.to(device=x_TD.device, dtype=torch.int64)
-    return _counts_list(counts_G, num_groups, x_TD.shape[0])
+    return counts_list(counts_G, num_groups, x_TD.shape[0])
 
 
 def counts_once(
@@ -473,7 +463,7 @@ def counts_once(
     if backend.device_counts:
         return counts_G.to(device=device, dtype=torch.int64)
     values = errors.int_list("grouped_mm(counts)", counts_G)
-    _counts_list(values, num_groups, sum(values))
+    counts_list(values, num_groups, sum(values))
     return values
 
 
@@ -514,142 +504,3 @@ def run_grouped_mm_backward(
         if need_dw:
             dw = backend.grad_weight(x_TD.contiguous(), dy_TN, counts, trans_weight)
     return dx, dw
-
-
-def _op_backend(
-    x_TD: torch.Tensor,
-    weight: torch.Tensor,
-    trans_weight: bool,
-    backend: str,
-    choice: int,
-    host_counts: list[int] | None,
-    backward: bool,
-) -> GmmBackend:
-    """The backend of one ``epmoe::grouped_mm`` call: its caller's :class:`BackendChoice` (``choice``
-    >= 0), else chosen here from ``backend`` (:func:`select_backend`)."""
-    if choice >= 0:
-        return choice_of(choice).backend_for([(x_TD, weight, trans_weight)], counts=host_counts, backward=backward)
-    return select_backend(
-        x_TD, weight, trans_weight=trans_weight, backend=backend, counts=host_counts, backward=backward
-    )
-
-
-@torch.library.custom_op("epmoe::grouped_mm", mutates_args=())
-def _grouped_mm_op(
-    x_TD: torch.Tensor,
-    weight: torch.Tensor,
-    counts_G: torch.Tensor,
-    host_counts: list[int] | None,
-    trans_weight: bool,
-    backend: str,
-    choice: int,
-    differentiable: bool,
-) -> torch.Tensor:
-    """The op behind :func:`grouped_mm`: the backend chosen here and the counts read to the host
-    here where it needs them (once), so that ``torch.compile`` traces neither (only
-    :func:`_grouped_mm_fake`)."""
-    chosen = _op_backend(x_TD, weight, trans_weight, backend, choice, host_counts, differentiable)
-    counts = backend_counts(chosen, counts_G, host_counts, x_TD, weight.shape[0])
-    return run_grouped_mm(x_TD, weight, counts, trans_weight, chosen)
-
-
-@_grouped_mm_op.register_fake
-def _grouped_mm_fake(x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, differentiable):
-    return x_TD.new_empty(x_TD.shape[0], weight.shape[1 if trans_weight else 2])
-
-
-@torch.library.custom_op("epmoe::grouped_mm_backward", mutates_args=())
-def _grouped_mm_backward_op(
-    dy_TN: torch.Tensor,
-    x_TD: torch.Tensor,
-    weight: torch.Tensor,
-    counts_G: torch.Tensor,
-    host_counts: list[int] | None,
-    trans_weight: bool,
-    backend: str,
-    choice: int,
-    need_dx: bool,
-    need_dw: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx_TD, dW)`` on the backend the forward ran (chosen again from the same operands, which
-    a :class:`BackendChoice` answers without judging; the choice depends on nothing else); a
-    gradient not needed is an empty tensor."""
-    chosen = _op_backend(x_TD, weight, trans_weight, backend, choice, host_counts, True)
-    counts = backend_counts(chosen, counts_G, host_counts, dy_TN, weight.shape[0])
-    return run_grouped_mm_backward(dy_TN, x_TD, weight, counts, trans_weight, chosen, need_dx, need_dw)
-
-
-@_grouped_mm_backward_op.register_fake
-def _grouped_mm_backward_fake(
-    dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, need_dx, need_dw
-):
-    empty = x_TD.new_empty(0)
-    return (torch.empty_like(x_TD) if need_dx else empty), (torch.empty_like(weight) if need_dw else empty)
-
-
-def _setup_context(ctx, inputs, output):
-    x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, _ = inputs
-    ctx.save_for_backward(x_TD, weight, counts_G)
-    ctx.options = (host_counts, trans_weight, backend, choice)
-
-
-def _backward(ctx, dy_TN):
-    if torch.is_grad_enabled():
-        raise double_backward_error("grouped_mm")
-    x_TD, weight, counts_G = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[:2]
-    host_counts, trans_weight, backend, choice = ctx.options
-    dx, dw = torch.ops.epmoe.grouped_mm_backward(
-        dy_TN, x_TD, weight, counts_G, host_counts, trans_weight, backend, choice, need_dx, need_dw
-    )
-    return (dx if need_dx else None), (dw if need_dw else None), None, None, None, None, None, None
-
-
-_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def grouped_mm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    counts: Sequence[int] | torch.Tensor,
-    *,
-    trans_weight: bool = False,
-    backend: str | BackendChoice = "auto",
-) -> torch.Tensor:
-    """Grouped matmul: rows ``[sum(counts[:g]), sum(counts[:g+1]))`` of ``x`` times ``weight[g]``.
-
-    Args:
-        x: ``(T, D)`` rows sorted by group.
-        weight: ``(G, D, N)``, or ``(G, N, D)`` (``nn.Linear`` layout) with ``trans_weight=True``,
-            read without a transposed copy.
-        counts: ``G`` non-negative ints summing to ``T`` (list, tuple, or integer tensor on any
-            device). A backend that takes its counts on the device (``torch``) gets a tensor unread
-            (its values are trusted, not validated); for the others the op reads it to the host once.
-            Under ``torch.compile`` a device tensor costs no graph break either way.
-        trans_weight: whether ``weight`` is ``(G, N, D)``.
-        backend: ``"auto"``, a registered backend name, ``"prefer:NAME"`` (``NAME`` where it takes
-            the call, else as ``"auto"``), or a :class:`BackendChoice` (the backend it chose for the
-            family of grouped matmuls this call belongs to); ``$EPMOE_GMM_BACKEND`` overrides it.
-
-    Returns:
-        ``(T, N)`` in ``x``'s dtype; differentiable in ``x`` and ``weight``.
-    """
-    check_operands(x, weight, trans_weight)
-    choice = -1
-    if isinstance(backend, BackendChoice):
-        backend, choice = backend.requested, backend.key
-    if not isinstance(backend, str):
-        raise TypeError(f"grouped_mm(backend): expected a str or a BackendChoice, got {type(backend).__name__}")
-    host_counts = None
-    if isinstance(counts, torch.Tensor):
-        errors.check_counts_tensor("grouped_mm(counts)", counts)  # the op reads the values where it must
-        counts_G = counts
-    else:
-        host_counts = _counts_list(counts, weight.shape[0], x.shape[0])
-        counts_G = torch.tensor(host_counts, dtype=torch.int64)
-        if torch.compiler.is_compiling():
-            host_counts = None  # a traced list would be a constant of the graph
-    differentiable = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return torch.ops.epmoe.grouped_mm(
-        x.contiguous(), weight, counts_G, host_counts, trans_weight, backend, choice, differentiable
-    )
