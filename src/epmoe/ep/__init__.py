@@ -2,6 +2,7 @@
 
 * :mod:`~epmoe.ep.config`: ``ExpertParallelConfig``, ``ExpertShard``.
 * :mod:`~epmoe.ep.recognize`: which modules are experts (packed, Linear triples), PEFT wrappers.
+* :mod:`~epmoe.ep.probe`: running a module's own forward on fixed rows where its structure cannot tell.
 * :mod:`~epmoe.ep.model`: ``EPModel``, one model's expert parallelism (groups, step channels, gradient
   policy, step guard, the experts modules in order), and which wrapper runs the model.
 * :mod:`~epmoe.ep.state`: the per-layer record pointing to it, and the queries (``ep_model``, ``ep_states``).

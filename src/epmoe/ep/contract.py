@@ -49,6 +49,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from epmoe.ep.probe import probing
 from epmoe.ep.recognize import num_experts_of, packed_mlp_rows, packed_names, per_expert_post, weights_transposed
 
 logger = logging.getLogger(__name__)
@@ -195,9 +196,8 @@ def _probe(module: nn.Module, whole: bool) -> str | None:
     x_TH = torch.randn(tokens, hidden, generator=generator) * scale_T.unsqueeze(1)
     args = tuple(t.to(device) for t in (x_TH, index_TK, weights_TK))
     own = type(module).forward if whole else decorated_forward(type(module)).__wrapped__
-    devices = [device] if device.type == "cuda" else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices), _eager(module):
+        with probing(device), _eager(module):
             own_TH = torch.func.functional_call(_Call(module, own), _prefixed(stand_ins), args)
             expected_TH = torch.func.functional_call(_Call(module, _contract(whole)), _prefixed(stand_ins), args)
     except Exception as exc:  # noqa: BLE001 - a forward that cannot run the probe is not shown equal

@@ -34,6 +34,11 @@ or not; :func:`unsupported_experts` lists those it does not run, each with the r
 structure (experts inside attention, experts as ``nn.Embedding`` rows, no router beside them, a
 forward that is not the experts contract, weights without a per-expert layout it knows), so that
 ``apply_expert_parallel`` refuses them by name before changing anything.
+
+Everything here is read from a module's structure, except where the structure alone cannot tell
+(a layout without flags, stacked tensors' roles, zero-computation experts, a Linear triple's
+forward): there the module's own forward is asked on a probe (:mod:`epmoe.ep.probe`), against
+:func:`packed_mlp_rows` or the triple's gated MLP.
 """
 
 from __future__ import annotations
@@ -43,10 +48,11 @@ import inspect
 import itertools
 import re
 import types
-import weakref
 
 import torch
 from torch import nn
+
+from epmoe.ep.probe import computes_triple, forward_agrees, zero_experts_are_identity
 
 _LINEAR_TRIPLES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
@@ -269,7 +275,7 @@ def adopt_packed_experts(module: nn.Module) -> bool:
     else:
         layouts = [t for t in layouts if _computes_layout(module, up_name, t, has_bias, own_gate, dense, num)]
     if len(layouts) != 1 or (
-        zero and (dense or not _zero_experts_are_identity(module, num, zero, up.shape[1 if layouts[0] else 2]))
+        zero and (dense or not zero_experts_are_identity(module, num, zero, up.shape[1 if layouts[0] else 2]))
     ):
         return False
     _set_flags(module, up_name == "gate_up_proj", has_bias, layouts[0], own_gate)
@@ -283,32 +289,6 @@ def zero_experts(module: nn.Module) -> int:
     """How many zero-computation experts adopted packed experts have (ids ``[E, E+Z)`` after their
     ``E`` real ones, each returning the token times its routing weight), ``0`` for others."""
     return getattr(module, "_epmoe_zero_experts", 0)
-
-
-def _zero_experts_are_identity(module: nn.Module, num: int, zero: int, hidden: int) -> bool:
-    """Whether ``module``'s own forward returns ``w * x`` for tokens (``hidden`` wide) routed to ids
-    ``[num, num+zero)`` with weight ``w`` (on a probe of two rows per id, in the module's training
-    mode, the RNG state restored)."""
-    up = module.down_proj
-    x = torch.linspace(-1.0, 1.0, 2 * zero * hidden, device=up.device).view(2 * zero, hidden).to(up.dtype)
-    index = num + torch.arange(2 * zero, device=up.device) % zero
-    weights = torch.linspace(0.25, 0.75, 2 * zero, device=up.device, dtype=up.dtype).unsqueeze(1)
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[up.device] if up.device.type == "cuda" else []):
-            own = module(x, *_top_two(index, num + (index - num + 1) % zero, weights, x.dtype))
-    except Exception:  # noqa: BLE001 - a forward that cannot run this probe has no such experts
-        return False
-    return isinstance(own, torch.Tensor) and own.shape == x.shape and _close(own, weights * x)
-
-
-def _top_two(
-    first_R: torch.Tensor, second_R: torch.Tensor, weight: float | torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(top_k_index (R, 2), top_k_weights (R, 2))`` of a probe, weights in ``dtype``: each row's
-    ``first_R`` expert with ``weight``, its ``second_R`` with weight 0."""
-    weights = torch.zeros(first_R.shape[0], 2, dtype=dtype, device=first_R.device)
-    weights[:, :1] = weight
-    return torch.stack([first_R, second_R], dim=1), weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,41 +514,21 @@ def _agrees(
     module: nn.Module, holder: nn.Module, set_flags, num: int, hidden: int, weight: torch.Tensor, dense: bool
 ) -> bool:
     """Whether ``module``'s own forward equals the packed MLP (:func:`packed_mlp_rows`) of ``holder``
-    with the flags ``set_flags()`` gives it, on a probe of two rows per expert (``num`` experts,
-    ``hidden`` wide, in ``weight``'s dtype and device): called with the contract (each row's expert
-    with weight 1 and another with weight 0: some forwards need ``K > 1``), or, for experts that take
-    every token (``dense``), on the rows expert-major. In the module's training mode, the RNG state
-    restored; the flags are removed again."""
-    x = torch.linspace(-1.0, 1.0, 2 * num * hidden, device=weight.device).view(2 * num, hidden).to(weight.dtype)
-    index = torch.arange(2 * num, device=weight.device)
-    index = index // 2 if dense else index % num
-    devices = [weight.device] if weight.device.type == "cuda" else []
+    with the flags ``set_flags()`` gives it, on a probe (:func:`~epmoe.ep.probe.forward_agrees`:
+    ``num`` experts, ``hidden`` wide, in ``weight``'s dtype and device; ``dense``: experts that take
+    every token); the flags are removed again."""
     saved = {flag: vars(holder)[flag] for flag in _PROBE_ATTRIBUTES if flag in vars(holder)}
+
+    def expected(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        set_flags()
+        return packed_mlp_rows(holder, x, index)
+
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            own = module(x) if dense else module(x, *_top_two(index, (index + 1) % num, 1.0, x.dtype))
-            set_flags()
-            expected = packed_mlp_rows(holder, x, index)
-    except Exception:  # noqa: BLE001 - a forward that cannot run this probe is not this layout
-        return False
+        return forward_agrees(module, num, hidden, weight, dense, expected)
     finally:
         for flag in _PROBE_ATTRIBUTES:
             vars(holder).pop(flag, None)
         vars(holder).update(saved)
-    return (
-        isinstance(own, torch.Tensor)
-        and own.numel() == expected.numel()  # (T, 1, H) from DBRX's: reshaped
-        and _close(own.reshape(expected.shape), expected)
-    )
-
-
-def _close(own: torch.Tensor, expected: torch.Tensor) -> bool:
-    """Whether a probe's ``own`` equals ``expected`` up to rounding, relative to ``expected``'s largest
-    magnitude (a probe through small weights has small outputs, which an absolute tolerance for
-    16-bit floats would not tell apart)."""
-    tolerance = 1e-5 if expected.dtype in (torch.float32, torch.float64) else 2e-2
-    scale = expected.abs().max().clamp_min(torch.finfo(expected.dtype).tiny)
-    return bool(((own.to(expected.dtype) - expected).abs().max() <= tolerance * scale).item())
 
 
 def num_experts_of(module: nn.Module) -> int:
@@ -636,36 +596,8 @@ def _linear_triple(expert: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear] 
     for names in _LINEAR_TRIPLES:
         layers = [getattr(expert, name, None) for name in names]
         if all(isinstance(layer, nn.Linear) and layer.bias is None for layer in layers) and hasattr(expert, "act_fn"):
-            return tuple(layers) if _computes_triple(expert, *layers) else None
+            return tuple(layers) if computes_triple(expert, *layers) else None
     return None
-
-
-_TRIPLE_VERDICTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _computes_triple(expert: nn.Module, gate: nn.Linear, up: nn.Linear, down: nn.Linear) -> bool:
-    """Whether the expert's own forward is ``down(act_fn(gate(x)) * up(x))``, and nothing else.
-
-    Having the layers is not enough: a custom expert may scale, add dropout or use other parameters
-    in its forward, which running the stacked weights would silently drop. Checked once per expert
-    module (cached), on two fixed rows, in the module's training mode and with the RNG state restored.
-    """
-    verdict = _TRIPLE_VERDICTS.get(expert)
-    if verdict is None:
-        weight = gate.weight
-        x = torch.linspace(-1.0, 1.0, 2 * gate.in_features, device=weight.device).view(2, -1).to(weight.dtype)
-        devices = [weight.device] if weight.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            own = expert(x)
-            expected = down(expert.act_fn(gate(x)) * up(x))
-        tolerance = 1e-5 if weight.dtype in (torch.float32, torch.float64) else 2e-2
-        verdict = (
-            isinstance(own, torch.Tensor)
-            and own.shape == expected.shape
-            and torch.allclose(own, expected, rtol=tolerance, atol=tolerance)
-        )
-        _TRIPLE_VERDICTS[expert] = verdict
-    return verdict
 
 
 def linear_triples(experts: nn.ModuleList) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:

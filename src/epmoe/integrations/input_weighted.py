@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from epmoe.ep.probe import probe_rows, probing
 from epmoe.ep.recognize import packed_mlp_rows
 
 
@@ -57,10 +58,9 @@ def input_weighted_block_reason(block: nn.Module, experts: nn.Module) -> str | N
             f"forward cannot be checked on a probe: load the model with from_pretrained, then call "
             f"epmoe.apply_expert_parallel"
         )
-    x_TH = torch.linspace(-1.0, 1.0, 6 * weight.shape[1], device=weight.device).view(6, -1).to(weight.dtype)
-    devices = [weight.device] if weight.device.type == "cuda" else []
+    x_TH = probe_rows(6, weight.shape[1], weight)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with probing(weight.device):
             own = block(x_TH.unsqueeze(0))
             own = own[0] if isinstance(own, tuple) else own
             weights_TK, index_TK, _ = _route(block, router, x_TH)
