@@ -1,7 +1,10 @@
-"""Rewrite the README's families table from the coverage test's run (tests/test_families.py).
+"""Rewrite the families table of docs/models.md from the coverage test's run (tests/test_families.py).
 
     PYTHONPATH=src:tests python benchmarks/families_table.py          # prints the table
-    PYTHONPATH=src:tests python benchmarks/families_table.py --write  # and writes it into README.md
+    PYTHONPATH=src:tests python benchmarks/families_table.py --write  # and writes it into docs/models.md
+
+The table sits between the ``<!-- families:begin -->`` and ``<!-- families:end -->`` lines of that page;
+reading and writing go by those two markers.
 
 Every MoE family of the installed transformers (found by structure: tests/families.py) runs at EP 2 in
 fp64 on 2 gloo ranks (tests/families_workers.py); its verdict is the table's second column, and the
@@ -15,7 +18,8 @@ import pathlib
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-BEGIN, END = "<!-- families table: benchmarks/families_table.py --write -->", "<!-- end of families table -->"
+PAGE = ROOT / "docs" / "models.md"  # the page holding the families table
+BEGIN, END = "<!-- families:begin -->", "<!-- families:end -->"
 
 
 def table(verdicts: dict[str, str]) -> str:
@@ -36,16 +40,17 @@ def table(verdicts: dict[str, str]) -> str:
     return "\n".join(rows)
 
 
-def readme_rows(text: str) -> dict[str, tuple[str, str]]:
-    """``{family: (verdict, transformers' EP plan)}`` read back from the README's table."""
+def table_rows(text: str) -> dict[str, tuple[str, str]]:
+    """``{family: (verdict, transformers' EP plan)}`` read back from the table in ``text`` (the text of
+    :data:`PAGE`), between the :data:`BEGIN` and :data:`END` markers."""
     section = text.split(BEGIN, 1)[1].split(END, 1)[0]
     rows = [line.strip("| ").split(" | ") for line in section.strip().splitlines()[2:]]
     return {name: (verdict, plan) for name, verdict, plan in rows}
 
 
-def readme_verdicts(text: str) -> dict[str, str]:
-    """``{family: verdict}`` read back from the README's table."""
-    return {name: verdict for name, (verdict, _) in readme_rows(text).items()}
+def table_verdicts(text: str) -> dict[str, str]:
+    """``{family: verdict}`` read back from the table in ``text`` (the text of :data:`PAGE`)."""
+    return {name: verdict for name, (verdict, _) in table_rows(text).items()}
 
 
 def run_verdicts() -> dict[str, str]:
@@ -63,14 +68,13 @@ def run_verdicts() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--write", action="store_true", help="write the table into README.md")
+    parser.add_argument("--write", action="store_true", help="write the table into docs/models.md")
     args = parser.parse_args(argv)
     text = table(run_verdicts())
     print(text)
     if args.write:
-        readme = ROOT / "README.md"
-        before, rest = readme.read_text().split(BEGIN, 1)
-        readme.write_text(f"{before}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+        before, rest = PAGE.read_text().split(BEGIN, 1)
+        PAGE.write_text(f"{before}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
     return 0
 
 

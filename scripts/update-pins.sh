@@ -6,7 +6,7 @@
 # torch==2.13.0), rewrites constraints/test.txt from it (every installed package of epmoe[test]'s
 # dependency tree except torch, pip/setuptools/wheel and CUDA/triton wheels), prints the changed
 # pins, then runs benchmarks/families_table.py with the new versions (every MoE family at EP 2 on 2
-# local ranks: a few minutes) and diffs its table against README.md's.
+# local ranks: a few minutes) and diffs its table against docs/models.md's.
 # Then: `rm -rf .venv && scripts/setup.sh test && .venv/bin/python -m pytest -q`, and commit.
 set -euo pipefail
 
@@ -100,12 +100,12 @@ main() {
   echo "MoE families with the new pins: benchmarks/families_table.py runs every family at EP 2 on 2"
   echo "local gloo ranks; this takes a few minutes ..."
   PYTHONPATH=src:tests "$py" benchmarks/families_table.py | grep '^|' >"$tmp/families.new"
-  PYTHONPATH=src:tests:benchmarks "$py" -c 'import pathlib, families_table as f
-print(f.table(f.readme_verdicts(pathlib.Path("README.md").read_text())))' >"$tmp/families.old"
-  if diff -u --label "README.md's families table" --label "with the new pins" "$tmp/families.old" "$tmp/families.new"; then
+  PYTHONPATH=src:tests:benchmarks "$py" -c 'import families_table as f
+print(f.table(f.table_verdicts(f.PAGE.read_text())))' >"$tmp/families.old"
+  if diff -u --label "docs/models.md's families table" --label "with the new pins" "$tmp/families.old" "$tmp/families.new"; then
     echo "Families table: unchanged."
   else
-    echo "Families table changed: \`PYTHONPATH=src:tests .venv/bin/python benchmarks/families_table.py --write\` rewrites README.md's (after scripts/setup.sh test with the new pins)."
+    echo "Families table changed: \`PYTHONPATH=src:tests .venv/bin/python benchmarks/families_table.py --write\` rewrites docs/models.md's (after scripts/setup.sh test with the new pins)."
   fi
 }
 

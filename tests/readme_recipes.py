@@ -1,5 +1,5 @@
-"""Runs the README's training recipes on spawned ranks: the snippets are written, as they are in the
-README, to a module that the ranks import (see tests/test_readme.py)."""
+"""Runs the recipes of the README and docs/ on spawned ranks: the snippets are written, as they are in
+the pages, to a module that the ranks import (see tests/test_readme.py)."""
 
 import importlib
 import sys
@@ -8,7 +8,7 @@ import torch
 
 
 def run_recipes(rank, world, module_dir, module_name, names):
-    """Call each README function ``name(rank, world)`` in turn; return their results by name (tensors
+    """Call each recipe function ``name(rank, world)`` in turn; return their results by name (tensors
     as lists: a tensor would travel back through shared memory the exiting rank takes with it)."""
     sys.path.insert(0, module_dir)
     recipes = importlib.import_module(module_name)

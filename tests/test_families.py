@@ -3,8 +3,8 @@ refused by name (the experts class, its module path and the reason), before anyt
 
 The families are found by structure (tests/families.py), not listed: a family a new transformers adds
 is checked here without an edit, and fails until it is exact or refused by name. All families run in
-one spawned group (families_workers.check_families); the README's families table is this run's output
-(benchmarks/families_table.py --write) and is checked against it.
+one spawned group (families_workers.check_families); the families table of docs/models.md is this run's
+output (benchmarks/families_table.py --write) and is checked against it.
 """
 
 from __future__ import annotations
@@ -59,16 +59,16 @@ def test_every_family_builds_a_tiny_model_with_its_experts():
     assert "bamba" not in by_name  # mentions experts, defines none
 
 
-def test_readme_lists_every_family():
-    """The README's families table names exactly the families found now, and which of them transformers'
-    own expert parallelism has a plan for."""
-    listed = families_table.readme_rows((ROOT / "README.md").read_text())
+def test_docs_list_every_family():
+    """The families table of docs/models.md names exactly the families found now, and which of them
+    transformers' own expert parallelism has a plan for."""
+    listed = families_table.table_rows(families_table.PAGE.read_text())
     assert set(listed) == set(found())
     from epmoe.bench.versus import ep_plans
 
     plans = ep_plans()
     assert {name for name, (_, plan) in listed.items() if plan == "yes"} == plans & set(listed), (
-        "the README's column of transformers' EP plans is stale (benchmarks/families_table.py --write)"
+        "docs/models.md's column of transformers' EP plans is stale (benchmarks/families_table.py --write)"
     )
 
 
@@ -106,16 +106,16 @@ def test_family_exact_or_refused_by_name(directory):
     """At EP 2 in fp64: outputs, loss and non-expert gradients equal the unsharded model's on the
     rank's batch, expert gradients its sum over both ranks' batches (1e-10, or 1e-4 for a family whose
     own experts forward rounds float64 to float32); or a ValueError naming
-    the experts class, module path and reason. The README's verdict is this one."""
+    the experts class, module path and reason. The verdict in docs/models.md's families table is this one."""
     family = found().get(directory)
     if family is None:  # the directory mentions experts but defines no experts-like class
         return
     assert not isinstance(family, str), f"{directory}: no tiny model could be built"
     per_rank = results()[directory]
     line = verdict(family, per_rank)
-    listed = families_table.readme_verdicts((ROOT / "README.md").read_text())
+    listed = families_table.table_verdicts(families_table.PAGE.read_text())
     assert listed.get(directory) == line.replace("|", "/"), (
-        f"{directory}: README says {listed.get(directory)!r}, the run {line!r} (benchmarks/families_table.py --write)"
+        f"{directory}: docs/models.md says {listed.get(directory)!r}, the run {line!r} (benchmarks/families_table.py --write)"
     )
     if line.startswith("refused"):
         assert per_rank[0]["refused"] == per_rank[1]["refused"]

@@ -1,9 +1,11 @@
-"""Every recipe in the README's Training section runs as written, on the ranks it says.
+"""Every recipe of the README and of docs/ runs as written, on the ranks it says.
 
 A recipe is a ```python block preceded by ``<!-- recipe: NAME ranks=N -->``: it defines ``NAME(rank,
-world)``. The blocks are written to one module, in README order, and each function is called on
-every rank of a fresh process group (one spawn per rank count). Correctness of each recipe against
-the same recipe without EP is checked in tests/test_training.py and tests/test_compose.py.
+world)``. The pages are read in one fixed order (:func:`pages`: README.md, then the docs/ pages in the
+order of the README's documentation table, which must list every docs/*.md), and the blocks are written
+to one module in that order; each function is called on every rank of a fresh process group (one spawn
+per rank count). Correctness of each recipe against the same recipe without EP is checked in
+tests/test_training.py and tests/test_compose.py; links and the API reference in tests/test_docs.py.
 """
 
 import re
@@ -17,19 +19,37 @@ from readme_recipes import run_recipes
 
 pytest.importorskip("transformers")
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
 RECIPE = re.compile(r"<!-- recipe: (\w+) ranks=(\d+) -->\n```python\n(.*?)```", re.S)
+MARKER = re.compile(r"<!-- recipe:")
+TABLE_ROW = re.compile(r"^\| \[docs/([\w-]+\.md)\]\(docs/\1\) \|", re.M)  # a row of the README's docs table
+
+
+def pages() -> list[Path]:
+    """Where recipes live, in the order they are collected: the README, then the docs/ pages in the order
+    of the README's documentation table (which lists every docs/*.md once)."""
+    listed = TABLE_ROW.findall((ROOT / "README.md").read_text())
+    present = sorted(path.name for path in (ROOT / "docs").glob("*.md"))
+    assert sorted(listed) == present, f"the README's documentation table lists {listed}, docs/ holds {present}"
+    return [ROOT / "README.md", *(ROOT / "docs" / name for name in listed)]
 
 
 def recipes():
-    found = RECIPE.findall(README.read_text())
-    assert found, "no recipes in the README"
-    return [(name, int(ranks), code) for name, ranks, code in found]
+    found = []
+    for page in pages():
+        text = page.read_text()
+        on_page = RECIPE.findall(text)
+        assert len(on_page) == len(MARKER.findall(text)), (
+            f"{page.relative_to(ROOT)}: a recipe marker not followed by a ```python block"
+        )
+        found += [(name, int(ranks), code) for name, ranks, code in on_page]
+    assert found, "no recipes in the README or docs/"
+    return found
 
 
-def test_readme_lists_the_training_recipes():
+def test_docs_list_the_recipes():
+    """Every recipe, by page (training.md, checkpoints.md, rl.md) and in page order, each name once."""
     assert [name for name, _, _ in recipes()] == [
-        "migrate_distributed_config",
         "train_ddp",
         "train_fsdp2",
         "train_ep_dp",
@@ -38,6 +58,7 @@ def test_readme_lists_the_training_recipes():
         "train_deepspeed",
         "generate",
         "train_compiled",
+        "migrate_distributed_config",
         "save_and_reload",
         "load_sharded",
         "resume",
@@ -45,6 +66,23 @@ def test_readme_lists_the_training_recipes():
         "train_grpo",
         "train_dpo",
     ]
+    assert {name: ranks for name, ranks, _ in recipes()} == {
+        "save_and_reload": 2,
+        "load_sharded": 2,
+        "resume": 2,
+        "replay": 2,
+        "train_grpo": 2,
+        "train_dpo": 2,
+        "train_ddp": 2,
+        "train_fsdp2": 2,
+        "train_ep_dp": 4,
+        "train_trainer": 2,
+        "train_accelerate": 2,
+        "train_deepspeed": 2,
+        "generate": 2,
+        "train_compiled": 2,
+        "migrate_distributed_config": 4,
+    }
 
 
 @pytest.mark.multirank
