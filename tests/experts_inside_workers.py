@@ -127,7 +127,7 @@ def shared_parameters_ddp_case(rank, world, kind):
 
 
 def shared_parameters_fsdp2_case(rank, world, kind):
-    """The same under FSDP2 (``fully_shard`` with the expert parameters ignored, as the README's
+    """The same under FSDP2 (``fully_shard`` with the expert parameters ignored, as docs/training.md's
     recipe): the shared parameters sharded and averaged with the rest."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -283,8 +283,8 @@ def check_families(rank: int, world: int, families: list[Family]) -> dict[str, d
 
 
 def verdict(family: Family, results: list[dict]) -> str:
-    """One line for the README: ``exact``, ``exact to <dtype> rounding ...`` (a family whose own
-    experts forward rounds to ``<dtype>``: compared at :data:`TOL_ROUNDS_TO`), ``refused: <reason>``,
+    """One line of the families table (docs/models.md): ``exact``, ``exact to <dtype> rounding ...`` (a
+    family whose own experts forward rounds to ``<dtype>``: compared at :data:`TOL_ROUNDS_TO`), ``refused: <reason>``,
     ``wrong: <kind> ...`` or ``error: <exception>``, from every rank's :func:`family_parity` result."""
     if any("error" in r for r in results):
         last = next(r["error"] for r in results if "error" in r).strip().splitlines()[-1]

@@ -149,8 +149,9 @@ def launcher_cases(rank, world, root):
 
 
 def fsdp2_saves(rank, world, root):
-    """The README's FSDP2 recipe, then ``model.save_pretrained`` on every rank; EP + FSDP2 + LoRA, then
-    the README's adapter save: plain transformers / peft reload each exactly (logits vs the EP model's)."""
+    """The FSDP2 recipe of docs/training.md, then ``model.save_pretrained`` on every rank; EP + FSDP2 +
+    LoRA, then the adapter save of docs/checkpoints.md: plain transformers / peft reload each exactly
+    (logits vs the EP model's)."""
     from peft import LoraConfig, PeftModel, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

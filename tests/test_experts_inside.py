@@ -83,7 +83,7 @@ def test_shared_parameters_under_ddp_are_averaged(kind):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind", ["packed", "module_list"])
 def test_shared_parameters_under_fsdp2_are_averaged(kind):
-    """FSDP2 (the experts ignored, as the README's recipe) shards the shared parameters with the rest
+    """FSDP2 (the experts ignored, as docs/training.md's recipe) shards the shared parameters with the rest
     and averages their gradients; expert gradients are the mean over ranks."""
     for rank, errors in enumerate(results_of(f"shared_fsdp2/{kind}")):
         assert errors["counted"]["shared"] > 0

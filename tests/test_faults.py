@@ -1,7 +1,7 @@
 """Fault injection on real gloo ranks: every fault ends in a clear error on every rank, within a bound.
 
-The README's fault table is this file's list: ranks that disagree, ranks out of step, a rank that
-raises and stays alive, a rank that dies (SIGKILL, ``os._exit``) in forward, backward or inside the
+The fault table of docs/failures.md is this file's list: ranks that disagree, ranks out of step, a rank
+that raises and stays alive, a rank that dies (SIGKILL, ``os._exit``) in forward, backward or inside the
 fused pipeline, random routings; and the single-process refusals (double backward, meta tensors,
 oversized messages). ``torch.compile`` of an fp32 model running and matching eager is proven in
 tests/test_compile.py (EP 1 and 2, logits, loss and every gradient).

@@ -1,4 +1,4 @@
-"""The house: every import of an ``epmoe`` module goes down the floors the README draws, none sits
+"""The house: every import of an ``epmoe`` module goes down the floors docs/design.md draws, none sits
 inside a function of library code, and no two modules import each other (directly or around a cycle)."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ The data path of one MoE layer, and where each step lives::
       -> dispatch (rows + all-to-all-v)      epmoe.ep.dispatch      (.alltoallv; .fused: alltoallv_gmm)
       -> grouped experts                     epmoe.ep.experts, epmoe.ep.mlp (epmoe::routed_mlp) on epmoe.gmm
       -> combine (all-to-all-v + sum)        epmoe.ep.dispatch      (.alltoallv; .fused: gmm_alltoallv)
-    (the whole layer: epmoe.ep.layer.routed_experts; the floors of the package: README.md)
+    (the whole layer: epmoe.ep.layer.routed_experts; the floors of the package: docs/design.md)
 
 The collectives of a training step on a model's EP groups carry or follow step headers
 (:mod:`epmoe.comm.steps`), so ranks out of step raise on every rank, and run on groups whose waits

@@ -694,7 +694,7 @@ class VersusReport:
         return [
             (
                 "families",
-                "every MoE family transformers ships, exact or refused by name (README's families table)",
+                "every MoE family transformers ships, exact or refused by name (the families table, docs/models.md)",
                 f"{len(ep_plans())} model directories whose config has a `base_model_ep_plan` (the table's last column)",
             ),
             (
