@@ -8,8 +8,9 @@ and records every distinct function of the ``epmoe`` package called in each (com
 lambdas aside: they are parts of the function that holds them). The second, steady step is the data
 path every step runs; the first step also runs what is decided once (the grouped-matmul backend's
 judgement, first-use logs, the expert parameters' marks). Prints how many functions and files each
-step runs, then each function of the steady step with its body's length in lines (``!`` marks one over
-:data:`MAX_FUNCTION_LINES`). ``--json`` prints the same as one JSON object (the test reads it).
+step runs and how many files one layer call enters (what a reader of the layer opens: the forward
+inside ``routed_experts`` and the backward), then each function of the steady step with its body's
+length in lines (``!`` marks one over :data:`MAX_FUNCTION_LINES`). ``--json`` prints the same as one JSON object (the test reads it).
 """
 
 from __future__ import annotations
@@ -45,49 +46,74 @@ def _lines(code) -> int:
     return node.end_lineno - node.body[0].lineno + 1
 
 
-def _profiled_step(model: torch.nn.Module, ids: torch.Tensor) -> list[tuple[str, str, int, int]]:
-    """``(file, qualified name, first line, length)`` of every epmoe function one forward + backward
-    of ``model`` on ``ids`` calls."""
-    seen = {}
+def _profiled_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[tuple[str, str, int, int]], dict]:
+    """``(functions, layer_files)``: ``(file, qualified name, first line, length)`` of every epmoe
+    function one forward + backward of ``model`` on ``ids`` calls, and the files one layer call enters:
+    ``{"forward": [...], "backward": [...]}``, those entered inside one call of
+    :func:`epmoe.ep.layer.routed_experts` (the last layer's), and those the backward enters (every
+    layer's backward runs the same code: what one layer's enters)."""
+    seen, forward_files, backward_files = {}, set(), set()
+    inside = {"layer": None, "files": set(), "backward": False}
 
     def profile(frame, event, arg):
-        if event == "call":
-            code = frame.f_code
-            if code.co_filename.startswith(PACKAGE_DIR) and code.co_name not in SKIPPED:
-                seen.setdefault((code.co_filename, code.co_firstlineno), code)
+        code = frame.f_code
+        if event == "return" and frame is inside["layer"]:
+            inside["layer"] = None
+            forward_files.clear()
+            forward_files.update(inside["files"])  # the last layer call's
+        if event != "call" or not code.co_filename.startswith(PACKAGE_DIR) or code.co_name in SKIPPED:
+            return
+        seen.setdefault((code.co_filename, code.co_firstlineno), code)
+        file = _relative(code.co_filename)
+        if code.co_name == "routed_experts" and inside["layer"] is None and not inside["backward"]:
+            inside["layer"], inside["files"] = frame, set()
+        if inside["layer"] is not None:
+            inside["files"].add(file)
+        if inside["backward"]:
+            backward_files.add(file)
 
     sys.setprofile(profile)
     try:
-        model(ids, labels=ids).loss.backward()
+        loss = model(ids, labels=ids).loss
+        inside["backward"] = True
+        loss.backward()
     finally:
         sys.setprofile(None)
     model.zero_grad(set_to_none=True)
-    return sorted(
-        (str(Path(file).relative_to(PACKAGE_DIR)), code.co_qualname, line, _lines(code))
-        for (file, line), code in seen.items()
-    )
+    functions = sorted((_relative(file), code.co_qualname, line, _lines(code)) for (file, line), code in seen.items())
+    return functions, {"forward": sorted(forward_files), "backward": sorted(backward_files)}
 
 
-def _step_functions(rank: int, world: int) -> tuple[list, list]:
-    """:func:`_profiled_step` of the EP model's first step and of its second (steady) step on this rank."""
+def _relative(file: str) -> str:
+    """A file of the package, relative to it."""
+    return str(Path(file).relative_to(PACKAGE_DIR))
+
+
+def _step_functions(rank: int, world: int) -> tuple[list, list, dict]:
+    """:func:`_profiled_step` of the EP model's first step and of its second (steady) step on this rank:
+    ``(first step's functions, steady step's functions, steady step's files per layer call)``."""
     torch.manual_seed(0)
     model = build_model("qwen3_moe")
     epmoe.apply_expert_parallel(model)
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(rank))
-    first = _profiled_step(model, ids)  # backends judged, first uses logged, expert parameters marked
-    return first, _profiled_step(model, ids)
+    first, _ = _profiled_step(model, ids)  # backends judged, first uses logged, expert parameters marked
+    return (first, *_profiled_step(model, ids))
 
 
 def measure() -> dict:
     """The union over the ranks of :func:`_step_functions`: ``{"functions": [...], "files": [...],
-    "over": [...], "first_step": {"functions": n, "files": n}}``, each function of the steady step as
-    ``[file, name, first line, lines]``; ``over`` counts the first step's too."""
+    "layer_files": {"forward": [...], "backward": [...], "call": n}, "over": [...], "first_step":
+    {"functions": n, "files": n}}``, each function of the steady step as ``[file, name, first line,
+    lines]``; ``layer_files["call"]``: the files one layer call enters, forward and backward together;
+    ``over`` counts the first step's too."""
     per_rank = run_ranks(_step_functions, EP_SIZE, timeout=600)
-    first = sorted({tuple(f) for rank_first, _ in per_rank for f in rank_first})
-    functions = sorted({tuple(f) for _, rank_steady in per_rank for f in rank_steady})
+    first = sorted({tuple(f) for rank_first, _, _ in per_rank for f in rank_first})
+    functions = sorted({tuple(f) for _, rank_steady, _ in per_rank for f in rank_steady})
+    layer = {part: sorted({f for _, _, files in per_rank for f in files[part]}) for part in ("forward", "backward")}
     return {
         "functions": [list(f) for f in functions],
         "files": sorted({f[0] for f in functions}),
+        "layer_files": {**layer, "call": len(set(layer["forward"]) | set(layer["backward"]))},
         "over": [list(f) for f in sorted(set(first) | set(functions)) if f[3] > MAX_FUNCTION_LINES],
         "first_step": {"functions": len(first), "files": len({f[0] for f in first})},
     }
@@ -106,6 +132,11 @@ def main(argv: list[str] | None = None) -> None:
         f"qwen3_moe at EP {EP_SIZE}, one forward + backward: steady step {len(functions)} functions in "
         f"{len(files)} files, first step {first['functions']} in {first['files']} "
         f"({len(result['over'])} over {MAX_FUNCTION_LINES} lines)"
+    )
+    layer = result["layer_files"]
+    print(
+        f"one layer call enters {layer['call']} files: forward {len(layer['forward'])} "
+        f"({', '.join(layer['forward'])}), backward {len(layer['backward'])} ({', '.join(layer['backward'])})"
     )
     for file in files:
         print(f"\n{file}")

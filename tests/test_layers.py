@@ -123,3 +123,27 @@ def test_the_checker_sees_an_upward_import():
     assert _floor("epmoe.compose.apply") > _floor("epmoe.ep.layer")
     assert _floor("epmoe.training.trainer") > _floor("epmoe.checkpoint.save")
     assert any(a == "epmoe.ep.layer" and b == "epmoe.ep.dispatch" for a, b, _ in _imports(_modules()))
+
+
+LAYER_ONLY = ("epmoe.ep.state", "epmoe.ep.experts", "epmoe.ep.guard", "epmoe.ep.recognize", "epmoe.ep.model")
+
+
+def _reached_from(prefix: str) -> set[str]:
+    """Every epmoe module the modules under ``prefix`` import, directly or through others."""
+    graph: dict[str, set[str]] = {}
+    for a, b, _ in _imports(_modules()):
+        graph.setdefault(a, set()).add(b)
+    reached, todo = set(), [m for m in graph if m == prefix or m.startswith(prefix + ".")]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in reached:
+                reached.add(nxt)
+                todo.append(nxt)
+    return reached
+
+
+def test_transports_only_move_tokens():
+    """The transports know nothing of the layer: not its state, its experts, the step guard, the
+    recognizer or the model's record (the layer, epmoe.ep.layer, runs those and hands them a Link)."""
+    assert sorted(_reached_from("epmoe.ep.dispatch") & set(LAYER_ONLY)) == []
+    assert set(LAYER_ONLY) <= _reached_from("epmoe.ep.layer")  # the check can fail: the layer reaches them

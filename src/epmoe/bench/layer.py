@@ -541,7 +541,7 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
     counts = [tokens // state.shard.num_experts] * state.shard.num_local_experts
     start = time.perf_counter()
     for _ in range(10_000):
-        state.count_load(counts)
+        state.loads.count(counts)
     count_load_us = (time.perf_counter() - start) / 10_000 * 1e6
     return {
         "losses": losses,

@@ -116,6 +116,34 @@ class Position:
         return f"{phase} of {name} (experts module {self.layer}), forward call #{self.call}"
 
 
+def header_values(position: Position, flag: int = 0) -> list[int]:
+    """The step header a rank at ``position`` sends: ``[MAGIC, layer, phase, call, flag]``."""
+    return [MAGIC, position.layer, position.phase, position.call, flag]
+
+
+def check_headers(
+    rows: Sequence[Sequence[int]], position: Position, rank: int, layer_names: tuple[str, ...], what: str = "EP"
+) -> None:
+    """Raise :class:`OutOfStepError` (on every rank: each reads every peer's header) where a received
+    row, by source rank, is not a step header or names another position than this rank's
+    ``position`` (``rank``: this rank's, in the group of ``what``)."""
+    for source, row in enumerate(rows):
+        if row[0] != MAGIC:
+            raise OutOfStepError(
+                f"epmoe: {what} rank {source} sent something other than a step header while this rank "
+                f"({what} rank {rank}) is at {position.describe(layer_names)}: the ranks run "
+                f"different collectives (a rank skipped or added one)"
+            )
+        theirs = Position(*row[1 : HEADER - 1])
+        if theirs != position:
+            raise OutOfStepError(
+                f"epmoe: {what} ranks are out of step: this rank ({what} rank {rank}) is at "
+                f"{position.describe(layer_names)}, {what} rank {source} is at "
+                f"{theirs.describe(layer_names)}. Every rank of the group must run the same forwards and "
+                f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)"
+            )
+
+
 def world_size(group: dist.ProcessGroup | None = None, caller: str | None = None) -> int:
     """Ranks in ``group`` (the default group for ``None``); 1 without ``torch.distributed``, where a
     given ``group`` is an error naming ``caller(group)``."""
@@ -211,7 +239,7 @@ class StepChannel:
         received rows (one host read in all)."""
         W, n = payload_Wn.shape
         device = payload_Wn.device
-        head = torch.tensor([MAGIC, position.layer, position.phase, position.call, 0], dtype=torch.int64)
+        head = torch.tensor(header_values(position), dtype=torch.int64)
         rows = torch.cat(
             [
                 platform.host_to_device(head, device).expand(W, HEADER),
@@ -234,21 +262,7 @@ class StepChannel:
             raise self.failed(position, exc) from exc
         got = torch.cat([received, rows]).tolist() if echo else received.tolist()
         got, sent = got[:W], got[W:]
-        for source, row in enumerate(got):
-            if row[0] != MAGIC:
-                raise OutOfStepError(
-                    f"epmoe: {self.what} rank {source} sent something other than a step header while this rank "
-                    f"({self.what} rank {self.rank}) is at {position.describe(self.layer_names)}: the ranks run "
-                    f"different collectives (a rank skipped or added one)"
-                )
-            theirs = Position(*row[1 : HEADER - 1])
-            if theirs != position:
-                raise OutOfStepError(
-                    f"epmoe: {self.what} ranks are out of step: this rank ({self.what} rank {self.rank}) is at "
-                    f"{position.describe(self.layer_names)}, {self.what} rank {source} is at "
-                    f"{theirs.describe(self.layer_names)}. Every rank of the group must run the same forwards and "
-                    f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)"
-                )
+        check_headers(got, position, self.rank, self.layer_names, self.what)
         payloads, flags = [row[HEADER : HEADER + n] for row in got], [row[HEADER - 1] for row in got]
         return (payloads, flags, [row[HEADER : HEADER + n] for row in sent]) if echo else (payloads, flags)
 

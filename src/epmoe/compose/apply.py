@@ -56,13 +56,12 @@ from epmoe.checkpoint.state_dict_warning import warn_on_bare_state_dict
 from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import unfaithful_experts
-from epmoe.ep.dispatch import make_dispatcher
-from epmoe.ep.dispatch.static import StaticDispatcher
 from epmoe.ep.experts import LocalExperts, experts_gmm_backends, family_compute_dtype
 from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
+from epmoe.ep.position import LayerPosition
 from epmoe.ep.recognize import (
     expert_rows,
     find_experts_modules,
@@ -76,6 +75,7 @@ from epmoe.ep.recognize import (
     zero_experts,
 )
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
+from epmoe.ep.transports import make_dispatcher, static_ineligible_reason
 from epmoe.gmm import choose_backend
 from epmoe.integrations.blocks import (
     block_router,
@@ -230,24 +230,36 @@ def _swap_forwards(
     for layer, ((name, module, owner), shard, transport, returns_logits) in enumerate(
         zip(found, checked.shards, checked.transport, checked.returns_logits)
     ):
-        dispatcher = make_dispatcher(transport, module, config)
         shared = [p for _, p in shared_parameters(module)]  # found on all E experts, before sharding
         if isinstance(module, nn.ModuleList):
             local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend, shared)
+            dispatcher = make_dispatcher(transport, shard, local, config)
             attach_state(
                 owner,
                 ExpertParallelState(
-                    shard, ep_model, local, transport=dispatcher, returns_router_logits=returns_logits, layer=layer
+                    shard,
+                    ep_model,
+                    local,
+                    transport=dispatcher,
+                    returns_router_logits=returns_logits,
+                    steps=LayerPosition(layer),
                 ),
             )
             owner.forward = types.MethodType(expert_parallel_block_forward, owner)
         else:
             sharded, unread = _shard_parameters(module, shard, tied)
             local = LocalExperts(module, config.gmm_backend, shared, post=per_expert_post(module))
+            dispatcher = make_dispatcher(transport, shard, local, config)
             attach_state(
                 module,
                 ExpertParallelState(
-                    shard, ep_model, local, transport=dispatcher, sharded_names=sharded, unread_rows=unread, layer=layer
+                    shard,
+                    ep_model,
+                    local,
+                    transport=dispatcher,
+                    sharded_names=sharded,
+                    unread_rows=unread,
+                    steps=LayerPosition(layer),
                 ),
             )
             forward = zero_experts_forward if zero_experts(module) else expert_parallel_forward
@@ -298,7 +310,7 @@ class _Checked:
     """What :func:`_validate` decided, per experts module where a list."""
 
     shards: list[ExpertShard]
-    transport: list[str]  # the transport per module (epmoe.ep.dispatch.DISPATCHERS key)
+    transport: list[str]  # the transport per module (epmoe.ep.transports.TRANSPORTS)
     returns_logits: list[bool]  # ModuleList blocks: whether the block's own forward returns router logits
     backend: Any  # the grouped-matmul backend the experts run (None for meta weights: chosen per forward)
     declined_backends: list[str]
@@ -492,7 +504,7 @@ def _resolve_transport(experts: nn.Module, config: ExpertParallelConfig) -> tupl
     ``"alltoallv"``; ``"auto"`` is ``"alltoallv"`` on every device (why: :mod:`epmoe.ep.dispatch`);
     ``"static"`` where asked for, ``ValueError`` where it cannot run these experts."""
     if config.dispatch == "static":
-        reason = StaticDispatcher.ineligible_reason(experts)
+        reason = static_ineligible_reason(experts)
         if reason is not None:
             raise ValueError(
                 f"apply_expert_parallel: dispatch='static' cannot run {type(experts).__name__}: {reason}; "

@@ -51,11 +51,9 @@ import itertools
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -79,7 +77,7 @@ from epmoe.ep.recognize import (
     weights_transposed,
     zero_experts,
 )
-from epmoe.ep.routing import RowPairs
+from epmoe.ep.routing import RowPairs, RowSources
 from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
 
@@ -543,15 +541,6 @@ class LocalExperts:
         # whose exchange must run in backward on every rank.
         starts = prefix(counts)
         return torch.cat([expert(x_em[starts[j] : starts[j + 1]]) for j, expert in enumerate(experts)])
-
-
-@dataclass(frozen=True)
-class RowSources:
-    """Where a layer's received rows came from: ``rows_W[s]`` rows from EP rank ``s``, source-major,
-    over ``group`` (the all-to-all-v transport's rows)."""
-
-    rows_W: list[int]
-    group: dist.ProcessGroup | None
 
 
 class _ExpertsCall(nn.Module):

@@ -1,40 +1,46 @@
-"""The routed path of an EP layer, and the forward that replaces a packed experts module's.
+"""One EP layer call: the protocol, in order, and the forward that replaces a packed experts module's.
 
 :func:`expert_parallel_forward` replaces a packed (transformers v5) experts module's forward; the
 block around it (router, shared experts) runs unchanged. Blocks holding an ``nn.ModuleList`` of
 experts, and blocks whose shared expert rides along the fused transport, have their forward
-replaced by :mod:`epmoe.integrations.blocks`. Every one runs :func:`routed_experts`, which hands the
-tokens to the layer's dispatcher (``state.transport``, :mod:`epmoe.ep.dispatch`)::
+replaced by :mod:`epmoe.integrations.blocks`. Every one runs :func:`routed_experts`, and that runs
+one call of the layer (:func:`_call`), the same steps for every transport::
 
     hidden_TH, top_k_index_TK, top_k_weights_TK      route: from the model's own router
-      -> dispatch   counts exchange (the one host read, the step header riding along), then each
-                    token to its experts' ranks          (epmoe.ep.dispatch.base, .alltoallv / .fused)
-      -> experts    the local experts' MLP, weighted     (epmoe.ep.experts, epmoe.ep.mlp)
-      -> combine    back to the sender, summed per token (epmoe.ep.dispatch.alltoallv / .fused)
+      1. position   the layer's next call; its headers name it             (epmoe.ep.position)
+      2. counts     the counts exchange, where the transport needs it:     (epmoe.ep.counts)
+                    the one host read, the step header and guard riding along
+      3. dispatch   each token to its experts' ranks (the transport: it only moves tokens)
+                                                                           (epmoe.ep.dispatch)
+      4. experts    the local experts' MLP on the rows, weighted           (epmoe.ep.experts, .mlp)
+      5. combine    back to the sender, summed per token                   (epmoe.ep.dispatch)
+      6. telemetry  the call's slots per local expert, dropped slots       (epmoe.ep.counters)
+      7. backward   its backward starts with a step-header exchange, where check_steps says so
     out_TH
 
-A call that runs on the device alone (:meth:`~epmoe.ep.dispatch.base.Dispatcher.traced_whole`: a
-group of one, dropless, all-to-all-v, experts that run through grouped matmuls) has nothing to
-exchange: the tokens are the rows, the pairs are built on the device, and the grouped matmuls take
-their counts there: no host read at all where the backend takes device offsets, and
-``torch.compile`` traces the call whole (no graph break). So does the static transport without step
-checks at any EP size (:mod:`epmoe.ep.dispatch.static`: fixed-size buffers, no counts exchange, no
-host read). Every other call runs eagerly, behind one graph break per layer (the all-to-all-v splits
-are host ints). The grouped matmuls, the routed MLP
-and the all-to-all-v are custom ops (``epmoe::grouped_mm``, ``epmoe::routed_mlp``,
-``epmoe::all_to_all_v``), opaque to the tracer.
-
-Each forward that exchanges counts is the layer's next *call*; its backward starts with a step-header
-exchange (where ``check_steps`` says so), before the layer's backward exchanges (:mod:`epmoe.comm.steps`).
+A call that runs on the device alone (the transport's ``traced_whole``: a group of one, dropless,
+experts that run through grouped matmuls; or the static transport without step checks at any EP
+size: fixed-size buffers, no counts exchange, no host read) is traced whole by ``torch.compile``
+(no graph break). Every other call runs eagerly, behind one graph break per layer (the
+all-to-all-v splits are host ints). The grouped matmuls, the routed MLP and the all-to-all-v are
+custom ops (``epmoe::grouped_mm``, ``epmoe::routed_mlp``, ``epmoe::all_to_all_v``), opaque to the
+tracer.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from epmoe.ep.dispatch import Dispatcher, SharedExpert
+from epmoe.ep.config import DROPPED_COUNTER
+from epmoe.ep.counts import LayerCounts, exchange_layer_counts
+from epmoe.ep.dispatch import Arrived, Dispatcher, Link, SharedExpert
+from epmoe.ep.experts import WeightsHook
+from epmoe.ep.guard import check as check_guard
 from epmoe.ep.state import ExpertParallelState, state_of
+from epmoe.gmm import GmmBackend
 
 
 def routed_experts(
@@ -47,47 +53,128 @@ def routed_experts(
     """``(T, H)``: every token's routed experts' outputs, weighted and summed (plus the shared
     expert's, where one is given: only to a transport that carries it, overlapped with its
     communication)."""
-    shard, transport = state.shard, state.transport
+    transport = state.transport.for_call()
+    _check_route(state, transport, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
+    checks = state.model.checks[hidden_TH.device.type]
+    call = _call if transport.traced_whole(checks) else _call_eagerly
+    # the rows and pairs are built in int64 (int32 ids: grouped_mm's)
+    out_TH = call(state, transport, checks, hidden_TH, top_k_index_TK.long(), top_k_weights_TK, shared)
+    return out_TH.to(hidden_TH.dtype)  # experts that compute in a wider dtype are summed in it, then cast
+
+
+def _call(
+    state: ExpertParallelState,
+    transport: Dispatcher,
+    checks: bool,
+    hidden_TH: torch.Tensor,
+    top_k_index_TK: torch.Tensor,
+    top_k_weights_TK: torch.Tensor,
+    shared: SharedExpert | None,
+) -> torch.Tensor:
+    """One call of the layer, the protocol in order (see the module docstring)."""
+    shard, channel = state.shard, state.model.channel
+    position = state.steps.next_call()  # 1
+    guard = _guard_values(state, hidden_TH.device)
+    counts = None
+    if transport.needs_counts:  # 2
+        counts = exchange_layer_counts(channel, position, shard, hidden_TH, top_k_index_TK, guard)
+        guard = None  # it travelled with the counts
+    hook = _weights_hook(state)
+    projections, backend = _projections(state, transport, hook)
+    link = Link(channel, shard, position, checks, counts, _capacity(state, counts), guard, projections, backend, shared)
+    rows, meta = transport.dispatch(hidden_TH, top_k_index_TK, top_k_weights_TK, link)  # 3
+    arrived: Arrived = meta.arrived
+    if arrived.peer_guards is not None:
+        check_guard(arrived.peer_guards, position.describe(channel.layer_names))
+    if arrived.routed is None:  # 4: up-projected rows (the fused transport): the gate / activation is left
+        out_rows = state.experts.gate_activation(rows)
+    else:
+        routed = arrived.routed
+        out_rows = state.experts.routed_mlp(
+            rows, routed.weights_RK, routed.pairs, sync_weights=hook, sources=routed.sources
+        )
+    out_TH = transport.combine(out_rows, meta)  # 5
+    state.loads.count(arrived.load_e)  # 6
+    if arrived.dropped_e is not None:
+        state.loads.count(arrived.dropped_e, (DROPPED_COUNTER,))
+    return state.steps.backward_header(out_TH, channel, checks)  # 7
+
+
+_call_eagerly = torch.compiler.disable(
+    _call, reason="the counts exchange reads the counts to the host: one graph break per layer"
+)
+
+
+def _guard_values(state: ExpertParallelState, device: torch.device) -> torch.Tensor | None:
+    """The step guard's values this call sends (:mod:`epmoe.ep.guard`): at the first layer's forward,
+    once the model runs under a data-parallel wrapper whose expert gradients epmoe finishes; never
+    while ``torch.compile`` traces."""
+    model = state.model
+    if state.steps.layer != 0 or not model.guarded or torch.compiler.is_compiling():
+        return None
+    return model.guard_payload(device)
+
+
+def _weights_hook(state: ExpertParallelState) -> WeightsHook | None:
+    """The experts' gradient policy for this call (``state.sync_weights``), except while
+    ``torch.compile`` traces a model that no data-parallel wrapper runs (none seen, no DDP or FSDP2
+    around it) and whose expert gradients epmoe leaves as they are (summed by the exchanges'
+    backward): nothing to hook then (:func:`epmoe.apply_expert_parallel` marked the expert
+    parameters), and the policy's Python (a walk of the autograd graph, a log line) would break the
+    graph."""
+    model = state.model
+    if torch.compiler.is_compiling() and not (model.policy.finishes or model.guarded or model.wrapped_now()):
+        return None
+    return state.sync_weights
+
+
+def _projections(
+    state: ExpertParallelState, transport: Dispatcher, hook: WeightsHook | None
+) -> tuple[tuple[torch.Tensor, ...], GmmBackend | None]:
+    """``(weights, backend)``: the expert weights the transport multiplies by itself, as this forward
+    uses them, and their grouped-matmul backend (``((), None)`` for a transport that multiplies none)."""
+    if not transport.projection_names:
+        return (), None
+    weights = [getattr(state.local_experts, name) for name in transport.projection_names]
+    return tuple(hook(weights) if hook is not None else weights), state.experts.gmm_backend()
+
+
+def _capacity(state: ExpertParallelState, counts: LayerCounts | None) -> int | None:
+    """Pairs each expert keeps with ``capacity_factor`` (of the slots of every rank), ``None``: dropless."""
+    factor = state.model.config.capacity_factor
+    if factor is None or counts is None:
+        return None
+    return math.ceil(factor * counts.global_slots / state.shard.num_experts)
+
+
+def _check_route(
+    state: ExpertParallelState,
+    transport: Dispatcher,
+    hidden_TH: torch.Tensor,
+    top_k_index_TK: torch.Tensor,
+    top_k_weights_TK: torch.Tensor,
+    shared: SharedExpert | None,
+) -> None:
+    """``ValueError`` / ``TypeError`` naming the layer for a route that does not fit its tokens."""
+    name = state.shard.module_name
     if (
         top_k_index_TK.dim() != 2
         or top_k_index_TK.shape[0] != hidden_TH.shape[0]
         or top_k_weights_TK.shape != top_k_index_TK.shape
     ):
         raise ValueError(
-            f"{shard.module_name}: expected top_k_index and top_k_weights of shape (T, K) with T={hidden_TH.shape[0]}, "
+            f"{name}: expected top_k_index and top_k_weights of shape (T, K) with T={hidden_TH.shape[0]}, "
             f"got {tuple(top_k_index_TK.shape)} and {tuple(top_k_weights_TK.shape)}"
         )
     if top_k_index_TK.is_floating_point() or top_k_index_TK.is_complex():
-        raise TypeError(f"{shard.module_name}: expected integer top_k_index, got {top_k_index_TK.dtype}")
-    top_k_index_TK = top_k_index_TK.long()  # the rows and pairs are built in int64 (int32 ids: grouped_mm's)
+        raise TypeError(f"{name}: expected integer top_k_index, got {top_k_index_TK.dtype}")
     if shared is not None and not transport.carries_shared:
-        raise ValueError(f"{shard.module_name}: the {transport.name!r} transport leaves a shared expert to the block")
+        raise ValueError(f"{name}: the {transport.name!r} transport leaves a shared expert to the block")
     if hidden_TH.device.type == "meta":
         raise ValueError(
-            f"{shard.module_name}: the hidden states are on the meta device: an EP model cannot run before its "
+            f"{name}: the hidden states are on the meta device: an EP model cannot run before its "
             f"weights exist (load them with epmoe.from_pretrained, or to_empty() then load a state dict)"
         )
-    route = _route if transport.traced_whole(state) else _route_eagerly
-    out_TH = route(transport, state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
-    return out_TH.to(hidden_TH.dtype)  # experts that compute in a wider dtype are summed in it, then cast
-
-
-def _route(
-    transport: Dispatcher,
-    state: ExpertParallelState,
-    hidden_TH: torch.Tensor,
-    top_k_index_TK: torch.Tensor,
-    top_k_weights_TK: torch.Tensor,
-    shared: SharedExpert | None,
-) -> torch.Tensor:
-    """Dispatch, experts, combine."""
-    rows, meta = transport.dispatch(state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
-    return transport.combine(state, transport.experts(state, rows, meta), meta)
-
-
-_route_eagerly = torch.compiler.disable(
-    _route, reason="the counts exchange reads the counts to the host: one graph break per layer"
-)
 
 
 def expert_parallel_forward(

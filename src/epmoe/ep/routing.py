@@ -26,7 +26,7 @@ one choice is a *slot* (``S = T * K``, slot ``s = t*K + k``). The all-to-all-v t
     +-----------+                   +-----------+                     +----------------+
 
 The counts a layer needs for this (rows per rank, pairs per local expert) come from its counts
-exchange (:func:`epmoe.ep.dispatch.base.exchange_layer_counts`). The fused transport keeps the
+exchange (:func:`epmoe.ep.counts.exchange_layer_counts`). The fused transport keeps the
 vendor's per-slot layout instead (:mod:`epmoe.ep.dispatch.fused`).
 """
 
@@ -36,12 +36,22 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from epmoe import platform
 
 # where sums of rows of a dtype accumulate, where not in that dtype itself: float32 for 16-bit floats
 # (as torch.sum does); read as ACCUMULATION_DTYPES.get(dtype, dtype)
 ACCUMULATION_DTYPES = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+
+
+@dataclass(frozen=True)
+class RowSources:
+    """Where a layer's received rows came from: ``rows_W[s]`` rows from EP rank ``s``, source-major,
+    over ``group`` (the all-to-all-v transport's rows)."""
+
+    rows_W: list[int]
+    group: dist.ProcessGroup | None
 
 
 @dataclass

@@ -8,9 +8,10 @@ the slim record of that layer::
 
     ExpertParallelState   shard        which experts this rank holds (ExpertShard)
                           experts      the local experts and how they compute (LocalExperts)
-                          transport    how its tokens travel (fused_on / transport_on)
-                          loads        its routed-load counters
-                          layer, calls its index among the model's experts modules, its forwards so far
+                          transport    how its tokens travel (epmoe.ep.dispatch)
+                          loads        its routed-load counters (epmoe.ep.counters)
+                          steps        its index among the model's experts modules, its forwards so far
+                                       (epmoe.ep.position)
                           model        -> the EPModel (config, group, channel, policy, guard, root)
 
 Every other part of epmoe reads them through this module, never through the attribute::
@@ -32,10 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from epmoe.comm.steps import BACKWARD, GRAD_REDUCE, BackwardHeader, Position
-from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER, ExpertShard
+from epmoe.comm.steps import GRAD_REDUCE
+from epmoe.ep.config import ExpertShard
+from epmoe.ep.counters import LoadCounters
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.model import EPModel, expert_owner, live_models
+from epmoe.ep.position import LayerPosition
 
 _ATTRIBUTE = "_epmoe"  # where a module keeps its record: read it through state_of
 
@@ -54,50 +57,21 @@ class ExpertParallelState:
     sharded_names: tuple[str, ...] = ()  # packed experts: the per-expert parameters EP sliced
     # of those, the ones whose unsharded tensor has rows no expert reads (zero-computation experts'): how many
     unread_rows: dict[str, int] = field(default_factory=dict)
-    layer: int = 0  # this experts module's index among the model's (step headers name it)
-    calls: int = 0  # forwards that read their counts so far (step headers name them)
-    loads: dict[str, torch.Tensor] = field(default_factory=dict)  # counter -> (e,) int64 slots per local expert, host
-    load_counters: tuple[str, ...] = (TELEMETRY_COUNTER,)  # the routed-load counters forwards add to
+    steps: LayerPosition = field(default_factory=LayerPosition)  # its index among the model's, its calls so far
+    loads: LoadCounters = field(init=False)  # its routed-load counters
 
     def __post_init__(self):
-        for counter in (*self.load_counters, DROPPED_COUNTER):
-            self.add_counter(counter)
+        self.loads = LoadCounters(self.shard.num_local_experts)
+
+    @property
+    def layer(self) -> int:
+        """This experts module's index among the model's (step headers name it)."""
+        return self.steps.layer
 
     @property
     def local_experts(self) -> nn.Module:
         """The module that holds the local experts: the packed module, or the local ``ModuleList`` slice."""
         return self.experts.module
-
-    def add_counter(self, counter: str) -> None:
-        """Keep a load counter (zero), if not kept yet (epmoe.ep.load). Counters are reset in place,
-        never removed: a compiled forward adds to them without recompiling."""
-        self.loads.setdefault(counter, torch.zeros(self.shard.num_local_experts, dtype=torch.int64))
-
-    def count_load(self, local_counts: list[int] | torch.Tensor, counters: tuple[str, ...] | None = None) -> None:
-        """Add this forward's slots per local expert (a host list, or a tensor on whatever device
-        holds it: counts that never left the device are added there, not read) to ``counters``
-        (default: every routed-load counter). A forward recomputed inside the backward (gradient
-        checkpointing) adds nothing (a compiled one replays no Python side effect: this runs once per
-        traced forward)."""
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            return
-        counts = torch.as_tensor(local_counts, dtype=torch.int64)
-        for counter in counters or self.load_counters:
-            if self.loads[counter].device != counts.device:  # counts on the device: the counter follows them
-                self.loads[counter] = self.loads[counter].to(counts.device)
-            self.loads[counter].add_(counts)
-
-    def position(self, phase: int) -> Position:
-        """Where this layer is for ``phase``: its latest forward call."""
-        return Position(self.layer, phase, self.calls)
-
-    def backward_header(self, y_rank_major: torch.Tensor) -> torch.Tensor:
-        """``y_rank_major`` (the output of the layer's combine), its backward checked to start at this
-        layer's position, where ``config.check_steps`` asks for it."""
-        channel = self.model.channel
-        if channel is None or not y_rank_major.requires_grad or not self.model.checks[y_rank_major.device.type]:
-            return y_rank_major
-        return BackwardHeader.apply(y_rank_major, channel, Position(self.layer, BACKWARD, self.calls))
 
     def sharded_params(self, owner: nn.Module) -> list[nn.Parameter]:
         """The parameters that differ per EP rank (``owner``: the module this state is on): the packed
@@ -112,7 +86,7 @@ class ExpertParallelState:
         (:meth:`~epmoe.ep.model.EPModel.use_weights`; this method is the
         :class:`~epmoe.ep.experts.WeightsHook` the experts' compute takes)."""
         return self.model.use_weights(
-            self.layer, weights, lambda: self.position(GRAD_REDUCE), per_parameter=per_parameter
+            self.steps.layer, weights, lambda: self.steps.at(GRAD_REDUCE), per_parameter=per_parameter
         )
 
 

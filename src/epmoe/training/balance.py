@@ -59,9 +59,7 @@ class LoadBalancer:
                 self.bias[name] = torch.zeros(state.shard.num_experts, dtype=torch.float32, device=router.weight.device)
                 router.register_forward_hook(_biased_selection(self.bias[name]))
             remember(router, _BALANCED)
-            if _COUNTER not in state.load_counters:
-                state.load_counters = (*state.load_counters, _COUNTER)
-            state.add_counter(_COUNTER)
+            state.loads.add_counter(_COUNTER, routed=True)
             state.loads[_COUNTER].zero_()
         self._followers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (bias, a mirror's buffer)
         self._hook = optimizer.register_step_post_hook(lambda *_: self.step()) if optimizer is not None else None

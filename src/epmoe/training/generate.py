@@ -27,8 +27,9 @@ from typing import Any
 
 from torch import nn
 
-from epmoe.ep.dispatch.static import DecodeDispatcher, StaticDispatcher
+from epmoe.ep.dispatch import DecodeDispatcher
 from epmoe.ep.state import sharded_experts
+from epmoe.ep.transports import decode_dispatcher, static_ineligible_reason
 
 
 class SyncedGenerate:
@@ -80,11 +81,10 @@ def static_decode_steps(model: nn.Module) -> Iterator[None]:
             state.model.config.decodes_static()
             and not isinstance(state.transport, DecodeDispatcher)
             and not state.experts.shared_names  # found before sharding (the local shapes cannot tell)
-            and StaticDispatcher.ineligible_reason(state.local_experts) is None
+            and static_ineligible_reason(state.local_experts) is None
         ):
-            decode = StaticDispatcher(state.local_experts, state.model.config, read_headers=True)
             swapped.append((state, state.transport))
-            state.transport = DecodeDispatcher(state.transport, decode)
+            state.transport = decode_dispatcher(state.transport)
     try:
         yield
     finally:

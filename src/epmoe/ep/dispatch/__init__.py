@@ -1,13 +1,14 @@
 """Dispatch and combine: how a layer's tokens reach their local experts and come back.
 
 A *transport* is one way of moving them (``ExpertParallelConfig.dispatch`` names it); its
-:class:`~epmoe.ep.dispatch.base.Dispatcher` does it. One interface (:mod:`~epmoe.ep.dispatch.base`),
-one module per transport, each dispatcher built once per layer when EP is applied and kept as the
-layer state's ``transport``::
+:class:`~epmoe.ep.dispatch.base.Dispatcher` does it, and only that: the layer
+(:mod:`epmoe.ep.layer`) runs the rest of the call. One interface (:mod:`~epmoe.ep.dispatch.base`),
+one module per transport, each dispatcher built once per layer when EP is applied
+(:mod:`epmoe.ep.transports`) and kept as the layer state's ``transport``::
 
-    hidden_TH, top_k_index_TK, top_k_weights_TK
-      --dispatch--> rows on the experts' ranks (+ meta: this call's counts, indices, weights)
-      --experts-->  their outputs
+    hidden_TH, top_k_index_TK, top_k_weights_TK, link (what the layer knows of this call)
+      --dispatch--> rows on the experts' ranks (+ meta: this call's indices, weights, what arrived)
+      (the layer: the local experts on the rows)
       --combine-->  out_TH
 
 * :mod:`~epmoe.ep.dispatch.alltoallv` (``"alltoallv"``): each token once per rank holding one of its
@@ -29,25 +30,19 @@ everywhere must know the largest batch (``static_tokens``), which only the user 
 
 from __future__ import annotations
 
-from torch import nn
-
-from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.dispatch.alltoallv import AllToAllVDispatcher
-from epmoe.ep.dispatch.base import Dispatcher, SharedExpert
+from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows, SharedExpert
 from epmoe.ep.dispatch.fused import FusedDispatcher
-from epmoe.ep.dispatch.static import StaticDispatcher
+from epmoe.ep.dispatch.static import DecodeDispatcher, StaticDispatcher
 
-DISPATCHERS: dict[str, type[Dispatcher]] = {
-    cls.name: cls for cls in (AllToAllVDispatcher, FusedDispatcher, StaticDispatcher)
-}
-
-
-def make_dispatcher(name: str, experts: nn.Module, config: ExpertParallelConfig) -> Dispatcher:
-    """The dispatcher of transport ``name`` (a key of :data:`DISPATCHERS`) for the experts module
-    ``experts`` (packed, or an ``nn.ModuleList``), built once per layer."""
-    if name not in DISPATCHERS:
-        raise ValueError(f"make_dispatcher(name): {name!r} is not one of {sorted(DISPATCHERS)}")
-    return DISPATCHERS[name](experts, config)
-
-
-__all__ = ["DISPATCHERS", "Dispatcher", "SharedExpert", "make_dispatcher"]
+__all__ = [
+    "AllToAllVDispatcher",
+    "Arrived",
+    "DecodeDispatcher",
+    "Dispatcher",
+    "FusedDispatcher",
+    "Link",
+    "RoutedRows",
+    "SharedExpert",
+    "StaticDispatcher",
+]

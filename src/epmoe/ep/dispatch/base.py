@@ -1,26 +1,20 @@
-"""The dispatcher interface, and the counts exchange the transports that need one share.
+"""The transport interface: what a layer gives a transport for one call, and what it gets back.
 
 A :class:`Dispatcher` moves one layer's tokens to the ranks of their experts and their outputs back
-(one subclass per transport, :mod:`epmoe.ep.dispatch`). It is built once per layer, when EP is
-applied, and kept as its state's ``transport``; it holds only what was decided then (nothing that
-points back at the layer: a deep copy of the model copies it as a value). Each call passes the
-layer's :class:`~epmoe.ep.state.ExpertParallelState` and gets back everything of that call in a
-frozen *meta* record of the transport's own, which ``experts`` and ``combine`` read::
+(one subclass per transport, :mod:`epmoe.ep.dispatch`); it only moves tokens. Everything else of the
+call is the layer's (:mod:`epmoe.ep.layer`): its position, the counts exchange, the experts, the
+load counters, the step guard, the backward header. The layer hands the transport a :class:`Link`
+(what this call knows: the step channel, the shard, the position, the counts where the transport
+needs them) and gets back the rows and a frozen *meta* record of the transport's own, whose
+:class:`Arrived` tells the layer what the local experts run and what the call saw::
 
-    rows, meta = dispatch(state, hidden_TH, top_k_index_TK, top_k_weights_TK)
-    out_rows   = experts(state, rows, meta)         the local experts' MLP on the rows
-    out_TH     = combine(state, out_rows, meta)     back to the sender, weighted, summed per token
+    rows, meta = transport.dispatch(hidden_TH, top_k_index_TK, top_k_weights_TK, link)
+    out_rows   = <the local experts on rows, as meta.arrived says>         (the layer's)
+    out_TH     = transport.combine(out_rows, meta)
 
-:func:`exchange_layer_counts` is a layer forward's counts exchange (the one host read of an EP
-layer, its step header and the step guard's values riding along: :mod:`epmoe.comm.steps`,
-:mod:`epmoe.ep.guard`): every rank learns how many slots it sends to and receives for each expert
-and how many rows it sends to and receives from each rank (:class:`LayerCounts`); the forward
-becomes the layer's next *call* (its backward's step headers name it). With ``W = 2`` ranks and
-``e = 2`` local experts::
-
-    rank 0 slots per global expert [a0 a1 | a2 a3]    rank 1 [b0 b1 | b2 b3]
-    rank 0 send_counts_WE [a0 a1 a2 a3]   recv_counts_WE [a0 a1 | b0 b1]   local_counts_e [a0+b0, a1+b1]
-    rank 1 send_counts_WE [b0 b1 b2 b3]   recv_counts_WE [a2 a3 | b2 b3]   local_counts_e [a2+b2, a3+b3]
+A dispatcher is built once per layer, when EP is applied (:mod:`epmoe.ep.transports`), and holds
+only what was decided then (nothing that points back at the layer: a deep copy of the model copies
+it as a value).
 """
 
 from __future__ import annotations
@@ -30,14 +24,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from epmoe.comm.counts import exchange_counts_on
-from epmoe.comm.steps import FORWARD, Position
-from epmoe.ep.config import ExpertParallelConfig
-from epmoe.ep.guard import check as check_guard
-from epmoe.ep.state import ExpertParallelState
+from epmoe.comm.steps import Position, StepChannel
+from epmoe.ep.config import ExpertShard
+from epmoe.ep.counts import LayerCounts
+from epmoe.ep.routing import RowPairs, RowSources
+from epmoe.gmm import GmmBackend
 
 
 @dataclass(frozen=True)
@@ -49,99 +42,76 @@ class SharedExpert:
     gate: nn.Module | None = None
 
 
+@dataclass(frozen=True)
+class Link:
+    """What a layer gives its transport for one call."""
+
+    channel: StepChannel | None  # the EP group's step channel (None: a group of one, nothing moves)
+    shard: ExpertShard  # which experts this rank holds
+    position: Position  # the call's forward position (its step headers name it)
+    checks: bool  # whether the optional step checks run on this device (ExpertParallelConfig.check_steps)
+    counts: LayerCounts | None = None  # the counts exchange's, where the transport needs_counts
+    capacity: int | None = None  # pairs each expert keeps (capacity_factor), None: dropless
+    guard: torch.Tensor | None = None  # the step guard's values to carry, where no counts exchange carried them
+    projections: tuple[torch.Tensor, ...] = ()  # the expert weights a transport multiplies by (its projection_names)
+    gmm_backend: GmmBackend | None = None  # their grouped-matmul backend, with projections
+    shared: SharedExpert | None = None  # the block's shared expert, where the transport carries_shared
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """What the local experts run on a transport's rows: the routed MLP (``epmoe::routed_mlp``), each
+    row expanded to its ``pairs``, weighted by ``weights_RK`` and summed per row; ``sources``: where
+    the rows came from, where more than one rank sent them."""
+
+    weights_RK: torch.Tensor  # (R, K) each received row's routing weights
+    pairs: RowPairs  # the pairs the rows expand to, expert-major
+    sources: RowSources | None = None
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """What a dispatch tells its layer: ``routed``, how the local experts run the rows (``None``: the
+    rows are already up-projected, the experts' gate / activation is left: the fused transport);
+    ``load_e``, the call's slots per local expert (a host list or a device tensor), ``dropped_e`` the
+    slots capacity dropped, ``peer_guards`` the step guard's values the peers sent, where they
+    travelled with the rows."""
+
+    routed: RoutedRows | None
+    load_e: list[int] | torch.Tensor
+    dropped_e: list[int] | None = None
+    peer_guards: list[list[int]] | None = None
+
+
 class Dispatcher(ABC):
     """One layer's transport (see the module docstring); ``name`` is its ``ExpertParallelConfig.dispatch``
-    value. ``carries_shared``: whether :meth:`dispatch` takes a block's shared expert, computed in the
-    transport's communication gaps and added by :meth:`combine`. Built by
-    :func:`epmoe.ep.dispatch.make_dispatcher` from the experts module and the config."""
+    value. ``needs_counts``: whether the layer runs the counts exchange before :meth:`dispatch`;
+    ``carries_shared``: whether it takes a block's shared expert (``link.shared``), computed in its
+    communication gaps and added by :meth:`combine`; ``projection_names``: the expert weights it
+    multiplies by itself (``link.projections``, in this order)."""
 
     name: ClassVar[str]
+    needs_counts: bool = True
     carries_shared: ClassVar[bool] = False
+    projection_names: tuple[str, ...] = ()
 
-    def __init__(self, experts: nn.Module, config: ExpertParallelConfig):
-        """Nothing to decide by default: a transport that reads the experts' layout overrides this."""
+    def for_call(self) -> Dispatcher:
+        """The transport that runs the layer's next call (itself; one that switches per call differs)."""
+        return self
 
-    def traced_whole(self, state: ExpertParallelState) -> bool:
-        """Whether a call runs on the device alone (no host read, no collective), which
-        ``torch.compile`` traces whole; otherwise :func:`epmoe.ep.layer.routed_experts` runs it behind
-        one graph break."""
+    def traced_whole(self, checks: bool) -> bool:
+        """Whether a call runs on the device alone (no host read), which ``torch.compile`` traces
+        whole; otherwise the layer runs it behind one graph break. ``checks``: the step checks run."""
         return False
 
     @abstractmethod
     def dispatch(
-        self,
-        state: ExpertParallelState,
-        hidden_TH: torch.Tensor,
-        top_k_index_TK: torch.Tensor,
-        top_k_weights_TK: torch.Tensor,
-        shared: SharedExpert | None = None,
+        self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, link: Link
     ) -> tuple[torch.Tensor, Any]:
-        """``(rows, meta)``: the tokens on their experts' ranks, in the transport's row order, and what
-        :meth:`experts` and :meth:`combine` need of this call. ``shared``: only where
-        :attr:`carries_shared`."""
+        """``(rows, meta)``: the tokens on their experts' ranks, in the transport's row order, and
+        what :meth:`combine` needs of this call (its ``arrived``: :class:`Arrived`)."""
 
     @abstractmethod
-    def experts(self, state: ExpertParallelState, rows: torch.Tensor, meta: Any) -> torch.Tensor:
-        """What the local experts compute on ``rows`` (same rows, same order)."""
-
-    @abstractmethod
-    def combine(self, state: ExpertParallelState, out_rows: torch.Tensor, meta: Any) -> torch.Tensor:
+    def combine(self, out_rows: torch.Tensor, meta: Any) -> torch.Tensor:
         """``(T, H)``: each token's experts' outputs back on its rank, weighted and summed (plus the
         shared expert's, where one was given)."""
-
-
-@dataclass(frozen=True)
-class LayerCounts:
-    """What one layer forward's counts exchange told this rank, on the host (see the module docstring)."""
-
-    send_counts_WE: list[int]  # (W*e,) slots this rank sends to expert (r, j), rank-major
-    recv_counts_WE: list[int]  # (W*e,) slots this rank receives from rank s for local expert j, (s, j)
-    local_counts_e: list[int]  # (e,) slots per local expert j, summed over source ranks: the grouped matmuls' counts
-    group: dist.ProcessGroup | None  # the group the rows travel on (the step channel's; None on a single rank)
-    global_slots: int  # slots of every rank of the EP group in this forward (T_global * K)
-    send_rows_W: list[int]  # (W,) rows this rank sends to each rank (empty on a single rank)
-    recv_rows_W: list[int]  # (W,) rows this rank receives from each rank (empty on a single rank)
-
-
-def exchange_layer_counts(
-    state: ExpertParallelState,
-    hidden_TH: torch.Tensor,
-    top_k_index_TK: torch.Tensor,
-    rows_W: torch.Tensor | None = None,
-) -> LayerCounts:
-    """The counts exchange of a layer forward (see the module docstring): this rank's slots per
-    global expert from ``top_k_index_TK`` and ``rows_W`` (``(W,)`` int64 on the device, rows this rank
-    sends to each rank; ``None``: none counted), with the EP group (one host read either way; the ranks
-    also agree that their rows travel in ``hidden_TH``'s dtype). Adds the local experts' slots to the
-    layer's load counters."""
-    state.calls += 1
-    shard, channel, model = state.shard, state.model.channel, state.model
-    position = Position(state.layer, FORWARD, state.calls)  # the layer's next call
-    guarded = state.layer == 0 and model.started and model.policy.guards  # model.guarded, read per forward
-    guard = model.guard_payload(hidden_TH.device) if guarded else None
-    expert_S = top_k_index_TK.reshape(-1).long()
-    slots_E = torch.zeros(shard.num_experts, dtype=torch.int64, device=expert_S.device)
-    slots_E.scatter_add_(0, expert_S, torch.ones_like(expert_S))
-    if channel is None:
-        slots = slots_E.tolist()
-        counts = LayerCounts(slots, slots, slots, None, sum(slots), [], [])
-    else:
-        W, e = channel.size, shard.num_local_experts
-        rows_W = slots_E.new_zeros(W) if rows_W is None else rows_W
-        guard = slots_E.new_zeros(2) if guard is None else guard
-        extra = torch.cat([rows_W.view(W, 1), guard.view(1, -1).expand(W, -1)], dim=1)
-        exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, extra)
-        recv = exchanged.recv_counts
-        counts = LayerCounts(
-            exchanged.send_counts,
-            recv,
-            [sum(recv[s * e + j] for s in range(W)) for j in range(e)],
-            channel.group,
-            sum(exchanged.slots_by_rank),
-            [row[0] for row in exchanged.extras_sent],
-            [row[0] for row in exchanged.extras_received],
-        )
-        if guarded:
-            check_guard([row[1:] for row in exchanged.extras_received], position.describe(channel.layer_names))
-    state.count_load(counts.local_counts_e)
-    return counts

@@ -14,7 +14,8 @@ beside the down projection::
       --weight, unsort, sum each token's K rows--> out_TH   (+ the shared expert's output, gated)
 
 Only for experts :func:`~epmoe.ep.recognize.fused_ineligible_reason` accepts (packed, no bias, no
-post-expert norm). The per-slot helpers (:class:`SlotOrder`, :func:`permute_tokens`,
+post-expert norm); the layer hands it their two projections as this forward uses them
+(``link.projections``) and runs the experts' gate / activation between the two ops. The per-slot helpers (:class:`SlotOrder`, :func:`permute_tokens`,
 :func:`unpermute_and_combine`) build every index on the device (no host read: ``torch.compile``
 traces them).
 """
@@ -24,15 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from epmoe.comm.fused import alltoallv_gmm, gmm_alltoallv
 from epmoe.comm.layout import inverse_permutation
-from epmoe.ep.config import ExpertParallelConfig
-from epmoe.ep.dispatch.base import Dispatcher, LayerCounts, SharedExpert, exchange_layer_counts
-from epmoe.ep.experts import packed_weight_names
-from epmoe.ep.recognize import weights_transposed
-from epmoe.ep.state import ExpertParallelState
+from epmoe.ep.counts import LayerCounts
+from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, SharedExpert
 from epmoe.gmm import GmmBackend
 
 
@@ -92,48 +89,42 @@ def unpermute_and_combine(
 class FusedMeta:
     """One call of :class:`FusedDispatcher`: what :meth:`~FusedDispatcher.combine` reads."""
 
+    arrived: Arrived
     counts: LayerCounts
     slots: SlotOrder
     hidden_TH: torch.Tensor  # the call's tokens (the shared expert's gate reads them)
     top_k_weights_TK: torch.Tensor
-    down_proj: torch.Tensor  # the down projection as this forward uses it (ExpertParallelState.sync_weights)
-    gmm_backend: GmmBackend  # the experts' grouped-matmul backend (LocalExperts.gmm_backend), both projections
+    down_proj: torch.Tensor  # the down projection as this forward uses it (link.projections)
+    gmm_backend: GmmBackend  # the experts' grouped-matmul backend, both projections
     shared: SharedExpert | None
     shared_gate_up: torch.Tensor | None  # (T, 2 Is) the shared expert's gate / up output, where it has one
 
 
 class FusedDispatcher(Dispatcher):
-    """``alltoallv_gmm`` (up projection), the experts' gate / activation, ``gmm_alltoallv`` (down
-    projection), on the per-slot rows (see the module docstring)."""
+    """``alltoallv_gmm`` (up projection), then (the layer's) the experts' gate / activation, then
+    ``gmm_alltoallv`` (down projection), on the per-slot rows (see the module docstring).
+    ``projection_names``: the experts' (up or gate_up, down) weights, no bias; ``trans_weight``:
+    whether they are stored ``(E, out, in)`` (``nn.Linear``'s layout, our "transposed")."""
 
     name = "fused"
     carries_shared = True
 
-    def __init__(self, experts: nn.Module, config: ExpertParallelConfig):
-        self.trans_weight = not weights_transposed(experts)  # nn.Linear layout (E, out, in) is our "transposed"
-        self.weight_names = tuple(packed_weight_names(experts))  # (up or gate_up, down): no bias
-        self.options = dict(
-            num_chunks=config.num_chunks, check=False
-        )  # the counts were exchanged (and agreed) by exchange_layer_counts
+    def __init__(self, projection_names: tuple[str, str], *, trans_weight: bool, num_chunks: int):
+        self.projection_names, self.trans_weight = projection_names, trans_weight
+        self.options = dict(num_chunks=num_chunks, check=False)  # the counts were exchanged (and agreed) by the layer
 
     def dispatch(
-        self,
-        state: ExpertParallelState,
-        hidden_TH: torch.Tensor,
-        top_k_index_TK: torch.Tensor,
-        top_k_weights_TK: torch.Tensor,
-        shared: SharedExpert | None = None,
+        self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, link: Link
     ) -> tuple[torch.Tensor, FusedMeta]:
         """``(h, meta)``: the up projection's output on the experts' ranks, expert-major."""
-        counts = exchange_layer_counts(state, hidden_TH, top_k_index_TK)
-        up_proj, down_proj = state.sync_weights([getattr(state.local_experts, n) for n in self.weight_names])
+        counts, shared = link.counts, link.shared
+        up_proj, down_proj = link.projections
         slots = sort_slots(top_k_index_TK)
         x_rank_major = permute_tokens(hidden_TH, slots, top_k_index_TK.shape[1])
         shared_up = {}
         if shared is not None:
             gate_up_weight = torch.cat([shared.mlp.gate_proj.weight, shared.mlp.up_proj.weight])  # (2Is, H)
             shared_up = dict(shared_x=hidden_TH, shared_weight=gate_up_weight, trans_shared_weight=True)
-        backend = state.experts.gmm_backend()  # chosen once per experts module, device and dtype
         h_expert_major, shared_gate_up, _ = alltoallv_gmm(
             x_rank_major,
             up_proj,
@@ -141,19 +132,17 @@ class FusedDispatcher(Dispatcher):
             counts.recv_counts_WE,
             counts.group,
             trans_weight=self.trans_weight,
-            gmm_backend=backend,
+            gmm_backend=link.gmm_backend,
             **shared_up,
             **self.options,
         )
-        return h_expert_major, FusedMeta(
-            counts, slots, hidden_TH, top_k_weights_TK, down_proj, backend, shared, shared_gate_up
+        arrived = Arrived(None, counts.local_counts_e, peer_guards=counts.peer_guards)
+        meta = FusedMeta(
+            arrived, counts, slots, hidden_TH, top_k_weights_TK, down_proj, link.gmm_backend, shared, shared_gate_up
         )
+        return h_expert_major, meta
 
-    def experts(self, state: ExpertParallelState, h_expert_major: torch.Tensor, meta: FusedMeta) -> torch.Tensor:
-        """The experts' gate / activation on the up projection's output."""
-        return state.experts.gate_activation(h_expert_major)
-
-    def combine(self, state: ExpertParallelState, a_expert_major: torch.Tensor, meta: FusedMeta) -> torch.Tensor:
+    def combine(self, a_expert_major: torch.Tensor, meta: FusedMeta) -> torch.Tensor:
         """``(T, H)``: the down projection, the rows back, weighted and summed per token; plus the
         shared expert's output (times its gate) where one was given."""
         counts, shared = meta.counts, meta.shared
@@ -176,9 +165,7 @@ class FusedDispatcher(Dispatcher):
             **shared_down,
             **self.options,
         )
-        out_TH = state.backward_header(
-            unpermute_and_combine(y_rank_major, meta.top_k_weights_TK, meta.slots, meta.hidden_TH.dtype)
-        )
+        out_TH = unpermute_and_combine(y_rank_major, meta.top_k_weights_TK, meta.slots, meta.hidden_TH.dtype)
         if shared is None:
             return out_TH
         if shared.gate is not None:

@@ -56,7 +56,7 @@ dtypes into an error on every rank (read on the host with ``check_steps``, else 
 device, which on an accelerator surfaces as the device's assertion failure). A forward traced by
 ``torch.compile`` does not count calls (its header's call number is the one at tracing). The step
 guard (:mod:`epmoe.ep.guard`, under a data-parallel wrapper) rides in the route header of the first
-layer's forward and is read there (one host read per step).
+layer's forward (``link.guard``), read with it and handed to the layer (one host read per step).
 """
 
 from __future__ import annotations
@@ -65,29 +65,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from epmoe.comm.static import static_exchange, static_exchange_with
-from epmoe.comm.steps import (
-    FORWARD,
-    HEADER,
-    MAGIC,
-    OutOfStepError,
-    Position,
-    StepChannel,
-    checks_on,
-    dtype_code,
-    dtype_name,
-)
-from epmoe.ep.config import ExpertParallelConfig
-from epmoe.ep.dispatch.base import Dispatcher, SharedExpert
-from epmoe.ep.experts import WeightsHook
-from epmoe.ep.guard import check as check_guard
-from epmoe.ep.recognize import linear_triples, per_expert_post, shared_parameters
-from epmoe.ep.routing import GatherRows, RowPairs, SumRows, TokenRows, pair_rows, static_token_rows
-from epmoe.ep.state import ExpertParallelState
+from epmoe.comm.steps import HEADER, OutOfStepError, check_headers, dtype_code, dtype_name, header_values
+from epmoe.ep.counts import GUARD
+from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
+from epmoe.ep.routing import GatherRows, SumRows, TokenRows, pair_rows, static_token_rows
 
-GUARD = 2  # the step guard's values in each route header (zeros where it does not run)
 ROUTE_HEAD = HEADER + 4 + GUARD  # step header, dtype code, B, the sender's T, its rows for the peer, guard
 # the dtypes' header codes, computed once (torch.compile traces a lookup, not zlib)
 _DTYPE_CODES = {dtype: dtype_code(dtype) for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)}
@@ -99,227 +83,151 @@ FIX = (
 
 @dataclass(frozen=True)
 class StaticMeta:
-    """One call of :class:`StaticDispatcher`: what :meth:`~StaticDispatcher.experts` and
-    :meth:`~StaticDispatcher.combine` read."""
+    """One call of :class:`StaticDispatcher`: what :meth:`~StaticDispatcher.combine` reads."""
 
+    arrived: Arrived
     rows: TokenRows | None  # the sender's rows, W blocks of B (None on a single rank: the rows are the tokens)
-    weights_RK: torch.Tensor  # (R, K) the received rows' routing weights (R = W*B)
-    pairs: RowPairs  # the pairs the received rows expand to, expert-major, padded
     group: dist.ProcessGroup | None  # the group the blocks travel on
-    weights_hook: WeightsHook | None  # the experts' gradient policy for this call (_link)
-
-
-@dataclass(frozen=True)
-class _Link:
-    """What the static exchange needs of the model's EP step machinery and gradient policy (read in
-    one place, :func:`_link`)."""
-
-    channel: StepChannel | None  # the model's EP step channel (None on a single rank)
-    guard: torch.Tensor | None  # (GUARD,) the step guard's values this forward sends, where it runs
-    weights_hook: WeightsHook | None  # the experts' gradient policy (None: nothing to hook)
-
-
-def _link(state: ExpertParallelState, device: torch.device) -> _Link:
-    """The model's EP step channel, the step guard's values where this forward carries them, and the
-    experts' gradient policy (``state.sync_weights``), except while ``torch.compile`` traces a model
-    that no data-parallel wrapper runs (none seen, no DDP or FSDP2 around it) and whose expert
-    gradients epmoe leaves as they are (summed by the exchanges' backward): nothing to hook then
-    (:func:`epmoe.apply_expert_parallel` marked the expert parameters), and the policy's Python (a
-    walk of the autograd graph, a log line) would break the graph."""
-    model, compiling = state.model, torch.compiler.is_compiling()
-    policy = model.policy
-    guarded = state.layer == 0 and model.guarded and not compiling
-    hook = state.sync_weights
-    if compiling and not policy.finishes and not model.guarded and not model.wrapped_now():
-        hook = None
-    return _Link(model.channel, model.guard_payload(device) if guarded else None, hook)
 
 
 class StaticDispatcher(Dispatcher):
-    """Fixed-size buffers around ``epmoe::routed_mlp`` (see the module docstring). ``block``: the
-    buffer's ``B`` (``static_tokens``, else agreed at the first forward and kept). ``read_headers``:
-    read the route headers on every forward whatever ``check_steps`` says (one host read per layer),
-    so a batch that outgrows ``B`` always re-agrees (what :class:`DecodeDispatcher` runs)."""
+    """Fixed-size buffers around the routed MLP (see the module docstring). ``block``: the buffer's
+    ``B`` (``static_tokens``, else agreed at the first forward and kept). ``read_headers``: read the
+    route headers on every forward whatever ``check_steps`` says (one host read per layer), so a
+    batch that outgrows ``B`` always re-agrees (what :class:`DecodeDispatcher` runs)."""
 
     name = "static"
+    needs_counts = False
 
-    def __init__(self, experts: nn.Module, config: ExpertParallelConfig, *, read_headers: bool = False):
-        self.fixed = config.static_tokens is not None
-        self.block: int | None = config.static_tokens
+    def __init__(self, static_tokens: int | None = None, *, read_headers: bool = False):
+        self.fixed = static_tokens is not None
+        self.block: int | None = static_tokens
         self.read_headers = read_headers
 
-    @staticmethod
-    def ineligible_reason(experts: nn.Module) -> str | None:
-        """Why the static transport cannot run ``experts`` (``None``: it can): it needs the routed MLP
-        op, whose grouped matmuls take device counts (packed experts without a norm after the down
-        projection, or ``nn.ModuleList`` experts of Linear triples)."""
-        if isinstance(experts, nn.ModuleList):
-            if linear_triples(experts) is None:
-                return "its experts run their own forwards, which slice their rows by counts read to the host"
-            return None
-        if getattr(experts, "has_post_expert_norm", False) or per_expert_post(experts) is not None:
-            return "a norm after the down projection runs outside the routed MLP op"
-        if shared_parameters(experts):
-            return "parameters shared by every expert run outside the routed MLP op"
-        return None
-
-    def traced_whole(self, state: ExpertParallelState) -> bool:
+    def traced_whole(self, checks: bool) -> bool:
         """Without step checks (``check_steps`` off, or ``"auto"`` on an accelerator) and without
         :attr:`read_headers` (generate's decode steps) the call reads nothing to the host:
         ``torch.compile`` traces it whole."""
-        device = next(state.local_experts.parameters()).device
-        return not (self.read_headers or checks_on(state.model.config.check_steps, device))
+        return not (self.read_headers or checks)
 
     def dispatch(
-        self,
-        state: ExpertParallelState,
-        hidden_TH: torch.Tensor,
-        top_k_index_TK: torch.Tensor,
-        top_k_weights_TK: torch.Tensor,
-        shared: SharedExpert | None = None,
+        self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, link: Link
     ) -> tuple[torch.Tensor, StaticMeta]:
         """``(x_RH, meta)``: the rows this rank's local experts run, ``W`` blocks of ``B`` by source
         rank (the rows of a group of one: the tokens)."""
-        shard = state.shard
-        link = _link(state, hidden_TH.device)
-        if link.channel is None:
+        shard, channel = link.shard, link.channel
+        if channel is None:
             pairs = pair_rows(top_k_index_TK, shard.num_experts)
-            state.count_load(pairs.counts_e)
-            return hidden_TH, StaticMeta(None, top_k_weights_TK, pairs, None, link.weights_hook)
-        if not torch.compiler.is_compiling():
-            state.calls += 1
-        position = state.position(FORWARD)
+            return hidden_TH, StaticMeta(Arrived(RoutedRows(top_k_weights_TK, pairs), pairs.counts_e), None, None)
         T, K = top_k_index_TK.shape
-        e, W = shard.num_local_experts, link.channel.size
-        read = (
-            self.read_headers or checks_on(state.model.config.check_steps, hidden_TH.device) or link.guard is not None
-        )
+        e, W, H = shard.num_local_experts, channel.size, hidden_TH.shape[1]
+        read = self.read_headers or link.checks or link.guard is not None
         # the weights ride beside the rows in the wider dtype of the two: both arrive exact, with autograd
         carried = torch.promote_types(hidden_TH.dtype, top_k_weights_TK.dtype)
-        H = hidden_TH.shape[1]
+        peer_guards = None
         while True:
             B = self.block or 0
             rows, rows_W, sent_RX = _sent_rows(hidden_TH, top_k_index_TK, top_k_weights_TK, carried, e, W, B)
-            route_WL = self._route(link, position, hidden_TH.dtype, top_k_index_TK, rows, rows_W, B)
-            received_WL, received_RX = static_exchange_with(route_WL, sent_RX, link.channel.group)
-            if read or self.block is None:
-                needed = self._read_headers(link, position, received_WL, hidden_TH.dtype, B)
-                if needed > B and not self.fixed:  # every rank saw it: agree on the larger buffer
-                    self.block = max(needed, 1)
-                    continue
-                if needed > B:
-                    raise ValueError(
-                        f"epmoe: the static exchange's buffer holds static_tokens={B} tokens, an EP rank "
-                        f"has {needed} in this forward (this is EP rank {link.channel.rank}, with {T}); "
-                        f"{FIX}"
-                    )
-            else:
-                if rows is None:  # the batch outgrew the buffer
-                    raise ValueError(
-                        f"epmoe: this EP rank ({link.channel.rank}) has {T} tokens in this forward, more "
-                        f"than the static exchange's buffer of B={B} rows; its peers raise too: {FIX}"
-                    )
-                self._assert_headers(link, position, received_WL, hidden_TH.dtype, B)
-            break
+            route_WL = _route(link, hidden_TH.dtype, top_k_index_TK, rows, rows_W, B)
+            received_WL, received_RX = static_exchange_with(route_WL, sent_RX, channel.group)
+            if not (read or self.block is None):
+                _assert_fits_or_raise(link, received_WL, hidden_TH.dtype, rows is None, T, B)
+                break
+            needed, peer_guards = _read_headers(link, received_WL, hidden_TH.dtype, B)
+            if needed <= B:
+                break
+            if self.fixed:
+                raise ValueError(
+                    f"epmoe: the static exchange's buffer holds static_tokens={B} tokens, an EP rank has {needed} "
+                    f"in this forward (this is EP rank {channel.rank}, with {T}); {FIX}"
+                )
+            self.block = max(needed, 1)  # every rank saw it: agree on the larger buffer
         # each choice's local expert, e where it is another rank's or the row is padding (ids -1)
         expert_RK = received_WL[:, ROUTE_HEAD:].reshape(W * B, K)
         mine_RK = expert_RK.div(e, rounding_mode="floor") == shard.ep_rank
-        local_RK = torch.where(mine_RK, expert_RK - shard.local_start, e)
-        pairs = pair_rows(local_RK, e, padded=True)
-        state.count_load(pairs.counts_e)
+        pairs = pair_rows(torch.where(mine_RK, expert_RK - shard.local_start, e), e, padded=True)
         x_RH, weights_RK = received_RX[:, :H].to(hidden_TH.dtype), received_RX[:, H:].to(top_k_weights_TK.dtype)
-        return x_RH, StaticMeta(rows, weights_RK, pairs, link.channel.group, link.weights_hook)
+        arrived = Arrived(RoutedRows(weights_RK, pairs), pairs.counts_e, peer_guards=peer_guards)
+        return x_RH, StaticMeta(arrived, rows, channel.group)
 
-    def experts(self, state: ExpertParallelState, x_RH: torch.Tensor, meta: StaticMeta) -> torch.Tensor:
-        """``(R, H)``: the local experts on the rows' pairs, weighted and summed per row (zero rows for
-        padding)."""
-        return state.experts.routed_mlp(x_RH, meta.weights_RK, meta.pairs, sync_weights=meta.weights_hook)
-
-    def combine(self, state: ExpertParallelState, y_RH: torch.Tensor, meta: StaticMeta) -> torch.Tensor:
-        """``(T, H)``: the blocks back to their senders, each token's rows summed in rank order; its
-        backward checked to start at this layer's position where ``check_steps`` says so."""
+    def combine(self, y_RH: torch.Tensor, meta: StaticMeta) -> torch.Tensor:
+        """``(T, H)``: the blocks back to their senders, each token's rows summed in rank order."""
         if meta.rows is None:
-            return state.backward_header(y_RH)
-        return state.backward_header(SumRows.apply(static_exchange(y_RH, meta.group), *meta.rows))
+            return y_RH
+        return SumRows.apply(static_exchange(y_RH, meta.group), *meta.rows)
 
-    @staticmethod
-    def _route(
-        link: _Link,
-        position: Position,
-        dtype: torch.dtype,
-        top_k_index_TK: torch.Tensor,
-        rows: TokenRows | None,
-        rows_W: torch.Tensor | None,
-        B: int,
-    ) -> torch.Tensor:
-        """``(W, L)`` int64: the route block for each peer, ``L = ROUTE_HEAD + B*K``: the step header
-        (its flag set where this rank's rows do not fit), the dtype, ``B``, this rank's ``T``, its
-        rows for the peer, the guard's values, then each row's ``K`` expert ids (-1: padding)."""
-        T, K = top_k_index_TK.shape
-        W, device = link.channel.size, top_k_index_TK.device
-        head = _device_ints(
-            [MAGIC, position.layer, position.phase, position.call, int(rows is None), _DTYPE_CODES.get(dtype, 0), B, T],
-            device,
-        )
-        guard = link.guard if link.guard is not None else torch.zeros(GUARD, dtype=torch.int64, device=device)
-        if rows is None:  # does not fit: the header alone, so every rank learns it
-            rows_W, ids_WL = (
-                torch.zeros(W, dtype=torch.int64, device=device),
-                torch.full((W, B * K), -1, dtype=torch.int64, device=device),
+
+def _route(
+    link: Link,
+    dtype: torch.dtype,
+    top_k_index_TK: torch.Tensor,
+    rows: TokenRows | None,
+    rows_W: torch.Tensor | None,
+    B: int,
+) -> torch.Tensor:
+    """``(W, L)`` int64: the route block for each peer, ``L = ROUTE_HEAD + B*K``: the step header
+    (its flag set where this rank's rows do not fit), the dtype, ``B``, this rank's ``T``, its rows
+    for the peer, the guard's values, then each row's ``K`` expert ids (-1: padding)."""
+    T, K = top_k_index_TK.shape
+    W, device = link.channel.size, top_k_index_TK.device
+    head = _device_ints(header_values(link.position, int(rows is None)) + [_DTYPE_CODES.get(dtype, 0), B, T], device)
+    guard = link.guard if link.guard is not None else torch.zeros(GUARD, dtype=torch.int64, device=device)
+    if rows is None:  # does not fit: the header alone, so every rank learns it
+        rows_W = torch.zeros(W, dtype=torch.int64, device=device)
+        ids_WL = torch.full((W, B * K), -1, dtype=torch.int64, device=device)
+    else:
+        padded_TK = torch.cat([top_k_index_TK, top_k_index_TK.new_full((1, K), -1)])
+        ids_WL = padded_TK[rows.token_R].reshape(W, B * K)
+    return torch.cat([head.expand(W, -1), rows_W.view(W, 1), guard.view(1, GUARD).expand(W, -1), ids_WL], dim=1)
+
+
+def _read_headers(
+    link: Link, received_WL: torch.Tensor, dtype: torch.dtype, B: int
+) -> tuple[int, list[list[int]] | None]:
+    """Read the received route headers to the host (one read) and raise on every rank where they
+    differ from this rank's position (:func:`~epmoe.comm.steps.check_headers`), ``B`` or dtype;
+    return the largest ``T`` of any rank and the peers' step-guard values (where they travel)."""
+    channel, position = link.channel, link.position
+    rows = received_WL[:, :ROUTE_HEAD].tolist()
+    check_headers(rows, position, channel.rank, channel.layer_names)
+    for source, row in enumerate(rows):
+        if row[HEADER + 1] != B:
+            raise OutOfStepError(
+                f"epmoe: EP rank {source} sent a static route header of B={row[HEADER + 1]} while this rank (EP "
+                f"rank {channel.rank}) runs B={B} at {position.describe(channel.layer_names)}: the ranks run "
+                f"different collectives (a rank skipped or added one)"
             )
-        else:
-            padded_TK = torch.cat([top_k_index_TK.long(), top_k_index_TK.new_full((1, K), -1, dtype=torch.int64)])
-            ids_WL = padded_TK[rows.token_R].reshape(W, B * K)
-        return torch.cat([head.expand(W, -1), rows_W.view(W, 1), guard.view(1, GUARD).expand(W, -1), ids_WL], dim=1)
-
-    @staticmethod
-    def _read_headers(link: _Link, position: Position, received_WL: torch.Tensor, dtype: torch.dtype, B: int) -> int:
-        """Read the received route headers to the host (one read) and raise on every rank where they
-        differ from this rank's position, ``B`` or dtype, or the step guard fires; return the largest
-        ``T`` of any rank."""
-        channel = link.channel
-        rows = received_WL[:, :ROUTE_HEAD].tolist()
-        for source, row in enumerate(rows):
-            if row[0] != MAGIC or row[6] != B:
-                raise OutOfStepError(
-                    f"epmoe: EP rank {source} sent something other than a static route header of B={B} while this "
-                    f"rank (EP rank {channel.rank}) is at {position.describe(channel.layer_names)}: the ranks run "
-                    f"different collectives (a rank skipped or added one)"
-                )
-            theirs = Position(*row[1 : HEADER - 1])
-            if theirs != position:
-                raise OutOfStepError(
-                    f"epmoe: EP ranks are out of step: this rank (EP rank {channel.rank}) is at "
-                    f"{position.describe(channel.layer_names)}, EP rank {source} is at "
-                    f"{theirs.describe(channel.layer_names)}. Every rank of the group must run the same forwards and "
-                    f"backwards of the model, in the same order (no rank may skip a backward, a layer or a step)"
-                )
-        dtypes = [row[HEADER] for row in rows]
-        if len(set(dtypes)) > 1:
-            raise ValueError(
-                f"epmoe: the EP ranks run {position.describe(channel.layer_names)} in different dtypes: "
-                f"{[dtype_name(d) for d in dtypes]} by rank (this is EP rank {channel.rank}); every rank must hold "
-                f"the model in the same dtype (call model.to(dtype) on every rank)"
-            )
-        if link.guard is not None:
-            check_guard([row[ROUTE_HEAD - GUARD :] for row in rows], position.describe(channel.layer_names))
-        return max(row[HEADER + 2] for row in rows)
-
-    @staticmethod
-    def _assert_headers(link: _Link, position: Position, received_WL: torch.Tensor, dtype: torch.dtype, B: int) -> None:
-        """The same checks on the device, no host read: a device-side assertion where a peer's route
-        header differs from this rank's position, ``B`` or dtype, or its rows did not fit."""
-        expected = _device_ints(
-            [MAGIC, position.layer, position.phase, position.call, 0, _DTYPE_CODES.get(dtype, 0), B], received_WL.device
+    dtypes = [row[HEADER] for row in rows]
+    if len(set(dtypes)) > 1:
+        raise ValueError(
+            f"epmoe: the EP ranks run {position.describe(channel.layer_names)} in different dtypes: "
+            f"{[dtype_name(d) for d in dtypes]} by rank (this is EP rank {channel.rank}); every rank must hold "
+            f"the model in the same dtype (call model.to(dtype) on every rank)"
         )
-        ok = (received_WL[:, : HEADER + 2] == expected).all()  # the flag (0) says the peer's rows fit
-        where = position.describe(link.channel.layer_names)
-        torch._assert_async(
-            ok,
-            f"epmoe: at {where}, an EP rank's static route header differs from this rank's: "
-            f"a peer's batch outgrew the static exchange's buffer of B={B} rows, or the ranks are "
-            f"out of step or in different dtypes; {FIX}",
+    guards = [row[ROUTE_HEAD - GUARD :] for row in rows] if link.guard is not None else None
+    return max(row[HEADER + 2] for row in rows), guards
+
+
+def _assert_fits_or_raise(
+    link: Link, received_WL: torch.Tensor, dtype: torch.dtype, outgrown: bool, T: int, B: int
+) -> None:
+    """Without a host read: this rank raises where its own batch outgrew ``B``; a device-side
+    assertion fires where a peer's route header differs from this rank's position, ``B`` or dtype,
+    or the peer's rows did not fit."""
+    channel, position = link.channel, link.position
+    if outgrown:
+        raise ValueError(
+            f"epmoe: this EP rank ({channel.rank}) has {T} tokens in this forward, more than the static "
+            f"exchange's buffer of B={B} rows; its peers raise too: {FIX}"
         )
+    expected = _device_ints(header_values(position) + [_DTYPE_CODES.get(dtype, 0), B], received_WL.device)
+    ok = (received_WL[:, : HEADER + 2] == expected).all()  # the flag (0) says the peer's rows fit
+    torch._assert_async(
+        ok,
+        f"epmoe: at {position.describe(channel.layer_names)}, an EP rank's static route header differs from this "
+        f"rank's: a peer's batch outgrew the static exchange's buffer of B={B} rows, or the ranks are "
+        f"out of step or in different dtypes; {FIX}",
+    )
 
 
 def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
@@ -333,14 +241,15 @@ def _device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     return out
 
 
-class DecodeDispatcher(Dispatcher):
+class DecodeDispatcher:
     """``dispatch="auto"`` during one ``generate`` call (:meth:`ExpertParallelConfig.decodes_static`,
     installed by :mod:`epmoe.training.generate` for the call): the layer's first forward of the call
     (the prompt) on its own dispatcher ``prompt``, every later one (the decode steps) on ``decode``,
     a static exchange that reads its route headers on every forward (one host read per layer), so
     ``B``, agreed at the first decode step, re-agrees where a batch outgrows it and never raises for
     it. Every rank counts the same forwards (a generate call's ranks run them in lockstep), so every
-    rank takes the same transport at the same forward."""
+    rank takes the same transport at the same forward. Not a transport itself: it chooses one per call
+    (:meth:`for_call`, what the layer asks its ``transport`` for)."""
 
     name = "decode"
 
@@ -348,28 +257,11 @@ class DecodeDispatcher(Dispatcher):
         self.prompt, self.decode = prompt, decode
         self.forwards = 0  # this layer's forwards in the generate call so far
 
-    def dispatch(
-        self,
-        state: ExpertParallelState,
-        hidden_TH: torch.Tensor,
-        top_k_index_TK: torch.Tensor,
-        top_k_weights_TK: torch.Tensor,
-        shared: SharedExpert | None = None,
-    ) -> tuple[torch.Tensor, object]:
+    def for_call(self) -> Dispatcher:
         """The prompt's transport at the call's first forward, the static exchange after it."""
         transport = self.decode if self.forwards else self.prompt
         self.forwards += 1
-        return transport.dispatch(state, hidden_TH, top_k_index_TK, top_k_weights_TK, shared)
-
-    def experts(self, state: ExpertParallelState, rows: torch.Tensor, meta: object) -> torch.Tensor:
-        return self._of(meta).experts(state, rows, meta)
-
-    def combine(self, state: ExpertParallelState, out_rows: torch.Tensor, meta: object) -> torch.Tensor:
-        return self._of(meta).combine(state, out_rows, meta)
-
-    def _of(self, meta: object) -> Dispatcher:
-        """The transport whose :meth:`dispatch` made ``meta``."""
-        return self.decode if isinstance(meta, StaticMeta) else self.prompt
+        return transport.for_call()
 
 
 def _sent_rows(

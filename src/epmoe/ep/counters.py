@@ -1,0 +1,46 @@
+"""A layer's routed-load counters: slots per local expert, added by each forward.
+
+Each experts module keeps one :class:`LoadCounters`: counter name -> ``(e,)`` int64 slots per local
+expert, on whatever device the counts were (counts that never left the device are added there, not
+read). The counters epmoe keeps: :data:`~epmoe.ep.config.TELEMETRY_COUNTER` (what
+:func:`epmoe.expert_load` reports) and :data:`~epmoe.ep.config.DROPPED_COUNTER` (the slots
+``capacity_factor`` dropped); :class:`epmoe.LoadBalancer` adds its own. Counters are reset in
+place, never removed: a compiled forward adds to them without recompiling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER
+
+
+class LoadCounters(dict):
+    """``counter -> (e,) int64`` slots per local expert (see the module docstring). ``routed``: the
+    counters each forward's routed slots add to (the telemetry's, and any added with ``routed=True``)."""
+
+    def __init__(self, num_local_experts: int):
+        super().__init__()
+        self.num_local_experts = num_local_experts
+        self.routed: tuple[str, ...] = (TELEMETRY_COUNTER,)
+        for counter in (TELEMETRY_COUNTER, DROPPED_COUNTER):
+            self.add_counter(counter)
+
+    def add_counter(self, counter: str, *, routed: bool = False) -> None:
+        """Keep ``counter`` (zero), if not kept yet; ``routed``: forwards add their routed slots to it."""
+        self.setdefault(counter, torch.zeros(self.num_local_experts, dtype=torch.int64))
+        if routed and counter not in self.routed:
+            self.routed = (*self.routed, counter)
+
+    def count(self, local_counts_e: list[int] | torch.Tensor, counters: tuple[str, ...] | None = None) -> None:
+        """Add a forward's slots per local expert (a host list, or a tensor on whatever device holds
+        it) to ``counters`` (default: :attr:`routed`). A forward recomputed inside the backward
+        (gradient checkpointing) adds nothing (a compiled one replays no Python side effect: this runs
+        once per traced forward)."""
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+            return
+        counts = torch.as_tensor(local_counts_e, dtype=torch.int64)
+        for counter in counters or self.routed:
+            if self[counter].device != counts.device:  # counts on the device: the counter follows them
+                self[counter] = self[counter].to(counts.device)
+            self[counter].add_(counts)

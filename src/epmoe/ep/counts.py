@@ -1,0 +1,79 @@
+"""A layer forward's counts exchange: the one host read of an EP layer on the counts-based transports.
+
+Every rank learns how many slots it sends to and receives for each expert and how many rows it sends
+to and receives from each rank (:class:`LayerCounts`), in one header exchange at the layer's
+position (:func:`epmoe.comm.counts.exchange_counts_on`: the step header and the step guard's values
+ride along). With ``W = 2`` ranks and ``e = 2`` local experts::
+
+    rank 0 slots per global expert [a0 a1 | a2 a3]    rank 1 [b0 b1 | b2 b3]
+    rank 0 send_counts_WE [a0 a1 a2 a3]   recv_counts_WE [a0 a1 | b0 b1]   local_counts_e [a0+b0, a1+b1]
+    rank 1 send_counts_WE [b0 b1 b2 b3]   recv_counts_WE [a2 a3 | b2 b3]   local_counts_e [a2+b2, a3+b3]
+
+A rank sends a token once to each rank holding one of its experts: its rows per rank
+(:func:`~epmoe.ep.routing.destinations_TW`) travel in the same exchange.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm.counts import exchange_counts_on
+from epmoe.comm.steps import Position, StepChannel
+from epmoe.ep.config import ExpertShard
+from epmoe.ep.routing import destinations_TW
+
+GUARD = 2  # the step guard's values in each row (zeros where it does not run)
+
+
+@dataclass(frozen=True)
+class LayerCounts:
+    """What one layer forward's counts exchange told this rank, on the host (see the module docstring)."""
+
+    send_counts_WE: list[int]  # (W*e,) slots this rank sends to expert (r, j), rank-major
+    recv_counts_WE: list[int]  # (W*e,) slots this rank receives from rank s for local expert j, (s, j)
+    local_counts_e: list[int]  # (e,) slots per local expert j, summed over source ranks: the grouped matmuls' counts
+    group: dist.ProcessGroup | None  # the group the rows travel on (the step channel's; None on a single rank)
+    global_slots: int  # slots of every rank of the EP group in this forward (T_global * K)
+    send_rows_W: list[int]  # (W,) rows this rank sends to each rank (empty on a single rank)
+    recv_rows_W: list[int]  # (W,) rows this rank receives from each rank (empty on a single rank)
+    peer_guards: list[list[int]] | None  # (W, GUARD) the step guard's values by source, where they travelled
+
+
+def exchange_layer_counts(
+    channel: StepChannel | None,
+    position: Position,
+    shard: ExpertShard,
+    hidden_TH: torch.Tensor,
+    top_k_index_TK: torch.Tensor,
+    guard: torch.Tensor | None = None,
+) -> LayerCounts:
+    """The counts exchange of a layer forward at ``position`` (see the module docstring): this rank's
+    slots per global expert from ``top_k_index_TK`` and its rows per rank, with the EP group on
+    ``channel`` (``None``: a group of one, nothing exchanged; one host read either way). The ranks
+    also agree that their rows travel in ``hidden_TH``'s dtype; ``guard``: the step guard's
+    ``(GUARD,)`` values to send, where it runs."""
+    expert_S = top_k_index_TK.reshape(-1)
+    slots_E = torch.zeros(shard.num_experts, dtype=torch.int64, device=expert_S.device)
+    slots_E.scatter_add_(0, expert_S, torch.ones_like(expert_S))
+    if channel is None:
+        slots = slots_E.tolist()
+        return LayerCounts(slots, slots, slots, None, sum(slots), [], [], None)
+    W, e = channel.size, shard.num_local_experts
+    rows_W = destinations_TW(top_k_index_TK, e, W).sum(0)
+    guard_values = slots_E.new_zeros(GUARD) if guard is None else guard
+    extra = torch.cat([rows_W.view(W, 1), guard_values.view(1, -1).expand(W, -1)], dim=1)
+    exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, extra)
+    recv = exchanged.recv_counts
+    return LayerCounts(
+        exchanged.send_counts,
+        recv,
+        [sum(recv[s * e + j] for s in range(W)) for j in range(e)],
+        channel.group,
+        sum(exchanged.slots_by_rank),
+        [row[0] for row in exchanged.extras_sent],
+        [row[0] for row in exchanged.extras_received],
+        [row[1:] for row in exchanged.extras_received] if guard is not None else None,
+    )
