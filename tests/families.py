@@ -6,7 +6,7 @@ holds an experts-like module (:func:`epmoe.ep.recognize.experts_like_modules`). 
 future transformers is picked up without editing anything here.
 
 Used by ``test_families.py`` (the coverage test), ``families_workers.py`` (its ranks) and
-``benchmarks/families_table.py`` (the families table of docs/models.md).
+``tests/families_table.py`` (the families table of docs/models.md).
 """
 
 from __future__ import annotations

@@ -380,16 +380,12 @@ def test_deepcopy_runs_its_own_experts():
 
 
 def test_activation_bytes_benchmark_runs():
-    """benchmarks/experts_implementation.py at a tiny shape: a sanity check of the figure (the
-    Qwen3-30B-A3B-shaped table is benchmarks/experts_implementation_cpu.md)."""
-    import importlib.util
+    """``epmoe bench experts`` at a tiny shape: a sanity check of the figure (the Qwen3-30B-A3B-shaped
+    table is benchmarks/experts_implementation_cpu.md)."""
+    from epmoe.bench import experts as benchmark
 
-    path = ROOT / "benchmarks" / "experts_implementation.py"
-    spec = importlib.util.spec_from_file_location("experts_benchmark", path)
-    benchmark = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(benchmark)
     result = json.loads(json.dumps(benchmark.measure(benchmark.QUICK)))  # what --json prints
-    assert "**met**" in benchmark.markdown(result, "python benchmarks/experts_implementation.py --quick")
+    assert "**met**" in benchmark.markdown(result, "epmoe bench experts --quick")
     assert result["ratio"]["experts"] < 0.5 and result["ratio"]["block"] < 0.5
     assert result["max_abs_diff"] <= 1e-5 * result["max_abs"]
 

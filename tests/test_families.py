@@ -4,27 +4,21 @@ refused by name (the experts class, its module path and the reason), before anyt
 The families are found by structure (tests/families.py), not listed: a family a new transformers adds
 is checked here without an edit, and fails until it is exact or refused by name. All families run in
 one spawned group (families_workers.check_families); the families table of docs/models.md is this run's
-output (benchmarks/families_table.py --write) and is checked against it.
+output (tests/families_table.py --write) and is checked against it.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
 import re
 
 import pytest
 
 import experts_variants
 import families
+import families_table
 from epmoe.launch import run_ranks
 from families_workers import TOL, TOL_ROUNDS_TO, check_families, stacked_and_zero_cases, verdict
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("families_table", ROOT / "benchmarks" / "families_table.py")
-families_table = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(families_table)
 
 
 def found() -> dict[str, families.Family | str]:
@@ -68,7 +62,7 @@ def test_docs_list_every_family():
 
     plans = ep_plans()
     assert {name for name, (_, plan) in listed.items() if plan == "yes"} == plans & set(listed), (
-        "docs/models.md's column of transformers' EP plans is stale (benchmarks/families_table.py --write)"
+        "docs/models.md's column of transformers' EP plans is stale (tests/families_table.py --write)"
     )
 
 
@@ -115,7 +109,7 @@ def test_family_exact_or_refused_by_name(directory):
     line = verdict(family, per_rank)
     listed = families_table.table_verdicts(families_table.PAGE.read_text())
     assert listed.get(directory) == line.replace("|", "/"), (
-        f"{directory}: docs/models.md says {listed.get(directory)!r}, the run {line!r} (benchmarks/families_table.py --write)"
+        f"{directory}: docs/models.md says {listed.get(directory)!r}, the run {line!r} (tests/families_table.py --write)"
     )
     if line.startswith("refused"):
         assert per_rank[0]["refused"] == per_rank[1]["refused"]

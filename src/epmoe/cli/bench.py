@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import argparse
 
-from epmoe.bench import checkpoint, common, fused, gmm, layer, versus
+from epmoe.bench import checkpoint, common, experts, fused, gmm, layer, versus
 
-BENCHMARKS = {"gmm": gmm, "layer": layer, "fused": fused, "checkpoint": checkpoint, "versus": versus}
+BENCHMARKS = {
+    "gmm": gmm,
+    "layer": layer,
+    "fused": fused,
+    "checkpoint": checkpoint,
+    "versus": versus,
+    "experts": experts,
+}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

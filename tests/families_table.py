@@ -1,7 +1,7 @@
 """Rewrite the families table of docs/models.md from the coverage test's run (tests/test_families.py).
 
-    PYTHONPATH=src:tests python benchmarks/families_table.py          # prints the table
-    PYTHONPATH=src:tests python benchmarks/families_table.py --write  # and writes it into docs/models.md
+    PYTHONPATH=src:tests python tests/families_table.py          # prints the table
+    PYTHONPATH=src:tests python tests/families_table.py --write  # and writes it into docs/models.md
 
 The table sits between the ``<!-- families:begin -->`` and ``<!-- families:end -->`` lines of that page;
 reading and writing go by those two markers.

@@ -1,7 +1,7 @@
 """Activation memory of ``experts_implementation="epmoe"`` against transformers' ``grouped_mm``, measured.
 
-    python benchmarks/experts_implementation.py [--tokens 512] [--out benchmarks/experts_implementation_cpu.md]
-    python benchmarks/experts_implementation.py --quick --json      # a tiny shape, one JSON line (the test's)
+    epmoe bench experts [--tokens 512] [--out benchmarks/experts_implementation_cpu.md]
+    epmoe bench experts --quick --json      # a tiny shape, one JSON line
 
 One ``Qwen3MoeSparseMoeBlock`` at Qwen3-30B-A3B's shapes (E=128 experts, top-8, H=2048, I=768; its own
 router: softmax, top-k, renormalised; SwiGLU experts), random weights (std 0.02), float32, on the
@@ -132,25 +132,21 @@ def markdown(result: dict, command: str) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--quick", action="store_true", help="a tiny shape (seconds)")
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=int, default=512, help="tokens of the block's batch (default: 512)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line")
-    parser.add_argument("--out", type=Path, help="write the markdown table here")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if transformers_experts.ExpertsInterface is None:
         raise SystemExit("transformers with an ExpertsInterface is needed")
     shape = QUICK if args.quick else qwen3_30b_a3b(args.tokens)
-    result = measure(shape)
+    result = measure(shape, args.seed)
     if args.json:
         print(json.dumps(result))
-        return
-    text = markdown(result, "python " + " ".join(["benchmarks/experts_implementation.py", *sys.argv[1:]]))
+        return 0
+    text = markdown(result, " ".join(["epmoe bench experts", *sys.argv[3:]]))
     if args.out:
-        args.out.write_text(text)
+        Path(args.out).write_text(text)
     print(text)
-
-
-if __name__ == "__main__":
-    main()
+    return 0
