@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import epmoe
-from epmoe.ep.experts import LocalExperts, family_compute_dtype
+from epmoe.ep.expert_weights import ExpertWeights, family_compute_dtype
 from epmoe.ep.recognize import find_experts_modules, shared_parameters
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
@@ -140,8 +140,8 @@ def test_float32_families_compute_in_float32(family):
     model = build_family(family, torch.bfloat16)
     experts = experts_of(model)
     assert experts and all(family_compute_dtype(m) == torch.float32 for m in experts)
-    assert all(LocalExperts(m).compute_dtype(torch.bfloat16) == torch.float32 for m in experts)
-    assert all(LocalExperts(m).compute_dtype(torch.float64) == torch.float64 for m in experts)
+    assert all(ExpertWeights(m).compute_dtype(torch.bfloat16) == torch.float32 for m in experts)
+    assert all(ExpertWeights(m).compute_dtype(torch.float64) == torch.float64 for m in experts)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])

@@ -56,7 +56,8 @@ from epmoe.checkpoint.state_dict_warning import warn_on_bare_state_dict
 from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import unfaithful_experts
-from epmoe.ep.experts import LocalExperts, experts_gmm_backends, family_compute_dtype
+from epmoe.ep.expert_weights import family_compute_dtype
+from epmoe.ep.experts import LocalExperts, experts_gmm_backends
 from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel

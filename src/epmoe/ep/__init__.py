@@ -8,8 +8,11 @@
 * :mod:`~epmoe.ep.state`: the per-layer record pointing to it, and the queries (``ep_model``, ``ep_states``).
 * :mod:`~epmoe.ep.routing`: a layer's rows and pairs (the all-to-all-v transport's indices).
 * :mod:`~epmoe.ep.dispatch`: the counts exchange, dispatch and combine, one module per transport.
-* :mod:`~epmoe.ep.experts`: the local experts and how they compute (grouped, or their own forwards),
-  the grouped-matmul backend chosen once per experts module.
+* :mod:`~epmoe.ep.expert_weights`: the local experts' weights and layout (packed or ``ModuleList``,
+  Linear triples, shared parameters, compute dtype); :mod:`~epmoe.ep.expert_lora`: PEFT wrappers
+  put around them.
+* :mod:`~epmoe.ep.experts`: the local experts' compute (grouped, or their own forwards), the
+  grouped-matmul backend chosen once per experts module.
 * :mod:`~epmoe.ep.mlp`: the one expert MLP (up -> gate -> down), ``epmoe::routed_mlp`` and its backward.
 * :mod:`~epmoe.ep.layer`: ``routed_experts``, the whole routed path of one layer.
 * :mod:`~epmoe.ep.grads`, :mod:`~epmoe.ep.params`: the expert-gradient policy (``"dp"``

@@ -1,4 +1,4 @@
-"""Grouped experts compute: the local experts' MLP.
+"""Grouped experts compute: the local experts' MLP, and the grouped-matmul backend it runs on.
 
 An EP layer calls :meth:`LocalExperts.routed_mlp` on the rows its rank holds and the pairs they
 expand to (:mod:`epmoe.ep.routing`): ``epmoe::routed_mlp`` (:mod:`epmoe.ep.mlp`), which gathers,
@@ -14,115 +14,50 @@ local expert; both run :func:`epmoe.ep.mlp.expert_mlp`, the one place the MLP is
       -> down projection      grouped_mm(h, down_proj)        (+ bias; post-expert norm if any)
     y_em (same rows, same order)
 
-Two kinds of experts modules run (recognised by :mod:`epmoe.ep.recognize`): transformers v5
-packed experts, whose own ``_apply_gate`` / ``act_fn`` run as written (so interleaved gate/up such
-as GPT-OSS works; on an NPU the default SiLU gate runs as ``torch_npu.npu_swiglu``), and
-``nn.ModuleList`` experts: Linear triples have their weights stacked and run grouped, any other
-expert module is called on its own rows (idle experts on zero rows).
+The weights come from :class:`~epmoe.ep.expert_weights.ExpertWeights` (:attr:`LocalExperts.weights`:
+packed or ``nn.ModuleList``, Linear triples, shared parameters, compute dtype). Packed experts' own
+``_apply_gate`` / ``act_fn`` run as written (so interleaved gate/up such as GPT-OSS works; on an NPU
+the default SiLU gate runs as ``torch_npu.npu_swiglu``); Linear triples run grouped; any other expert
+module is called on its own rows (idle experts on zero rows). Over more than one rank, experts holding
+parameters shared by every expert run once per source rank, each run on its own view of them, so that
+each rank gets the gradient of its own rows (:meth:`LocalExperts._by_source`,
+:func:`epmoe.ep.grads.shared_by_source`). PEFT wrappers around the experts: :mod:`epmoe.ep.expert_lora`.
 
-Two things an experts module may hold besides its experts' weights are honoured:
-
-* parameters shared by every expert (:func:`~epmoe.ep.recognize.shared_parameters`: a post-expert
-  norm's weight, a learned activation scale): whole on every rank, not expert parameters; over more
-  than one rank the experts run once per source rank, each run on its own view of them, so that each
-  rank gets the gradient of its own rows (:meth:`LocalExperts._by_source`,
-  :func:`epmoe.ep.grads.shared_by_source`);
-* a compute dtype wider than the weights' (:func:`family_compute_dtype`: what the family's own
-  forward runs its matmuls and sums in, float32 for OpenAI's privacy filter or Inkling2 in
-  bfloat16): packed experts then run their MLP in it (:meth:`LocalExperts.compute_dtype`), their
-  output stays in it until the layer has summed each token's rows.
-
-:class:`LocalExperts` holds what is decided once per experts module, when EP is applied: which kind
-it is (packed, Linear triples run grouped, or experts run by their own forward), whether its gate is
-transformers' default, its shared parameters, its compute dtype, and its grouped-matmul backend
-(:meth:`LocalExperts.gmm_backend`): an :class:`~epmoe.gmm.BackendChoice` that every backend judges
-on all the grouped matmuls the module
-issues (:func:`gmm_probes`) once per device and dtype, judged again only for operands that differ
-from those (:class:`~epmoe.gmm.registry.Operands`). Every grouped matmul of a forward and its
-backward (the routed MLP op's, the plain path's, the fused ops') runs that one backend, asked for
+:class:`LocalExperts` holds what is decided once per experts module about its compute, when EP is
+applied: its weights, whether its gate is transformers' default, its per-expert post module, and its
+grouped-matmul backend (:meth:`LocalExperts.gmm_backend`): an :class:`~epmoe.gmm.BackendChoice` that
+every backend judges on all the grouped matmuls the module issues
+(:func:`~epmoe.ep.expert_weights.gmm_probes`) once per device and dtype, judged again only for operands
+that differ from those (:class:`~epmoe.gmm.registry.Operands`). Every grouped matmul of a forward and
+its backward (the routed MLP op's, the plain path's, the fused ops') runs that one backend, asked for
 where the matmuls run, so nothing of the choice is traced by ``torch.compile``.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
-import logging
-import weakref
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from epmoe import errors, platform
 from epmoe.comm.layout import inverse_permutation
+from epmoe.ep.expert_lora import post_module
+from epmoe.ep.expert_weights import ExpertWeights, WeightsHook, as_is, gmm_probes
 from epmoe.ep.grads import shared_by_source
 from epmoe.ep.mlp import expert_mlp, register_experts, routed_mlp_autograd, routed_mlp_custom_op
-from epmoe.ep.recognize import (
-    as_packed,
-    is_default_silu_gate,
-    is_packed_experts,
-    is_silu,
-    linear_triples,
-    num_experts_of,
-    packed_names,
-    packed_tensors,
-    peft_base,
-    shared_parameters,
-    stacked_rows,
-    weights_transposed,
-    zero_experts,
-)
+from epmoe.ep.recognize import is_default_silu_gate, is_silu, num_experts_of
 from epmoe.ep.routing import RowPairs, RowSources
 from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
 
-logger = logging.getLogger(__name__)
-
-
-def gmm_probes(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
-    """Every ``grouped_mm`` call :func:`experts_forward` issues on ``module``, by projection name, as
-    ``(x, weight, trans_weight)`` with the real shapes, layouts, dtype and device.
-
-    ``x`` is an empty ``(0, K)`` tensor like the real (contiguous) input; ``weight`` is the packed
-    parameter itself, or, for an ``nn.ModuleList`` of Linear triples, an uninitialised tensor laid out
-    like the stacked weight :func:`experts_forward` builds. A ``ModuleList`` run expert by expert
-    issues no grouped matmul: ``{}``.
-    """
-    if isinstance(module, nn.ModuleList):
-        triples = linear_triples(module)
-        if triples is None:
-            return {}
-        gate, up, down = triples[0]
-        e = len(triples)
-        weights = {  # nn.Linear layout (e, out, in), contiguous like torch.stack / torch.cat output
-            "gate_up_proj": gate.weight.new_empty(e, gate.out_features + up.out_features, gate.in_features),
-            "down_proj": down.weight.new_empty(e, down.out_features, down.in_features),
-        }
-        trans_weight = True
-    else:
-        up_name = "gate_up_proj" if module.has_gate else "up_proj"
-        weights = dict(zip((up_name, "down_proj"), packed_tensors(module)))
-        trans_weight = not weights_transposed(module)
-    return projection_calls(weights, trans_weight)
-
-
-def projection_calls(
-    weights: dict[str, torch.Tensor], trans_weight: bool
-) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
-    """The grouped matmuls on ``weights`` (by projection name) as ``(x, weight, trans_weight)``, ``x``
-    an empty ``(0, K)`` tensor like the rows each one multiplies (contiguous, freshly allocated)."""
-    k_dim = 2 if trans_weight else 1
-    return {name: (w.new_empty(0, w.shape[k_dim]), w, trans_weight) for name, w in weights.items()}
-
 
 def experts_gmm_backends(module: nn.Module) -> list[BackendStatus]:
     """Every registered grouped-matmul backend with whether :func:`experts_forward` could run
-    ``module`` on it: eligible only if it accepts every call of :func:`gmm_probes`.
+    ``module`` on it: eligible only if it accepts every call of :func:`~epmoe.ep.expert_weights.gmm_probes`.
 
     A ``ModuleList`` run expert by expert calls each expert's own forward, which is the ``loop``
     backend's per-group matmuls: only ``loop`` is eligible.
@@ -175,21 +110,10 @@ class LocalExperts:
     ):
         self.module = module
         self.post = post
-        self.packed = not isinstance(module, nn.ModuleList)
-        ids = {id(p) for p in ([p for _, p in shared_parameters(module)] if shared is None else shared)}
-        self.shared_names = tuple(n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in ids)
-        self._compute_dtypes: dict[torch.dtype, torch.dtype] = {}  # parameter dtype -> the MLP's (compute_dtype)
-        self.default_gate = self.packed and is_default_silu_gate(module)
-        self.trans_weight = not weights_transposed(module) if self.packed else True  # nn.Linear layout: "transposed"
-        self._triples = None if self.packed else linear_triples(module)
-        self._weight_names = packed_weight_names(module) if self.packed else None
-        # weights read as packed views: stacked rows, the experts with weights beside zero-computation ones
-        self._views = self.packed and (stacked_rows(module) is not None or zero_experts(module) > 0)
-        self._children = self._layers()
+        self.weights = ExpertWeights(module, shared)  # what the experts hold and how their weights are read
+        self.default_gate = self.weights.packed and is_default_silu_gate(module)
         self.gmm = BackendChoice(backend, self._gmm_family)  # the grouped matmuls' backend, chosen once
         self.key = register_experts(self)  # how epmoe::routed_mlp finds this object's gate and backend
-        if self.packed:
-            self.compute_dtype(self._weight_dtype())  # found now, so that a compiled forward has it
 
     def __setstate__(self, state: dict) -> None:
         """A copy (``copy.deepcopy`` of the model) registers itself: the op must find the copy's gate
@@ -200,26 +124,6 @@ class LocalExperts:
     def _gmm_family(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, bool]]:
         return gmm_probes(self.module)
 
-    def _layers(self) -> list[tuple[nn.Module, ...]]:
-        return [] if self.packed else [tuple(expert.children()) for expert in self.module]
-
-    @property
-    def triples(self) -> list[tuple[nn.Linear, nn.Linear, nn.Linear]] | None:
-        """A ``ModuleList``'s ``(gate, up, down)`` Linears if they run grouped (recognised once, and
-        again only if an expert's layers were replaced since, e.g. wrapped by PEFT), else ``None``."""
-        if not self.packed and any(
-            a is not b for old, new in zip(self._children, self._layers()) for a, b in zip(old, new)
-        ):
-            self._triples, self._children = linear_triples(self.module), self._layers()
-        return self._triples
-
-    @property
-    def grouped(self) -> bool:
-        """Whether :meth:`forward` runs through grouped matmuls only (packed experts, or Linear
-        triples), which read the counts inside the op; experts run by their own forward slice their
-        rows by counts read to the host."""
-        return self.packed or self.triples is not None
-
     def gmm_backend(
         self,
         up: torch.Tensor | None = None,
@@ -229,23 +133,25 @@ class LocalExperts:
         backward: bool = True,
     ) -> GmmBackend:
         """The backend every grouped matmul of this module's MLP runs on (both projections, forward
-        and backward; :attr:`grouped` experts only), for weights ``up`` / ``down`` as a forward uses
-        them (default: the module's own) on rows like the ones the ops gather (contiguous, fresh).
+        and backward; :attr:`~epmoe.ep.expert_weights.ExpertWeights.grouped` experts only), for weights
+        ``up`` / ``down`` as a forward uses them (default: the module's own) on rows like the ones the
+        ops gather (contiguous, fresh).
 
         Chosen once per device and dtype by :attr:`gmm` (an :class:`~epmoe.gmm.BackendChoice` over
-        :func:`gmm_probes`): every registered backend judges both projections together the first
-        time, and later calls only compare operands (:class:`~epmoe.gmm.registry.Operands`): weights
-        with other strides or alignment than the module's (a substitute from the gradient policy, a
-        PEFT wrapper) are judged again, once per such operands. ``counts`` (host counts) and
+        :func:`~epmoe.ep.expert_weights.gmm_probes`): every registered backend judges both projections
+        together the first time, and later calls only compare operands
+        (:class:`~epmoe.gmm.registry.Operands`): weights with other strides or alignment than the
+        module's (a substitute from the gradient policy, a PEFT wrapper) are judged again, once per
+        such operands. ``counts`` (host counts) and
         ``backward`` (whether the call is differentiated) let ``auto`` take a backend that wins only
         on some group sizes for this call. Called where the grouped matmuls run (inside the ops,
         never while ``torch.compile`` traces): given ``up`` / ``down``, a dictionary lookup after the
         first call (:meth:`~epmoe.gmm.BackendChoice.backend_for_weights`)."""
-        if not self.packed and self.triples is None:
+        if not self.weights.packed and self.weights.triples is None:
             raise ValueError("LocalExperts.gmm_backend: these experts run their own forwards, not grouped matmuls")
         if up is None:
             return self.gmm.backend_for(list(gmm_probes(self.module).values()), counts=counts, backward=backward)
-        return self.gmm.backend_for_weights((up, down), self.trans_weight, counts=counts, backward=backward)
+        return self.gmm.backend_for_weights((up, down), self.weights.trans_weight, counts=counts, backward=backward)
 
     def forward(
         self, x_em: torch.Tensor, counts: Sequence[int] | torch.Tensor, *, sync_weights: WeightsHook | None = None
@@ -254,11 +160,11 @@ class LocalExperts:
 
         ``x_em``: ``(A, H)``, rows expert-major. ``counts``: ints, or a 1-D integer tensor, which the
         grouped matmuls read where they run (so a caller whose counts are on the device keeps them
-        there: ``torch.compile`` traces it; see :attr:`grouped`). Returns ``(A, H)`` in the same
-        order. ``sync_weights`` (the engine's gradient policy, :mod:`epmoe.ep.grads`) receives the
-        weight tensors the grouped matmuls are about to use and returns those to use instead (same
-        values); experts run by their own forward hand it their parameters with ``per_parameter=True``
-        (nothing to substitute).
+        there: ``torch.compile`` traces it; see :attr:`~epmoe.ep.expert_weights.ExpertWeights.grouped`).
+        Returns ``(A, H)`` in the same order. ``sync_weights`` (the engine's gradient policy,
+        :mod:`epmoe.ep.grads`) receives the weight tensors the grouped matmuls are about to use and
+        returns those to use instead (same values); experts run by their own forward hand it their
+        parameters with ``per_parameter=True`` (nothing to substitute).
         """
         if isinstance(counts, torch.Tensor):
             errors.check_counts_tensor("experts_forward(counts)", counts)
@@ -266,8 +172,8 @@ class LocalExperts:
             counts = errors.int_list("experts_forward(counts)", counts)
         if len(counts) != num_experts_of(self.module):
             raise ValueError(f"experts_forward(counts): {len(counts)} counts for {num_experts_of(self.module)} experts")
-        sync_weights = sync_weights or _as_is
-        if self.packed:
+        sync_weights = sync_weights or as_is
+        if self.weights.packed:
             return self._packed_forward(x_em, counts, sync_weights)
         return self._module_list_forward(x_em, counts, sync_weights)
 
@@ -282,7 +188,7 @@ class LocalExperts:
     def gate_reference(self, h: torch.Tensor) -> torch.Tensor:
         """:meth:`gate_activation` in plain torch ops (what ``epmoe::routed_mlp`` differentiates)."""
         module = self.module
-        if not self.packed:
+        if not self.weights.packed:
             gate, up = h.chunk(2, dim=-1)
             return module[0].act_fn(gate) * up
         if not module.has_gate:
@@ -293,7 +199,7 @@ class LocalExperts:
         """``(a, vjp)``: :meth:`gate_reference` on ``h`` recomputed, and ``vjp(da) -> dh``. A SiLU gate
         (``silu(gate) * up`` on ``h``'s two halves: transformers' default, SiLU Linear triples) has its
         derivative written out, into one ``dh`` buffer; any other gate goes through ``torch.func.vjp``."""
-        if not (self.default_gate or (not self.packed and is_silu(self.module[0].act_fn))):
+        if not (self.default_gate or (not self.weights.packed and is_silu(self.module[0].act_fn))):
             a, vjp = torch.func.vjp(self.gate_reference, h)
             return a, lambda da: vjp(da)[0]
         gate, up = h.chunk(2, dim=-1)
@@ -314,31 +220,11 @@ class LocalExperts:
         """Whether :meth:`routed_mlp` runs ``epmoe::routed_mlp`` (packed experts without a norm after
         the down projection, or Linear triples, with no parameter shared by the experts), keeping what
         :mod:`epmoe.ep.mlp` says."""
-        if self.shared_names or self.post is not None:
+        if self.weights.shared_names or self.post is not None:
             return False
-        if self.packed:
+        if self.weights.packed:
             return not getattr(self.module, "has_post_expert_norm", False)
-        return self.triples is not None
-
-    def expert_parameters(self) -> list[nn.Parameter]:
-        """The parameters of the local experts that are per expert (what EP shards: not
-        :attr:`shared_names`), in ``module.parameters()`` order."""
-        shared = set(self.shared_names)
-        return [p for n, p in self.module.named_parameters() if n not in shared]
-
-    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype the experts' MLP runs in when their weights are ``dtype``: the widest dtype the
-        family's own experts forward computes in (its matmuls, the sum of the weighted expert outputs:
-        :func:`family_compute_dtype`) where that is wider than ``dtype``, else ``dtype``. Found once per
-        ``dtype`` (``nn.ModuleList`` experts: ``dtype``; their own forwards run, or Linear triples)."""
-        known = self._compute_dtypes.get(dtype)
-        if known is not None or not self.packed or torch.compiler.is_compiling():
-            return known or dtype  # a compiled forward uses what an eager one (or EP's apply) found
-        family = family_compute_dtype(self.module)
-        if family is None:  # meta weights: the weights' dtype, asked again at the next forward
-            return dtype
-        self._compute_dtypes[dtype] = torch.promote_types(family, dtype)
-        return self._compute_dtypes[dtype]
+        return self.weights.triples is not None
 
     def routed_mlp(
         self,
@@ -354,61 +240,39 @@ class LocalExperts:
         custom op (:func:`~epmoe.ep.mlp.routed_mlp_custom_op`), or, for experts that are not
         :attr:`lean`, through plain autograd (:func:`~epmoe.ep.mlp.routed_mlp_autograd`).
 
-        The MLP runs in :meth:`compute_dtype` (the rows are cast on arrival, the result stays in it:
-        the combine sums it per token before the layer casts back). ``sources``: which ranks the rows
-        came from (the all-to-all-v transport's, over more than one rank); the parameters shared by
-        the experts then get, on each rank, the gradient of its own rows (:meth:`_by_source`)."""
-        sync_weights = sync_weights or _as_is
+        The MLP runs in :meth:`~epmoe.ep.expert_weights.ExpertWeights.compute_dtype` (the rows are cast
+        on arrival, the result stays in it: the combine sums it per token before the layer casts back).
+        ``sources``: which ranks the rows came from (the all-to-all-v transport's, over more than one
+        rank); the parameters shared by the experts then get, on each rank, the gradient of its own
+        rows (:meth:`_by_source`)."""
+        sync_weights = sync_weights or as_is
         if not self.lean:
-            if self.packed:
-                x_RH = x_RH.to(self.compute_dtype(self._weight_dtype()))
+            if self.weights.packed:
+                x_RH = x_RH.to(self.weights.compute_dtype(self.weights.weight_dtype()))
             forward = functools.partial(self.forward, sync_weights=sync_weights)
             if sources is not None and self._split_shared():
                 forward = functools.partial(
                     self._by_source, pairs=pairs, K=weights_RK.shape[1], sources=sources, sync_weights=sync_weights
                 )
             return routed_mlp_autograd(forward, x_RH, weights_RK, pairs)
-        up, down, up_bias, down_bias = self.weights(sync_weights)  # in the compute dtype
+        up, down, up_bias, down_bias = self.weights.read(sync_weights)  # in the compute dtype
         return routed_mlp_custom_op(
             self.key,
-            x_RH.to(up.dtype) if self.packed else x_RH,
+            x_RH.to(up.dtype) if self.weights.packed else x_RH,
             weights_RK,
             pairs,
             up,
             down,
             up_bias,
             down_bias,
-            trans_weight=self.trans_weight,
+            trans_weight=self.weights.trans_weight,
         )
-
-    def weights(
-        self, sync_weights: WeightsHook | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """``(up, down, up_bias, down_bias)`` as a forward of :attr:`grouped` experts uses them
-        (through ``sync_weights``), read with :attr:`trans_weight`: packed experts' own tensors
-        (biases ``None`` without ``has_bias``; read as packed views: :func:`~epmoe.ep.recognize.as_packed`), or a
-        ``ModuleList``'s Linear triples stacked."""
-        sync_weights = sync_weights or _as_is
-        if not self.packed:
-            up, down = sync_weights(self._stacked_triples())
-            return up, down, None, None
-        up, down, *biases = sync_weights([getattr(self.module, name) for name in self._weight_names])
-        if self._views:  # the synced parameters as packed views
-            up, down, *biases = as_packed(self.module, [up, down, *biases])
-        dtype = self._compute_dtypes.get(up.dtype) or self.compute_dtype(up.dtype)  # a step: known
-        up, down, *biases = (w.to(dtype) for w in (up, down, *biases))
-        up_bias, down_bias = biases if biases else (None, None)
-        return up, down, up_bias, down_bias
-
-    def _weight_dtype(self) -> torch.dtype:
-        """The dtype of packed experts' up (or gate_up) projection."""
-        return getattr(self.module, self._weight_names[0]).dtype
 
     def _split_shared(self) -> bool:
         """Whether a forward must split the shared parameters' gradients by source rank: some need a
         gradient and this forward records one."""
         named = dict(self.module.named_parameters(remove_duplicate=False))
-        return torch.is_grad_enabled() and any(named[n].requires_grad for n in self.shared_names)
+        return torch.is_grad_enabled() and any(named[n].requires_grad for n in self.weights.shared_names)
 
     def _by_source(
         self,
@@ -428,10 +292,10 @@ class LocalExperts:
         Exact wherever the shared parameters act on each row alone (a norm, a scale, a bias)."""
         named = dict(self.module.named_parameters(remove_duplicate=False))
         modules = dict(self.module.named_modules(remove_duplicate=False))
-        params = list({id(named[n]): named[n] for n in self.shared_names}.values())
+        params = list({id(named[n]): named[n] for n in self.weights.shared_names}.values())
         index = {id(p): i for i, p in enumerate(params)}
         holders = {}  # one name per module attribute holding a shared parameter (a shared module: one)
-        for name in self.shared_names:
+        for name in self.weights.shared_names:
             owner, _, attr = name.rpartition(".")
             holders.setdefault((id(modules[owner]), attr), name)
         x_PH, views = shared_by_source(x_PH, params, sources.group)
@@ -460,21 +324,13 @@ class LocalExperts:
             order.append(index_p)
         return torch.cat(outs)[inverse_permutation(torch.cat(order))]
 
-    def _stacked_triples(self) -> list[torch.Tensor]:
-        """A ``ModuleList``'s Linear triples as ``[gate_up (e, 2I, H), down (e, H, I)]`` (nn.Linear layout)."""
-        triples = self.triples
-        gate_w = torch.stack([t[0].weight for t in triples])
-        up_w = torch.stack([t[1].weight for t in triples])
-        down_w = torch.stack([t[2].weight for t in triples])
-        return [torch.cat([gate_w, up_w], dim=1), down_w]
-
     def _packed_forward(
         self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
     ) -> torch.Tensor:
         module = self.module
         if self.post is not None:
             return self._with_post(x_em, counts, sync_weights)
-        _, y = self._grouped_mlp(x_em.to(self.compute_dtype(self._weight_dtype())), counts, sync_weights)
+        _, y = self._grouped_mlp(x_em.to(self.weights.compute_dtype(self.weights.weight_dtype())), counts, sync_weights)
         if getattr(module, "has_post_expert_norm", False):
             y = module.post_expert_norm(y)
         return y
@@ -485,14 +341,7 @@ class LocalExperts:
         """The grouped MLP, then the per-expert post module on each row with its local expert's id
         (``ids_em``, expert-major as the rows). Its parameters are per expert: synced with the MLP's
         weights, in one call of ``sync_weights``, and stood in for by name."""
-        post = (peft_base(self.module) or self.module).get_submodule(self.post)  # LoRA wraps the experts module
-        if peft_base(post) is not None:
-            raise ValueError(
-                f"epmoe: {type(self.module).__name__}.{self.post}: PEFT LoRA on the per-expert post module's weights is "
-                f"not supported: its factors span every expert's row, which expert parallelism splits. Leave these "
-                f"weights out of target_parameters (LoRA on the experts' projections, attention and other Linears "
-                f"works)"
-            )
+        post = post_module(self.module, self.post)  # under a LoRA wrapper of the experts module; LoRA on it refused
         names = [name for name, _ in post.named_parameters()]
         post_weights = [post.get_parameter(name) for name in names]
         synced = {}
@@ -502,7 +351,9 @@ class LocalExperts:
             synced.update(zip(names, out[len(weights) :]))
             return out[: len(weights)]
 
-        _, y_em = self._grouped_mlp(x_em.to(self.compute_dtype(self._weight_dtype())), counts, with_post_weights)
+        _, y_em = self._grouped_mlp(
+            x_em.to(self.weights.compute_dtype(self.weights.weight_dtype())), counts, with_post_weights
+        )
         counts_e = torch.as_tensor(counts, device=y_em.device)
         ids_em = torch.repeat_interleave(
             torch.arange(counts_e.numel(), device=y_em.device), counts_e, output_size=y_em.shape[0]
@@ -514,8 +365,8 @@ class LocalExperts:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`~epmoe.ep.mlp.expert_mlp` through :func:`epmoe.grouped_mm` (plain autograd), on
         the backend :attr:`gmm` chose (asked inside the op: nothing of the choice is traced)."""
-        up, down, up_bias, down_bias = self.weights(sync_weights)
-        trans_weight, choice = self.trans_weight, self.gmm
+        up, down, up_bias, down_bias = self.weights.read(sync_weights)
+        trans_weight, choice = self.weights.trans_weight, self.gmm
         return expert_mlp(
             x_em,
             counts,
@@ -531,9 +382,9 @@ class LocalExperts:
         self, x_em: torch.Tensor, counts: list[int] | torch.Tensor, sync_weights: WeightsHook
     ) -> torch.Tensor:
         experts = self.module
-        if self.triples is not None:
+        if self.weights.triples is not None:
             return self._grouped_mlp(x_em, counts, sync_weights)[1]
-        sync_weights(self.expert_parameters(), per_parameter=True)
+        sync_weights(self.weights.expert_parameters(), per_parameter=True)
         if isinstance(counts, torch.Tensor):
             counts = errors.int_list("experts_forward(counts)", counts)
         # Idle experts run too, on zero rows: autograd then gives their parameters exact-zero
@@ -554,100 +405,3 @@ class _ExpertsCall(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         return self.run(x, counts)
-
-
-_MATMULS = {
-    torch.ops.aten.mm,
-    torch.ops.aten.addmm,
-    torch.ops.aten.bmm,
-    torch.ops.aten.baddbmm,
-    torch.ops.aten.matmul,
-    torch.ops.aten.linear,
-    torch.ops.aten.mv,
-    torch.ops.aten.addmv,
-}
-
-
-class _DtypeRecorder(TorchDispatchMode):
-    """The dtypes a forward's matmuls produce, and the casts it makes (``(result, source dtype)``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.matmuls: list[torch.dtype] = []
-        self.casts: list[tuple[torch.Tensor, torch.dtype]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket in _MATMULS:
-            self.matmuls.append(out.dtype)
-        elif func.overloadpacket is torch.ops.aten._to_copy and isinstance(args[0], torch.Tensor):
-            self.casts.append((out, args[0].dtype))
-        return out
-
-
-_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # experts module -> {weight dtype: dtype}
-
-
-def family_compute_dtype(module: nn.Module) -> torch.dtype | None:
-    """The widest dtype a packed experts module's own forward (the family's code, under
-    ``@use_experts_implementation``) computes in with its present weights: that of its matmuls and of
-    the sum of the weighted expert outputs (what it returns, before a last cast back), found by
-    running it once on two probe tokens routed to expert 0 (and to expert 1 with weight 0: some
-    forwards need two choices) with float32 routing weights (what the routers of such families
-    give). OpenAI's privacy filter (matmuls in float32) and Inkling2 (sums in float32) give float32 in a bfloat16 model; most families their weights'
-    dtype. ``None`` where it cannot run yet (meta weights, or a partition of them such as ZeRO-3's
-    outside a forward); where it fails, its weights' dtype (a
-    WARNING says why). Kept per module and weight dtype: :func:`epmoe.apply_expert_parallel` asks
-    before sharding (a family's forward may expect all its experts)."""
-    if not is_packed_experts(module):
-        raise TypeError(f"family_compute_dtype(module): expected packed experts, got {type(module).__name__}")
-    up = packed_tensors(module)[0]
-    found = _FOUND.setdefault(module, {})
-    if up.dtype not in found and not up.is_meta and up.dim() == 3:
-        found[up.dtype] = _probe_compute_dtype(module, up)
-    return found.get(up.dtype)
-
-
-def _probe_compute_dtype(module: nn.Module, up: torch.Tensor) -> torch.dtype:
-    """:func:`family_compute_dtype`, found by running the family's forward once."""
-    hidden = up.shape[1] if weights_transposed(module) else up.shape[2]
-    x = torch.linspace(-1.0, 1.0, 2 * hidden, device=up.device).view(2, hidden).to(up.dtype)
-    index = torch.tensor([[0, 1 % up.shape[0]]] * 2, dtype=torch.long, device=up.device)
-    weights = torch.tensor([[0.5, 0.0]] * 2, dtype=torch.float32, device=up.device)
-    forward = getattr(type(module).forward, "__wrapped__", type(module).forward)  # the family's own, undecorated
-    try:
-        inspect.signature(forward).bind(module, x, index, weights)
-    except TypeError:  # not the experts contract (Llama4's input-weighted experts): its weights' dtype
-        return up.dtype
-    recorder = _DtypeRecorder()
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[up.device] if up.device.type == "cuda" else []):
-            with recorder:
-                out = forward(module, x, index, weights)
-    except Exception as exc:  # noqa: BLE001 - any failure of the family's own forward: computed as its weights
-        logger.warning(
-            "epmoe: %s's own forward failed on a probe (%s: %s): its experts compute in %s",
-            type(module).__name__,
-            type(exc).__name__,
-            exc,
-            up.dtype,
-        )
-        return up.dtype
-    if not isinstance(out, torch.Tensor):  # not the experts contract's single tensor: its matmuls alone
-        return functools.reduce(torch.promote_types, recorder.matmuls, up.dtype)
-    summed = next((source for result, source in recorder.casts if result is out), out.dtype)
-    return functools.reduce(torch.promote_types, recorder.matmuls, summed)
-
-
-class WeightsHook(Protocol):
-    def __call__(self, weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]: ...
-
-
-def _as_is(weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
-    return weights
-
-
-def packed_weight_names(module: nn.Module) -> list[str]:
-    """The per-expert tensors of a packed experts module: up (or gate_up), down, and their biases;
-    stacked-rows experts: their gate, up and down (:func:`~epmoe.ep.recognize.packed_names`)."""
-    return packed_names(module)

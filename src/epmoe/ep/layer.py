@@ -37,7 +37,7 @@ from torch import nn
 from epmoe.ep.config import DROPPED_COUNTER
 from epmoe.ep.counts import LayerCounts, exchange_layer_counts
 from epmoe.ep.dispatch import Arrived, Dispatcher, Link, SharedExpert
-from epmoe.ep.experts import WeightsHook
+from epmoe.ep.expert_weights import WeightsHook
 from epmoe.ep.guard import check as check_guard
 from epmoe.ep.state import ExpertParallelState, state_of
 from epmoe.gmm import GmmBackend

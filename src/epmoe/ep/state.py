@@ -7,7 +7,8 @@ experts module, or the block around ``nn.ModuleList`` experts) one :class:`Exper
 the slim record of that layer::
 
     ExpertParallelState   shard        which experts this rank holds (ExpertShard)
-                          experts      the local experts and how they compute (LocalExperts)
+                          experts      the local experts and how they compute (LocalExperts; their
+                                       weights and layout: .weights, ExpertWeights)
                           transport    how its tokens travel (epmoe.ep.dispatch)
                           loads        its routed-load counters (epmoe.ep.counters)
                           steps        its index among the model's experts modules, its forwards so far
@@ -76,15 +77,15 @@ class ExpertParallelState:
     def sharded_params(self, owner: nn.Module) -> list[nn.Parameter]:
         """The parameters that differ per EP rank (``owner``: the module this state is on): the packed
         tensors EP sliced, or the local ``ModuleList`` experts' parameters (not those the experts
-        share: :attr:`~epmoe.ep.experts.LocalExperts.shared_names`)."""
+        share: :attr:`~epmoe.ep.expert_weights.ExpertWeights.shared_names`)."""
         if isinstance(self.local_experts, nn.ModuleList):
-            return self.experts.expert_parameters()
+            return self.experts.weights.expert_parameters()
         return [owner.get_parameter(name) for name in self.sharded_names]
 
     def sync_weights(self, weights: list[torch.Tensor], *, per_parameter: bool = False) -> list[torch.Tensor]:
         """The experts' weights as this forward uses them, gradients finished by the model's policy
         (:meth:`~epmoe.ep.model.EPModel.use_weights`; this method is the
-        :class:`~epmoe.ep.experts.WeightsHook` the experts' compute takes)."""
+        :class:`~epmoe.ep.expert_weights.WeightsHook` the experts' compute takes)."""
         return self.model.use_weights(
             self.steps.layer, weights, lambda: self.steps.at(GRAD_REDUCE), per_parameter=per_parameter
         )

@@ -17,7 +17,8 @@ from epmoe.ep.dispatch import (
     FusedDispatcher,
     StaticDispatcher,
 )
-from epmoe.ep.experts import LocalExperts, packed_weight_names
+from epmoe.ep.expert_weights import packed_weight_names
+from epmoe.ep.experts import LocalExperts
 from epmoe.ep.recognize import linear_triples, per_expert_post, shared_parameters, weights_transposed
 
 TRANSPORTS = ("alltoallv", "fused", "static")  # the ExpertParallelConfig.dispatch values a layer runs
@@ -27,7 +28,7 @@ def make_dispatcher(name: str, shard: ExpertShard, local: LocalExperts, config: 
     """The dispatcher of transport ``name`` (one of :data:`TRANSPORTS`) for the local experts
     ``local`` of the slice ``shard``, built once per layer."""
     if name == "alltoallv":
-        on_device = shard.ep_size == 1 and config.capacity_factor is None and local.grouped
+        on_device = shard.ep_size == 1 and config.capacity_factor is None and local.weights.grouped
         return AllToAllVDispatcher(on_device=on_device)
     if name == "fused":
         names = tuple(packed_weight_names(local.module))  # (up or gate_up, down): no bias

@@ -22,7 +22,7 @@ takes at EP 1)::
 The contract is grouped_mm's: the same arguments and return, the module's own flags (``has_gate``,
 ``has_bias``, ``is_transposed``, ``has_post_expert_norm``), gate (``_apply_gate`` / ``act_fn``) and
 weights, hidden states cast to the experts' compute dtype (the weights', or the wider one the family's
-own forward computes in: :meth:`~epmoe.ep.experts.LocalExperts.compute_dtype`) and the result cast back. Under transformers' own
+own forward computes in: :meth:`~epmoe.ep.expert_weights.ExpertWeights.compute_dtype`) and the result cast back. Under transformers' own
 expert parallelism (``module._is_expert_parallel``) routing choices ``>= module.num_experts`` name
 another rank's experts and contribute nothing (forward or backward). A module whose class departs
 from the decorated contract (tensors or flags epmoe does not know) runs only where its own decorated

@@ -80,7 +80,7 @@ def static_decode_steps(model: nn.Module) -> Iterator[None]:
         if (
             state.model.config.decodes_static()
             and not isinstance(state.transport, DecodeDispatcher)
-            and not state.experts.shared_names  # found before sharding (the local shapes cannot tell)
+            and not state.experts.weights.shared_names  # found before sharding (the local shapes cannot tell)
             and static_ineligible_reason(state.local_experts) is None
         ):
             swapped.append((state, state.transport))

@@ -62,7 +62,7 @@ def _copy_weights(reference: nn.Module, source: nn.Module) -> None:
         prefix, shard = (f"{module_name}." if module_name else ""), state.shard
         for name in state.sharded_names:
             narrow[prefix + name] = (shard.local_start, shard.num_local_experts, shard.num_experts)
-        if not state.experts.packed:  # the record sits on the block; its ModuleList holds the local experts
+        if not state.experts.weights.packed:  # the record sits on the block; its ModuleList holds the local experts
             held = state.local_experts[0]
             list_name = next(
                 n for n, m in module.named_modules() if isinstance(m, nn.ModuleList) and any(e is held for e in m)
