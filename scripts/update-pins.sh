@@ -5,7 +5,7 @@
 # does it: a torch >= 2.9 that python3 can import is kept, otherwise $EPMOE_TORCH, default
 # torch==2.13.0), rewrites constraints/test.txt from it (every installed package of epmoe[test]'s
 # dependency tree except torch, pip/setuptools/wheel and CUDA/triton wheels), prints the changed
-# pins, then runs tests/families_table.py with the new versions (every MoE family at EP 2 on 2
+# pins, then runs tests/models/families_table.py with the new versions (every MoE family at EP 2 on 2
 # local ranks: a few minutes) and diffs its table against docs/models.md's.
 # Then: `rm -rf .venv && scripts/setup.sh test && .venv/bin/python -m pytest -q`, and commit.
 set -euo pipefail
@@ -97,15 +97,15 @@ main() {
   changes "$tmp/old.txt" constraints/test.txt | grep . || echo "  none"
 
   echo
-  echo "MoE families with the new pins: tests/families_table.py runs every family at EP 2 on 2"
+  echo "MoE families with the new pins: tests/models/families_table.py runs every family at EP 2 on 2"
   echo "local gloo ranks; this takes a few minutes ..."
-  PYTHONPATH=src:tests "$py" tests/families_table.py | grep '^|' >"$tmp/families.new"
-  PYTHONPATH=src:tests "$py" -c 'import families_table as f
+  PYTHONPATH=src:tests/support "$py" tests/models/families_table.py | grep '^|' >"$tmp/families.new"
+  PYTHONPATH=src:tests/support:tests/models "$py" -c 'import families_table as f
 print(f.table(f.table_verdicts(f.PAGE.read_text())))' >"$tmp/families.old"
   if diff -u --label "docs/models.md's families table" --label "with the new pins" "$tmp/families.old" "$tmp/families.new"; then
     echo "Families table: unchanged."
   else
-    echo "Families table changed: \`PYTHONPATH=src:tests .venv/bin/python tests/families_table.py --write\` rewrites docs/models.md's (after scripts/setup.sh test with the new pins)."
+    echo "Families table changed: \`PYTHONPATH=src:tests/support .venv/bin/python tests/models/families_table.py --write\` rewrites docs/models.md's (after scripts/setup.sh test with the new pins)."
   fi
 }
 

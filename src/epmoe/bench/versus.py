@@ -716,18 +716,18 @@ class VersusReport:
             ),
             (
                 "Trainer",
-                "`epmoe.prepare_trainer`: every parameter equals the Trainer without EP (tests/test_launchers.py)",
+                "`epmoe.prepare_trainer`: every parameter equals the Trainer without EP (tests/training/test_launchers.py)",
                 "takes the model as loaded",
             ),
             (
                 "Trainer checkpoints, resume",
                 "model and optimizer (DCP) in each checkpoint, resumed exactly at another "
-                "world size (tests/test_launchers.py)",
+                "world size (tests/training/test_launchers.py)",
                 f"(this run: {first}) {refusal}",
             ),
             (
                 "DeepSpeed ZeRO 1-3",
-                "`epmoe.prepare_deepspeed`, exact (tests/test_deepspeed.py)",
+                "`epmoe.prepare_deepspeed`, exact (tests/training/test_deepspeed.py)",
                 "none: `DistributedConfig` shards with FSDP2 at load",
             ),
             ("routing replay (RL)", "`epmoe.record_routing` / `replay_routing` (tests/test_replay*.py)", "no API"),

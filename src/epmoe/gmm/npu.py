@@ -13,7 +13,7 @@ groups are empty before it picks the kernel, so an EP layer on one rank reads th
 and once per backward on an NPU.
 
 Written against the vendor's documented semantics; tested only against the CPU emulation in
-``tests/npu_emulation.py``, never on Ascend hardware.
+``tests/support/npu_emulation.py``, never on Ascend hardware.
 """
 
 from __future__ import annotations

@@ -7,14 +7,14 @@ marks, ``'moe'`` param groups, a DeepSpeed MoE layer child). Where none exists, 
 replaced *on the instance* (the class is untouched). :data:`TABLE` lists every such method, each
 DeepSpeed method epmoe overrides, each private function of another library epmoe calls and the
 attributes of a DeepSpeed engine it reads, each with its signature as checked against
-:data:`CHECKED_AGAINST` and why; tests/test_launchers.py fails when one disappears or changes
+:data:`CHECKED_AGAINST` and why; tests/training/test_launchers.py fails when one disappears or changes
 signature (on TRL's ``SFTTrainer`` too, which inherits the Trainer methods). Besides methods, epmoe
 writes accelerate's FSDP plugin's ``ignored_modules`` (its configuration, :mod:`epmoe.training.fsdp`)
 and, for the duration of one call, a Trainer's ``is_fsdp_enabled`` (``without_fsdp_branch`` there) or
 ``is_deepspeed_enabled`` (``without_deepspeed_branch`` in :mod:`epmoe.training.deepspeed`); where
 :func:`epmoe.prepare_trainer` puts an EP reference model in place of an unsharded one, it removes the
 unsharded one from the list of models the accelerator prepared (``Accelerator._models``; checked by
-tests/test_reference.py), or that list would keep it alive.
+tests/training/test_reference.py), or that list would keep it alive.
 
 What epmoe remembers about other libraries' objects (a Trainer or accelerator prepared, a Trainer
 whose optimizer gets split groups, a router with a load balancer) sits in one registry keyed by the

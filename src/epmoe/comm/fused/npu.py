@@ -25,7 +25,7 @@ MindSpeed); the shared expert then runs on a side stream beside the fused op. Se
 ``EPMOE_NPU_FUSE_SHARED_EXPERT=1`` to hand it to the kernel where its own limits hold.
 
 Written from the vendor's documentation and kernel sources; tested against the CPU emulation in
-``tests/npu_fused_emulation.py``, never on Ascend hardware.
+``tests/support/npu_fused_emulation.py``, never on Ascend hardware.
 """
 
 from __future__ import annotations
