@@ -7,14 +7,17 @@
   policy, step guard, the experts modules in order), and which wrapper runs the model.
 * :mod:`~epmoe.ep.state`: the per-layer record pointing to it, and the queries (``ep_model``, ``ep_states``).
 * :mod:`~epmoe.ep.routing`: a layer's rows and pairs (the all-to-all-v transport's indices).
-* :mod:`~epmoe.ep.dispatch`: the counts exchange, dispatch and combine, one module per transport.
+* :mod:`~epmoe.ep.position`, :mod:`~epmoe.ep.counts`, :mod:`~epmoe.ep.counters`: a layer's place in
+  the step, its counts exchange, its routed-load counters.
+* :mod:`~epmoe.ep.dispatch`: the transports (dispatch and combine, one module each), which only move
+  tokens; :mod:`~epmoe.ep.transports` builds a layer's from its experts module.
 * :mod:`~epmoe.ep.expert_weights`: the local experts' weights and layout (packed or ``ModuleList``,
   Linear triples, shared parameters, compute dtype); :mod:`~epmoe.ep.expert_lora`: PEFT wrappers
   put around them.
 * :mod:`~epmoe.ep.experts`: the local experts' compute (grouped, or their own forwards), the
   grouped-matmul backend chosen once per experts module.
 * :mod:`~epmoe.ep.mlp`: the one expert MLP (up -> gate -> down), ``epmoe::routed_mlp`` and its backward.
-* :mod:`~epmoe.ep.layer`: ``routed_experts``, the whole routed path of one layer.
+* :mod:`~epmoe.ep.layer`: ``routed_experts``, one layer call: the protocol, in order.
 * :mod:`~epmoe.ep.grads`, :mod:`~epmoe.ep.params`: the expert-gradient policy (``"dp"``
   reduction, sum / mean) and which parameters are expert-parallel.
 * :mod:`~epmoe.ep.guard`: the step guard (a clip epmoe did not do, replicas that drifted).
