@@ -27,7 +27,7 @@ from epmoe.ep.model import EPModel
 from epmoe.ep.params import expert_parameters, is_expert_parameter, parameter_counts
 from epmoe.ep.state import ep_model
 from epmoe.gmm import BackendStatus, GmmBackend, gmm_backends, grouped_mm, register_gmm_backend
-from epmoe.integrations import transformers_experts
+from epmoe.integrations import transformers_ep, transformers_experts
 from epmoe.training import (
     LoadBalancer,
     RoutingRecord,
@@ -43,6 +43,7 @@ from epmoe.training import (
 )
 
 transformers_experts.register()  # experts_implementation="epmoe" in transformers, where installed
+transformers_ep.register()  # DistributedConfig(ep_implementation="epmoe"), where transformers has its own EP
 
 __version__ = "0.1.0"
 

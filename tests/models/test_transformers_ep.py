@@ -1,0 +1,108 @@
+"""epmoe inside transformers' own expert parallelism: ``DistributedConfig(ep_size=N, fsdp_size=M,
+ep_implementation="epmoe")`` trains and generates exactly as the same load with ``"all_to_all"``.
+
+Every family whose EP plan transformers ships and epmoe runs is compared at EP 2 on 2 gloo ranks (loss
+and every parameter's whole gradient over a few AdamW steps, ranks' batches of different lengths:
+float64 to 1e-10 where transformers' path runs it, float32 to its rounding), with gradient
+checkpointing, with every token on one rank's experts (the other rank receives nothing, most experts
+none), and greedy ``generate``; then ``ep_size=2, fsdp_size=4`` on 4 ranks (each expert on two ranks).
+What epmoe cannot serve raises at load naming it."""
+
+import pytest
+import torch
+from ranks import start_ranks
+from torch import nn
+
+pytest.importorskip("transformers.distributed")
+
+from transformers.distributed.expert_parallel import EPImplementationInterface  # noqa: E402
+
+from epmoe.integrations.transformers_ep import EP_IMPLEMENTATION, EpmoeEP, why_not_served  # noqa: E402
+from epmoe.models import build_model  # noqa: E402
+
+EXACT, FP32 = 1e-10, 1e-3
+FAMILIES = ("qwen3_moe", "qwen3_5_moe", "mixtral", "deepseek_v3", "gpt_oss", "olmoe")
+# DeepSeek-V3 does not load in float64 through transformers' own EP (FSDP2 wants one dtype per unit;
+# its router is kept in float32): compared in float32 only
+FLOAT64 = tuple(f for f in FAMILIES if f != "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("transformers-ep")
+    paths = {}
+    for family in FAMILIES:
+        torch.manual_seed(0)
+        build_model(family).save_pretrained(root / family)
+        paths[family] = str(root / family)
+    return paths
+
+
+def two_rank_runs(saved) -> dict:
+    runs = {f"{f}/float64": ("compared", (saved[f], torch.float64, 2, 2, "plain")) for f in FLOAT64}
+    runs.update(
+        {f"{f}/float32": ("compared", (saved[f], torch.float32, 2, 2, "plain")) for f in ("qwen3_moe", "deepseek_v3")}
+    )
+    runs["qwen3_moe/checkpointing"] = ("compared", (saved["qwen3_moe"], torch.float64, 2, 2, "checkpointing"))
+    runs["qwen3_moe/skewed"] = ("compared", (saved["qwen3_moe"], torch.float64, 2, 2, "skewed"))
+    runs["qwen3_moe/generate"] = ("generated", (saved["qwen3_moe"], 2, 2))
+    return runs
+
+
+def results(saved, world: int, runs: dict, label: str):
+    from transformers_ep_workers import cases
+
+    out = [by_label[label] for by_label in start_ranks(cases, world, runs, timeout=900, once=True)]
+    for rank, result in enumerate(out):
+        assert not (isinstance(result, dict) and "error" in result), f"{label}, rank {rank}:\n{result['error']}"
+    return out
+
+
+def test_import_registers_epmoe_in_transformers_ep_implementations():
+    assert EPImplementationInterface()[EP_IMPLEMENTATION] is EpmoeEP
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize(
+    "label",
+    [f"{f}/float64" for f in FLOAT64]
+    + ["qwen3_moe/float32", "deepseek_v3/float32", "qwen3_moe/checkpointing", "qwen3_moe/skewed"],
+)
+def test_exact_against_all_to_all_at_ep2(saved, label):
+    tol = FP32 if label.endswith("float32") else EXACT
+    for result in results(saved, 2, two_rank_runs(saved), label):
+        assert result["loss"] <= tol and result["grads"] <= tol, result
+        assert result["compared"] > 10
+
+
+@pytest.mark.multirank
+def test_generate_gives_the_same_tokens(saved):
+    assert results(saved, 2, two_rank_runs(saved), "qwen3_moe/generate") == [True, True]
+
+
+@pytest.mark.multirank
+def test_exact_on_a_four_rank_mesh_each_expert_on_two_ranks(saved):
+    runs = {"mesh": ("compared", (saved["qwen3_moe"], torch.float64, 2, 4, "plain"))}
+    for result in results(saved, 4, runs, "mesh"):
+        assert result["loss"] <= EXACT and result["grads"] <= EXACT, result
+
+
+@pytest.mark.multirank
+def test_a_tp_mesh_is_refused_at_load_on_every_rank(saved):
+    from transformers_ep_workers import refused
+
+    for message in start_ranks(refused, 2, saved["qwen3_moe"], timeout=300):
+        assert message.startswith("ValueError") and "tp_size=2" in message and "ep_implementation" in message
+
+
+def test_what_epmoe_cannot_serve_is_named():
+    model = build_model("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    assert why_not_served(experts, 1) is None
+    assert "tp_size=2" in why_not_served(experts, 2)
+    assert "not transformers' packed experts" in why_not_served(nn.Linear(2, 2), 1)
+    override = type(
+        "OverriddenExperts", (type(experts),), {"forward": lambda self, *a: type(experts).forward(self, *a)}
+    )
+    experts.__class__ = override
+    assert "OverriddenExperts" in why_not_served(experts, 1) and "overridden" in why_not_served(experts, 1)
