@@ -17,6 +17,7 @@ pytest.importorskip("transformers.distributed")
 
 from transformers.distributed.expert_parallel import EPImplementationInterface  # noqa: E402
 
+from epmoe import ExpertParallelConfig  # noqa: E402
 from epmoe.integrations.transformers_ep import EP_IMPLEMENTATION, EpmoeEP, why_not_served  # noqa: E402
 from epmoe.models import build_model  # noqa: E402
 
@@ -46,6 +47,11 @@ def two_rank_runs(saved) -> dict:
     runs["qwen3_moe/checkpointing"] = ("compared", (saved["qwen3_moe"], torch.float64, 2, 2, "checkpointing"))
     runs["qwen3_moe/skewed"] = ("compared", (saved["qwen3_moe"], torch.float64, 2, 2, "skewed"))
     runs["qwen3_moe/generate"] = ("generated", (saved["qwen3_moe"], 2, 2))
+    # registered with ExpertParallelConfig(dispatch="static", static_tokens=64): sync-free, training included
+    runs["qwen3_moe/static"] = ("compared", (saved["qwen3_moe"], torch.float64, 2, 2, "plain", "epmoe-static"))
+    runs["qwen3_moe/static generate"] = ("generated", (saved["qwen3_moe"], 2, 2, "epmoe-static"))
+    runs["qwen3_moe/static inference"] = ("inference_reads", (saved["qwen3_moe"], "epmoe-static"))
+    runs["qwen3_moe/inference"] = ("inference_reads", (saved["qwen3_moe"], "epmoe"))
     return runs
 
 
@@ -66,7 +72,7 @@ def test_import_registers_epmoe_in_transformers_ep_implementations():
 @pytest.mark.parametrize(
     "label",
     [f"{f}/float64" for f in FLOAT64]
-    + ["qwen3_moe/float32", "deepseek_v3/float32", "qwen3_moe/checkpointing", "qwen3_moe/skewed"],
+    + ["qwen3_moe/float32", "deepseek_v3/float32", "qwen3_moe/checkpointing", "qwen3_moe/skewed", "qwen3_moe/static"],
 )
 def test_exact_against_all_to_all_at_ep2(saved, label):
     tol = FP32 if label.endswith("float32") else EXACT
@@ -76,8 +82,18 @@ def test_exact_against_all_to_all_at_ep2(saved, label):
 
 
 @pytest.mark.multirank
-def test_generate_gives_the_same_tokens(saved):
-    assert results(saved, 2, two_rank_runs(saved), "qwen3_moe/generate") == [True, True]
+@pytest.mark.parametrize("label", ["qwen3_moe/generate", "qwen3_moe/static generate"])
+def test_generate_gives_the_same_tokens(saved, label):
+    assert results(saved, 2, two_rank_runs(saved), label) == [True, True]
+
+
+@pytest.mark.multirank
+def test_inference_runs_the_static_exchange_sync_free_with_static_tokens(saved):
+    """An inference call (no gradient) runs the static exchange: reading its route headers (one host
+    read: the buffer fitted to each forward's batch), or none with ``static_tokens``; exact either way."""
+    for label, reads in (("qwen3_moe/inference", 1), ("qwen3_moe/static inference", 0)):
+        for result in results(saved, 2, two_rank_runs(saved), label):
+            assert result == {"reads": reads, "equal": True}, (label, result)
 
 
 @pytest.mark.multirank
@@ -88,11 +104,14 @@ def test_exact_on_a_four_rank_mesh_each_expert_on_two_ranks(saved):
 
 
 @pytest.mark.multirank
-def test_a_tp_mesh_is_refused_at_load_on_every_rank(saved):
+def test_what_it_cannot_serve_is_refused_at_load_on_every_rank(saved):
     from transformers_ep_workers import refused
 
-    for message in start_ranks(refused, 2, saved["qwen3_moe"], timeout=300):
-        assert message.startswith("ValueError") and "tp_size=2" in message and "ep_implementation" in message
+    for errors in start_ranks(refused, 2, saved["qwen3_moe"], timeout=300):
+        assert errors["tp mesh"].startswith("ValueError") and "tp_size=2" in errors["tp mesh"]
+        assert "ep_implementation='epmoe'" in errors["tp mesh"]
+        assert errors["capacity_factor"].startswith("ValueError: ep_implementation='epmoe-capacity'")
+        assert "capacity_factor=1.0" in errors["capacity_factor"]
 
 
 def test_what_epmoe_cannot_serve_is_named():
@@ -106,3 +125,23 @@ def test_what_epmoe_cannot_serve_is_named():
     )
     experts.__class__ = override
     assert "OverriddenExperts" in why_not_served(experts, 1) and "overridden" in why_not_served(experts, 1)
+    for config, named in (
+        (ExpertParallelConfig(capacity_factor=1.0), "capacity_factor=1.0"),
+        (ExpertParallelConfig(dispatch="fused"), "dispatch='fused'"),
+        (ExpertParallelConfig(dispatch="fused", num_chunks=2), "dispatch='fused'"),
+        (ExpertParallelConfig(expert_grad="mean"), "expert_grad='mean'"),
+    ):
+        assert named in why_not_served(experts, 1, config)
+
+
+def test_register_validates_and_binds_a_config():
+    from epmoe.integrations.transformers_ep import register
+
+    with pytest.raises(TypeError, match="register\\(name\\)"):
+        register("", None)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        register("epmoe-bad", {"capacity_factor": -1})
+    assert register("epmoe-test-static", {"dispatch": "static", "static_tokens": 8})
+    cls = EPImplementationInterface()["epmoe-test-static"]
+    assert issubclass(cls, EpmoeEP) and cls.config.static_tokens == 8 and cls.registered_as == "epmoe-test-static"
+    assert EPImplementationInterface()[EP_IMPLEMENTATION] is EpmoeEP  # the default registration untouched

@@ -10,6 +10,13 @@ import torch.distributed as dist
 
 import epmoe  # noqa: F401 - registers ep_implementation="epmoe"
 from epmoe.bench.versus import _rel, _train
+from epmoe.integrations import transformers_ep
+
+# configured registrations the cases load with (registered on each rank, as a user would)
+CONFIGURED = {
+    "epmoe-static": {"dispatch": "static", "static_tokens": 64, "check_steps": False},
+    "epmoe-capacity": {"capacity_factor": 1.0},
+}
 
 
 def load(path: str, implementation: str, dtype: torch.dtype, ep_size: int, fsdp_size: int) -> torch.nn.Module:
@@ -17,6 +24,8 @@ def load(path: str, implementation: str, dtype: torch.dtype, ep_size: int, fsdp_
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
+    if implementation in CONFIGURED:
+        transformers_ep.register(implementation, CONFIGURED[implementation])
     return AutoModelForCausalLM.from_pretrained(
         path,
         dtype=dtype,
@@ -38,20 +47,22 @@ def _skewed(model: torch.nn.Module) -> None:
     assert (index_TK // (model.config.num_experts // 2)).unique().numel() == 1, index_TK  # one EP rank's experts
 
 
-def compared(rank: int, path: str, dtype: torch.dtype, ep_size: int, world: int, variant: str) -> dict:
+def compared(
+    rank: int, path: str, dtype: torch.dtype, ep_size: int, world: int, variant: str, implementation: str = "epmoe"
+) -> dict:
     """``{"loss": ..., "grads": ..., "compared": n}``: the largest relative differences of ``"epmoe"``
     from ``"all_to_all"`` over a few AdamW steps (every parameter's whole gradient), ranks' batches
     of different lengths; ``variant``: ``"plain"``, ``"checkpointing"`` (gradient checkpointing on),
     ``"skewed"`` (routers zeroed: one rank receives every token)."""
     runs = {}
-    for implementation in ("all_to_all", "epmoe"):
-        model = load(path, implementation, dtype, ep_size, world)
+    for name in ("all_to_all", implementation):
+        model = load(path, name, dtype, ep_size, world)
         if variant == "checkpointing":
             model.gradient_checkpointing_enable()
         if variant == "skewed":
             _skewed(model)
-        runs[implementation] = _train(model, rank, 0, reduce=False)
-    ref, got = runs["all_to_all"], runs["epmoe"]
+        runs[name] = _train(model, rank, 0, reduce=False)
+    ref, got = runs["all_to_all"], runs[implementation]
     return {
         "loss": max(map(_rel, got["loss"], ref["loss"])),
         "grads": max(_rel(s[n], r[n]) for s, r in zip(got["grads"], ref["grads"]) for n in r),
@@ -59,19 +70,17 @@ def compared(rank: int, path: str, dtype: torch.dtype, ep_size: int, world: int,
     }
 
 
-def generated(rank: int, path: str, ep_size: int, world: int) -> bool:
-    """Whether greedy ``generate`` gives the same tokens with ``"epmoe"`` as with ``"all_to_all"`` (ranks
-    with prompts of different lengths)."""
+def generated(rank: int, path: str, ep_size: int, world: int, implementation: str = "epmoe") -> bool:
+    """Whether greedy ``generate`` gives the same tokens with ``implementation`` as with ``"all_to_all"``
+    (ranks with prompts of different lengths)."""
     g = torch.Generator().manual_seed(11 + rank)
     prompt = torch.randint(0, 200, (1, 4 + 3 * rank), generator=g)
     tokens = {}
-    for implementation in ("all_to_all", "epmoe"):
-        model = load(path, implementation, torch.float64, ep_size, world).eval()
+    for name in ("all_to_all", implementation):
+        model = load(path, name, torch.float64, ep_size, world).eval()
         with torch.no_grad():
-            tokens[implementation] = model.generate(
-                prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0
-            )
-    return torch.equal(tokens["all_to_all"], tokens["epmoe"])
+            tokens[name] = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    return torch.equal(tokens["all_to_all"], tokens[implementation])
 
 
 def cases(rank: int, world: int, runs: dict) -> dict:
@@ -80,22 +89,64 @@ def cases(rank: int, world: int, runs: dict) -> dict:
     out = {}
     for label, (kind, args) in runs.items():
         try:
-            out[label] = compared(rank, *args) if kind == "compared" else generated(rank, *args)
+            out[label] = KINDS[kind](rank, *args)
         except Exception:  # noqa: BLE001 - reported by the test that reads this case
             out[label] = {"error": traceback.format_exc()[-3000:]}
         dist.barrier()
     return out
 
 
-def refused(rank: int, world: int, path: str) -> str:
-    """The error a TP mesh with ``ep_implementation="epmoe"`` raises at load, on this rank."""
-    from transformers import AutoModelForCausalLM
+def refused(rank: int, world: int, path: str) -> dict:
+    """``{case: the error it raises at load on this rank, or "no error"}``: a TP mesh with
+    ``ep_implementation="epmoe"``, and an implementation registered with ``capacity_factor``."""
     from transformers.distributed import DistributedConfig
 
-    try:
-        AutoModelForCausalLM.from_pretrained(
-            path, distributed_config=DistributedConfig(ep_size=2, tp_size=2, fsdp_size=1, ep_implementation="epmoe")
-        )
-    except ValueError as exc:
-        return f"ValueError: {exc}"
-    return "no error"
+    out = {}
+    for case, loading in (
+        (
+            "tp mesh",
+            lambda: load_with(path, DistributedConfig(ep_size=2, tp_size=2, fsdp_size=1, ep_implementation="epmoe")),
+        ),
+        ("capacity_factor", lambda: load(path, "epmoe-capacity", torch.float32, 2, 2)),
+    ):
+        try:
+            loading()
+            out[case] = "no error"
+        except ValueError as exc:
+            out[case] = f"ValueError: {exc}"
+        dist.barrier()
+    return out
+
+
+def load_with(path: str, config) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
+
+
+def inference_reads(rank: int, path: str, implementation: str) -> dict:
+    """Host reads and whether the output is right (to float32 rounding), of one experts module's
+    decode-sized inference call (its second: the first sets it up) under ``implementation``, against
+    ``"all_to_all"``'s. float32: the grouped matmuls take their counts on the device (float64's
+    ``loop`` backend reads them)."""
+    from host_reads import counting_host_reads
+
+    g = torch.Generator().manual_seed(5 + rank)
+    outs, reads = {}, {}
+    for name in ("all_to_all", implementation):
+        model = load(path, name, torch.float32, 2, 2)
+        experts = model.model.layers[0].mlp.experts
+        E, K = model.config.num_experts, model.config.num_experts_per_tok
+        x = torch.randn(3 + rank, model.config.hidden_size, generator=g)
+        index = torch.rand(x.shape[0], E, generator=g).argsort(dim=1)[:, :K]
+        weights = torch.softmax(torch.randn(x.shape[0], K, generator=g), dim=-1)
+        with torch.no_grad():
+            experts(x, index, weights)
+            with counting_host_reads() as calls:
+                outs[name] = experts(x, index, weights)
+        reads[name] = len(calls)
+        g = torch.Generator().manual_seed(5 + rank)  # the same tokens for both
+    return {"reads": reads[implementation], "equal": _rel(outs[implementation], outs["all_to_all"]) <= 1e-5}
+
+
+KINDS = {"compared": compared, "generated": generated, "inference_reads": inference_reads}

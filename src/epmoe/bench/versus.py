@@ -6,9 +6,11 @@ exchanges tokens with ``AllToAllEP`` (one row per (token, expert) pair, split si
 every layer, routing weights applied on the sender). epmoe runs the same saved checkpoint with
 ``apply_expert_parallel`` and its FSDP2 recipe (the dense part ``fully_shard``-ed per decoder layer and
 at the root, the experts left out: ``ignored_params``), as it runs on accelerators (``check_steps``
-off; its CPU default adds a step-header exchange to each layer's backward, on a line of its own). Both
-on ``W`` gloo ranks of this machine, each rank its own batch, the same batches for both, every figure
-measured in the same run:
+off; its CPU default adds a step-header exchange to each layer's backward, on a line of its own). A
+third system sits between them: transformers' own EP with epmoe's token exchange and routed MLP
+(``DistributedConfig(ep_implementation="epmoe")``, registered by ``import epmoe``), everything else
+transformers' (its FSDP2, its checkpoints). All on ``W`` gloo ranks of this machine, each rank its
+own batch, the same batches for all, every figure measured in the same run:
 
 - **exactness**: each system against the unsharded model (the same checkpoint on every rank, the
   gradients averaged over the ranks' batches as data parallelism does), float64 with transformers'
@@ -26,9 +28,12 @@ measured in the same run:
   parameters and the module's input excluded), the bytes each rank hands to other ranks (every
   all-to-all's payload less what stays on the rank, read from the ``c10d`` ops ``torch.profiler``
   records: transformers' functional collectives and epmoe's ops reach the same ones), the host reads
-  (``Tensor.item / tolist / cpu ...`` calls) and the collectives.
-  epmoe's line is ``dispatch="auto"`` (all-to-all-v); two more lines give ``dispatch="static"`` and
-  ``check_steps`` on.
+  (``Tensor.item / tolist / cpu ...`` calls) and the collectives; and the host reads and collectives
+  of a decode-sized inference call (``DECODE_TOKENS`` tokens per rank, no gradient).
+  epmoe's line is ``dispatch="auto"`` (all-to-all-v; its static exchange runs inside its ``generate``,
+  not in a bare inference call); two more lines give ``dispatch="static"`` and ``check_steps`` on.
+  epmoe inside transformers runs ``check_steps`` off too (registered with that config in the
+  benchmark's ranks, as on accelerators).
 - **decode**: greedy ``generate`` of ``NEW_TOKENS`` tokens from an 8-token prompt at batch 1 and 8
   per rank (different prompts per rank), ms per token, the slowest rank's: transformers' EP model as
   loaded (FSDP2 included: it has no other form), epmoe's EP model without FSDP (what one runs for
@@ -39,7 +44,8 @@ measured in the same run:
   unsharded peft model's; ``torch.compile`` forward and backward, fp64, the loss; transformers' Trainer
   with checkpoints on a model sharded at load. The other cells name where they are shown.
 
-Ratios are epmoe / transformers: below 1 is epmoe ahead.
+Ratios are over transformers' own (``"auto"``, its ``all_to_all`` where the ranks hold different
+batches): below 1 is the other system ahead.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from torch.profiler import ProfilerActivity, profile
 import epmoe
 from epmoe.bench import common
 from epmoe.bench.static import counting, peak_bytes
+from epmoe.integrations import transformers_ep
 from epmoe.launch import run_ranks
 from epmoe.models import build_model
 from epmoe.training.fsdp import shard_dense
@@ -73,6 +80,7 @@ TOLERANCE = {"fp64": EXACT, "fp32": 1e-3}
 STEPS = 5
 NEW_TOKENS = 8
 PROMPT = 8
+DECODE_TOKENS = 8  # tokens per rank of the decode-sized MoE layer call
 DECODE_BATCHES = (1, 8)
 # family: (experts, top-k, expert width key); top-k as the family's real models choose (Qwen3-MoE and
 # DeepSeek-V3 top-8, Mixtral top-2, GPT-OSS top-4)
@@ -87,6 +95,10 @@ QUICK_FAMILIES = ("qwen3_moe",)
 # layer's backward, one collective and one host read, shown on a line of its own
 EPMOE = {"check_steps": False}
 STATIC = {"dispatch": "static"}
+# the systems of every figure: epmoe's EP model; transformers' own EP with epmoe's token exchange
+# (DistributedConfig(ep_implementation="epmoe")); transformers' own EP as it ships
+SYSTEMS = ("epmoe", "in transformers", "transformers")
+IN_TRANSFORMERS = "epmoe"  # the ep_implementation the middle system loads with
 
 
 @dataclass(frozen=True)
@@ -176,22 +188,26 @@ def run_versus(plan: Plan, settings: common.Settings) -> VersusReport:
 def _rank(rank: int, world: int, path: str, family: str, plan: Plan, warmup: int, repeats: int, seed: int) -> dict:
     """Every figure of ``family`` at EP ``world``, this rank's share; rank 0's result carries the
     figures reduced over the ranks."""
+    transformers_ep.register(IN_TRANSFORMERS, EPMOE)  # as on accelerators, like epmoe's own line
     out = {"exact": {bits: _exactness(rank, world, path, seed, dtype) for bits, dtype in PRECISIONS.items()}}
-    ep, hf = _epmoe_fsdp(_load(path), world), _load(path, world)
+    models = {
+        "epmoe": _epmoe_fsdp(_load(path), world),
+        "in transformers": _load(path, world, implementation=IN_TRANSFORMERS),
+        "transformers": _load(path, world),
+    }
     # the step first: FSDP2 initialises at a root forward, before any experts module runs alone
-    out["step"], out["peak"] = _step_figures(ep, hf, plan, rank, warmup, repeats, seed)
+    out["step"], out["peak"] = _step_figures(models, plan, rank, warmup, repeats, seed)
     out["layer"] = {
         name: _layer_figures(model, plan, rank, seed)
         for name, model in (
-            ("epmoe", ep),
-            ("transformers", hf),
+            *models.items(),
             ("epmoe static", _epmoe(path, **STATIC)),
             ("epmoe checked", _epmoe(path, check_steps=True)),
         )
     }
-    del ep
-    out["decode"] = _decode_figures(path, hf, rank, warmup, repeats, seed)
-    del hf  # trained by the step figures: the round trips and checks load their own
+    del models["epmoe"]
+    out["decode"] = _decode_figures(path, models, rank, warmup, repeats, seed)
+    del models  # trained by the step figures: the round trips and checks load their own
     out["saved"] = _save_round_trips(path, world, rank)
     out["checked"] = {
         "lora": _checked(_lora_steps, path, world, rank, seed),
@@ -202,13 +218,20 @@ def _rank(rank: int, world: int, path: str, family: str, plan: Plan, warmup: int
 
 
 def _load(
-    path: str, ep_size: int | None = None, dtype: torch.dtype = torch.float32, experts: str = "grouped_mm"
+    path: str,
+    ep_size: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    experts: str = "grouped_mm",
+    implementation: str = "auto",
 ) -> torch.nn.Module:
-    """The saved model; with ``ep_size``, through transformers' own EP (``fsdp_size`` the world)."""
+    """The saved model; with ``ep_size``, through transformers' own EP (``fsdp_size`` the world), its
+    tokens exchanged by ``implementation`` (``"auto"``: its ``all_to_all`` here, where the ranks hold
+    different batches; ``"epmoe"``: epmoe's, registered by ``import epmoe``)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    kwargs = {"distributed_config": DistributedConfig(ep_size=ep_size, fsdp_size=ep_size)} if ep_size else {}
+    config = DistributedConfig(ep_size=ep_size, fsdp_size=ep_size, ep_implementation=implementation)
+    kwargs = {"distributed_config": config} if ep_size else {}
     experts = experts if dtype != torch.float64 else "eager"  # grouped_mm takes no float64
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=experts, **kwargs)
 
@@ -242,6 +265,7 @@ def _exactness(rank: int, world: int, path: str, seed: int, dtype: torch.dtype) 
     out = {}
     for name, build in (
         ("epmoe", lambda: _epmoe_fsdp(_load(path, dtype=dtype), world)),
+        ("in transformers", lambda: _load(path, world, dtype=dtype, implementation=IN_TRANSFORMERS)),
         ("transformers", lambda: _load(path, world, dtype=dtype)),
     ):
         try:
@@ -373,11 +397,24 @@ def _layer_figures(model: torch.nn.Module, plan: Plan, rank: int, seed: int) -> 
         out.square().sum().backward()
         return x_leaf
 
-    call()  # first calls agree buffers, log, warm caches
+    def decode_sized():  # inference, as a decode step calls it: no gradient, DECODE_TOKENS tokens
+        with torch.no_grad():
+            experts(x[:DECODE_TOKENS], index[:DECODE_TOKENS], weights[:DECODE_TOKENS])
+
+    for first in (call, decode_sized):  # first calls agree buffers, log, warm caches
+        first()
     with counting() as counts:
         call()
+    with counting() as inference:
+        decode_sized()
     collectives, wire = _collectives(call)
-    return {"saved": _saved_bytes(model, call), "wire": wire, "reads": counts["reads"], "collectives": collectives}
+    return {
+        "saved": _saved_bytes(model, call),
+        "wire": wire,
+        "reads": counts["reads"],
+        "collectives": collectives,
+        "inference": (inference["reads"], _collectives(decode_sized)[0]),
+    }
 
 
 def _experts_and_top_k(config) -> tuple[int, int]:
@@ -417,12 +454,12 @@ def _saved_bytes(model: torch.nn.Module, call) -> int:
 
 
 def _step_figures(
-    ep: torch.nn.Module, hf: torch.nn.Module, plan: Plan, rank: int, warmup: int, repeats: int, seed: int
+    models: dict[str, torch.nn.Module], plan: Plan, rank: int, warmup: int, repeats: int, seed: int
 ) -> tuple[dict, dict]:
     """``({system: seconds per round}, {system: peak bytes, the largest rank's})`` of forward,
     backward and an AdamW step, interleaved round by round."""
-    ids = _batch(ep.config.vocab_size, rank, 100, plan.tokens // 2, seed)
-    steps = {"epmoe": _train_step(ep, ids), "transformers": _train_step(hf, ids)}
+    ids = _batch(models["epmoe"].config.vocab_size, rank, 100, plan.tokens // 2, seed)
+    steps = {name: _train_step(model, ids) for name, model in models.items()}
     for step in [*steps.values()] * 2:  # the optimizers' state and FSDP's buffers exist before any peak
         step()
     # the peak moves from round to round (when a finished collective's buffers are freed): the median
@@ -449,10 +486,13 @@ def _train_step(model: torch.nn.Module, ids: torch.Tensor):
     return step
 
 
-def _decode_figures(path: str, hf: torch.nn.Module, rank: int, warmup: int, repeats: int, seed: int) -> dict:
-    """``{batch: {system: seconds per token per round (the slowest rank's)}}`` of greedy ``generate``."""
+def _decode_figures(
+    path: str, loaded: dict[str, torch.nn.Module], rank: int, warmup: int, repeats: int, seed: int
+) -> dict:
+    """``{batch: {system: seconds per token per round (the slowest rank's)}}`` of greedy ``generate``;
+    ``loaded``: the systems transformers loaded (as loaded: FSDP2 included)."""
     plain = _load(path)
-    models = {"epmoe": _epmoe(path), "transformers": hf, "without EP": plain}
+    models = {"epmoe": _epmoe(path), **loaded, "without EP": plain}
     out = {}
     for batch in DECODE_BATCHES:
         prompt = torch.randint(
@@ -485,7 +525,11 @@ def _save_round_trips(path: str, world: int, rank: int) -> dict:
     out = {}
     ref = _load(path)
     ids = _batch(ref.config.vocab_size, 0, 200, 16, 0)
-    for name, model in (("epmoe", _epmoe(path)), ("transformers", _load(path, world))):
+    for name, model in (
+        ("epmoe", _epmoe(path)),
+        ("in transformers", _load(path, world, implementation=IN_TRANSFORMERS)),
+        ("transformers", _load(path, world)),
+    ):
         with tempfile.TemporaryDirectory(prefix="epmoe-versus-save-") as saved:
             every = [saved] * world
             dist.broadcast_object_list(every, src=0)  # rank 0's directory on every rank
@@ -514,6 +558,7 @@ def _checked(check, path: str, world: int, rank: int, seed: int) -> dict:
     # data-parallel wrapper sums them: the unsharded model on the ranks' batches concatenated)
     for name, build in (
         ("epmoe", lambda: _epmoe(path, torch.float64, expert_grad="mean")),
+        ("in transformers", lambda: _load(path, world, dtype=torch.float64, implementation=IN_TRANSFORMERS)),
         ("transformers", lambda: _load(path, world, dtype=torch.float64)),
     ):
         try:
@@ -612,30 +657,16 @@ class VersusReport:
     runs: dict = field(default_factory=dict)  # (family, world) -> rank 0's result
 
     def lines(self, family: str, world: int) -> list[tuple]:
-        """``(figure, epmoe, transformers, epmoe / transformers)`` rows of one run."""
+        """``(figure, *one cell per system, *each system's ratio to transformers')`` rows of one run
+        (:data:`SYSTEMS` order; transformers' own ratio left out)."""
         r = self.runs[family, world]
         rows = []
         for bits, tolerance in TOLERANCE.items():
-            for name in ("epmoe", "transformers"):
-                exact = r["exact"][bits][name]
-                text = (
-                    f"error: {exact['error']}"
-                    if "error" in exact
-                    else ("exact" if max(exact["loss"], exact["grads"]) <= tolerance else "NOT exact")
-                    + f" (loss {exact['loss']:.1e}, gradients {exact['grads']:.1e}"
-                    + (f": `{exact['worst']}`)" if exact["grads"] > tolerance else ")")
-                )
-                label = f"{name} exact vs the unsharded model ({STEPS} AdamW steps, {bits}, <= {tolerance:.0e})"
-                rows.append((label, text, "", ""))
+            label = f"exact vs the unsharded model ({STEPS} AdamW steps, {bits}, <= {tolerance:.0e})"
+            rows.append((label, *(_exact_cell(r["exact"][bits][name], tolerance) for name in SYSTEMS), "", ""))
         step = {name: statistics.median(samples) for name, samples in r["step"].items()}
-        rows.append(
-            (
-                "step time ms (fwd + bwd + AdamW)",
-                *_pair(step, 1e3, "{:.1f}"),
-                f"step time ratio {step['epmoe'] / step['transformers']:.2f}",
-            )
-        )
-        rows.append(("peak memory per rank MiB (step)", *_pair(r["peak"], 2**-20, "{:.1f}"), _ratio(r["peak"])))
+        rows.append(("step time ms (fwd + bwd + AdamW)", *_cells(step, 1e3, "{:.1f}"), *_ratios(step)))
+        rows.append(("peak memory per rank MiB (step)", *_cells(r["peak"], 2**-20, "{:.1f}"), *_ratios(r["peak"])))
         layer = r["layer"]
         for key, label, scale, fmt in (
             ("saved", "saved activations per MoE layer KiB", 2**-10, "{:.1f}"),
@@ -643,37 +674,31 @@ class VersusReport:
             ("reads", "host reads per MoE layer (fwd + bwd)", 1, "{:.0f}"),
             ("collectives", "collectives per MoE layer (fwd + bwd)", 1, "{:.0f}"),
         ):
-            pair = {name: layer[name][key] for name in ("epmoe", "transformers")}
-            rows.append((label, *_pair(pair, scale, fmt), _ratio(pair)))
+            values = {name: layer[name][key] for name in SYSTEMS}
+            rows.append((label, *_cells(values, scale, fmt), *_ratios(values)))
+        inference = ["{} / {}".format(*layer[name]["inference"]) for name in SYSTEMS]
+        rows.append(
+            (f"host reads / collectives per MoE layer at inference ({DECODE_TOKENS} tokens)", *inference, "", "")
+        )
+        theirs = f"{layer['transformers']['reads']} / {layer['transformers']['collectives']}"
         for variant, label in (
             ("epmoe static", 'epmoe dispatch="static"'),
             ("epmoe checked", "epmoe check_steps=True (its CPU default)"),
         ):
-            rows.append(
-                (
-                    f"host reads / collectives per MoE layer, {label}",
-                    f"{layer[variant]['reads']} / {layer[variant]['collectives']}",
-                    f"{layer['transformers']['reads']} / {layer['transformers']['collectives']}",
-                    "",
-                )
-            )
+            mine = f"{layer[variant]['reads']} / {layer[variant]['collectives']}"
+            rows.append((f"host reads / collectives per MoE layer, {label}", mine, "", theirs, "", ""))
         for batch, by_system in r["decode"].items():
             ms = {name: 1e3 * statistics.median(samples) for name, samples in by_system.items()}
-            rows.append(
-                (
-                    f"decode batch {batch} ms/token (without EP: {ms['without EP']:.1f})",
-                    *_pair(ms, 1, "{:.1f}"),
-                    _ratio(ms),
-                )
-            )
+            label = f"decode batch {batch} ms/token (without EP: {ms['without EP']:.1f})"
+            rows.append((label, *_cells(ms, 1, "{:.1f}"), *_ratios(ms)))
         saved = {name: (v if isinstance(v, str) else f"reloads, logits {v:.1e}") for name, v in r["saved"].items()}
-        rows.append(
-            ("save_pretrained on every rank, plain reload (this run)", saved["epmoe"], saved["transformers"], "")
-        )
+        rows.append(("save_pretrained on every rank, plain reload (this run)", *(saved[n] for n in SYSTEMS), "", ""))
         return rows
 
-    def features(self) -> list[tuple[str, str, str]]:
-        """``(feature, epmoe, transformers)`` rows: what this run checked, and where the rest is shown."""
+    def features(self) -> list[tuple[str, ...]]:
+        """``(feature, *one cell per system)`` rows: what this run checked, and where the rest is shown
+        (the middle system is transformers' own EP with epmoe's exchange: transformers' machinery
+        around it)."""
         checked = {
             key: {name: _cell(value) for name, value in by_system.items()}
             for key, by_system in next(iter(self.runs.values()))["checked"].items()
@@ -687,7 +712,7 @@ class VersusReport:
                 if "error" in r["exact"][bits][name]
                 or max(r["exact"][bits][name]["loss"], r["exact"][bits][name]["grads"]) > tolerance
             ]
-            for name in ("epmoe", "transformers")
+            for name in SYSTEMS
         }
         refusal = next(iter(self.runs.values()))["checked"]["trainer checkpoints"]
         first = "{} EP {}".format(*next(iter(self.runs)))  # the checks run in every run; the first's are shown
@@ -695,6 +720,7 @@ class VersusReport:
             (
                 "families",
                 "every MoE family transformers ships, exact or refused by name (the families table, docs/models.md)",
+                "the families of transformers' EP plans whose experts epmoe runs; any other refused at load by name",
                 f"{len(ep_plans())} model directories whose config has a `base_model_ep_plan` (the table's last column)",
             ),
             (
@@ -706,31 +732,38 @@ class VersusReport:
             ),
             (
                 f"PEFT LoRA on the experts, 3 AdamW steps, logits vs the unsharded peft model (this run: {first}, fp64)",
-                checked["lora"]["epmoe"],
-                checked["lora"]["transformers"],
+                *(checked["lora"][name] for name in SYSTEMS),
             ),
             (
                 f"`torch.compile`, forward + backward, loss vs the unsharded model (this run: {first}, fp64)",
-                checked["compile"]["epmoe"],
-                checked["compile"]["transformers"],
+                *(checked["compile"][name] for name in SYSTEMS),
             ),
             (
                 "Trainer",
-                "`epmoe.prepare_trainer`: every parameter equals the Trainer without EP (tests/training/test_launchers.py)",
+                "`epmoe.prepare_trainer`: every parameter equals the Trainer without EP "
+                "(tests/training/test_launchers.py)",
+                "takes the model as loaded",
                 "takes the model as loaded",
             ),
             (
                 "Trainer checkpoints, resume",
                 "model and optimizer (DCP) in each checkpoint, resumed exactly at another "
                 "world size (tests/training/test_launchers.py)",
+                "as transformers' (the same load)",
                 f"(this run: {first}) {refusal}",
             ),
             (
                 "DeepSpeed ZeRO 1-3",
                 "`epmoe.prepare_deepspeed`, exact (tests/training/test_deepspeed.py)",
                 "none: `DistributedConfig` shards with FSDP2 at load",
+                "none: `DistributedConfig` shards with FSDP2 at load",
             ),
-            ("routing replay (RL)", "`epmoe.record_routing` / `replay_routing` (tests/test_replay*.py)", "no API"),
+            (
+                "routing replay (RL)",
+                "`epmoe.record_routing` / `replay_routing` (tests/training/test_replay*.py)",
+                "not yet",
+                "no API",
+            ),
         ]
 
     def markdown(self) -> str:
@@ -739,12 +772,28 @@ class VersusReport:
             rows = self.lines(family, world)
             sections.append(
                 f"### {family}, EP {world}\n\n"
-                + common.markdown_table(("figure", "epmoe", "transformers", "epmoe / transformers"), rows)
+                + common.markdown_table(
+                    (
+                        "figure",
+                        "epmoe",
+                        f"transformers + ep_implementation={IN_TRANSFORMERS}",
+                        "transformers",
+                        "epmoe / transformers",
+                        "transformers + epmoe / transformers",
+                    ),
+                    rows,
+                )
             )
         sections.append(
             "### Features\n\n"
             + common.markdown_table(
-                ("feature", "epmoe", "transformers `DistributedConfig(ep_size=...)`"), self.features()
+                (
+                    "feature",
+                    "epmoe",
+                    f"transformers + ep_implementation={IN_TRANSFORMERS}",
+                    "transformers `DistributedConfig(ep_size=...)`",
+                ),
+                self.features(),
             )
         )
         return "\n\n".join(sections)
@@ -779,12 +828,24 @@ Reproduce (from the repository root, after `scripts/setup.sh test`):
 """
 
 
-def _pair(values: dict, scale: float, fmt: str) -> tuple[str, str]:
-    return fmt.format(values["epmoe"] * scale), fmt.format(values["transformers"] * scale)
+def _cells(values: dict, scale: float, fmt: str) -> tuple[str, ...]:
+    """Each system's value, scaled and formatted (:data:`SYSTEMS` order)."""
+    return tuple(fmt.format(values[name] * scale) for name in SYSTEMS)
 
 
-def _ratio(values: dict) -> str:
-    return f"{values['epmoe'] / values['transformers']:.2f}" if values["transformers"] else "-"
+def _ratios(values: dict) -> tuple[str, str]:
+    """epmoe's and epmoe-in-transformers' value over transformers' own."""
+    theirs = values["transformers"]
+    return tuple(f"{values[name] / theirs:.2f}" if theirs else "-" for name in SYSTEMS[:2])
+
+
+def _exact_cell(exact: dict, tolerance: float) -> str:
+    """One system's exactness: exact or not, its largest differences, the worst parameter if not."""
+    if "error" in exact:
+        return f"error: {exact['error']}"
+    verdict = "exact" if max(exact["loss"], exact["grads"]) <= tolerance else "NOT exact"
+    worst = f": `{exact['worst']}`" if exact["grads"] > tolerance else ""
+    return f"{verdict} (loss {exact['loss']:.1e}, gradients {exact['grads']:.1e}{worst})"
 
 
 def _markdown(docstring: str) -> str:

@@ -26,12 +26,24 @@ epmoe made expert-parallel, on the same pieces::
       backward     a step-header exchange first, where step checks run (on CPU by default)
     out_TH
 
+At inference (no gradient through the tokens: ``generate``, evaluation) the static exchange runs
+instead (:mod:`epmoe.ep.dispatch.static`: the route rides with the rows, two collectives instead of
+three, no counts exchange): its buffer is re-agreed from the route headers every rank reads (one
+host read per layer) and fitted to each forward's largest batch, so the decode steps after a prompt
+exchange decode-sized buffers. With ``ExpertParallelConfig(dispatch="static", static_tokens=N)`` the
+buffer is ``N`` and nothing is read to the host (sync-free, training included).
+
 The routing weights, the router and everything outside the experts module stay transformers', and so
-do the expert gradients' reduction (FSDP2 over the expert-FSDP mesh) and their clipping. What epmoe
-cannot serve raises ``ValueError`` when transformers builds the implementation (at load, on every
-rank: every rank builds the same modules' implementations), naming it, never falling back to another
-path: a TP mesh (``tp_size > 1``: the EP group then shares its batch, which ``"all_reduce"`` serves),
-experts that are not transformers' packed experts, and experts whose class departs from the
+do the expert gradients' reduction (FSDP2 over the expert-FSDP mesh) and their clipping. An
+:class:`~epmoe.ExpertParallelConfig` given to :func:`register` (``register("mine", config)``, then
+``ep_implementation="mine"``) sets what it can here: ``dispatch`` (``"auto"`` above, ``"alltoallv"``
+always, ``"static"`` always), ``static_tokens``, ``gmm_backend``, ``check_steps``, ``timeout``. What
+epmoe cannot serve raises ``ValueError`` when transformers builds the implementation (at load, on
+every rank: every rank builds the same modules' implementations), naming it, never falling back to
+another path: ``capacity_factor`` and the fused ops (``dispatch="fused"``, ``num_chunks``), an
+``expert_grad`` other than ``"auto"`` (the expert gradients are transformers' FSDP2's), a TP mesh
+(``tp_size > 1``: the EP group then shares its batch, which ``"all_reduce"`` serves without moving a
+token), experts that are not transformers' packed experts, and experts whose class departs from the
 decorated contract or holds what the routed MLP op does not run (a norm after the down projection,
 parameters shared by the experts). Without transformers' ``EPImplementationInterface`` (transformers
 older than 5.24) nothing is registered.
@@ -45,10 +57,10 @@ import torch
 from torch import nn
 
 from epmoe.comm.steps import DEFAULT_TIMEOUT_S, StepChannel, checks_on
-from epmoe.ep.config import ExpertShard
+from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import departures
 from epmoe.ep.counts import GUARD, exchange_layer_counts
-from epmoe.ep.dispatch import AllToAllVDispatcher, Link
+from epmoe.ep.dispatch import AllToAllVDispatcher, Dispatcher, Link, StaticDispatcher
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.position import LayerPosition
 from epmoe.ep.recognize import is_packed_experts
@@ -63,9 +75,23 @@ EP_IMPLEMENTATION = "epmoe"  # the name DistributedConfig(ep_implementation=...)
 _ORDINALS = itertools.count()  # experts modules in the order transformers builds their implementations
 
 
-def why_not_served(experts: nn.Module, tp_size: int) -> str | None:
+def why_not_served(experts: nn.Module, tp_size: int, config: ExpertParallelConfig | None = None) -> str | None:
     """Why :class:`EpmoeEP` cannot run ``experts`` under transformers' EP with a TP mesh of
-    ``tp_size`` ranks (``None``: it can)."""
+    ``tp_size`` ranks and ``config`` (``None``: it can)."""
+    config = config or ExpertParallelConfig()
+    refused = {
+        "capacity_factor": config.capacity_factor is not None,
+        "dispatch": config.dispatch == "fused",
+        "num_chunks": config.num_chunks != "auto",
+        "expert_grad": config.expert_grad != "auto",
+    }
+    option = next((option for option, asked in refused.items() if asked), None)
+    if option is not None:
+        return (
+            f"ExpertParallelConfig({option}={getattr(config, option)!r}) is not served inside transformers' "
+            f"expert parallelism (it runs the all-to-all-v or the static exchange, dropless, and transformers' "
+            f"FSDP2 reduces the expert gradients); use epmoe.from_pretrained or apply_expert_parallel for it"
+        )
     if tp_size > 1:
         return (
             f"tp_size={tp_size}: the ranks of the EP group share one batch, which epmoe's per-rank exchange does "
@@ -89,12 +115,16 @@ _Base = EPImplementation if EPImplementation is not None else object
 class EpmoeEP(_Base):
     """epmoe's token exchange and routed MLP for one experts module of transformers' EP plan (see
     the module docstring). Built by transformers (``__init__(experts, ep_mesh, tp_mesh)``) when it
-    applies the plan; called with the batch this rank holds, global expert ids."""
+    applies the plan; called with the batch this rank holds, global expert ids. ``config``: what
+    :func:`register` bound the registered name to."""
+
+    config = ExpertParallelConfig()
+    registered_as = EP_IMPLEMENTATION
 
     def __init__(self, experts: nn.Module, ep_mesh, tp_mesh):
-        reason = why_not_served(experts, tp_mesh.size())
+        reason = why_not_served(experts, tp_mesh.size(), self.config)
         if reason is not None:
-            raise ValueError(f"ep_implementation={EP_IMPLEMENTATION!r}: {reason}")
+            raise ValueError(f"ep_implementation={self.registered_as!r}: {reason}")
         super().__init__(experts, ep_mesh, tp_mesh)
         self.experts = experts
         e, W, rank = experts.num_experts, ep_mesh.size(), ep_mesh.get_local_rank()
@@ -102,17 +132,30 @@ class EpmoeEP(_Base):
         # order (the same on every rank of a group that loads the same models): its headers name it
         ordinal = next(_ORDINALS)
         self.shard = ExpertShard(f"{type(experts).__name__} #{ordinal}", e * W, e, rank * e, (rank + 1) * e, rank, W)
-        group = ep_mesh.get_group()
-        self.channel = StepChannel(group, e + 3 + GUARD, timeout_s=DEFAULT_TIMEOUT_S) if W > 1 else None
+        timeout = self.config.timeout or DEFAULT_TIMEOUT_S
+        self.channel = StepChannel(ep_mesh.get_group(), e + 3 + GUARD, timeout_s=timeout) if W > 1 else None
         self.steps = LayerPosition(ordinal)
-        self.transport = AllToAllVDispatcher()
+        self.training, self.inference = _transports(self.config)
         self._local: LocalExperts | None = None  # made at the first call, when the weights are local tensors
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """``(T, H)``: this rank's tokens' routed experts' outputs, weighted and summed."""
         local = self._local if self._local is not None else _set_up(self)
-        checks = checks_on("auto", hidden_states.device)
-        return _call_eagerly(self, local, checks, hidden_states, top_k_index.long(), top_k_weights)
+        trained = torch.is_grad_enabled() and hidden_states.requires_grad
+        transport = self.training if trained else self.inference
+        checks = checks_on(self.config.check_steps, hidden_states.device)
+        return _call_eagerly(self, local, transport, checks, hidden_states, top_k_index.long(), top_k_weights)
+
+
+def _transports(config: ExpertParallelConfig) -> tuple[Dispatcher, Dispatcher]:
+    """``(training, inference)``: the transports a call takes with and without gradients through its
+    tokens, for ``config.dispatch`` (see the module docstring)."""
+    if config.dispatch == "alltoallv":
+        return AllToAllVDispatcher(), AllToAllVDispatcher()
+    if config.dispatch == "static":
+        static = StaticDispatcher(config.static_tokens, read_headers=config.static_tokens is None, fit=True)
+        return static, static
+    return AllToAllVDispatcher(), StaticDispatcher(read_headers=True, fit=True)
 
 
 def _make_local(implementation: EpmoeEP) -> LocalExperts:
@@ -122,10 +165,10 @@ def _make_local(implementation: EpmoeEP) -> LocalExperts:
     rows = experts.down_proj.shape[0]
     if rows != implementation.shard.num_local_experts:
         raise ValueError(
-            f"ep_implementation={EP_IMPLEMENTATION!r}: {type(experts).__name__} holds {rows} experts on this rank, "
-            f"num_experts says {implementation.shard.num_local_experts}"
+            f"ep_implementation={implementation.registered_as!r}: {type(experts).__name__} holds {rows} experts on "
+            f"this rank, num_experts says {implementation.shard.num_local_experts}"
         )
-    implementation._local = LocalExperts(experts)
+    implementation._local = LocalExperts(experts, implementation.config.gmm_backend)
     return implementation._local
 
 
@@ -135,6 +178,7 @@ _set_up = torch.compiler.disable(_make_local, reason="each experts module is set
 def _call(
     implementation: EpmoeEP,
     local: LocalExperts,
+    transport: Dispatcher,
     checks: bool,
     hidden_TH: torch.Tensor,
     top_k_index_TK: torch.Tensor,
@@ -142,12 +186,13 @@ def _call(
 ) -> torch.Tensor:
     """One call, the layer's protocol (:func:`epmoe.ep.layer.routed_experts`) with transformers holding
     what epmoe's model record holds there: the expert gradients' reduction, the step guard."""
-    shard, channel, transport = implementation.shard, implementation.channel, implementation.transport
+    shard, channel = implementation.shard, implementation.channel
     position = implementation.steps.next_call()
-    counts = exchange_layer_counts(channel, position, shard, hidden_TH, top_k_index_TK)
-    rows, meta = transport.dispatch(
-        hidden_TH, top_k_index_TK, top_k_weights_TK, Link(channel, shard, position, checks, counts)
-    )
+    counts = None
+    if transport.needs_counts:
+        counts = exchange_layer_counts(channel, position, shard, hidden_TH, top_k_index_TK)
+    link = Link(channel, shard, position, checks, counts)
+    rows, meta = transport.dispatch(hidden_TH, top_k_index_TK, top_k_weights_TK, link)
     routed = meta.arrived.routed
     out_rows = local.routed_mlp(rows, routed.weights_RK, routed.pairs, sources=routed.sources)
     out_TH = transport.combine(out_rows, meta)
@@ -159,11 +204,20 @@ _call_eagerly = torch.compiler.disable(
 )
 
 
-def register() -> bool:
-    """Register :class:`EpmoeEP` as ``"epmoe"`` in transformers' ``EPImplementationInterface`` (models
-    that name another implementation are untouched); ``False`` where transformers has no such
-    registry. ``import epmoe`` calls it."""
+def register(name: str = EP_IMPLEMENTATION, config: ExpertParallelConfig | dict | None = None) -> bool:
+    """Register :class:`EpmoeEP` as ``name`` in transformers' ``EPImplementationInterface``, bound to
+    ``config`` (an :class:`~epmoe.ExpertParallelConfig`, a dict of its fields, or ``None``: the
+    defaults), so ``DistributedConfig(ep_implementation=name)`` runs it; models that name another
+    implementation are untouched. ``False`` where transformers has no such registry. ``import epmoe``
+    calls ``register()``; what the config asks that cannot be served raises at load."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"register(name): expected a non-empty str, got {name!r}")
+    bound = ExpertParallelConfig.from_any(config)
     if EPImplementationInterface is None:
         return False
-    EPImplementationInterface.register(EP_IMPLEMENTATION, EpmoeEP)
+    if name == EP_IMPLEMENTATION and bound == EpmoeEP.config:
+        cls = EpmoeEP
+    else:
+        cls = type(EpmoeEP.__name__, (EpmoeEP,), {"config": bound, "registered_as": name})
+    EPImplementationInterface.register(name, cls)
     return True

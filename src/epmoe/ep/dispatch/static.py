@@ -94,15 +94,17 @@ class StaticDispatcher(Dispatcher):
     """Fixed-size buffers around the routed MLP (see the module docstring). ``block``: the buffer's
     ``B`` (``static_tokens``, else agreed at the first forward and kept). ``read_headers``: read the
     route headers on every forward whatever ``check_steps`` says (one host read per layer), so a
-    batch that outgrows ``B`` always re-agrees (what :class:`DecodeDispatcher` runs)."""
+    batch that outgrows ``B`` always re-agrees (what :class:`DecodeDispatcher` runs). ``fit`` (with
+    ``read_headers``): after each forward ``B`` becomes the largest batch of that forward, which
+    every rank read alike, so a buffer agreed for a prompt shrinks to the decode steps' batch."""
 
     name = "static"
     needs_counts = False
 
-    def __init__(self, static_tokens: int | None = None, *, read_headers: bool = False):
+    def __init__(self, static_tokens: int | None = None, *, read_headers: bool = False, fit: bool = False):
         self.fixed = static_tokens is not None
         self.block: int | None = static_tokens
-        self.read_headers = read_headers
+        self.read_headers, self.fit = read_headers, fit and read_headers and static_tokens is None
 
     def traced_whole(self, checks: bool) -> bool:
         """Without step checks (``check_steps`` off, or ``"auto"`` on an accelerator) and without
@@ -135,6 +137,8 @@ class StaticDispatcher(Dispatcher):
                 break
             needed, peer_guards = _read_headers(link, received_WL, hidden_TH.dtype, B)
             if needed <= B:
+                if self.fit:  # the next forward's buffer: this one's largest batch, read by every rank
+                    self.block = max(needed, 1)
                 break
             if self.fixed:
                 raise ValueError(
