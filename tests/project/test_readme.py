@@ -58,6 +58,7 @@ def test_docs_list_the_recipes():
         "generate",
         "train_compiled",
         "migrate_distributed_config",
+        "transformers_ep_implementation",
         "save_and_reload",
         "load_sharded",
         "resume",
@@ -81,6 +82,7 @@ def test_docs_list_the_recipes():
         "generate": 2,
         "train_compiled": 2,
         "migrate_distributed_config": 4,
+        "transformers_ep_implementation": 4,
     }
 
 
@@ -108,6 +110,8 @@ def test_readme_recipes_run(world, tmp_path, monkeypatch):
             assert tokens.shape == (1, 4 + rank + 2 + 3 * rank)
         if "migrate_distributed_config" in by_name:
             assert by_name["migrate_distributed_config"] == 4
+        if "transformers_ep_implementation" in by_name:
+            assert by_name["transformers_ep_implementation"] == 4
         if "save_and_reload" in by_name:
             assert by_name["save_and_reload"] <= 1e-5
         if "load_sharded" in by_name:
