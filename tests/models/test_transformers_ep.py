@@ -145,3 +145,29 @@ def test_register_validates_and_binds_a_config():
     cls = EPImplementationInterface()["epmoe-test-static"]
     assert issubclass(cls, EpmoeEP) and cls.config.static_tokens == 8 and cls.registered_as == "epmoe-test-static"
     assert EPImplementationInterface()[EP_IMPLEMENTATION] is EpmoeEP  # the default registration untouched
+
+
+@pytest.fixture(scope="module")
+def lifecycle(saved, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("transformers-ep-lifecycle"))
+    runs = {
+        "trainer": ("trainer", (saved["qwen3_moe"], out)),
+        "saved": ("saved", (saved["qwen3_moe"], out)),
+    }
+    return lambda label: results(saved, 2, runs, label)
+
+
+@pytest.mark.multirank
+def test_trainer_equals_the_trainer_with_all_to_all(lifecycle):
+    """transformers' Trainer (3 steps, AdamW, clipping) on a model loaded with ``"epmoe"``: every
+    parameter equals the same Trainer run with ``"all_to_all"`` (float32 rounding), the experts moved."""
+    for result in lifecycle("trainer"):
+        assert result["params"] <= FP32 and result["compared"] > 10 and result["moved"], result
+
+
+@pytest.mark.multirank
+def test_save_pretrained_reloads_and_dcp_resumes(lifecycle):
+    """``save_pretrained`` on every rank, plain transformers reloads it (the EP model's logits); a DCP
+    save of model and optimizer, loaded into a fresh load, resumes exactly (float64)."""
+    for result in lifecycle("saved"):
+        assert result["reloaded"] <= EXACT and result["resumed"] <= EXACT, result

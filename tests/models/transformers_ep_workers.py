@@ -150,3 +150,95 @@ def inference_reads(rank: int, path: str, implementation: str) -> dict:
 
 
 KINDS = {"compared": compared, "generated": generated, "inference_reads": inference_reads}
+
+
+def _full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
+
+
+def trainer_run(rank: int, path: str, out_dir: str, implementation: str) -> dict[str, torch.Tensor]:
+    """Every parameter, whole, after 3 steps of ``transformers.Trainer`` (AdamW, gradient clipping at
+    1.0, no checkpoints: transformers' Trainer refuses them for a model sharded at load) on the same
+    token batches, the model loaded through transformers' own EP with ``implementation``."""
+    from transformers import Trainer, TrainingArguments
+
+    model = load(path, implementation, torch.float32, 2, 2)
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randint(0, model.config.vocab_size, (16,), generator=g) for _ in range(24)]
+    data = [{"input_ids": r, "labels": r} for r in rows]
+    args = TrainingArguments(
+        output_dir=f"{out_dir}/{implementation}",
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        logging_steps=1,
+    )
+    Trainer(model=model, args=args, train_dataset=data).train()
+    return _full_parameters(model)
+
+
+def trainer_compared(rank: int, path: str, out_dir: str) -> dict:
+    """``{"params": largest relative difference of any parameter, "compared": n}``: the Trainer with
+    ``"epmoe"`` against the Trainer with ``"all_to_all"``."""
+    ref, got = (trainer_run(rank, path, out_dir, name) for name in ("all_to_all", "epmoe"))
+    return {"params": max(_rel(got[n], ref[n]) for n in ref), "compared": len(ref), "moved": _moved(path, ref)}
+
+
+def _moved(path: str, trained: dict[str, torch.Tensor]) -> bool:
+    """Whether training changed the experts (the comparison compares something)."""
+    start = _full_parameters(load(path, "all_to_all", torch.float32, 2, 2))
+    return any(not torch.equal(trained[n], start[n]) for n in start if ".experts." in n)
+
+
+def saved_and_resumed(rank: int, path: str, out_dir: str) -> dict:
+    """``save_pretrained`` on every rank then plain ``from_pretrained`` (no EP) of the files: logits
+    against the EP model's; and a DCP save of the model and optimizer after one step, loaded into a
+    fresh load, then one more step on both: the largest relative difference of any parameter."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from transformers import AutoModelForCausalLM
+
+    def model_and_optimizer():
+        model = load(path, "epmoe", torch.float64, 2, 2)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(model, optimizer, seed):
+        ids = torch.randint(
+            0, model.config.vocab_size, (2, 12 + 4 * rank), generator=torch.Generator().manual_seed(seed)
+        )
+        model(ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer, 1)
+    dcp.save(dict(zip(("model", "optim"), get_state_dict(model, optimizer))), checkpoint_id=f"{out_dir}/dcp")
+    resumed, resumed_optimizer = model_and_optimizer()
+    state = dict(zip(("model", "optim"), get_state_dict(resumed, resumed_optimizer)))
+    dcp.load(state, checkpoint_id=f"{out_dir}/dcp")
+    set_state_dict(resumed, resumed_optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    step(model, optimizer, 2)
+    step(resumed, resumed_optimizer, 2)
+    a, b = _full_parameters(model), _full_parameters(resumed)
+    out = {"resumed": max(_rel(b[n], a[n]) for n in a)}
+    model.save_pretrained(f"{out_dir}/saved")
+    dist.barrier()
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ep_logits = model(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(
+            f"{out_dir}/saved", dtype=torch.float64, experts_implementation="eager"
+        )
+        out["reloaded"] = _rel(plain(ids).logits, ep_logits)
+    return out
+
+
+KINDS.update(trainer=trainer_compared, saved=saved_and_resumed)
