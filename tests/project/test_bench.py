@@ -211,11 +211,10 @@ def test_bench_versus_quick(tmp_path, capsys):
             [c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines() if line.startswith("|")
         )
     }
-    for system in ("epmoe", "transformers"):
-        for precision in ("fp64, <= 1e-10", "fp32, <= 1e-03"):
-            verdict = rows[f"{system} exact vs the unsharded model (5 AdamW steps, {precision})"][0]
+    for precision in ("fp64, <= 1e-10", "fp32, <= 1e-03"):
+        for verdict in rows[f"exact vs the unsharded model (5 AdamW steps, {precision})"][:3]:  # the 3 systems
             assert verdict.startswith(("exact (loss ", "NOT exact (loss ", "error: ")), verdict
-    assert rows["step time ms (fwd + bwd + AdamW)"][2].startswith("step time ratio ")
+    assert all(float(ratio) > 0 for ratio in rows["step time ms (fwd + bwd + AdamW)"][3:5])
     for figure in (
         "peak memory per rank MiB (step)",
         "saved activations per MoE layer KiB",
@@ -223,7 +222,7 @@ def test_bench_versus_quick(tmp_path, capsys):
         "host reads per MoE layer (fwd + bwd)",
         "collectives per MoE layer (fwd + bwd)",
     ):
-        assert float(rows[figure][0]) >= 0 and float(rows[figure][1]) > 0, (figure, rows[figure])
+        assert all(float(v) >= 0 for v in rows[figure][:2]) and float(rows[figure][2]) > 0, (figure, rows[figure])
     assert any(key.startswith("decode batch 8 ms/token") for key in rows)
     for feature in ("families", "routing replay (RL)"):
         assert feature in rows
