@@ -153,6 +153,7 @@ def lifecycle(saved, tmp_path_factory):
     runs = {
         "trainer": ("trainer", (saved["qwen3_moe"], out)),
         "saved": ("saved", (saved["qwen3_moe"], out)),
+        "telemetry": ("telemetry", (saved["qwen3_moe"],)),
     }
     return lambda label: results(saved, 2, runs, label)
 
@@ -171,3 +172,18 @@ def test_save_pretrained_reloads_and_dcp_resumes(lifecycle):
     save of model and optimizer, loaded into a fresh load, resumes exactly (float64)."""
     for result in lifecycle("saved"):
         assert result["reloaded"] <= EXACT and result["resumed"] <= EXACT, result
+
+
+@pytest.mark.multirank
+def test_expert_load_and_routing_replay(lifecycle):
+    """``epmoe.expert_load`` on a model loaded with ``"epmoe"`` equals the histogram of the routes
+    recorded there (gradient checkpointing on: its recomputation counts nothing), named by the experts
+    modules; replaying ``"all_to_all"``'s recorded routes through zeroed routers gives the loss and
+    every gradient ``"all_to_all"`` gives replaying them (float64), and the load follows the replayed
+    routes, not the routers' own choice (one rank's experts); a replay that fails on one rank raises on
+    every rank."""
+    for result in lifecycle("telemetry"):
+        assert result["names"] == [f"model.layers.{i}.mlp.experts" for i in range(len(result["names"]))], result
+        assert result["load"] and result["same routes"] and result["replayed"] <= EXACT, result
+        assert result["replayed load"] and not result["one rank's experts"], result
+        assert result["refused everywhere"], result

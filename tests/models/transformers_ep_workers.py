@@ -8,7 +8,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-import epmoe  # noqa: F401 - registers ep_implementation="epmoe"
+import epmoe  # registers ep_implementation="epmoe"
 from epmoe.bench.versus import _rel, _train
 from epmoe.integrations import transformers_ep
 
@@ -149,6 +149,73 @@ def inference_reads(rank: int, path: str, implementation: str) -> dict:
     return {"reads": reads[implementation], "equal": _rel(outs[implementation], outs["all_to_all"]) <= 1e-5}
 
 
+def _histogram(routes_LNK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``(L, E)``: slots per global expert of every rank's routes (summed over the ranks)."""
+    hist = torch.stack([torch.bincount(r.reshape(-1), minlength=num_experts) for r in routes_LNK])
+    dist.all_reduce(hist)
+    return hist
+
+
+def telemetry_and_replay(rank: int, path: str) -> dict:
+    """``epmoe.expert_load`` and ``epmoe.replay_routing`` on a model loaded with ``"epmoe"``, against
+    the same runs with ``"all_to_all"``: the load after a training forward and backward (gradient
+    checkpointing on: the recomputation counts nothing) against the recorded routes' histogram; then,
+    the routers zeroed (left alone they would send every token to one rank's experts), the recorded
+    routes replayed: loss and every gradient against ``"all_to_all"`` replaying them, the load against
+    their histogram; and a replay that fails on rank 0 only raises on every rank."""
+
+    ids = torch.randint(0, 200, (2, 6 + 3 * rank), generator=torch.Generator().manual_seed(rank))
+    routes, replayed, out = {}, {}, {}
+    for name in ("all_to_all", "epmoe"):
+        model = load(path, name, torch.float64, 2, 2)
+        model.gradient_checkpointing_enable()
+        with epmoe.record_routing(model) as record:
+            model(ids, labels=ids).loss.backward()
+        routes[name] = record.routes_by_position()
+        E = model.config.num_experts
+        if name == "epmoe":
+            loads = epmoe.expert_load(model)
+            out["names"] = list(loads)
+            out["load"] = torch.equal(torch.stack(list(loads.values())), _histogram(routes[name], E))
+            epmoe.reset_expert_load(model)
+        model.zero_grad()
+        _skewed(model)
+        with epmoe.replay_routing(model, routes["all_to_all"]):
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        replayed[name] = {"loss": loss.detach(), **_full_grads(model)}
+        if name == "epmoe":
+            loads = torch.stack(list(epmoe.expert_load(model).values()))
+            out["replayed load"] = torch.equal(loads, _histogram(routes["all_to_all"], E))
+            out["one rank's experts"] = bool((loads[:, E // 2 :] == 0).all() or (loads[:, : E // 2] == 0).all())
+            out["refused everywhere"] = _refused_on_every_rank(model, rank, routes["all_to_all"], ids)
+    out["same routes"] = torch.equal(routes["all_to_all"], routes["epmoe"])
+    ref, got = replayed["all_to_all"], replayed["epmoe"]
+    out["replayed"] = max(_rel(got[n], ref[n]) for n in ref)
+    return out
+
+
+def _full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in model.named_parameters()
+    }
+
+
+def _refused_on_every_rank(model: torch.nn.Module, rank: int, routes: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether flat routes covering more tokens than the block's forward on rank 0 only (rank 1's cover
+    exactly its tokens) raise ``ValueError`` on every rank when the block ends."""
+
+    flat = routes.flatten(1, 2)[:, : ids.numel()]
+    if rank == 0:
+        flat = torch.cat([flat, flat[:, :1]], dim=1)
+    try:
+        with epmoe.replay_routing(model, flat), torch.no_grad():
+            model(ids)
+    except ValueError as exc:
+        return "left over" in str(exc) if rank == 0 else "could not replay" in str(exc)
+    return False
+
+
 KINDS = {"compared": compared, "generated": generated, "inference_reads": inference_reads}
 
 
@@ -241,4 +308,4 @@ def saved_and_resumed(rank: int, path: str, out_dir: str) -> dict:
     return out
 
 
-KINDS.update(trainer=trainer_compared, saved=saved_and_resumed)
+KINDS.update(trainer=trainer_compared, saved=saved_and_resumed, telemetry=telemetry_and_replay)

@@ -6,13 +6,26 @@ read). The counters epmoe keeps: :data:`~epmoe.ep.config.TELEMETRY_COUNTER` (wha
 :func:`epmoe.expert_load` reports) and :data:`~epmoe.ep.config.DROPPED_COUNTER` (the slots
 ``capacity_factor`` dropped); :class:`epmoe.LoadBalancer` adds its own. Counters are reset in
 place, never removed: a compiled forward adds to them without recompiling.
+
+What reads them (:mod:`epmoe.ep.load`) takes any :class:`CountedLayer`: its counters, the step channel
+its EP group exchanges headers on and the device that group's collectives run on. A model epmoe made
+expert-parallel gives one per experts module (its :class:`~epmoe.ep.state.ExpertParallelState`); an
+experts module epmoe runs inside another library's expert parallelism (transformers' EP with
+``ep_implementation="epmoe"``) carries one of its own, kept by :func:`attach_counted`.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Iterator
+from typing import Protocol
 
+import torch
+from torch import nn
+
+from epmoe.comm.steps import StepChannel
 from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER
+
+_ATTRIBUTE = "_epmoe_counted"  # where an experts module run inside another library's EP keeps its CountedLayer
 
 
 class LoadCounters(dict):
@@ -44,3 +57,31 @@ class LoadCounters(dict):
             if self[counter].device != counts.device:  # counts on the device: the counter follows them
                 self[counter] = self[counter].to(counts.device)
             self[counter].add_(counts)
+
+
+class CountedLayer(Protocol):
+    """An experts module's routed-load counters and where its EP group meets (see the module docstring)."""
+
+    loads: LoadCounters
+
+    @property
+    def channel(self) -> StepChannel | None:
+        """The EP group's step channel (``None``: a group of one)."""
+
+    @property
+    def device(self) -> torch.device:
+        """Where the EP group's collectives run."""
+
+
+def attach_counted(module: nn.Module, layer: CountedLayer) -> None:
+    """Keep ``layer`` on ``module``, an experts module epmoe runs inside another library's EP."""
+    setattr(module, _ATTRIBUTE, layer)
+
+
+def counted_modules(model: nn.Module) -> Iterator[tuple[str, CountedLayer]]:
+    """``(name, layer)`` of every module of ``model`` that :func:`attach_counted` was given, in
+    ``named_modules()`` order."""
+    for name, module in model.named_modules():
+        layer = getattr(module, _ATTRIBUTE, None)
+        if layer is not None:
+            yield name, layer

@@ -12,7 +12,9 @@ counters::
                                                            ranks' batches concatenated)
 
 Every rank of the EP group must call :func:`expert_load` (a collective, tagged like every EP
-collective: :mod:`epmoe.comm.steps`). ``dropped=True`` gives the slots
+collective: :mod:`epmoe.comm.steps`). A model loaded through transformers' own expert parallelism with
+``ep_implementation="epmoe"`` is counted the same way (its experts modules carry their counters:
+:func:`epmoe.ep.counters.attach_counted`), its names those of the experts modules. ``dropped=True`` gives the slots
 ``ExpertParallelConfig.capacity_factor`` dropped (none when dropless, the default), counted the same way.
 """
 
@@ -23,18 +25,33 @@ from torch import nn
 
 from epmoe.comm.steps import TELEMETRY
 from epmoe.ep.config import DROPPED_COUNTER, TELEMETRY_COUNTER
-from epmoe.ep.state import ExpertParallelState, require_ep_states
+from epmoe.ep.counters import CountedLayer, counted_modules
+from epmoe.ep.state import ExpertParallelState, ep_states
 
 
-def global_load(state: ExpertParallelState, counter: str) -> torch.Tensor:
+def counted_layers(model: nn.Module, caller: str) -> list[tuple[str, CountedLayer]]:
+    """``(experts module name, its counted layer)`` of every experts module of ``model`` that epmoe
+    runs (made expert-parallel by epmoe, or run by it inside transformers' EP); ``TypeError`` /
+    ``ValueError`` naming ``caller`` for anything else."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{caller}(model): expected an nn.Module, got {type(model).__name__}")
+    found = [(state.shard.module_name, state) for _, _, state in ep_states(model)] + list(counted_modules(model))
+    if not found:
+        raise ValueError(
+            f"{caller}(model): {type(model).__name__} is not expert-parallel (call apply_expert_parallel, or load it "
+            f"with transformers' DistributedConfig(ep_size=..., ep_implementation='epmoe'))"
+        )
+    return found
+
+
+def global_load(layer: CountedLayer, counter: str) -> torch.Tensor:
     """``(E,)`` int64: the slots each global expert received in ``counter`` of one layer, summed over
     the EP group (one header exchange; none on a single rank)."""
-    local = state.loads[counter].tolist()
-    channel = state.model.channel
+    local = layer.loads[counter].tolist()
+    channel = layer.channel
     if channel is None:
         return torch.tensor(local, dtype=torch.int64)
-    device = next(state.local_experts.parameters()).device
-    rows = torch.tensor([local] * channel.size, dtype=torch.int64, device=device)
+    rows = torch.tensor([local] * channel.size, dtype=torch.int64, device=layer.device)
     received, _ = channel.exchange(channel.next_call(TELEMETRY), rows)
     return torch.tensor([c for row in received for c in row], dtype=torch.int64)
 
@@ -45,7 +62,7 @@ def replicas_load(state: ExpertParallelState, load_E: torch.Tensor) -> torch.Ten
     channel = state.model.dp_channel
     if channel is None:
         return load_E
-    total = load_E.to(next(state.local_experts.parameters()).device)
+    total = load_E.to(state.device)
     channel.all_reduce(total, channel.next_call(TELEMETRY))
     return total.cpu()
 
@@ -57,14 +74,14 @@ def expert_load(model: nn.Module, *, dropped: bool = False) -> dict[str, torch.T
     if not isinstance(dropped, bool):
         raise TypeError(f"expert_load(dropped): expected a bool, got {type(dropped).__name__}")
     counter = DROPPED_COUNTER if dropped else TELEMETRY_COUNTER
-    return {name: global_load(state, counter) for name, state in require_ep_states(model, "expert_load")}
+    return {name: global_load(layer, counter) for name, layer in counted_layers(model, "expert_load")}
 
 
 def reset_expert_load(model: nn.Module) -> None:
     """Start counting afresh (local: no collective)."""
-    for _, state in require_ep_states(model, "reset_expert_load"):
-        state.loads[TELEMETRY_COUNTER].zero_()
-        state.loads[DROPPED_COUNTER].zero_()
+    for _, layer in counted_layers(model, "reset_expert_load"):
+        layer.loads[TELEMETRY_COUNTER].zero_()
+        layer.loads[DROPPED_COUNTER].zero_()
 
 
 def max_over_mean(counts) -> float:

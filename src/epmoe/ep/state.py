@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from epmoe.comm.steps import GRAD_REDUCE
+from epmoe.comm.steps import GRAD_REDUCE, StepChannel
 from epmoe.ep.config import ExpertShard
 from epmoe.ep.counters import LoadCounters
 from epmoe.ep.experts import LocalExperts
@@ -68,6 +68,17 @@ class ExpertParallelState:
     def layer(self) -> int:
         """This experts module's index among the model's (step headers name it)."""
         return self.steps.layer
+
+    @property
+    def channel(self) -> StepChannel | None:
+        """The model's EP step channel (``None``: a group of one); with :attr:`loads` and :attr:`device`,
+        this record is a :class:`~epmoe.ep.counters.CountedLayer`."""
+        return self.model.channel
+
+    @property
+    def device(self) -> torch.device:
+        """Where the local experts, and the EP group's exchanges of this layer, are."""
+        return next(self.local_experts.parameters()).device
 
     @property
     def local_experts(self) -> nn.Module:

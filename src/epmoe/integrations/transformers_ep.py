@@ -23,6 +23,7 @@ epmoe made expert-parallel, on the same pieces::
       dispatch     each token once per rank holding its experts    (epmoe.ep.dispatch.alltoallv)
       experts      epmoe::routed_mlp on transformers' local weight tensors (read each call, never copied)
       combine      back to the sender, summed per token in rank order
+      telemetry    the call's slots per local expert                (epmoe.ep.counters: epmoe.expert_load)
       backward     a step-header exchange first, where step checks run (on CPU by default)
     out_TH
 
@@ -59,6 +60,7 @@ from torch import nn
 from epmoe.comm.steps import DEFAULT_TIMEOUT_S, StepChannel, checks_on
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import departures
+from epmoe.ep.counters import LoadCounters, attach_counted
 from epmoe.ep.counts import GUARD, exchange_layer_counts
 from epmoe.ep.dispatch import AllToAllVDispatcher, Dispatcher, Link, StaticDispatcher
 from epmoe.ep.experts import LocalExperts
@@ -136,7 +138,14 @@ class EpmoeEP(_Base):
         self.channel = StepChannel(ep_mesh.get_group(), e + 3 + GUARD, timeout_s=timeout) if W > 1 else None
         self.steps = LayerPosition(ordinal)
         self.training, self.inference = _transports(self.config)
+        self.loads = LoadCounters(e)  # read by epmoe.expert_load, which finds them on the experts module
+        attach_counted(experts, self)
         self._local: LocalExperts | None = None  # made at the first call, when the weights are local tensors
+
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's experts are (and the EP group's exchanges run)."""
+        return next(self.experts.parameters()).device
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """``(T, H)``: this rank's tokens' routed experts' outputs, weighted and summed."""
@@ -196,6 +205,7 @@ def _call(
     routed = meta.arrived.routed
     out_rows = local.routed_mlp(rows, routed.weights_RK, routed.pairs, sources=routed.sources)
     out_TH = transport.combine(out_rows, meta)
+    implementation.loads.count(meta.arrived.load_e)
     return implementation.steps.backward_header(out_TH, channel, checks)
 
 

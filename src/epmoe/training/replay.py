@@ -33,7 +33,9 @@ A :class:`RoutingRecord` replays per position when its forwards ran one batch po
 
 Ids out of range raise ``ValueError`` before anything runs, and every error of a block is raised on
 every rank of the model's EP group when the block ends (one agreement step, also where an exception
-leaves the block on some rank: the others raise, that one's exception goes on), never a hang.
+leaves the block on some rank: the others raise, that one's exception goes on), never a hang. A model
+loaded through transformers' own EP with ``ep_implementation="epmoe"`` is replayed the same way (its
+routers are transformers', found by structure; its EP group agrees).
 
 Gradient checkpointing runs the routers again in backward: the backward must then run inside the block
 (checked: the replayed weights' gradient hooks must have fired by the block's end), and the routes
@@ -53,7 +55,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from epmoe import platform
-from epmoe.comm.steps import AGREE
+from epmoe.comm.steps import AGREE, StepChannel
+from epmoe.ep.counters import counted_modules
 from epmoe.ep.recognize import find_experts_modules
 from epmoe.ep.state import ep_model
 from epmoe.integrations.blocks import block_router, block_top_k
@@ -283,7 +286,7 @@ class replay_routing:
 
     def __init__(self, model: nn.Module, routes: torch.Tensor | RoutingRecord):
         self._routers = _routers(model, "replay_routing")
-        self._ep = ep_model(model)
+        self._channel, self._device = _agreement_channel(model)
         self._by_record = isinstance(routes, RoutingRecord)
         if self._by_record:  # the routers' own selections: nothing to validate
             routes = routes.routes_by_position() if _generate_shaped(routes.calls) else routes.routes()
@@ -333,11 +336,11 @@ class replay_routing:
 
     def _agree(self, error: str | None, what_failed: str) -> None:
         """Raise on every rank of the EP group if any rank found ``error`` (one agreement step)."""
-        channel = self._ep.channel if self._ep is not None else None
+        channel = self._channel
         if channel is not None:
             channel.agree(
                 channel.next_call(AGREE),
-                platform.group_device(self._ep.group),
+                self._device,
                 [],
                 failed=error is not None,
                 caller="epmoe.replay_routing",
@@ -387,6 +390,17 @@ class replay_routing:
                 return None
             routes = routes[:, : tokens // batch]  # a synced generate's steps past this rank's sequences
         return torch.cat([routes, routes.new_full((batch, tokens // batch - routes.shape[1], k), -1)], 1).view(-1, k)
+
+
+def _agreement_channel(model: nn.Module) -> tuple[StepChannel | None, torch.device | None]:
+    """``(channel, device)`` the block's agreement step runs on: the EP group's of an EP model, or of
+    the first experts module epmoe runs inside transformers' EP; ``(None, None)`` where there is no
+    EP group epmoe knows of (a plain model)."""
+    ep = ep_model(model)
+    if ep is not None:
+        return ep.channel, platform.group_device(ep.group)
+    layer = next((layer for _, layer in counted_modules(model)), None)
+    return (layer.channel, layer.device) if layer is not None else (None, None)
 
 
 def _routes_error(routes: Any, routers: Sequence[_Router]) -> str | None:
