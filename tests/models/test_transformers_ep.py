@@ -52,7 +52,26 @@ def two_rank_runs(saved) -> dict:
     runs["qwen3_moe/static generate"] = ("generated", (saved["qwen3_moe"], 2, 2, "epmoe-static"))
     runs["qwen3_moe/static inference"] = ("inference_reads", (saved["qwen3_moe"], "epmoe-static"))
     runs["qwen3_moe/inference"] = ("inference_reads", (saved["qwen3_moe"], "epmoe"))
+    # ep_size == tp_size: the EP group shares one batch (nothing moves; the partial outputs are summed)
+    shared = (saved["qwen3_moe"], torch.float64, 2, 2)
+    runs["qwen3_moe/shared batch"] = ("compared", (*shared, "plain", "epmoe", 2))
+    runs["qwen3_moe/shared batch skewed"] = ("compared", (*shared, "skewed", "epmoe", 2))
+    runs["qwen3_moe/shared batch generate"] = ("generated", (saved["qwen3_moe"], 2, 2, "epmoe", 2))
+    runs["qwen3_moe/shared batch inference"] = ("inference_reads", (saved["qwen3_moe"], "epmoe", 2))
+    runs["qwen3_moe/shared batch unchecked"] = ("inference_reads", (saved["qwen3_moe"], "epmoe-unchecked", 2))
     return runs
+
+
+def four_rank_runs(saved) -> dict:
+    qwen3 = saved["qwen3_moe"]
+    return {
+        "mesh": ("compared", (qwen3, torch.float64, 2, 4, "plain")),  # ep_size=2, fsdp_size=4
+        # ep_size=4, tp_size=2, fsdp_size=2: each TP group's shared batch sliced over its ranks, exchanged over EP 4
+        "tp sliced": ("compared", (qwen3, torch.float64, 4, 4, "plain", "epmoe", 2)),
+        "tp sliced generate": ("generated", (qwen3, 4, 4, "epmoe", 2)),
+        # ep_size=2, tp_size=2, fsdp_size=2: each EP group shares one batch
+        "tp shared": ("compared", (qwen3, torch.float64, 2, 4, "plain", "epmoe", 2)),
+    }
 
 
 def results(saved, world: int, runs: dict, label: str):
@@ -72,7 +91,8 @@ def test_import_registers_epmoe_in_transformers_ep_implementations():
 @pytest.mark.parametrize(
     "label",
     [f"{f}/float64" for f in FLOAT64]
-    + ["qwen3_moe/float32", "deepseek_v3/float32", "qwen3_moe/checkpointing", "qwen3_moe/skewed", "qwen3_moe/static"],
+    + ["qwen3_moe/float32", "deepseek_v3/float32", "qwen3_moe/checkpointing", "qwen3_moe/skewed", "qwen3_moe/static"]
+    + ["qwen3_moe/shared batch", "qwen3_moe/shared batch skewed"],
 )
 def test_exact_against_all_to_all_at_ep2(saved, label):
     tol = FP32 if label.endswith("float32") else EXACT
@@ -82,7 +102,9 @@ def test_exact_against_all_to_all_at_ep2(saved, label):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("label", ["qwen3_moe/generate", "qwen3_moe/static generate"])
+@pytest.mark.parametrize(
+    "label", ["qwen3_moe/generate", "qwen3_moe/static generate", "qwen3_moe/shared batch generate"]
+)
 def test_generate_gives_the_same_tokens(saved, label):
     assert results(saved, 2, two_rank_runs(saved), label) == [True, True]
 
@@ -90,48 +112,65 @@ def test_generate_gives_the_same_tokens(saved, label):
 @pytest.mark.multirank
 def test_inference_runs_the_static_exchange_sync_free_with_static_tokens(saved):
     """An inference call (no gradient) runs the static exchange: reading its route headers (one host
-    read: the buffer fitted to each forward's batch), or none with ``static_tokens``; exact either way."""
-    for label, reads in (("qwen3_moe/inference", 1), ("qwen3_moe/static inference", 0)):
+    read: the buffer fitted to each forward's batch), or none with ``static_tokens``; where the EP group
+    shares one batch (``ep_size == tp_size``) nothing moves, and nothing is read but the step check's
+    batch sizes (none without step checks, the accelerators' default); exact every way."""
+    cases = {
+        "qwen3_moe/inference": 1,
+        "qwen3_moe/static inference": 0,
+        "qwen3_moe/shared batch inference": 1,
+        "qwen3_moe/shared batch unchecked": 0,
+    }
+    for label, reads in cases.items():
         for result in results(saved, 2, two_rank_runs(saved), label):
             assert result == {"reads": reads, "equal": True}, (label, result)
 
 
 @pytest.mark.multirank
-def test_exact_on_a_four_rank_mesh_each_expert_on_two_ranks(saved):
-    runs = {"mesh": ("compared", (saved["qwen3_moe"], torch.float64, 2, 4, "plain"))}
-    for result in results(saved, 4, runs, "mesh"):
+@pytest.mark.parametrize("label", ["mesh", "tp sliced", "tp shared"])
+def test_exact_on_four_rank_meshes(saved, label):
+    """``ep_size=2, fsdp_size=4`` (each expert on two ranks); ``ep_size=4, tp_size=2`` (each TP group's
+    batch sliced over its ranks before the exchange, gathered after); ``ep_size=2, tp_size=2,
+    fsdp_size=2`` (each EP group shares one batch)."""
+    for result in results(saved, 4, four_rank_runs(saved), label):
         assert result["loss"] <= EXACT and result["grads"] <= EXACT, result
 
 
 @pytest.mark.multirank
-def test_what_it_cannot_serve_is_refused_at_load_on_every_rank(saved):
+def test_generate_on_a_tp_mesh(saved):
+    assert results(saved, 4, four_rank_runs(saved), "tp sliced generate") == [True] * 4
+
+
+@pytest.mark.multirank
+def test_what_it_cannot_serve_is_refused_on_every_rank(saved):
     from transformers_ep_workers import refused
 
     for errors in start_ranks(refused, 2, saved["qwen3_moe"], timeout=300):
-        assert errors["tp mesh"].startswith("ValueError") and "tp_size=2" in errors["tp mesh"]
-        assert "ep_implementation='epmoe'" in errors["tp mesh"]
         assert errors["capacity_factor"].startswith("ValueError: ep_implementation='epmoe-capacity'")
         assert "capacity_factor=1.0" in errors["capacity_factor"]
+        assert errors["fused"].startswith("ValueError: ep_implementation='epmoe-fused'")
+        assert "dispatch='fused'" in errors["fused"]
+        uneven = errors["batches of two sizes"]
+        assert uneven.startswith("ValueError") and "[3, 4] tokens" in uneven and "same batch" in uneven, uneven
 
 
 def test_what_epmoe_cannot_serve_is_named():
     model = build_model("qwen3_moe")
     experts = model.model.layers[0].mlp.experts
-    assert why_not_served(experts, 1) is None
-    assert "tp_size=2" in why_not_served(experts, 2)
-    assert "not transformers' packed experts" in why_not_served(nn.Linear(2, 2), 1)
+    assert why_not_served(experts) is None
+    assert "not transformers' packed experts" in why_not_served(nn.Linear(2, 2))
     override = type(
         "OverriddenExperts", (type(experts),), {"forward": lambda self, *a: type(experts).forward(self, *a)}
     )
     experts.__class__ = override
-    assert "OverriddenExperts" in why_not_served(experts, 1) and "overridden" in why_not_served(experts, 1)
+    assert "OverriddenExperts" in why_not_served(experts) and "overridden" in why_not_served(experts)
     for config, named in (
         (ExpertParallelConfig(capacity_factor=1.0), "capacity_factor=1.0"),
         (ExpertParallelConfig(dispatch="fused"), "dispatch='fused'"),
         (ExpertParallelConfig(dispatch="fused", num_chunks=2), "dispatch='fused'"),
         (ExpertParallelConfig(expert_grad="mean"), "expert_grad='mean'"),
     ):
-        assert named in why_not_served(experts, 1, config)
+        assert named in why_not_served(experts, config)
 
 
 def test_register_validates_and_binds_a_config():

@@ -16,10 +16,14 @@ from epmoe.integrations import transformers_ep
 CONFIGURED = {
     "epmoe-static": {"dispatch": "static", "static_tokens": 64, "check_steps": False},
     "epmoe-capacity": {"capacity_factor": 1.0},
+    "epmoe-fused": {"dispatch": "fused"},
+    "epmoe-unchecked": {"check_steps": False},  # what accelerators default to
 }
 
 
-def load(path: str, implementation: str, dtype: torch.dtype, ep_size: int, fsdp_size: int) -> torch.nn.Module:
+def load(
+    path: str, implementation: str, dtype: torch.dtype, ep_size: int, fsdp_size: int, tp_size: int = 1
+) -> torch.nn.Module:
     """The saved model through transformers' own EP, its experts exchanged by ``implementation``."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -30,7 +34,9 @@ def load(path: str, implementation: str, dtype: torch.dtype, ep_size: int, fsdp_
         path,
         dtype=dtype,
         experts_implementation="eager" if dtype == torch.float64 else "grouped_mm",  # grouped_mm takes no float64
-        distributed_config=DistributedConfig(ep_size=ep_size, fsdp_size=fsdp_size, ep_implementation=implementation),
+        distributed_config=DistributedConfig(
+            ep_size=ep_size, fsdp_size=fsdp_size, tp_size=tp_size, ep_implementation=implementation
+        ),
     )
 
 
@@ -41,27 +47,35 @@ def _skewed(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for router in routers:
             router.weight.zero_()
-        weight = routers[0].weight.full_tensor()  # FSDP2 shards it
+        weight = routers[0].weight
+        weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # FSDP2 shards it
         scores = torch.softmax(torch.randn(6, weight.shape[1], dtype=weight.dtype) @ weight.T, dim=-1)
         index_TK = torch.topk(scores, model.config.num_experts_per_tok).indices  # what the router picks
     assert (index_TK // (model.config.num_experts // 2)).unique().numel() == 1, index_TK  # one EP rank's experts
 
 
 def compared(
-    rank: int, path: str, dtype: torch.dtype, ep_size: int, world: int, variant: str, implementation: str = "epmoe"
+    rank: int,
+    path: str,
+    dtype: torch.dtype,
+    ep_size: int,
+    world: int,
+    variant: str,
+    implementation: str = "epmoe",
+    tp_size: int = 1,
 ) -> dict:
     """``{"loss": ..., "grads": ..., "compared": n}``: the largest relative differences of ``"epmoe"``
-    from ``"all_to_all"`` over a few AdamW steps (every parameter's whole gradient), ranks' batches
-    of different lengths; ``variant``: ``"plain"``, ``"checkpointing"`` (gradient checkpointing on),
-    ``"skewed"`` (routers zeroed: one rank receives every token)."""
+    from ``"all_to_all"`` over a few AdamW steps (every parameter's whole gradient), the batches of
+    ranks in different TP groups of different lengths; ``variant``: ``"plain"``, ``"checkpointing"``
+    (gradient checkpointing on), ``"skewed"`` (routers zeroed: one rank receives every token)."""
     runs = {}
     for name in ("all_to_all", implementation):
-        model = load(path, name, dtype, ep_size, world)
+        model = load(path, name, dtype, ep_size, world // tp_size, tp_size)
         if variant == "checkpointing":
             model.gradient_checkpointing_enable()
         if variant == "skewed":
             _skewed(model)
-        runs[name] = _train(model, rank, 0, reduce=False)
+        runs[name] = _train(model, rank // tp_size, 0, reduce=False)  # the ranks of a TP group share a batch
     ref, got = runs["all_to_all"], runs[implementation]
     return {
         "loss": max(map(_rel, got["loss"], ref["loss"])),
@@ -70,14 +84,15 @@ def compared(
     }
 
 
-def generated(rank: int, path: str, ep_size: int, world: int, implementation: str = "epmoe") -> bool:
+def generated(rank: int, path: str, ep_size: int, world: int, implementation: str = "epmoe", tp_size: int = 1) -> bool:
     """Whether greedy ``generate`` gives the same tokens with ``implementation`` as with ``"all_to_all"``
-    (ranks with prompts of different lengths)."""
-    g = torch.Generator().manual_seed(11 + rank)
-    prompt = torch.randint(0, 200, (1, 4 + 3 * rank), generator=g)
+    (TP groups with prompts of different lengths)."""
+    group = rank // tp_size  # the ranks of a TP group share a batch
+    g = torch.Generator().manual_seed(11 + group)
+    prompt = torch.randint(0, 200, (1, 4 + 3 * group), generator=g)
     tokens = {}
     for name in ("all_to_all", implementation):
-        model = load(path, name, torch.float64, ep_size, world).eval()
+        model = load(path, name, torch.float64, ep_size, world // tp_size, tp_size).eval()
         with torch.no_grad():
             tokens[name] = model.generate(prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     return torch.equal(tokens["all_to_all"], tokens[implementation])
@@ -97,17 +112,14 @@ def cases(rank: int, world: int, runs: dict) -> dict:
 
 
 def refused(rank: int, world: int, path: str) -> dict:
-    """``{case: the error it raises at load on this rank, or "no error"}``: a TP mesh with
-    ``ep_implementation="epmoe"``, and an implementation registered with ``capacity_factor``."""
-    from transformers.distributed import DistributedConfig
-
+    """``{case: the error it raises on this rank, or "no error"}``: loading an implementation
+    registered with ``capacity_factor``, or with the fused ops; calling experts whose EP group shares
+    one batch (``ep_size == tp_size``) with batches of different sizes."""
     out = {}
     for case, loading in (
-        (
-            "tp mesh",
-            lambda: load_with(path, DistributedConfig(ep_size=2, tp_size=2, fsdp_size=1, ep_implementation="epmoe")),
-        ),
         ("capacity_factor", lambda: load(path, "epmoe-capacity", torch.float32, 2, 2)),
+        ("fused", lambda: load(path, "epmoe-fused", torch.float32, 2, 2)),
+        ("batches of two sizes", lambda: _uneven_shared_batch(rank, path)),
     ):
         try:
             loading()
@@ -118,26 +130,21 @@ def refused(rank: int, world: int, path: str) -> dict:
     return out
 
 
-def load_with(path: str, config) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
-
-
-def inference_reads(rank: int, path: str, implementation: str) -> dict:
+def inference_reads(rank: int, path: str, implementation: str, tp_size: int = 1) -> dict:
     """Host reads and whether the output is right (to float32 rounding), of one experts module's
     decode-sized inference call (its second: the first sets it up) under ``implementation``, against
-    ``"all_to_all"``'s. float32: the grouped matmuls take their counts on the device (float64's
-    ``loop`` backend reads them)."""
+    ``"all_to_all"``'s (``tp_size=2``: the EP group shares one batch). float32: the grouped matmuls
+    take their counts on the device (float64's ``loop`` backend reads them)."""
     from host_reads import counting_host_reads
 
-    g = torch.Generator().manual_seed(5 + rank)
+    seed = 5 + rank // tp_size  # the ranks of a TP group share a batch
+    g = torch.Generator().manual_seed(seed)
     outs, reads = {}, {}
     for name in ("all_to_all", implementation):
-        model = load(path, name, torch.float32, 2, 2)
+        model = load(path, name, torch.float32, 2, 2 // tp_size, tp_size)
         experts = model.model.layers[0].mlp.experts
         E, K = model.config.num_experts, model.config.num_experts_per_tok
-        x = torch.randn(3 + rank, model.config.hidden_size, generator=g)
+        x = torch.randn(3 + rank // tp_size, model.config.hidden_size, generator=g)
         index = torch.rand(x.shape[0], E, generator=g).argsort(dim=1)[:, :K]
         weights = torch.softmax(torch.randn(x.shape[0], K, generator=g), dim=-1)
         with torch.no_grad():
@@ -145,7 +152,7 @@ def inference_reads(rank: int, path: str, implementation: str) -> dict:
             with counting_host_reads() as calls:
                 outs[name] = experts(x, index, weights)
         reads[name] = len(calls)
-        g = torch.Generator().manual_seed(5 + rank)  # the same tokens for both
+        g = torch.Generator().manual_seed(seed)  # the same tokens for both
     return {"reads": reads[implementation], "equal": _rel(outs[implementation], outs["all_to_all"]) <= 1e-5}
 
 
@@ -214,6 +221,14 @@ def _refused_on_every_rank(model: torch.nn.Module, rank: int, routes: torch.Tens
     except ValueError as exc:
         return "left over" in str(exc) if rank == 0 else "could not replay" in str(exc)
     return False
+
+
+def _uneven_shared_batch(rank: int, path: str) -> None:
+    model = load(path, "epmoe", torch.float32, 2, 1, tp_size=2)
+    K, H = model.config.num_experts_per_tok, model.config.hidden_size
+    index = torch.arange(K).repeat(3 + rank, 1)
+    with torch.no_grad():
+        model.model.layers[0].mlp.experts(torch.randn(3 + rank, H), index, torch.ones(3 + rank, K) / K)
 
 
 KINDS = {"compared": compared, "generated": generated, "inference_reads": inference_reads}

@@ -41,8 +41,8 @@ _RECORDERS: list[Traffic] = []
 
 @contextmanager
 def count_traffic() -> Iterator[Traffic]:
-    """Count this process's :func:`all_to_all_v` and :func:`~epmoe.comm.static.static_exchange`
-    traffic inside the ``with`` block (the fused ops' pipelined exchanges and the small step-header
+    """Count this process's :func:`all_to_all_v`, :func:`~epmoe.comm.static.static_exchange` and
+    shared-batch sums' (:mod:`epmoe.comm.reduce`) traffic inside the ``with`` block (the fused ops' pipelined exchanges and the small step-header
     exchanges are not counted)."""
     traffic = Traffic()
     _RECORDERS.append(traffic)

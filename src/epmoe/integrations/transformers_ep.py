@@ -34,6 +34,16 @@ host read per layer) and fitted to each forward's largest batch, so the decode s
 exchange decode-sized buffers. With ``ExpertParallelConfig(dispatch="static", static_tokens=N)`` the
 buffer is ``N`` and nothing is read to the host (sync-free, training included).
 
+With a TP mesh (``tp_size > 1``) the ranks of a TP group hold the same batch. Where the EP group is
+the TP group (``ep_size == tp_size``: transformers' ``shares_batch``), nothing needs to move: the
+shared-batch transport (:mod:`epmoe.ep.dispatch.shared`) runs each rank's experts on the batch's
+pairs routed to them and one all-reduce sums the partial outputs, in training and at inference, no
+host read (but the step check's batch sizes, where ``check_steps`` runs), where transformers'
+``"all_reduce"`` pushes the masked routes through its experts too. Where the EP group spans several
+TP groups (or ``dispatch`` names ``"alltoallv"`` / ``"static"``), each TP rank takes its slice of the
+shared batch (``Replicate`` to ``Shard(0)``: a local chunk), the per-rank exchange runs on the
+slices, and the slices' outputs are gathered over TP, as transformers' ``"all_to_all"`` does.
+
 The routing weights, the router and everything outside the experts module stay transformers', and so
 do the expert gradients' reduction (FSDP2 over the expert-FSDP mesh) and their clipping. An
 :class:`~epmoe.ExpertParallelConfig` given to :func:`register` (``register("mine", config)``, then
@@ -42,9 +52,8 @@ always, ``"static"`` always), ``static_tokens``, ``gmm_backend``, ``check_steps`
 epmoe cannot serve raises ``ValueError`` when transformers builds the implementation (at load, on
 every rank: every rank builds the same modules' implementations), naming it, never falling back to
 another path: ``capacity_factor`` and the fused ops (``dispatch="fused"``, ``num_chunks``), an
-``expert_grad`` other than ``"auto"`` (the expert gradients are transformers' FSDP2's), a TP mesh
-(``tp_size > 1``: the EP group then shares its batch, which ``"all_reduce"`` serves without moving a
-token), experts that are not transformers' packed experts, and experts whose class departs from the
+``expert_grad`` other than ``"auto"`` (the expert gradients are transformers' FSDP2's), experts that
+are not transformers' packed experts, and experts whose class departs from the
 decorated contract or holds what the routed MLP op does not run (a norm after the down projection,
 parameters shared by the experts). Without transformers' ``EPImplementationInterface`` (transformers
 older than 5.24) nothing is registered.
@@ -56,13 +65,14 @@ import itertools
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from epmoe.comm.steps import DEFAULT_TIMEOUT_S, StepChannel, checks_on
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import departures
 from epmoe.ep.counters import LoadCounters, attach_counted
 from epmoe.ep.counts import GUARD, exchange_layer_counts
-from epmoe.ep.dispatch import AllToAllVDispatcher, Dispatcher, Link, StaticDispatcher
+from epmoe.ep.dispatch import AllToAllVDispatcher, Dispatcher, Link, SharedBatchDispatcher, StaticDispatcher
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.position import LayerPosition
 from epmoe.ep.recognize import is_packed_experts
@@ -77,9 +87,8 @@ EP_IMPLEMENTATION = "epmoe"  # the name DistributedConfig(ep_implementation=...)
 _ORDINALS = itertools.count()  # experts modules in the order transformers builds their implementations
 
 
-def why_not_served(experts: nn.Module, tp_size: int, config: ExpertParallelConfig | None = None) -> str | None:
-    """Why :class:`EpmoeEP` cannot run ``experts`` under transformers' EP with a TP mesh of
-    ``tp_size`` ranks and ``config`` (``None``: it can)."""
+def why_not_served(experts: nn.Module, config: ExpertParallelConfig | None = None) -> str | None:
+    """Why :class:`EpmoeEP` cannot run ``experts`` under transformers' EP with ``config`` (``None``: it can)."""
     config = config or ExpertParallelConfig()
     refused = {
         "capacity_factor": config.capacity_factor is not None,
@@ -93,11 +102,6 @@ def why_not_served(experts: nn.Module, tp_size: int, config: ExpertParallelConfi
             f"ExpertParallelConfig({option}={getattr(config, option)!r}) is not served inside transformers' "
             f"expert parallelism (it runs the all-to-all-v or the static exchange, dropless, and transformers' "
             f"FSDP2 reduces the expert gradients); use epmoe.from_pretrained or apply_expert_parallel for it"
-        )
-    if tp_size > 1:
-        return (
-            f"tp_size={tp_size}: the ranks of the EP group share one batch, which epmoe's per-rank exchange does "
-            f"not serve; use ep_implementation='auto' (its all_reduce path) or tp_size=1"
         )
     name = type(experts).__name__
     if not is_packed_experts(experts):
@@ -124,7 +128,7 @@ class EpmoeEP(_Base):
     registered_as = EP_IMPLEMENTATION
 
     def __init__(self, experts: nn.Module, ep_mesh, tp_mesh):
-        reason = why_not_served(experts, tp_mesh.size(), self.config)
+        reason = why_not_served(experts, self.config)
         if reason is not None:
             raise ValueError(f"ep_implementation={self.registered_as!r}: {reason}")
         super().__init__(experts, ep_mesh, tp_mesh)
@@ -137,7 +141,10 @@ class EpmoeEP(_Base):
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
         self.channel = StepChannel(ep_mesh.get_group(), e + 3 + GUARD, timeout_s=timeout) if W > 1 else None
         self.steps = LayerPosition(ordinal)
-        self.training, self.inference = _transports(self.config)
+        # transformers' own reading of its meshes: the EP group is the TP group, every rank holds the same batch
+        self.training, self.inference = _transports(self.config, self.shares_batch)
+        # a TP group shares a batch that the per-rank exchange must see once: each TP rank sends its slice
+        self.sliced = tp_mesh.size() > 1 and not isinstance(self.training, SharedBatchDispatcher)
         self.loads = LoadCounters(e)  # read by epmoe.expert_load, which finds them on the experts module
         attach_counted(experts, self)
         self._local: LocalExperts | None = None  # made at the first call, when the weights are local tensors
@@ -153,12 +160,20 @@ class EpmoeEP(_Base):
         trained = torch.is_grad_enabled() and hidden_states.requires_grad
         transport = self.training if trained else self.inference
         checks = checks_on(self.config.check_steps, hidden_states.device)
-        return _call_eagerly(self, local, transport, checks, hidden_states, top_k_index.long(), top_k_weights)
+        call = _call if transport.traced_whole(checks) else _call_eagerly
+        if not self.sliced:
+            return call(self, local, transport, checks, hidden_states, top_k_index.long(), top_k_weights)
+        route = (_tp_slice(t, self.tp_mesh) for t in (hidden_states, top_k_index.long(), top_k_weights))
+        return _tp_gathered(call(self, local, transport, checks, *route), self.tp_mesh, hidden_states.shape[0])
 
 
-def _transports(config: ExpertParallelConfig) -> tuple[Dispatcher, Dispatcher]:
+def _transports(config: ExpertParallelConfig, shares_batch: bool) -> tuple[Dispatcher, Dispatcher]:
     """``(training, inference)``: the transports a call takes with and without gradients through its
-    tokens, for ``config.dispatch`` (see the module docstring)."""
+    tokens, for ``config.dispatch`` and an EP group that ``shares_batch`` or not (see the module
+    docstring)."""
+    if shares_batch and config.dispatch == "auto":
+        shared = SharedBatchDispatcher()
+        return shared, shared
     if config.dispatch == "alltoallv":
         return AllToAllVDispatcher(), AllToAllVDispatcher()
     if config.dispatch == "static":
@@ -212,6 +227,19 @@ def _call(
 _call_eagerly = torch.compiler.disable(
     _call, reason="the counts exchange reads the counts to the host: one graph break per layer"
 )
+
+
+def _tp_slice(x: torch.Tensor, tp_mesh) -> torch.Tensor:
+    """This TP rank's rows of ``x``, which every rank of the TP group holds alike (``Replicate`` to
+    ``Shard(0)``: a local chunk, no communication; its backward all-gathers the rows' gradients)."""
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).redistribute(tp_mesh, [Shard(0)]).to_local()
+
+
+def _tp_gathered(out_tH: torch.Tensor, tp_mesh, num_tokens: int) -> torch.Tensor:
+    """``(T, H)``: the TP ranks' slices of the output gathered (uneven or empty ones too), on every rank."""
+    H = out_tH.shape[1]
+    sliced = DTensor.from_local(out_tH.contiguous(), tp_mesh, [Shard(0)], shape=(num_tokens, H), stride=(H, 1))
+    return sliced.full_tensor()
 
 
 def register(name: str = EP_IMPLEMENTATION, config: ExpertParallelConfig | dict | None = None) -> bool:

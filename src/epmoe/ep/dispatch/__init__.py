@@ -17,6 +17,9 @@ one module per transport, each dispatcher built once per layer when EP is applie
   across ``alltoallv_gmm`` / ``gmm_alltoallv``, a block's shared expert in their gaps.
 * :mod:`~epmoe.ep.dispatch.static` (``"static"``): fixed-size buffers of ``B >= T`` rows per rank
   pair, padded: no counts exchange and no host read, traced whole by ``torch.compile``.
+* :mod:`~epmoe.ep.dispatch.shared`: an EP group whose ranks hold the same batch (transformers' EP
+  with ``ep_size == tp_size``, :mod:`epmoe.integrations.transformers_ep`; no ``dispatch`` value):
+  nothing moves, the ranks' partial outputs are summed.
 
 ``"auto"`` is resolved when EP is applied (:func:`epmoe.compose.apply.apply_expert_parallel`): to
 ``"alltoallv"`` on every device, which sends each token once per rank holding its experts, where the
@@ -33,6 +36,7 @@ from __future__ import annotations
 from epmoe.ep.dispatch.alltoallv import AllToAllVDispatcher
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows, SharedExpert
 from epmoe.ep.dispatch.fused import FusedDispatcher
+from epmoe.ep.dispatch.shared import SharedBatchDispatcher
 from epmoe.ep.dispatch.static import DecodeDispatcher, StaticDispatcher
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "FusedDispatcher",
     "Link",
     "RoutedRows",
+    "SharedBatchDispatcher",
     "SharedExpert",
     "StaticDispatcher",
 ]
