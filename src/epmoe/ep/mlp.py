@@ -143,11 +143,13 @@ def weighted_sum(
         return (y_PH.new_zeros(R, H, dtype=sum_dtype) + connected).to(out_dtype)
     if P < R * K or padded:  # some (row, k) have no pair: they read an appended zero row
         y_PH = torch.cat([y_PH, y_PH.new_zeros(1, H)])
+    # padded, P = R * K: one gather of every (row, k), no larger than y_PH (the same sums)
+    y_RKH = y_PH[pair_RK] if padded else None
     out_RH = None
     for k in range(K):
-        y_RH = y_PH[pair_RK[:, k]]
+        y_RH = y_RKH[:, k] if padded else y_PH[pair_RK[:, k]]
         if weights_RK is None:
-            out_RH = y_RH.to(sum_dtype) if out_RH is None else out_RH.add_(y_RH)
+            out_RH = y_RH.to(sum_dtype).contiguous() if out_RH is None else out_RH.add_(y_RH)
         elif out_RH is None:
             out_RH = (y_RH * weights_RK[:, k : k + 1]).to(sum_dtype)
         else:
@@ -155,8 +157,7 @@ def weighted_sum(
     return out_RH.to(out_dtype)
 
 
-@torch.library.custom_op("epmoe::routed_mlp", mutates_args=())
-def _routed_mlp_op(
+def _routed_mlp(
     x_RH: torch.Tensor,
     weights_RK: torch.Tensor,
     slot_P: torch.Tensor,
@@ -190,6 +191,9 @@ def _routed_mlp_op(
         _padding(counts_e, slot_P.numel()) if padded else None,
     )
     return weighted_sum(y_PH, weights_RK, pair_RK, x_RH.dtype, padded), h_PN
+
+
+_routed_mlp_op = torch.library.custom_op("epmoe::routed_mlp", _routed_mlp, mutates_args=())
 
 
 def _padding(counts_e: torch.Tensor, num_pairs: int) -> torch.Tensor:
@@ -403,8 +407,12 @@ def routed_mlp_custom_op(
     differentiable = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x_RH, weights_RK, up, down, up_bias, down_bias)
     )
-    host_counts = None if torch.compiler.is_compiling() else pairs.host_counts_e
-    out_RH, _ = torch.ops.epmoe.routed_mlp(
+    compiling = torch.compiler.is_compiling()
+    host_counts = None if compiling else pairs.host_counts_e
+    # an eager call without gradients runs the op's body itself: at decode sizes the op's dispatch
+    # costs as much as the MLP
+    op = torch.ops.epmoe.routed_mlp if differentiable or compiling else _routed_mlp
+    out_RH, _ = op(
         x_RH,
         weights_RK,
         pairs.slot_P,

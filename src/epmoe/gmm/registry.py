@@ -335,12 +335,14 @@ class BackendChoice:
         ``backward`` and the weights' :class:`Operands`, so a later call with the same costs one
         dictionary lookup; where the counts may change the answer (``"auto"`` with a ``by_counts``
         backend that :meth:`~epmoe.gmm.backend.GmmBackend.calls_reason` leaves to the counts, such as
-        ``batched`` in an undifferentiated call on the CPU), it is chosen again per call instead."""
+        ``batched`` in an undifferentiated call on the CPU, given host ``counts``), it is chosen again
+        per call instead (without host counts ``auto`` passes such a backend over: kept too)."""
         key = (
             _registry_version,
             os.environ.get(ENV_BACKEND, ""),
             backward,
             trans_weight,
+            counts is None,
             *((w.device, w.dtype, w.shape, w.stride(), w.is_meta or w.data_ptr() % 16 == 0) for w in weights),
         )
         chosen = self._fixed.get(key)
@@ -348,8 +350,10 @@ class BackendChoice:
             calls = [(w.new_empty(0, w.shape[2 if trans_weight else 1]), w, trans_weight) for w in weights]
             chosen = self.backend_for(calls, counts=counts, backward=backward)
             named = os.environ.get(ENV_BACKEND, "").strip() or self.requested
-            if named != "auto" or all(
-                b.calls_reason(calls[0][0], backward=backward) is not None for b in _registry if b.by_counts
+            if (
+                named != "auto"
+                or counts is None
+                or all(b.calls_reason(calls[0][0], backward=backward) is not None for b in _registry if b.by_counts)
             ):
                 self._fixed[key] = chosen
         return chosen

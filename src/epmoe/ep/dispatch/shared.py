@@ -59,7 +59,7 @@ class SharedBatchDispatcher(Dispatcher):
         e = shard.num_local_experts
         if link.checks and group is not None:
             _check_one_batch(link, hidden_TH)
-        if group is not None:
+        if group is not None and torch.is_grad_enabled():
             hidden_TH = gradients_summed(hidden_TH, group)
             top_k_weights_TK = gradients_summed(top_k_weights_TK, group)
         local_TK = top_k_index_TK - shard.local_start
