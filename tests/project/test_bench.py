@@ -224,6 +224,9 @@ def test_bench_versus_quick(tmp_path, capsys):
     ):
         assert all(float(v) >= 0 for v in rows[figure][:2]) and float(rows[figure][2]) > 0, (figure, rows[figure])
     assert any(key.startswith("decode batch 8 ms/token") for key in rows)
-    for feature in ("families", "routing replay (RL)"):
+    for figure in ("step time ms (fwd + bwd + AdamW)", "decode batch 1 ms/token", "decode batch 8 ms/token"):
+        cells = rows[f"shared batch (ep_size = tp_size = 2): {figure}"]
+        assert cells[0] == "" and float(cells[1]) > 0 and float(cells[2]) > 0 and float(cells[4]) > 0, cells
+    for feature in ("families", "routing replay (RL), load telemetry", "TP mesh (`tp_size > 1`)"):
         assert feature in rows
     assert "epmoe bench versus --quick" in out.read_text()

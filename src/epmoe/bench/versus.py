@@ -38,6 +38,11 @@ own batch, the same batches for all, every figure measured in the same run:
   per rank (different prompts per rank), ms per token, the slowest rank's: transformers' EP model as
   loaded (FSDP2 included: it has no other form), epmoe's EP model without FSDP (what one runs for
   inference), and the model without EP on every rank.
+- **shared batch** (``DistributedConfig(ep_size=W, tp_size=W, fsdp_size=1)``: every rank of the EP
+  group holds the same batch): the two systems built on transformers' EP, the step as above (its
+  ``"auto"`` runs ``all_to_all`` there, each TP rank's slice of the batch) and greedy ``generate`` as
+  above, the same prompts on every rank (its ``"auto"`` runs ``all_reduce`` at inference; epmoe's
+  shared-batch transport in both).
 - **features**: what each system offers across the lifecycle. Checked in this run: ``save_pretrained``
   on every rank then plain ``from_pretrained`` of the files (logits against the unsharded model's);
   PEFT LoRA on every expert tensor (``target_parameters``), 3 AdamW steps, fp64, the logits against the
@@ -152,10 +157,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def model_of(family: str, plan: Plan, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """``family``'s model at the plan's sizes: four key-value heads, which a TP mesh of up to four
+    ranks splits (the shared-batch figures)."""
     experts, top_k, width = FAMILIES[family]
-    return build_model(
-        family, num_experts=experts, top_k=top_k, hidden_size=plan.hidden, **{width: plan.intermediate}, dtype=dtype
-    )
+    sizes = {"hidden_size": plan.hidden, width: plan.intermediate, "num_key_value_heads": 4}
+    return build_model(family, num_experts=experts, top_k=top_k, dtype=dtype, **sizes)
 
 
 def run_versus(plan: Plan, settings: common.Settings) -> VersusReport:
@@ -208,6 +214,7 @@ def _rank(rank: int, world: int, path: str, family: str, plan: Plan, warmup: int
     del models["epmoe"]
     out["decode"] = _decode_figures(path, models, rank, warmup, repeats, seed)
     del models  # trained by the step figures: the round trips and checks load their own
+    out["shared"] = _shared_batch_figures(path, world, plan, warmup, repeats, seed)
     out["saved"] = _save_round_trips(path, world, rank)
     out["checked"] = {
         "lora": _checked(_lora_steps, path, world, rank, seed),
@@ -223,14 +230,17 @@ def _load(
     dtype: torch.dtype = torch.float32,
     experts: str = "grouped_mm",
     implementation: str = "auto",
+    shared_batch: bool = False,
 ) -> torch.nn.Module:
     """The saved model; with ``ep_size``, through transformers' own EP (``fsdp_size`` the world), its
     tokens exchanged by ``implementation`` (``"auto"``: its ``all_to_all`` here, where the ranks hold
-    different batches; ``"epmoe"``: epmoe's, registered by ``import epmoe``)."""
+    different batches; ``"epmoe"``: epmoe's, registered by ``import epmoe``); ``shared_batch``: a TP
+    mesh of ``ep_size`` ranks instead of FSDP (``tp_size=ep_size, fsdp_size=1``)."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    config = DistributedConfig(ep_size=ep_size, fsdp_size=ep_size, ep_implementation=implementation)
+    meshes = {"tp_size": ep_size, "fsdp_size": 1} if shared_batch else {"fsdp_size": ep_size}
+    config = DistributedConfig(ep_size=ep_size, ep_implementation=implementation, **meshes)
     kwargs = {"distributed_config": config} if ep_size else {}
     experts = experts if dtype != torch.float64 else "eager"  # grouped_mm takes no float64
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=experts, **kwargs)
@@ -507,6 +517,29 @@ def _decode_figures(
     return out
 
 
+def _shared_batch_figures(path: str, world: int, plan: Plan, warmup: int, repeats: int, seed: int) -> dict:
+    """``{"step": {system: seconds per round}, "decode": {batch: {system: seconds per token}}}`` of
+    the systems on transformers' EP with a TP mesh that is the EP group (every rank the same batch),
+    or ``{"error": ...}`` where transformers cannot load the model so."""
+    try:
+        models = {
+            "in transformers": _load(path, world, implementation=IN_TRANSFORMERS, shared_batch=True),
+            "transformers": _load(path, world, shared_batch=True),
+        }
+    except Exception:  # noqa: BLE001 - the table says what failed
+        return {"error": traceback.format_exc().strip().splitlines()[-1][:160]}
+    vocab = models["transformers"].config.vocab_size
+    steps = {name: _train_step(model, _batch(vocab, 0, 100, plan.tokens // 2, seed)) for name, model in models.items()}
+    timings = common.measure(steps, warmup=warmup, repeats=repeats, ranks=True)
+    out = {"step": {name: list(t.samples_s) for name, t in timings.items()}, "decode": {}}
+    for batch in DECODE_BATCHES:
+        prompt = torch.randint(0, vocab, (batch, PROMPT), generator=torch.Generator().manual_seed(seed + batch))
+        decodes = {name: (lambda m=m: _generate(m, prompt)) for name, m in models.items()}
+        timings = common.measure(decodes, warmup=warmup, repeats=repeats, ranks=True)
+        out["decode"][batch] = {name: [s / NEW_TOKENS for s in t.samples_s] for name, t in timings.items()}
+    return out
+
+
 def _generate(model: torch.nn.Module, prompt: torch.Tensor) -> None:
     with torch.no_grad():
         model.generate(
@@ -691,6 +724,7 @@ class VersusReport:
             ms = {name: 1e3 * statistics.median(samples) for name, samples in by_system.items()}
             label = f"decode batch {batch} ms/token (without EP: {ms['without EP']:.1f})"
             rows.append((label, *_cells(ms, 1, "{:.1f}"), *_ratios(ms)))
+        rows.extend(_shared_batch_rows(r["shared"], world))
         saved = {name: (v if isinstance(v, str) else f"reloads, logits {v:.1e}") for name, v in r["saved"].items()}
         rows.append(("save_pretrained on every rank, plain reload (this run)", *(saved[n] for n in SYSTEMS), "", ""))
         return rows
@@ -759,10 +793,17 @@ class VersusReport:
                 "none: `DistributedConfig` shards with FSDP2 at load",
             ),
             (
-                "routing replay (RL)",
-                "`epmoe.record_routing` / `replay_routing` (tests/training/test_replay*.py)",
-                "not yet",
+                "routing replay (RL), load telemetry",
+                "`epmoe.record_routing` / `replay_routing` (tests/training/test_replay*.py), `epmoe.expert_load`",
+                "the same calls on the loaded model (tests/models/test_transformers_ep.py)",
                 "no API",
+            ),
+            (
+                "TP mesh (`tp_size > 1`)",
+                "none: EP x DP meshes",
+                "ep_size == tp_size: nothing moves, partial outputs all-reduced; otherwise each TP rank "
+                "exchanges its slice (tests/models/test_transformers_ep.py)",
+                "`all_reduce` at inference where ep_size == tp_size, else `all_to_all` on TP slices",
             ),
         ]
 
@@ -826,6 +867,21 @@ Reproduce (from the repository root, after `scripts/setup.sh test`):
 
 {self.markdown()}
 """
+
+
+def _shared_batch_rows(shared: dict, world: int) -> list[tuple]:
+    """The shared-batch figures' rows (epmoe's own column empty: it runs no TP mesh)."""
+    where = f"shared batch (ep_size = tp_size = {world})"
+    if "error" in shared:
+        return [(f"{where}: transformers loads it", "", shared["error"], shared["error"], "", "")]
+    rows = []
+    figures = [(f"{where}: step time ms (fwd + bwd + AdamW)", shared["step"])]
+    figures += [(f"{where}: decode batch {b} ms/token", by_system) for b, by_system in shared["decode"].items()]
+    for label, by_system in figures:
+        ms = {name: 1e3 * statistics.median(samples) for name, samples in by_system.items()}
+        ratio = f"{ms['in transformers'] / ms['transformers']:.2f}"
+        rows.append((label, "", f"{ms['in transformers']:.1f}", f"{ms['transformers']:.1f}", "", ratio))
+    return rows
 
 
 def _cells(values: dict, scale: float, fmt: str) -> tuple[str, ...]:
