@@ -1,11 +1,12 @@
-"""Counts exchange and all-to-all-v on real gloo ranks; the launcher's error handling."""
+"""Counts exchange, all-to-all-v and the shared-batch sums on real gloo ranks; the launcher's error handling."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from ranks import start_ranks
 
-from epmoe.comm import all_to_all_v, exchange_counts
+from epmoe.comm import all_to_all_v, count_traffic, exchange_counts
+from epmoe.comm.reduce import gradients_summed, summed
 from epmoe.launch import RankError
 
 
@@ -36,6 +37,7 @@ def _exchange_worker(rank, world, e):
     for r in range(world):
         assert torch.all(x.grad[offsets[r] : offsets[r] + in_splits[r]] == r + 1)
 
+    _check_shared_batch_sums(rank, world)
     if world != 2:  # compiling once is enough
         return True
     # a custom op: torch.compile traces it in one graph (fullgraph), forward and backward alike
@@ -45,6 +47,20 @@ def _exchange_worker(rank, world, e):
     y_compiled.sum().backward()
     assert torch.equal(y_compiled.detach(), y.detach() * (rank + 1)) and torch.equal(x.grad, eager_grad)
     return True
+
+
+def _check_shared_batch_sums(rank, world):
+    """``summed``: every rank's part added, its backward the identity; ``gradients_summed``: the
+    input unchanged, each rank's partial gradient added in backward; a ring's bytes counted."""
+    x = torch.full((3, 2), float(rank + 1), dtype=torch.float64, requires_grad=True)
+    shared = gradients_summed(x, None)
+    with count_traffic() as traffic:
+        total = summed(shared * (rank + 1), None)
+    expected = sum((r + 1) ** 2 for r in range(world))
+    assert torch.equal(shared.detach(), x.detach()) and torch.all(total == expected)
+    total.sum().backward()  # d total / d x on rank r: (r + 1), summed over the ranks
+    assert torch.all(x.grad == sum(r + 1 for r in range(world)))
+    assert traffic.bytes_to_peers == 2 * (world - 1) * x.numel() * 8 // world and traffic.exchanges == 1
 
 
 @pytest.mark.multirank
@@ -90,3 +106,10 @@ def test_exchange_counts_validation():
     assert send == recv == [3, 0, 2]
     with pytest.raises(ValueError, match="negative"):
         exchange_counts(torch.tensor([3, -1]))
+
+
+def test_shared_batch_sums_validation():
+    with pytest.raises(TypeError, match=r"summed\(partial\)"):
+        summed([1.0], None)
+    with pytest.raises(TypeError, match=r"gradients_summed\(x\)"):
+        gradients_summed(3, None)

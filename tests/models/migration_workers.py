@@ -12,7 +12,7 @@ import epmoe
 from epmoe.bench.versus import _load, _rel, _train
 
 
-def migrated(path: str, ep_size: int, world: int) -> torch.nn.Module:
+def migrated(path: str, ep_size: int, world: int, implementation: str = "auto") -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
@@ -21,17 +21,18 @@ def migrated(path: str, ep_size: int, world: int) -> torch.nn.Module:
         path,
         dtype=torch.float64,
         experts_implementation="eager",
-        distributed_config=DistributedConfig(ep_size=ep_size, fsdp_size=world),
+        distributed_config=DistributedConfig(ep_size=ep_size, fsdp_size=world, ep_implementation=implementation),
     )
     assert shards[0].num_local_experts * ep_size == shards[0].num_experts
     return model
 
 
-def exact(rank: int, world: int, path: str, ep_size: int) -> dict:
+def exact(rank: int, world: int, path: str, ep_size: int, implementation: str = "auto") -> dict:
     """``{"loss": ..., "grads": ...}``: the largest relative differences over 5 AdamW steps (fp64,
-    ranks' batches of different lengths) from the unsharded model, gradients averaged over ranks."""
+    ranks' batches of different lengths) from the unsharded model, gradients averaged over ranks;
+    ``implementation``: the config's ``ep_implementation``."""
     ref = _train(_load(path, dtype=torch.float64), rank, 0, reduce=True)
-    got = _train(migrated(path, ep_size, world), rank, 0, reduce=False)
+    got = _train(migrated(path, ep_size, world, implementation), rank, 0, reduce=False)
     return {
         "loss": max(map(_rel, got["loss"], ref["loss"])),
         "grads": max(
@@ -75,4 +76,9 @@ def refusals(rank: int, world: int, path: str) -> dict:
 
 
 def two_ranks(rank: int, world: int, path: str) -> dict:
-    return {"exact": exact(rank, world, path, world), "refusals": refusals(rank, world, path)}
+    return {
+        "exact": exact(rank, world, path, world),
+        # a config written for transformers' EP with epmoe's exchange inside it moves over unchanged
+        "exact with ep_implementation='epmoe'": exact(rank, world, path, world, "epmoe"),
+        "refusals": refusals(rank, world, path),
+    }

@@ -143,15 +143,7 @@ def apply_expert_parallel(
     if not isinstance(model, nn.Module):
         raise TypeError(f"apply_expert_parallel(model): expected an nn.Module, got {type(model).__name__}")
     config = ExpertParallelConfig.from_any(config)
-    group, dp_group = resolve_groups(ep_group)
-    if not dist.is_initialized():
-        if group is not None:
-            raise ValueError("apply_expert_parallel(ep_group): torch.distributed is not initialized")
-        ep_rank, ep_size = 0, 1
-    else:
-        ep_rank, ep_size = dist.get_rank(group), dist.get_world_size(group)
-    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-
+    group, dp_group, ep_rank, ep_size, dp_size = _groups_and_ranks(ep_group)
     found = find_experts_modules(model)
     if not found:
         raise ValueError(
@@ -169,10 +161,9 @@ def apply_expert_parallel(
     except (ValueError, TypeError) as exc:
         checked, error = None, exc
     _check_ranks_agree(group, ep_size, config, found, error)
-    shards, backend, declined = checked.shards, checked.backend, checked.declined_backends
 
     modules = dict(model.named_modules())
-    ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, shards)
+    ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, checked.shards)
     ep_model = EPModel(
         model,
         config,
@@ -186,6 +177,24 @@ def apply_expert_parallel(
     _swap_forwards(modules, found, checked, ep_model, config)
     if ep_model.sharded:
         _attach_to_model(model)
+    _log_applied(checked, len(found), ep_size, config)
+    return checked.shards
+
+
+def _groups_and_ranks(ep_group: Any) -> tuple[Any, Any, int, int, int]:
+    """``(group, dp_group, ep_rank, ep_size, dp_size)`` of what ``apply_expert_parallel`` was given
+    (a group of one where torch.distributed is not initialized and no group was)."""
+    group, dp_group = resolve_groups(ep_group)
+    if not dist.is_initialized():
+        if group is not None:
+            raise ValueError("apply_expert_parallel(ep_group): torch.distributed is not initialized")
+        return group, dp_group, 0, 1, 1
+    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+    return group, dp_group, dist.get_rank(group), dist.get_world_size(group), dp_size
+
+
+def _log_applied(checked: _Checked, num_modules: int, ep_size: int, config: ExpertParallelConfig) -> None:
+    """What was applied, in the log: the transport each module fell back to, the grouped-matmul backend."""
     if checked.declined_fused:
         name, reason = next(iter(checked.declined_fused.items()))
         logger.warning(
@@ -194,15 +203,15 @@ def apply_expert_parallel(
             name,
             reason,
         )
+    declined = checked.declined_backends
     logger.info(
         "epmoe: %d experts modules expert-parallel over %d ranks; grouped matmul backend %r (requested %r%s)",
-        len(found),
+        num_modules,
         ep_size,
-        backend.name if backend else "chosen at the first forward (meta weights)",
+        checked.backend.name if checked.backend else "chosen at the first forward (meta weights)",
         config.gmm_backend,
         "; declined: " + "; ".join(declined) if declined else "",
     )
-    return shards
 
 
 def _shards_applied_before(found: list, ep_size: int) -> list[ExpertShard] | None:

@@ -17,7 +17,8 @@ gives the same layout under epmoe: experts sharded over ``N`` consecutive ranks 
 mesh where ``N`` is less than the world: transformers' ``"ep"`` groups, the experts replicated over
 its expert-FSDP groups, their gradients reduced by epmoe), the rest in FSDP2 over the ``M`` ranks
 (:func:`epmoe.training.fsdp.shard_dense`). What it does not map (tensor or pipeline parallelism,
-HSDP, custom plans, offload, mixed precision, another ``ep_implementation``) raises naming the field.
+HSDP, custom plans, offload, mixed precision, an ``ep_implementation`` other than transformers' own or
+``"epmoe"``) raises naming the field.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from epmoe.checkpoint.state_dict_warning import own_state_dict
 from epmoe.compose.apply import apply_expert_parallel
 from epmoe.ep.lora import mark_full_shapes
 from epmoe.ep.params import expert_parameters
+from epmoe.integrations.transformers_ep import EP_IMPLEMENTATION
 from epmoe.platform import group_device
 from epmoe.training.fsdp import shard_dense
 
@@ -155,10 +157,11 @@ def _meshes_of(config: Any) -> tuple[Any, Any]:
         value = getattr(config, field, wanted)
         if bool(value) if wanted is None else value not in (wanted, None):
             raise ValueError(f"from_pretrained(distributed_config): {field}={value!r} is not taken: {why}")
-    if config.ep_implementation not in ("auto", "all_to_all"):
+    if config.ep_implementation not in ("auto", "all_to_all", EP_IMPLEMENTATION):
         raise ValueError(
             f"from_pretrained(distributed_config): ep_implementation={config.ep_implementation!r}: "
-            "epmoe replaces transformers' token exchange ('auto' or 'all_to_all'); leave it out"
+            f"epmoe replaces transformers' token exchange ('auto' or 'all_to_all'; {EP_IMPLEMENTATION!r}, epmoe's "
+            f"inside transformers' EP, is epmoe's already); leave it out"
         )
     if not dist.is_initialized():
         raise ValueError("from_pretrained(distributed_config): torch.distributed is not initialized")

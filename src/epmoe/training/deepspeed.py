@@ -342,30 +342,7 @@ def _groups_class() -> type:
         def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False, **kwargs: Any) -> None:
             from deepspeed.utils import groups
 
-            if use_data_before_expert_parallel_:
-                raise ValueError(
-                    "prepare_deepspeed: DeepSpeed's use_data_before_expert_parallel_ layout is not "
-                    "epmoe's ('dp', 'ep') mesh; leave it off"
-                )
-            if groups.mpu is not None:
-                raise ValueError(
-                    "prepare_deepspeed: DeepSpeed with model (tensor / pipeline) parallelism is not "
-                    "supported on an expert-parallel model"
-                )
-            engine = _calling_engine()
-            if engine is not None:  # before the optimizer partitions anything
-                check_zero_config(engine._config.zero_config, "deepspeed.initialize on an EP model")
-                if engine.zero_optimization_stage() == 3 and (
-                    has_expert_lora(self._root) or hasattr(self._root, "peft_config")
-                ):
-                    raise ValueError(
-                        "deepspeed.initialize on an EP model: DeepSpeed ZeRO stage 3 with a PEFT model "
-                        "(LoRA) around an expert-parallel model is not supported (its adapters would be "
-                        "saved from ZeRO-3's partitions); use ZeRO stage 1 or 2"
-                    )
-            client_optimizer = getattr(engine, "client_optimizer", None)
-            if isinstance(client_optimizer, torch.optim.Optimizer):  # before DeepSpeed's own checks of its groups
-                check_moe_param_groups(client_optimizer.param_groups, "deepspeed.initialize on an EP model")
+            _refuse_inexact_engine(self._root, use_data_before_expert_parallel_)
             name = self.expert_group_name
             if name not in groups._get_expert_parallel_group_dict():
                 groups._create_expert_and_data_parallel(self.ep_size)
@@ -379,6 +356,36 @@ def _groups_class() -> type:
 
     DeepSpeedExpertGroups.__module__ = __name__
     return DeepSpeedExpertGroups
+
+
+def _refuse_inexact_engine(root: nn.Module, use_data_before_expert_parallel_: bool) -> None:
+    """``ValueError`` for what the DeepSpeed engine starting on ``root`` was configured with that it
+    cannot run exactly on an EP model, before its groups are created or its optimizer partitions
+    anything."""
+    from deepspeed.utils import groups
+
+    if use_data_before_expert_parallel_:
+        raise ValueError(
+            "prepare_deepspeed: DeepSpeed's use_data_before_expert_parallel_ layout is not "
+            "epmoe's ('dp', 'ep') mesh; leave it off"
+        )
+    if groups.mpu is not None:
+        raise ValueError(
+            "prepare_deepspeed: DeepSpeed with model (tensor / pipeline) parallelism is not "
+            "supported on an expert-parallel model"
+        )
+    engine = _calling_engine()
+    if engine is not None:
+        check_zero_config(engine._config.zero_config, "deepspeed.initialize on an EP model")
+        if engine.zero_optimization_stage() == 3 and (has_expert_lora(root) or hasattr(root, "peft_config")):
+            raise ValueError(
+                "deepspeed.initialize on an EP model: DeepSpeed ZeRO stage 3 with a PEFT model "
+                "(LoRA) around an expert-parallel model is not supported (its adapters would be "
+                "saved from ZeRO-3's partitions); use ZeRO stage 1 or 2"
+            )
+    client_optimizer = getattr(engine, "client_optimizer", None)
+    if isinstance(client_optimizer, torch.optim.Optimizer):  # before DeepSpeed's own checks of its groups
+        check_moe_param_groups(client_optimizer.param_groups, "deepspeed.initialize on an EP model")
 
 
 def prepare_deepspeed_trainer(trainer: Any) -> None:

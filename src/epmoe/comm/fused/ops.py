@@ -291,37 +291,7 @@ def _agree(op: str, group, ep_size: int, call: Call | None, x: torch.Tensor | No
     """The agreement step (see the module docstring): ``ValueError`` on every rank unless every rank's
     arguments were valid (``call`` is ``None`` on a rank whose were not) and fit together;
     ``exchanged_width``: the columns of the rows that travel."""
-    fields = [
-        ("dtype", 0),
-        ("exchanged row width", 0),
-        ("number of rounds (num_chunks clamped to e)", 0),
-        ("local experts e", 0),
-        ("len(send_counts)", 0),
-        ("len(recv_counts)", 0),
-        ("impl", 0),
-    ]
-    blocks = [0] * (4 * ep_size)  # per peer r: rows sent to r, their hash; then per source s: rows expected, hash
-    if call is not None:
-        plan, e = call.plan, call.plan.e
-        send, recv = (
-            (plan.counts_rank_major_WE, plan.counts_expert_major_WE)
-            if op == "alltoallv_gmm"
-            else (plan.counts_expert_major_WE, plan.counts_rank_major_WE)
-        )
-        values = [
-            dtype_code(x.dtype),
-            exchanged_width,
-            len(plan.rounds),
-            e,
-            len(send),
-            len(recv),
-            IMPLS.index(call.impl),
-        ]
-        fields = [(name, value) for (name, _), value in zip(fields, values)]
-        for r in range(ep_size):
-            block_sent, block_expected = send[r * e : (r + 1) * e], recv[r * e : (r + 1) * e]
-            blocks[2 * r : 2 * r + 2] = [sum(block_sent), _counts_hash(block_sent)]
-            blocks[2 * ep_size + 2 * r : 2 * ep_size + 2 * r + 2] = [sum(block_expected), _counts_hash(block_expected)]
+    fields, blocks = _agreement_row(op, ep_size, call, x, exchanged_width)
 
     def show(name: str, value: int) -> object:
         return dtype_name(value) if name == "dtype" else IMPLS[value] if name == "impl" else value
@@ -331,9 +301,45 @@ def _agree(op: str, group, ep_size: int, call: Call | None, x: torch.Tensor | No
     rows = channel.agree(
         Position(MODEL_WIDE, AGREE, 0), device, fields, blocks, failed=call is None, caller=op, show=show
     )
+    if call is not None:
+        _check_counts_match(op, ep_size, channel.rank, [row[len(fields) :] for row in rows])
+
+
+def _agreement_row(
+    op: str, ep_size: int, call: Call | None, x: torch.Tensor | None, exchanged_width: int
+) -> tuple[list[tuple[str, int]], list[int]]:
+    """``(fields, blocks)`` this rank shows its peers: the fields every rank must share, then per peer
+    ``r`` the rows it sends ``r`` and their hash, per source ``s`` the rows it expects and their hash
+    (zeros where ``call`` is ``None``: its arguments failed)."""
+    names = (
+        "dtype",
+        "exchanged row width",
+        "number of rounds (num_chunks clamped to e)",
+        "local experts e",
+        "len(send_counts)",
+        "len(recv_counts)",
+        "impl",
+    )
+    blocks = [0] * (4 * ep_size)
     if call is None:
-        return
-    me, headers = channel.rank, [row[len(fields) :] for row in rows]
+        return [(name, 0) for name in names], blocks
+    plan, e = call.plan, call.plan.e
+    send, recv = (
+        (plan.counts_rank_major_WE, plan.counts_expert_major_WE)
+        if op == "alltoallv_gmm"
+        else (plan.counts_expert_major_WE, plan.counts_rank_major_WE)
+    )
+    values = (dtype_code(x.dtype), exchanged_width, len(plan.rounds), e, len(send), len(recv), IMPLS.index(call.impl))
+    for r in range(ep_size):
+        block_sent, block_expected = send[r * e : (r + 1) * e], recv[r * e : (r + 1) * e]
+        blocks[2 * r : 2 * r + 2] = [sum(block_sent), _counts_hash(block_sent)]
+        blocks[2 * ep_size + 2 * r : 2 * ep_size + 2 * r + 2] = [sum(block_expected), _counts_hash(block_expected)]
+    return list(zip(names, values)), blocks
+
+
+def _check_counts_match(op: str, ep_size: int, me: int, headers: list[list[int]]) -> None:
+    """``ValueError`` unless what each rank sends each peer is what that peer expects from it
+    (``headers``: every rank's blocks, from :func:`_agreement_row`)."""
     for r, receiver in enumerate(headers):
         for s, sender in enumerate(headers):
             sent = sender[2 * r : 2 * r + 2]
