@@ -52,6 +52,7 @@ def two_rank_runs(saved) -> dict:
     runs["qwen3_moe/static generate"] = ("generated", (saved["qwen3_moe"], 2, 2, "epmoe-static"))
     runs["qwen3_moe/static inference"] = ("inference_reads", (saved["qwen3_moe"], "epmoe-static"))
     runs["qwen3_moe/inference"] = ("inference_reads", (saved["qwen3_moe"], "epmoe"))
+    runs["qwen3_moe/forward reads"] = ("forward_reads", (saved["qwen3_moe"], "epmoe-unchecked"))
     # ep_size == tp_size: the EP group shares one batch (nothing moves; the partial outputs are summed)
     shared = (saved["qwen3_moe"], torch.float64, 2, 2)
     runs["qwen3_moe/shared batch"] = ("compared", (*shared, "plain", "epmoe", 2))
@@ -226,3 +227,12 @@ def test_expert_load_and_routing_replay(lifecycle):
         assert result["load"] and result["same routes"] and result["replayed"] <= EXACT, result
         assert result["replayed load"] and not result["one rank's experts"], result
         assert result["refused everywhere"], result
+
+
+@pytest.mark.multirank
+def test_an_inference_forward_reads_the_route_headers_once_not_per_layer(saved):
+    """Without step checks (the accelerators' default) only the first experts module of a forward
+    reads its route headers: the later layers take the buffer it agreed (the same tokens); exact."""
+    for result in results(saved, 2, two_rank_runs(saved), "qwen3_moe/forward reads"):
+        # the 2-layer model: transformers' all_to_all reads once per layer
+        assert result == {"reads": 1, "all_to_all reads": 2, "equal": True}, result

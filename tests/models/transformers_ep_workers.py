@@ -231,7 +231,31 @@ def _uneven_shared_batch(rank: int, path: str) -> None:
         model.model.layers[0].mlp.experts(torch.randn(3 + rank, H), index, torch.ones(3 + rank, K) / K)
 
 
-KINDS = {"compared": compared, "generated": generated, "inference_reads": inference_reads}
+def forward_reads(rank: int, path: str, implementation: str) -> dict:
+    """Host reads of a whole model's inference forward (its second: the first agrees the buffers)
+    under ``implementation`` and ``"all_to_all"``, ranks' batches of different sizes, and whether the
+    logits agree (float32 rounding)."""
+    from host_reads import counting_host_reads
+
+    ids = torch.randint(0, 200, (1, 3 + rank), generator=torch.Generator().manual_seed(rank))
+    logits, reads = {}, {}
+    for name in ("all_to_all", implementation):
+        model = load(path, name, torch.float32, 2, 2)
+        with torch.no_grad():
+            model(ids)
+            with counting_host_reads() as calls:
+                logits[name] = model(ids).logits
+        reads[name] = len(calls)
+    equal = _rel(logits[implementation], logits["all_to_all"]) <= 1e-5
+    return {"reads": reads[implementation], "all_to_all reads": reads["all_to_all"], "equal": equal}
+
+
+KINDS = {
+    "compared": compared,
+    "generated": generated,
+    "inference_reads": inference_reads,
+    "forward_reads": forward_reads,
+}
 
 
 def _full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:

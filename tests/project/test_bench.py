@@ -224,6 +224,8 @@ def test_bench_versus_quick(tmp_path, capsys):
     ):
         assert all(float(v) >= 0 for v in rows[figure][:2]) and float(rows[figure][2]) > 0, (figure, rows[figure])
     assert any(key.startswith("decode batch 8 ms/token") for key in rows)
+    forward_reads = rows["host reads per inference forward (2 MoE layers, 8 tokens)"]
+    assert all(int(reads) >= 0 for reads in forward_reads[:3]), forward_reads
     for figure in ("step time ms (fwd + bwd + AdamW)", "decode batch 1 ms/token", "decode batch 8 ms/token"):
         cells = rows[f"shared batch (ep_size = tp_size = 2): {figure}"]
         assert cells[0] == "" and float(cells[1]) > 0 and float(cells[2]) > 0 and float(cells[4]) > 0, cells

@@ -29,7 +29,9 @@ own batch, the same batches for all, every figure measured in the same run:
   all-to-all's payload less what stays on the rank, read from the ``c10d`` ops ``torch.profiler``
   records: transformers' functional collectives and epmoe's ops reach the same ones), the host reads
   (``Tensor.item / tolist / cpu ...`` calls) and the collectives; and the host reads and collectives
-  of a decode-sized inference call (``DECODE_TOKENS`` tokens per rank, no gradient).
+  of a decode-sized inference call (``DECODE_TOKENS`` tokens per rank, no gradient); and the host
+  reads of one whole inference forward of the model at that size (every MoE layer: epmoe inside
+  transformers reads its route headers at the first one only).
   epmoe's line is ``dispatch="auto"`` (all-to-all-v; its static exchange runs inside its ``generate``,
   not in a bare inference call); two more lines give ``dispatch="static"`` and ``check_steps`` on.
   epmoe inside transformers runs ``check_steps`` off too (registered with that config in the
@@ -203,6 +205,8 @@ def _rank(rank: int, world: int, path: str, family: str, plan: Plan, warmup: int
     }
     # the step first: FSDP2 initialises at a root forward, before any experts module runs alone
     out["step"], out["peak"] = _step_figures(models, plan, rank, warmup, repeats, seed)
+    out["moe layers"] = sum(name.endswith("mlp.experts") for name, _ in models["transformers"].named_modules())
+    out["forward reads"] = {name: _forward_reads(model, rank, seed) for name, model in models.items()}
     out["layer"] = {
         name: _layer_figures(model, plan, rank, seed)
         for name, model in (
@@ -425,6 +429,17 @@ def _layer_figures(model: torch.nn.Module, plan: Plan, rank: int, seed: int) -> 
         "collectives": collectives,
         "inference": (inference["reads"], _collectives(decode_sized)[0]),
     }
+
+
+def _forward_reads(model: torch.nn.Module, rank: int, seed: int) -> int:
+    """Host reads of one whole inference forward (no gradient, ``DECODE_TOKENS`` tokens), the
+    second: the first agrees buffers and warms caches."""
+    ids = _batch(model.config.vocab_size, rank, 500, DECODE_TOKENS, seed)[:1]
+    with torch.no_grad():
+        model(ids)
+        with counting() as counts:
+            model(ids)
+    return counts["reads"]
 
 
 def _experts_and_top_k(config) -> tuple[int, int]:
@@ -713,6 +728,10 @@ class VersusReport:
         rows.append(
             (f"host reads / collectives per MoE layer at inference ({DECODE_TOKENS} tokens)", *inference, "", "")
         )
+        layers = r["moe layers"]
+        reads = r["forward reads"]
+        label = f"host reads per inference forward ({layers} MoE layers, {DECODE_TOKENS} tokens)"
+        rows.append((label, *_cells(reads, 1, "{:.0f}"), "", ""))
         theirs = f"{layer['transformers']['reads']} / {layer['transformers']['collectives']}"
         for variant, label in (
             ("epmoe static", 'epmoe dispatch="static"'),

@@ -29,10 +29,13 @@ epmoe made expert-parallel, on the same pieces::
 
 At inference (no gradient through the tokens: ``generate``, evaluation) the static exchange runs
 instead (:mod:`epmoe.ep.dispatch.static`: the route rides with the rows, two collectives instead of
-three, no counts exchange): its buffer is re-agreed from the route headers every rank reads (one
-host read per layer) and fitted to each forward's largest batch, so the decode steps after a prompt
-exchange decode-sized buffers. With ``ExpertParallelConfig(dispatch="static", static_tokens=N)`` the
-buffer is ``N`` and nothing is read to the host (sync-free, training included).
+three, no counts exchange): its buffer is re-agreed from the route headers every rank reads and
+fitted to each forward's largest batch, so the decode steps after a prompt exchange decode-sized
+buffers. Only the model's first experts module reads them (one host read per forward, not per
+layer): the later layers of the forward hold the same tokens and take its buffer, reading nothing
+(where ``check_steps`` runs, the CPU default, every layer reads its headers to check them). With
+``ExpertParallelConfig(dispatch="static", static_tokens=N)`` the buffer is ``N`` and nothing is read
+to the host (sync-free, training included).
 
 With a TP mesh (``tp_size > 1``) the ranks of a TP group hold the same batch. Where the EP group is
 the TP group (``ep_size == tp_size``: transformers' ``shares_batch``), nothing needs to move: the
@@ -62,6 +65,7 @@ older than 5.24) nothing is registered.
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 from torch import nn
@@ -85,6 +89,9 @@ except ImportError:  # transformers without its own expert parallelism's registr
 
 EP_IMPLEMENTATION = "epmoe"  # the name DistributedConfig(ep_implementation=...) gives
 _ORDINALS = itertools.count()  # experts modules in the order transformers builds their implementations
+# (id(model config), id(EP group)) -> the static exchange of that model's first experts module on that
+# group: the layer whose forward reads the route headers for the later ones (weak: gone with the model)
+_LEADERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def why_not_served(experts: nn.Module, config: ExpertParallelConfig | None = None) -> str | None:
@@ -142,9 +149,12 @@ class EpmoeEP(_Base):
         self.channel = StepChannel(ep_mesh.get_group(), e + 3 + GUARD, timeout_s=timeout) if W > 1 else None
         self.steps = LayerPosition(ordinal)
         # transformers' own reading of its meshes: the EP group is the TP group, every rank holds the same batch
-        self.training, self.inference = _transports(self.config, self.shares_batch)
+        self.training, self.inference = _transports(self.config, self.shares_batch, _inference_leader(experts, ep_mesh))
         # a TP group shares a batch that the per-rank exchange must see once: each TP rank sends its slice
         self.sliced = tp_mesh.size() > 1 and not isinstance(self.training, SharedBatchDispatcher)
+        key = (id(getattr(experts, "config", experts)), id(ep_mesh.get_group()))
+        if key not in _LEADERS and isinstance(self.inference, StaticDispatcher):
+            _LEADERS[key] = self.inference
         self.loads = LoadCounters(e)  # read by epmoe.expert_load, which finds them on the experts module
         attach_counted(experts, self)
         self._local: LocalExperts | None = None  # made at the first call, when the weights are local tensors
@@ -167,19 +177,31 @@ class EpmoeEP(_Base):
         return _tp_gathered(call(self, local, transport, checks, *route), self.tp_mesh, hidden_states.shape[0])
 
 
-def _transports(config: ExpertParallelConfig, shares_batch: bool) -> tuple[Dispatcher, Dispatcher]:
+def _transports(
+    config: ExpertParallelConfig, shares_batch: bool, leader: StaticDispatcher | None
+) -> tuple[Dispatcher, Dispatcher]:
     """``(training, inference)``: the transports a call takes with and without gradients through its
-    tokens, for ``config.dispatch`` and an EP group that ``shares_batch`` or not (see the module
-    docstring)."""
+    tokens, for ``config.dispatch`` and an EP group that ``shares_batch`` or not; ``leader``: the
+    static exchange of the model's first experts module on this group, ``None`` where this is it
+    (see the module docstring)."""
     if shares_batch and config.dispatch == "auto":
         shared = SharedBatchDispatcher()
         return shared, shared
     if config.dispatch == "alltoallv":
         return AllToAllVDispatcher(), AllToAllVDispatcher()
+    agreed = config.static_tokens is None  # else fixed: nothing is read
+    static = StaticDispatcher(config.static_tokens, read_headers=agreed and leader is None, fit=True, leader=leader)
     if config.dispatch == "static":
-        static = StaticDispatcher(config.static_tokens, read_headers=config.static_tokens is None, fit=True)
         return static, static
-    return AllToAllVDispatcher(), StaticDispatcher(read_headers=True, fit=True)
+    return AllToAllVDispatcher(), static
+
+
+def _inference_leader(experts: nn.Module, ep_mesh) -> StaticDispatcher | None:
+    """The static exchange of the first experts module transformers built for the same model (its
+    config) on the same EP group, which reads each forward's route headers for the later layers;
+    ``None`` where this module is the first (its exchange, made by :func:`_transports`, is recorded
+    by :meth:`EpmoeEP.__init__` as the leader for the later ones)."""
+    return _LEADERS.get((id(getattr(experts, "config", experts)), id(ep_mesh.get_group())))
 
 
 def _make_local(implementation: EpmoeEP) -> LocalExperts:

@@ -94,17 +94,29 @@ class StaticDispatcher(Dispatcher):
     """Fixed-size buffers around the routed MLP (see the module docstring). ``block``: the buffer's
     ``B`` (``static_tokens``, else agreed at the first forward and kept). ``read_headers``: read the
     route headers on every forward whatever ``check_steps`` says (one host read per layer), so a
-    batch that outgrows ``B`` always re-agrees (what :class:`DecodeDispatcher` runs). ``fit`` (with
-    ``read_headers``): after each forward ``B`` becomes the largest batch of that forward, which
-    every rank read alike, so a buffer agreed for a prompt shrinks to the decode steps' batch."""
+    batch that outgrows ``B`` always re-agrees (what :class:`DecodeDispatcher` runs). ``fit``: after
+    a forward whose headers were read, ``B`` becomes the largest batch of that forward, which every
+    rank read alike, so a buffer agreed for a prompt shrinks to the decode steps' batch.
+
+    ``leader``: the dispatcher of an earlier layer of the same forwards (the model's first experts
+    module), which reads the route headers on every forward: where this one reads nothing (no step
+    checks), it takes the leader's ``B`` of the forward, agreed on the same tokens (every layer of a
+    forward holds the same batch), so a model's forward costs one host read, not one per layer."""
 
     name = "static"
     needs_counts = False
 
-    def __init__(self, static_tokens: int | None = None, *, read_headers: bool = False, fit: bool = False):
+    def __init__(
+        self,
+        static_tokens: int | None = None,
+        *,
+        read_headers: bool = False,
+        fit: bool = False,
+        leader: StaticDispatcher | None = None,
+    ):
         self.fixed = static_tokens is not None
         self.block: int | None = static_tokens
-        self.read_headers, self.fit = read_headers, fit and read_headers and static_tokens is None
+        self.read_headers, self.fit, self.leader = read_headers, fit and static_tokens is None, leader
 
     def traced_whole(self, checks: bool) -> bool:
         """Without step checks (``check_steps`` off, or ``"auto"`` on an accelerator) and without
@@ -124,6 +136,8 @@ class StaticDispatcher(Dispatcher):
         T, K = top_k_index_TK.shape
         e, W, H = shard.num_local_experts, channel.size, hidden_TH.shape[1]
         read = self.read_headers or link.checks or link.guard is not None
+        if self.leader is not None and not read and self.leader.block is not None:
+            self.block = self.leader.block  # this forward's, agreed by the leader on the same batches
         # the weights ride beside the rows in the wider dtype of the two: both arrive exact, with autograd
         carried = torch.promote_types(hidden_TH.dtype, top_k_weights_TK.dtype)
         peer_guards = None
