@@ -730,7 +730,7 @@ class VersusReport:
         )
         layers = r["moe layers"]
         reads = r["forward reads"]
-        label = f"host reads per inference forward ({layers} MoE layers, {DECODE_TOKENS} tokens)"
+        label = f"host reads per inference forward ({layers} MoE layer{'s' * (layers > 1)}, {DECODE_TOKENS} tokens)"
         rows.append((label, *_cells(reads, 1, "{:.0f}"), "", ""))
         theirs = f"{layer['transformers']['reads']} / {layer['transformers']['collectives']}"
         for variant, label in (
@@ -875,7 +875,7 @@ Reproduce (from the repository root, after `scripts/setup.sh test`):
 - Machine: {common.machine_description(settings.device)}; torch {torch.__version__}, transformers
   {transformers.__version__}. Run: {datetime.date.today().isoformat()}.
 - Models: {", ".join(plan.families)} built from configs ({", ".join(f"{f}: {FAMILIES[f][0]} experts, top-{FAMILIES[f][1]}" for f in plan.families)}),
-  hidden {plan.hidden}, expert width {plan.intermediate}, 2 layers (epmoe.models.build_model), saved with
+  hidden {plan.hidden}, expert width {plan.intermediate}, 2 layers, 4 attention and 4 key-value heads (epmoe.models.build_model), saved with
   `save_pretrained` and loaded by every rank; EP {" and ".join(map(str, plan.worlds))} on gloo ranks sharing the
   machine's cores; {plan.tokens} tokens per rank per step; median of {settings.repeats} interleaved rounds after
   {settings.warmup} warm-up round(s).
