@@ -41,7 +41,11 @@ own batch, the same batches for all, every figure measured in the same run:
   loaded (FSDP2 included: it has no other form), epmoe's EP model without FSDP (what one runs for
   inference), and the model without EP on every rank.
 - **shared batch** (``DistributedConfig(ep_size=W, tp_size=W, fsdp_size=1)``: every rank of the EP
-  group holds the same batch): the two systems built on transformers' EP, the step as above (its
+  group holds the same batch), on the same model with 4 key-value heads (a TP mesh of 4 splits them;
+  the other figures keep 2: with 4, Mixtral at EP 4 in float64 drifts from the unsharded model in its
+  attention weights' gradients, exact at the first step, 7e-10 at the second, 2e-7 by the fifth: AdamW's
+  normalised update magnifies rounding-level differences of the MoE output's gradient): the two systems built on
+  transformers' EP, the step as above (its
   ``"auto"`` runs ``all_to_all`` there, each TP rank's slice of the batch) and greedy ``generate`` as
   above, the same prompts on every rank (its ``"auto"`` runs ``all_reduce`` at inference; epmoe's
   shared-batch transport in both).
@@ -158,12 +162,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def model_of(family: str, plan: Plan, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """``family``'s model at the plan's sizes: four key-value heads, which a TP mesh of up to four
-    ranks splits (the shared-batch figures)."""
+def model_of(family: str, plan: Plan, dtype: torch.dtype = torch.float32, kv_heads: int = 2) -> torch.nn.Module:
+    """``family``'s model at the plan's sizes, with ``kv_heads`` key-value heads (4 for the
+    shared-batch figures: a TP mesh of up to four ranks splits them)."""
     experts, top_k, width = FAMILIES[family]
-    sizes = {"hidden_size": plan.hidden, width: plan.intermediate, "num_key_value_heads": 4}
+    sizes = {"hidden_size": plan.hidden, width: plan.intermediate, "num_key_value_heads": kv_heads}
     return build_model(family, num_experts=experts, top_k=top_k, dtype=dtype, **sizes)
+
+
+def tp_path(path: str) -> str:
+    """Where :func:`run_versus` saves the family's model with 4 key-value heads, beside ``path``."""
+    return f"{path}/tp"
 
 
 def run_versus(plan: Plan, settings: common.Settings) -> VersusReport:
@@ -172,6 +181,7 @@ def run_versus(plan: Plan, settings: common.Settings) -> VersusReport:
     for family in plan.families:
         with tempfile.TemporaryDirectory(prefix="epmoe-versus-") as path:
             model_of(family, plan).save_pretrained(path)
+            model_of(family, plan, kv_heads=4).save_pretrained(tp_path(path))
             for world in plan.worlds:
                 threads = max(1, settings.threads // world)
                 report.runs[family, world] = run_ranks(
@@ -218,7 +228,7 @@ def _rank(rank: int, world: int, path: str, family: str, plan: Plan, warmup: int
     del models["epmoe"]
     out["decode"] = _decode_figures(path, models, rank, warmup, repeats, seed)
     del models  # trained by the step figures: the round trips and checks load their own
-    out["shared"] = _shared_batch_figures(path, world, plan, warmup, repeats, seed)
+    out["shared"] = _shared_batch_figures(tp_path(path), world, plan, warmup, repeats, seed)
     out["saved"] = _save_round_trips(path, world, rank)
     out["checked"] = {
         "lora": _checked(_lora_steps, path, world, rank, seed),
@@ -875,7 +885,7 @@ Reproduce (from the repository root, after `scripts/setup.sh test`):
 - Machine: {common.machine_description(settings.device)}; torch {torch.__version__}, transformers
   {transformers.__version__}. Run: {datetime.date.today().isoformat()}.
 - Models: {", ".join(plan.families)} built from configs ({", ".join(f"{f}: {FAMILIES[f][0]} experts, top-{FAMILIES[f][1]}" for f in plan.families)}),
-  hidden {plan.hidden}, expert width {plan.intermediate}, 2 layers, 4 attention and 4 key-value heads (epmoe.models.build_model), saved with
+  hidden {plan.hidden}, expert width {plan.intermediate}, 2 layers, 4 attention and 2 key-value heads (4 for the shared-batch rows) (epmoe.models.build_model), saved with
   `save_pretrained` and loaded by every rank; EP {" and ".join(map(str, plan.worlds))} on gloo ranks sharing the
   machine's cores; {plan.tokens} tokens per rank per step; median of {settings.repeats} interleaved rounds after
   {settings.warmup} warm-up round(s).
