@@ -117,10 +117,7 @@ def _global_loss(loss: torch.Tensor, world: int) -> float:
 
 def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
     """Train the same model with and without EP on this rank; return both loss curves (rank 0's view)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    device = torch.device("cpu") if options.device == "cpu" else torch.device(options.device, local_rank)
-    if device.type != "cpu":
-        platform.device_module(device.type).set_device(device)
+    device = _rank_device(options, rank)
     dtype = getattr(torch, options.dtype)
     reference = build_model(
         options.family, num_experts=options.num_experts, top_k=options.top_k, seed=options.seed, dtype=dtype
@@ -143,6 +140,13 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
     model, reference = DDP(model, **ddp_args), DDP(reference, **ddp_args)
     opt_ep = torch.optim.AdamW(model.parameters(), lr=options.lr)
     opt_ref = torch.optim.AdamW(reference.parameters(), lr=options.lr)
+
+    def clip_ep():
+        epmoe.clip_grad_norm_(model, MAX_GRAD_NORM)
+
+    def clip_ref():
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_GRAD_NORM)
+
     steps = range(options.steps)
     if options.show_progress and rank == 0:
         from tqdm import tqdm
@@ -150,25 +154,8 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
         steps = tqdm(steps, desc=f"training {options.family} on {world} ranks", unit="step")
     for step in steps:
         ids = synthetic_batch(step, rank, options.batch_size, options.seq_len).to(device)
-
-        start = time.perf_counter()
-        loss_ep = model(ids, labels=ids).loss
-        loss_ep.backward()
-        epmoe.clip_grad_norm_(model, MAX_GRAD_NORM)
-        opt_ep.step()
-        opt_ep.zero_grad(set_to_none=True)
-        platform.synchronize(device)
-        time_ep = time.perf_counter() - start
-
-        start = time.perf_counter()
-        loss_ref = reference(ids, labels=ids).loss
-        loss_ref.backward()
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_GRAD_NORM)
-        opt_ref.step()
-        opt_ref.zero_grad(set_to_none=True)
-        platform.synchronize(device)
-        time_ref = time.perf_counter() - start
-
+        loss_ep, time_ep = _timed_step(model, opt_ep, ids, clip_ep)
+        loss_ref, time_ref = _timed_step(reference, opt_ref, ids, clip_ref)
         result.records.append(
             StepRecord(
                 step,
@@ -183,6 +170,27 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
             balancer.step()
     result.reload_error = reload_error(ep_model, rank, world, options, device, balancer)
     return result
+
+
+def _rank_device(options: TrainOptions, rank: int) -> torch.device:
+    """This rank's device (``LOCAL_RANK``'s accelerator, set current), or the CPU."""
+    if options.device == "cpu":
+        return torch.device("cpu")
+    device = torch.device(options.device, int(os.environ.get("LOCAL_RANK", rank)))
+    platform.device_module(device.type).set_device(device)
+    return device
+
+
+def _timed_step(model, optimizer, ids: torch.Tensor, clip) -> tuple[torch.Tensor, float]:
+    """``(loss, seconds)`` of one training step: forward, backward, ``clip()``, the optimizer."""
+    start = time.perf_counter()
+    loss = model(ids, labels=ids).loss
+    loss.backward()
+    clip()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    platform.synchronize(loss.device)
+    return loss, time.perf_counter() - start
 
 
 def _step_load(model) -> dict[str, list[int]]:
