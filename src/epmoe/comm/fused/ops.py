@@ -12,6 +12,24 @@ so that what only the group can know (the exchanged rows' dtype and width, the r
 ``recv_counts`` match the peers' ``send_counts``) and a peer's own bad arguments raise ``ValueError`` on
 every rank, where mismatched collectives would abort a process or move wrong rows. Counts
 straight from :func:`epmoe.exchange_counts` agree by construction: ``check=False`` skips the step.
+
+The options both ops take:
+
+* ``group``: the expert-parallel process group (``None``: the default group, or a group of one when
+  ``torch.distributed`` is not initialised).
+* ``shared_x``, ``shared_weight``: the shared expert, ``(BS, H2)`` and ``(H2, N2)`` (``(N2, H2)`` with
+  ``trans_shared_weight``), computed in a gap of the communication.
+* ``num_chunks``: pipelining rounds over local-expert ranges (int >= 1, clamped to ``e``, or
+  ``"auto"``); the same on every rank; results do not depend on it.
+* ``impl``: ``"auto"`` (``npu_fused`` where eligible, else ``pipelined``), ``"npu_fused"``,
+  ``"pipelined"`` or ``"reference"``.
+* ``gmm_backend``: the grouped-matmul backend: ``"auto"`` or a registered name (see
+  :func:`epmoe.grouped_mm`), chosen once for every grouped matmul of the call, forward and backward,
+  on the rows it multiplies (fresh, contiguous) and ``weight``; or a :class:`~epmoe.gmm.GmmBackend`
+  the caller chose (run as given).
+* ``check``: agree with the peers first (above; one small collective). Unsafe to turn off unless the
+  counts come straight from :func:`epmoe.exchange_counts` and every rank passes the same dtype, width
+  and ``num_chunks``: a mismatch then aborts a process or moves wrong rows.
 """
 
 from __future__ import annotations
@@ -64,23 +82,10 @@ def alltoallv_gmm(
         weight: ``(e, H1, N1)``, or ``(e, N1, H1)`` with ``trans_weight``: this rank's experts.
         send_counts: ``W*e`` ints; ``send_counts[r*e + j]`` rows of ``x`` go to rank ``r``'s expert ``j``.
         recv_counts: ``W*e`` ints; ``recv_counts[s*e + j]`` rows come from rank ``s`` for local expert ``j``.
-        group: the expert-parallel process group (``None``: the default group, or a group of one
-            when ``torch.distributed`` is not initialised).
-        shared_x, shared_weight: the shared expert, ``(BS, H2)`` and ``(H2, N2)`` (``(N2, H2)`` with
-            ``trans_shared_weight``); computed while the first round is in flight.
         return_permuted: also return the received rows in expert-major order.
-        num_chunks: pipelining rounds over local-expert ranges (int >= 1, clamped to ``e``, or
-            ``"auto"``); the same on every rank; results do not depend on it.
-        impl: ``"auto"`` (``npu_fused`` where eligible, else ``pipelined``), ``"npu_fused"``,
-            ``"pipelined"`` or ``"reference"``.
-        gmm_backend: the grouped-matmul backend: ``"auto"`` or a registered name (see
-            :func:`epmoe.grouped_mm`), chosen once for every grouped matmul of the call, forward and
-            backward, on the rows it multiplies (the received rows: fresh, contiguous) and
-            ``weight``; or a :class:`~epmoe.gmm.GmmBackend` the caller chose (run as given).
-        check: agree with the peers first (see the module docstring; one small collective). Unsafe
-            to turn off unless the counts come straight from :func:`epmoe.exchange_counts` and every
-            rank passes the same dtype, width and ``num_chunks``: a mismatch then aborts a process
-            or moves wrong rows.
+        group, shared_x, shared_weight, trans_shared_weight, num_chunks, impl, gmm_backend, check: the
+            options both ops take (see the module docstring); the shared expert is computed while the
+            first round is in flight.
 
     Returns:
         ``(y, shared_y, permuted)``: ``y`` ``(sum(recv_counts), N1)`` expert-major (sorted by local
@@ -105,17 +110,22 @@ def alltoallv_gmm(
         check,
     )
     if impl == "reference":
-        return reference.dispatch(
-            call.plan,
-            x,
-            weight,
-            trans_weight,
-            group,
-            shared=shared,
-            return_permuted=return_permuted,
-            gmm_backend=call.gmm_backend.name,
-        )
+        return _reference_dispatch(call, shared, x, weight, trans_weight, group, return_permuted)
     return AlltoallvGmm.apply(x, weight, shared_x, shared_weight, call)
+
+
+def _reference_dispatch(call: Call, shared, x, weight, trans_weight: bool, group, return_permuted: bool):
+    """``alltoallv_gmm(impl="reference")``: the plain collectives and autograd, one round."""
+    return reference.dispatch(
+        call.plan,
+        x,
+        weight,
+        trans_weight,
+        group,
+        shared=shared,
+        return_permuted=return_permuted,
+        gmm_backend=call.gmm_backend.name,
+    )
 
 
 def gmm_alltoallv(
@@ -146,8 +156,9 @@ def gmm_alltoallv(
             rank ``s`` (the dispatch's ``recv_counts``).
         recv_counts: ``W*e`` ints; ``recv_counts[r*e + j]`` rows come back from rank ``r``'s expert
             ``j`` (the dispatch's ``send_counts``).
-        group, shared_x, shared_weight, trans_shared_weight, num_chunks, impl, gmm_backend, check: as
-            for :func:`alltoallv_gmm`; the shared expert is computed last, hiding the last round.
+        group, shared_x, shared_weight, trans_shared_weight, num_chunks, impl, gmm_backend, check: the
+            options both ops take (see the module docstring); the shared expert is computed last,
+            hiding the last round.
 
     Returns:
         ``(y, shared_y)``: ``y`` ``(sum(recv_counts), N1)`` rank-major, i.e. in the order of the
