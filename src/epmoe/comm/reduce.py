@@ -68,6 +68,6 @@ def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         return funcol.wait_tensor(funcol.all_reduce(x.contiguous(), "sum", group))
     W = dist.get_world_size(group)
     record_traffic(2 * (W - 1) * x.numel() * x.element_size() // W)
-    out = x.contiguous().clone()
+    out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
     return out

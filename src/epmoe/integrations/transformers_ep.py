@@ -149,12 +149,13 @@ class EpmoeEP(_Base):
         self.channel = StepChannel(ep_mesh.get_group(), e + 3 + GUARD, timeout_s=timeout) if W > 1 else None
         self.steps = LayerPosition(ordinal)
         # transformers' own reading of its meshes: the EP group is the TP group, every rank holds the same batch
-        self.training, self.inference = _transports(self.config, self.shares_batch, _inference_leader(experts, ep_mesh))
+        # the model's first experts module on this group leads its forwards' static buffer
+        model_on_group = (id(getattr(experts, "config", experts)), id(ep_mesh.get_group()))
+        self.training, self.inference = _transports(self.config, self.shares_batch, _LEADERS.get(model_on_group))
+        if isinstance(self.inference, StaticDispatcher):
+            _LEADERS.setdefault(model_on_group, self.inference)
         # a TP group shares a batch that the per-rank exchange must see once: each TP rank sends its slice
         self.sliced = tp_mesh.size() > 1 and not isinstance(self.training, SharedBatchDispatcher)
-        key = (id(getattr(experts, "config", experts)), id(ep_mesh.get_group()))
-        if key not in _LEADERS and isinstance(self.inference, StaticDispatcher):
-            _LEADERS[key] = self.inference
         self.loads = LoadCounters(e)  # read by epmoe.expert_load, which finds them on the experts module
         attach_counted(experts, self)
         self._local: LocalExperts | None = None  # made at the first call, when the weights are local tensors
@@ -194,14 +195,6 @@ def _transports(
     if config.dispatch == "static":
         return static, static
     return AllToAllVDispatcher(), static
-
-
-def _inference_leader(experts: nn.Module, ep_mesh) -> StaticDispatcher | None:
-    """The static exchange of the first experts module transformers built for the same model (its
-    config) on the same EP group, which reads each forward's route headers for the later layers;
-    ``None`` where this module is the first (its exchange, made by :func:`_transports`, is recorded
-    by :meth:`EpmoeEP.__init__` as the leader for the later ones)."""
-    return _LEADERS.get((id(getattr(experts, "config", experts)), id(ep_mesh.get_group())))
 
 
 def _make_local(implementation: EpmoeEP) -> LocalExperts:
