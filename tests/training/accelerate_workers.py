@@ -17,9 +17,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from training_workers import TokenDataset, batch, reference_view, rel, run_checks
 
 import epmoe
+from epmoe import ExpertParallelConfig
 from epmoe.models import build_model
 
 SIZES = [(2, 10), (3, 6)]
+SUM_OF_TOKENS = sum(b * t for b, t in SIZES)
 
 
 def replicas_equal(model, world):
@@ -72,7 +74,7 @@ def stops(rank, world, idiom, steps=4):
     from accelerate import Accelerator
 
     model = build_model("qwen3_moe", dtype=torch.float64)
-    epmoe.apply_expert_parallel(model)
+    epmoe.apply_expert_parallel(model, config=ExpertParallelConfig(check_steps=idiom != "torch_clip_unchecked"))
     if idiom == "accelerate_unprepared":
         accelerator = Accelerator(cpu=True)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -90,8 +92,18 @@ def stops(rank, world, idiom, steps=4):
                 accelerator.clip_grad_norm_(ddp.parameters(), 1.0)
             else:
                 loss.backward()
-            if idiom == "torch_clip":
+            if idiom in ("torch_clip", "torch_clip_unchecked"):
                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            elif idiom == "token_count_then_epmoe":  # the same factor on every rank (twinkle's normalisation)
+                for p in ddp.parameters():
+                    p.grad.div_(SUM_OF_TOKENS)
+                epmoe.clip_grad_norm_(ddp, 1.0)
+            elif idiom == "token_count_only":
+                for p in ddp.parameters():
+                    p.grad.div_(SUM_OF_TOKENS)
+            elif idiom == "per_rank_scale":  # a different factor on each rank, though no clip
+                for p in ddp.parameters():
+                    p.grad.mul_(0.5 + 0.25 * rank)
             elif idiom == "torch_clip_no_op":  # no rank's own norm reaches max_norm: torch's clip multiplies by 1
                 torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1e9)
             elif idiom == "epmoe_then_zero_in_place":  # exact: epmoe's clip, zero_grad(set_to_none=False)
@@ -135,7 +147,9 @@ def trainer_unprepared(rank, world, out_dir):
 
 def two_rank_checks(rank, world, out_dir):
     checks = {"accelerate": lambda: accelerate_parity(rank, world)}
-    for idiom in ("torch_clip", "torch_clip_no_op", "accelerate_unprepared", "drift", "epmoe_then_zero_in_place"):
+    idioms = ("torch_clip", "torch_clip_no_op", "accelerate_unprepared", "drift", "epmoe_then_zero_in_place")
+    idioms += ("token_count_then_epmoe", "token_count_only", "per_rank_scale", "torch_clip_unchecked")
+    for idiom in idioms:
         checks[idiom] = lambda idiom=idiom: stops(rank, world, idiom)
     checks["trainer_unprepared"] = lambda: trainer_unprepared(rank, world, out_dir)
     return run_checks(checks)

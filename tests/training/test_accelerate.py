@@ -55,6 +55,37 @@ def test_clip_without_epmoe_stops_at_the_next_forward(out, idiom):
         assert "epmoe.clip_grad_norm_" in result["error"] and "prepare_accelerator" in result["error"]
 
 
+def test_a_clip_that_saw_one_rank_says_so(out):
+    """torch's clip gives each rank its own factor; the message says so, and names the way out."""
+    (result, _) = of(out, "torch_clip")
+    assert "by a different factor on each rank (rank 0: " in result["error"], result["error"]
+    (result, _) = of(out, "torch_clip_no_op")
+    assert "by a multiply by 1.0 on every rank" in result["error"], result["error"]
+    assert "check_steps=False" in result["error"] and "same factor on every rank" in result["error"]
+
+
+def test_the_same_factor_on_every_rank_runs_on(out):
+    """Every gradient divided by the global token count (twinkle's normalisation), then epmoe's clip or
+    none: one factor on every rank, the step is the unsharded model's scaled the same way."""
+    for idiom in ("token_count_then_epmoe", "token_count_only"):
+        for result in of(out, idiom):
+            assert result["step"] is None and result["error"] is None and result["replicas_equal"], (idiom, result)
+
+
+def test_a_scale_by_a_factor_per_rank_stops(out):
+    for result in of(out, "per_rank_scale"):
+        assert result["step"] == 1, result
+        assert "by a different factor on each rank (rank 0: 0.5, rank 1: 0.75)" in result["error"], result["error"]
+
+
+def test_check_steps_off_turns_the_gradient_check_off_not_the_fingerprint(out):
+    """check_steps=False: torch's clip is not stopped at the forward after it, but the replicas it made
+    drift apart (each rank scaled the all-reduced gradients by its own factor) are, by the fingerprint."""
+    for result in of(out, "torch_clip_unchecked"):
+        assert result["step"] == 1, result
+        assert "replicated (non-expert) parameters differ" in result["error"], result["error"]
+
+
 def test_drifted_replicas_stop_at_the_next_forward(out):
     """One rank's replicated weight nudged by one ulp after step 1: both ranks raise at step 2."""
     for result in of(out, "drift"):

@@ -40,7 +40,10 @@ class ExpertParallelConfig:
             step-header exchange (one small collective and one host read each) that turns ranks out
             of step into an error on every rank: ``True``, ``False``, or ``"auto"`` (on for tensors on
             the CPU, off on accelerators, where the host synchronisation would cost more). The
-            forward's check rides in the counts exchange and is always on.
+            forward's check rides in the counts exchange and is always on. ``False`` also turns off
+            the step guard's check of expert gradients changed in place after backward
+            (:mod:`epmoe.ep.guard`: a clip that sees only each rank's experts; a scale by the same
+            factor on every rank passes either way).
         capacity_factor: ``None`` (dropless, the default) or a float > 0: each expert then keeps at
             most ``ceil(capacity_factor * T_global * K / E)`` slots of a forward (``T_global * K``: the
             slots of every rank of the EP group), the first in the global order (source rank, then

@@ -277,12 +277,13 @@ class EPModel:
     # ---- the step guard
 
     def arm_guard(self) -> None:
-        """Called while a backward finishes expert gradients: the guard records them once it ends."""
-        if self.guarded:
+        """Called while a backward finishes expert gradients: the guard records them once it ends
+        (``check_steps=False``: nothing recorded, the guard's gradient check off)."""
+        if self.guarded and self.config.check_steps is not False:
             self.guard.arm(self.root)
 
     def guard_payload(self, device: torch.device) -> torch.Tensor:
-        """The guard's ``(2,)`` values for the counts exchange of the first experts module's forward."""
+        """The guard's ``(VALUES,)`` values for the counts exchange of the first experts module's forward."""
         return self.guard.payload(self.root, device)
 
 
