@@ -54,9 +54,9 @@ from epmoe import platform
 from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe.checkpoint.state_dict_warning import warn_on_bare_state_dict
 from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
-from epmoe.ep.counts import GUARD
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import unfaithful_experts
+from epmoe.ep.counts import GUARD
 from epmoe.ep.expert_weights import family_compute_dtype
 from epmoe.ep.experts import LocalExperts, experts_gmm_backends
 from epmoe.ep.layer import expert_parallel_forward
@@ -309,7 +309,9 @@ def _step_channels(
     """The model's EP and ``"dp"`` step channels, each on a group created for it with
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
     names = tuple(shard.module_name for shard in shards)
-    width = max(shard.num_local_experts for shard in shards) + 3 + GUARD  # a row: counts, slot total, dtype, rows, guard
+    width = (
+        max(shard.num_local_experts for shard in shards) + 3 + GUARD
+    )  # a row: counts, slot total, dtype, rows, guard
     timeout = step_timeout_s(config.timeout, group)
     ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
     dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None

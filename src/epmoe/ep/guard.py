@@ -49,12 +49,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from epmoe.ep.counts import GUARD
+
 SAMPLE = 64  # elements of each replicated parameter in the fingerprint
 SCALE_SAMPLE = 16  # elements of each expert gradient the factor is fitted on
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (odd: a bijection mod 2**64)
 
 # The guard's values in the counts exchange: [verdict, factor (float64 bits), tolerance (float64 bits), fingerprint]
-VALUES = 4
+VALUES = GUARD
 NO_EVIDENCE, UNCHANGED, SCALED, CHANGED = 0, 1, 2, 3  # verdicts on the expert gradients
 
 FIX = (
@@ -111,7 +113,9 @@ class StepGuard:
             return torch.zeros(VALUES, dtype=torch.int64, device=device)
         records, self._records = self._records, []
         verdict, factor, tolerance = _scale_verdict(records, device)
-        return torch.stack([verdict, factor.view(torch.int64), tolerance.view(torch.int64), self.fingerprint(root, device)])
+        return torch.stack(
+            [verdict, factor.view(torch.int64), tolerance.view(torch.int64), self.fingerprint(root, device)]
+        )
 
     def fingerprint(self, root: nn.Module, device: torch.device) -> torch.Tensor:
         """A hash (0-d int64, never 0) of the replicated parameters' sampled bits, cached until one of
@@ -162,7 +166,9 @@ def check(received: list[list[int]], describe: str) -> None:
     what = None
     if changed:
         what = f"on EP rank(s) {changed}, by something that is no single factor"
-    elif SCALED in verdicts and max(factors.values()) - min(factors.values()) > tolerance * max(map(abs, factors.values())):
+    elif SCALED in verdicts and max(factors.values()) - min(factors.values()) > tolerance * max(
+        map(abs, factors.values())
+    ):
         shown = ", ".join(f"rank {rank}: {factor:.6g}" for rank, factor in factors.items())
         what = f"by a different factor on each rank ({shown}): a clip that saw only its own rank's experts"
     elif SCALED in verdicts and all(abs(factor - 1.0) <= tolerance for factor in factors.values()):

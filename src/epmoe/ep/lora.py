@@ -1,13 +1,20 @@
-"""PEFT LoRA on sharded packed experts starts from the unsharded model's factors.
+"""PEFT LoRA on sharded packed experts starts from the unsharded model's factors, on every peft.
 
 peft's ``ParamWrapper`` (``LoraConfig(target_parameters=[...])``) sizes its factors from the targeted
-parameter's shape, read as ``getattr(param, "ds_shape", param.shape)``: ``ds_shape`` is DeepSpeed
-ZeRO-3's "whole shape of a partitioned parameter", and an EP shard is exactly that, a partition of
-the ``(E, ...)`` experts tensor. :func:`mark_full_shapes` gives every 3-D packed experts parameter EP
-sharded its ``ds_shape = (E, ...)``, so ``get_peft_model`` builds and initialises the factors of all
-``E`` experts on every rank, drawing from the RNG exactly what it draws for the unsharded model: with
-the same seed every rank holds the unsharded model's factors, and every LoRA factor drawn after
-them (later layers' experts, anything drawn after ``get_peft_model``) is the unsharded model's too.
+parameter's shape. peft >= 0.21 reads it as ``getattr(param, "ds_shape", param.shape)``: ``ds_shape``
+is DeepSpeed ZeRO-3's "whole shape of a partitioned parameter", and an EP shard is exactly that, a
+partition of the ``(E, ...)`` experts tensor. :func:`mark_full_shapes` gives every 3-D packed experts
+parameter EP sharded its ``ds_shape = (E, ...)``, so ``get_peft_model`` builds and initialises the
+factors of all ``E`` experts on every rank, drawing from the RNG exactly what it draws for the
+unsharded model: with the same seed every rank holds the unsharded model's factors, and every LoRA
+factor drawn after them (later layers' experts, anything drawn after ``get_peft_model``) is the
+unsharded model's too. Older peft (0.17 - 0.20) reads ``param.shape`` only: inside
+:func:`whole_experts_for_peft` each such parameter stands in as a tensor of all ``E`` experts (a
+stride-0 view of one element: no memory), so any peft builds the same factors;
+:func:`epmoe.prepare_twinkle` adds twinkle's adapters that way. A wrapper that peft sized from a
+shard (older peft called outside that context, or an adapter added to a wrapper after it settled)
+cannot start from the unsharded model's factors: it is refused by name (:func:`refuse_unsupported`),
+never trained from another start.
 
 Each wrapper then keeps only its rank's experts (:func:`settle_expert_lora`: the same
 ``nn.Parameter`` objects, ``.data`` narrowed, ``num_experts`` set to ``e``)::
@@ -23,35 +30,43 @@ LoRA factors (:func:`epmoe.expert_parameters`, and through it DDP's start-up, ``
 ``prepare_trainer`` through :func:`epmoe.integrations.peft.expert_lora_wrappers`). Until then the
 wrapper holds all ``E`` experts' factors (peft's ``print_trainable_parameters`` counts them). An
 adapter loaded with ``PeftModel.from_pretrained`` before that point is the unsharded adapter, read
-whole and then narrowed the same way.
+whole and then narrowed the same way. Each settled factor carries the mark of what it is
+(:mod:`epmoe.ep.params`: ``SHARD_MARK``).
 
-Not covered: a further adapter added to an existing wrapper after it settled (peft then sizes it
-from ``num_experts``, the local ``e``: a correct start, drawn differently from the unsharded
-model's), LoRA on ``nn.ModuleList`` experts' Linears (only the local experts have Linears to wrap),
+Not covered: LoRA on ``nn.ModuleList`` experts' Linears (only the local experts have Linears to wrap),
 and a ``copy.deepcopy`` of an EP model (``nn.Parameter`` copies drop attributes, ``ds_shape`` included).
 Refused (:func:`refuse_unsupported`): LoRA on stacked-rows experts, on sharded per-expert tensors that
-are not 3-D (biases), and on sharded experts beside zero-computation experts.
+are not 3-D (biases), on sharded experts beside zero-computation experts, and factors sized from a
+shard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from epmoe.ep.recognize import peft_base, stacked_rows, zero_experts
+from epmoe.ep.shard_mark import ShardMark, mark
 from epmoe.ep.state import ExpertParallelState, sharded_experts, state_of
 
-FULL_SHAPE = "ds_shape"  # the attribute peft reads for a partitioned parameter's whole shape
+FULL_SHAPE = "ds_shape"  # the attribute peft >= 0.21 reads for a partitioned parameter's whole shape
+SETTLED = "_epmoe_settled"  # on a wrapper: the adapters epmoe narrowed to this rank's experts
 
 
 def mark_full_shapes(model: nn.Module) -> None:
-    """Give every 3-D packed experts parameter EP sharded its whole shape ``(E, ...)`` as ``ds_shape``."""
+    """Give every 3-D packed experts parameter EP sharded its whole shape ``(E, ...)`` as ``ds_shape``,
+    and every packed experts parameter EP sharded its :class:`~epmoe.ep.shard_mark.ShardMark`."""
     for _, module, state in sharded_experts(model, packed_only=True):
+        shard = state.shard
         for param in state.sharded_params(module):
+            whole = (shard.num_experts, *param.shape[1:])
+            mark(param, ShardMark(whole, 0, None, shard.local_start, shard.local_end, shard.num_experts))
             if param.dim() == 3:
-                setattr(param, FULL_SHAPE, torch.Size((state.shard.num_experts, *param.shape[1:])))
+                setattr(param, FULL_SHAPE, torch.Size(whole))
 
 
 def clear_full_shapes(model: nn.Module) -> None:
@@ -60,6 +75,31 @@ def clear_full_shapes(model: nn.Module) -> None:
         for param in state.sharded_params(module):
             if FULL_SHAPE in param.__dict__:
                 delattr(param, FULL_SHAPE)
+
+
+@contextlib.contextmanager
+def whole_experts_for_peft(model: nn.Module) -> Iterator[None]:
+    """While peft builds LoRA wrappers on ``model`` (``get_peft_model``, ``add_adapter``,
+    ``PeftModel.from_pretrained``): every 3-D packed experts parameter EP sharded stands in as a
+    tensor of all ``E`` experts (one element expanded: no memory), so peft of any version sizes and
+    draws the unsharded model's factors. The parameters are back on exit, with the
+    ``requires_grad`` peft gave their stand-ins, and the new wrappers settled. Initialisations that
+    read the base weights (PiSSA, OLoRA, CorDA, LoftQ...) would read the stand-in: refused by the caller."""
+    swapped = []
+    for _, module, state in sharded_experts(model, packed_only=True):
+        for name in state.sharded_names:
+            param = module._parameters[name]
+            if param.dim() == 3:
+                whole = param.detach().reshape(-1)[:1].expand(state.shard.num_experts, *param.shape[1:])
+                module._parameters[name] = nn.Parameter(whole, requires_grad=param.requires_grad)
+                swapped.append((module, name, param))
+    try:
+        yield
+    finally:
+        for module, name, param in swapped:
+            param.requires_grad_(module._parameters[name].requires_grad)
+            module._parameters[name] = param
+    settle_expert_lora(model)
 
 
 def settle_expert_lora(model: nn.Module) -> None:
@@ -113,6 +153,14 @@ def refuse_unsupported(module: nn.Module) -> None:
     elif state.shard.ep_size > 1 and isinstance(param, torch.Tensor) and param.dim() != 3:
         what = f"the per-expert {module.parameter_name} ({param.dim()}-D)"
         why = "peft lays its factors out as for one matrix spanning every expert, which expert parallelism splits"
+    elif sized_from_shard(module, state):
+        raise ValueError(
+            f"epmoe: {state.shard.module_name}: peft {_peft_version()} sized the LoRA factors of "
+            f"{module.parameter_name} from this rank's shard ({state.shard.num_local_experts} of "
+            f"{state.shard.num_experts} experts), so they do not start from the unsharded model's factors. Use peft "
+            ">= 0.21 (it reads the whole shape epmoe marks), or add the adapter inside "
+            "epmoe.ep.lora.whole_experts_for_peft(model) (epmoe.prepare_twinkle does), before the first forward"
+        )
     elif zero_experts(base) and state.shard.ep_size > 1:
         what = "experts beside zero-computation experts"
         why = (
@@ -125,6 +173,22 @@ def refuse_unsupported(module: nn.Module) -> None:
         f"epmoe: {state.shard.module_name}: PEFT LoRA on {what} is not supported: {why}. Leave these "
         "weights out of target_parameters (LoRA on attention and other Linears works)"
     )
+
+
+def sized_from_shard(wrapper: nn.Module, state: ExpertParallelState) -> bool:
+    """Whether peft sized one of ``wrapper``'s adapters from the local shard: it says it holds this
+    rank's ``e`` experts, but epmoe never narrowed that adapter from all ``E``."""
+    if state.shard.ep_size == 1 or isinstance(state.local_experts, nn.ModuleList):
+        return False
+    if getattr(wrapper, "num_experts", None) != state.shard.num_local_experts:
+        return False
+    return not set(wrapper.lora_A) <= wrapper.__dict__.get(SETTLED, set())
+
+
+def _peft_version() -> str:
+    import importlib.metadata
+
+    return importlib.metadata.version("peft")
 
 
 @torch.compiler.disable
@@ -147,18 +211,21 @@ def _narrow(wrapper: nn.Module, state: ExpertParallelState) -> None:
     for linear in wrapper.lora_A.values():  # (r*E, in), expert-major
         weight = linear.weight
         _check(wrapper, shard, "lora_A", weight.shape[0], weight.shape)
-        rows = weight.shape[0] // E
+        whole, rows = tuple(weight.shape), weight.shape[0] // E
         _set(weight, lambda t: t.reshape(E, rows, -1)[start:end].reshape(e * rows, -1))
         linear.out_features = e * rows
+        mark(weight, ShardMark(whole, 0, None, start, end, E))
     for linear in wrapper.lora_B.values():  # (out, r*E), expert-minor
         weight = linear.weight
         _check(wrapper, shard, "lora_B", weight.shape[1], weight.shape)
-        out = weight.shape[0]
+        whole, out = tuple(weight.shape), weight.shape[0]
         _set(weight, lambda t: t.reshape(out, -1, E)[:, :, start:end].reshape(out, -1))
         linear.in_features = weight.shape[1]
+        mark(weight, ShardMark(whole, 2, (out, -1, e), start, end, E))
         if linear.bias is not None:
             raise ValueError(f"epmoe: {shard.module_name}: a LoRA bias on sharded experts is not supported")
     wrapper.num_experts = e
+    wrapper.__dict__[SETTLED] = set(wrapper.lora_A)
 
 
 def _check(wrapper, shard, factor: str, width: int, shape) -> None:
