@@ -20,7 +20,7 @@ from epmoe import platform
 from epmoe.checkpoint import adapter_state_dict, get_state_dict, set_state_dict
 from epmoe.comm import alltoallv_gmm, exchange_counts, gmm_alltoallv
 from epmoe.comm.steps import OutOfStepError
-from epmoe.compose import apply_expert_parallel, from_pretrained
+from epmoe.compose import apply_expert_parallel, from_pretrained, prepare_twinkle
 from epmoe.ep import ExpertParallelConfig, ExpertShard
 from epmoe.ep.load import expert_load, load_summary, reset_expert_load
 from epmoe.ep.model import EPModel
@@ -75,6 +75,7 @@ __all__ = [
     "prepare_accelerator",
     "prepare_deepspeed",
     "prepare_trainer",
+    "prepare_twinkle",
     "record_routing",
     "reference_model",
     "register_gmm_backend",

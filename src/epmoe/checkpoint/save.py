@@ -62,6 +62,9 @@ from torch.distributed.tensor import DTensor
 from epmoe import platform
 from epmoe.checkpoint.state_dict_warning import own_state_dict
 from epmoe.comm.steps import SAVE, OutOfStepError, Position, StepChannel
+from epmoe.ep.model import expert_owner
+from epmoe.ep.params import expert_parameters
+from epmoe.ep.shard_mark import mark_of
 from epmoe.ep.state import ExpertParallelState, sharded_experts
 from epmoe.integrations.peft import cat_factor, expert_lora_wrappers, factor_weights
 
@@ -615,6 +618,30 @@ def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
             parts = gathers.gather(state.model.channel, linear.weight.detach().contiguous())
             if parts is not None:
                 out[f"{name}.{factor}.{adapter}.weight"] = cat_factor(factor, parts, module.num_experts)
+    return out
+
+
+def whole_state_dict(model: nn.Module, keep: Callable[[str], bool] = lambda key: True) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` (the keys ``keep`` keeps) as the unsharded model's, on the writer (global
+    rank 0): FSDP2's DTensors whole, and every expert-sharded tensor, base experts and the LoRA
+    factors on them, joined from every EP rank by its :class:`~epmoe.ep.shard_mark.ShardMark`. Other
+    ranks get their own tensors. For a framework's save that writes a state dict itself (twinkle's
+    adapter and PeftModel saves). Collective: every rank calls it, with the same ``keep``."""
+    expert_parameters(model)  # settles LoRA factors and marks every expert parameter's owner
+    with own_state_dict():
+        local = model.state_dict(keep_vars=True)
+    gathers, out = _WriterGathers(), {}
+    for key, value in local.items():
+        if not keep(key):
+            continue
+        value_mark = mark_of(value)
+        value = value.detach()
+        if isinstance(value, DTensor):
+            out[key] = value.full_tensor()
+            continue
+        channel = expert_owner(local[key]).channel if value_mark is not None else None
+        parts = gathers.gather(channel, value.contiguous()) if gathers.joins(channel) else None
+        out[key] = value_mark.join(parts) if parts is not None else value
     return out
 
 

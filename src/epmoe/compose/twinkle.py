@@ -1,0 +1,333 @@
+"""``prepare_twinkle``: a twinkle ``TransformersModel`` trained with epmoe's expert parallelism, exact.
+
+twinkle (``twinkle-kit``, ModelScope's training framework) builds the model, the device mesh, the
+FSDP2 wrap (its native strategy) or accelerate's (its accelerate strategy), the loss normalisation,
+the clip, LoRA and the saves. Its own expert parallelism (``fsdp_config={"expert_parallel": ...}``)
+sums expert gradients over the EP group without averaging them and joins LoRA shards in its own
+layout; :func:`prepare_twinkle` takes a ``TransformersModel`` built without it and makes the same
+twinkle steps (``forward_backward``, ``clip_grad_and_step``, ``add_adapter_to_model``, ``save``)
+give the unsharded model's numbers:
+
+* EP over the mesh twinkle built: every rank (the cookbook's layout), or ``ep_size`` ranks of it
+  where the mesh says so (the EP groups strided as twinkle's own: ranks ``d, d + W/ep, ...``);
+* twinkle's FSDP2 wrap leaves epmoe's experts out (``ignored_params``), accelerate's through
+  :func:`epmoe.prepare_accelerator`;
+* its normalisation (every gradient divided by the global token count: the same factor on every
+  rank, which the step guard lets pass) then :func:`epmoe.clip_grad_norm_` (every expert once);
+* LoRA through ``add_adapter_to_model`` sized and drawn as the unsharded model's on twinkle's peft
+  (:func:`epmoe.ep.lora.whole_experts_for_peft`);
+* checkpoint and adapter saves whole (:func:`epmoe.checkpoint.save.whole_state_dict`, and the EP
+  model's own ``save_pretrained``), and the trainable-parameter count every expert once.
+
+twinkle has no hook for any of these, so each is a method or attribute of *this* model or strategy,
+listed in :data:`TOUCH_POINTS` with the signature it was checked against and why; a twinkle version
+not in :data:`MADE_FOR`, or one whose methods changed, is refused by name before anything changes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from epmoe.checkpoint.save import whole_state_dict
+from epmoe.compose.apply import apply_expert_parallel
+from epmoe.ep.config import ExpertParallelConfig
+from epmoe.ep.lora import whole_experts_for_peft
+from epmoe.ep.params import expert_parameters, parameter_counts
+from epmoe.ep.state import sharded_experts
+from epmoe.training.accelerate import prepare_accelerator
+from epmoe.training.clip import clip_grad_norm_
+from epmoe.training.launchers import CALLED, READ, REPLACED, Entry, remember, remembered, signature_text
+
+MADE_FOR = ("0.5.1",)  # the twinkle-kit versions whose internals TOUCH_POINTS were checked against
+PREPARED = "prepare_twinkle"
+_MODEL = "twinkle.model.transformers.TransformersModel"
+_NATIVE = "twinkle.model.transformers.strategy.native_fsdp.NativeFSDPStrategy"
+_ACCELERATE = "twinkle.model.transformers.strategy.accelerate.AccelerateStrategy"
+
+TOUCH_POINTS = (
+    Entry(
+        "twinkle",
+        _MODEL,
+        "clip_grad_norm",
+        "(self, max_grad_norm=1.0, norm_type=2, **kwargs)",
+        REPLACED,
+        "twinkle's own runs with max_grad_norm=inf (its unscale and its division by the global token count, "
+        "one factor on every rank), then epmoe.clip_grad_norm_: its norm sees each rank's experts only",
+    ),
+    Entry(
+        "twinkle",
+        _MODEL,
+        "_patch_adapter",
+        "(self, adapter_name, config_or_dir, **kwargs)",
+        REPLACED,
+        "what add_adapter_to_model runs: twinkle's own inside whole_experts_for_peft, so peft <= 0.20 (twinkle "
+        "caps peft at 0.19) sizes and draws the expert factors as the unsharded model's",
+    ),
+    Entry(
+        "twinkle",
+        _MODEL,
+        "_get_nb_trainable_parameters",
+        "(self, adapter_name, model)",
+        REPLACED,
+        "twinkle multiplies by its own EP size only: epmoe.parameter_counts counts every expert once",
+    ),
+    Entry(
+        "twinkle",
+        _MODEL,
+        "_get_trainable_parameters",
+        "(self, adapter_name='')",
+        CALLED,
+        "the parameters twinkle's clip and optimizer take, clipped by epmoe the same",
+    ),
+    Entry(
+        "twinkle",
+        _NATIVE,
+        "get_full_state_dict",
+        "(self, model)",
+        REPLACED,
+        "twinkle's own reads each rank's slice of the experts: whole tensors (save_pretrained of the EP model "
+        "gathers experts module by module; a PeftModel's full save is written from whole_state_dict)",
+    ),
+    Entry(
+        "twinkle",
+        _NATIVE,
+        "get_adapter_state_dict",
+        "(self, model, adapter_name)",
+        REPLACED,
+        "twinkle's own writes rank 0's slice of the expert LoRA factors: whole_state_dict of its LoRA keys",
+    ),
+    Entry(
+        "twinkle",
+        _NATIVE,
+        "wrap_model",
+        "(self, model, optimizer=None)",
+        READ,
+        "its fully_shard passes ignored_params (the parameters of each block marked _ep_patched, under its "
+        "'experts') only where enable_ep is set: both set by prepare_twinkle, so FSDP2 leaves epmoe's experts out",
+    ),
+    Entry(
+        "twinkle",
+        _ACCELERATE,
+        "get_full_state_dict",
+        "(self, model)",
+        REPLACED,
+        "as the native strategy's",
+    ),
+    Entry(
+        "twinkle",
+        _ACCELERATE,
+        "get_adapter_state_dict",
+        "(self, model, adapter_name)",
+        REPLACED,
+        "as the native strategy's",
+    ),
+)
+
+
+def prepare_twinkle(model: Any, config: ExpertParallelConfig | dict | None = None) -> Any:
+    """Make the twinkle ``TransformersModel`` ``model`` train with epmoe's EP, exactly; returns it.
+
+    Call on every rank, after building the model (without twinkle's own ``expert_parallel``) and
+    before its first forward; ``config``: the :class:`ExpertParallelConfig`. Idempotent. Raises
+    ``TypeError`` for anything but a ``TransformersModel`` and ``ValueError`` naming what it cannot
+    serve: a twinkle version it was not made for, twinkle's own EP, a model already wrapped,
+    ``memory_efficient_init`` (its rank-0 broadcast sends whole experts tensors), a mesh that does
+    not cover every rank or that ``ep_size`` does not divide."""
+    _check_twinkle(model)
+    if remembered(model, PREPARED):
+        return model
+    _check_servable(model)
+    strategy = model.strategy
+    hf_model = strategy.unwrap_model(model.model)
+    apply_expert_parallel(hf_model, _ep_group(model.device_mesh), config=config)
+    if _is(strategy, _NATIVE):
+        _leave_experts_out_of_fsdp(strategy, hf_model)
+    else:
+        prepare_accelerator(strategy.accelerator)
+    _replace(model, "clip_grad_norm", _clip(model))
+    _replace(model, "_patch_adapter", _patch_adapter(model, hf_model))
+    _replace(model, "_get_nb_trainable_parameters", lambda adapter_name, module: parameter_counts(module))
+    _replace(strategy, "get_full_state_dict", _full_state_dict(strategy))
+    _replace(strategy, "get_adapter_state_dict", _adapter_state_dict(strategy))
+    remember(model, PREPARED)
+    return model
+
+
+# ---- what is checked before anything changes
+
+
+def _check_twinkle(model: Any) -> None:
+    try:
+        version = importlib.metadata.version("twinkle-kit")
+        from twinkle.model import TransformersModel
+    except (importlib.metadata.PackageNotFoundError, ImportError) as exc:
+        raise TypeError("prepare_twinkle(model): twinkle (pip install epmoe[twinkle]) is not installed") from exc
+    if not isinstance(model, TransformersModel):
+        raise TypeError(f"prepare_twinkle(model): expected a twinkle TransformersModel, got {type(model).__name__}")
+    if version not in MADE_FOR:
+        raise ValueError(
+            f"prepare_twinkle(model): twinkle-kit {version} is installed; prepare_twinkle was made for "
+            f"{', '.join(MADE_FOR)} (it replaces methods twinkle offers no hook for: epmoe.training.twinkle."
+            f"TOUCH_POINTS). Install twinkle-kit=={MADE_FOR[-1]}"
+        )
+    changed = [
+        f"{entry.owner}.{entry.method}"
+        for entry in TOUCH_POINTS
+        if not callable(getattr(_resolve(entry.owner), entry.method, None))
+        or signature_text(getattr(_resolve(entry.owner), entry.method)) != entry.signature
+    ]
+    if changed:
+        raise ValueError(
+            f"prepare_twinkle(model): the installed twinkle-kit {version} differs from the one prepare_twinkle "
+            f"was checked against in {changed}"
+        )
+
+
+def _check_servable(model: Any) -> None:
+    if getattr(model, "_enable_expert_parallel", False):
+        raise ValueError(
+            "prepare_twinkle(model): the model was built with twinkle's own expert parallelism "
+            "(fsdp_config['expert_parallel']); build it without, epmoe takes its place"
+        )
+    if getattr(model, "_model_wrapped", False):
+        raise ValueError("prepare_twinkle(model): the model has run a forward already; call it right after building")
+    if getattr(model.strategy, "_memory_efficient_init", False):
+        raise ValueError(
+            "prepare_twinkle(model): memory_efficient_init=True broadcasts whole tensors from rank 0 into the "
+            "FSDP2 wrap, expert slices included; build the model with memory_efficient_init=False"
+        )
+    if not (_is(model.strategy, _NATIVE) or _is(model.strategy, _ACCELERATE)):
+        raise ValueError(
+            f"prepare_twinkle(model): twinkle's {type(model.strategy).__name__} strategy is not served "
+            f"(native_fsdp and accelerate are)"
+        )
+    if model.device_mesh is None or not dist.is_initialized():
+        raise ValueError("prepare_twinkle(model): the model has no device mesh; build it with twinkle's DeviceMesh")
+
+
+def _ep_group(mesh: Any) -> Any:
+    """The EP group over twinkle's mesh: ``None`` (every rank) or a ``("dp", "ep")`` DeviceMesh whose
+    EP groups are strided as twinkle's own (``ep`` rows of ``arange(W).reshape(ep, W // ep)``)."""
+    import numpy as np
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    world = dist.get_world_size()
+    if sorted(np.asarray(mesh.mesh).flatten().tolist()) != list(range(world)):
+        raise ValueError(f"prepare_twinkle(model): the device mesh {mesh.mesh.tolist()} does not cover every rank")
+    ep_size = mesh.ep_size or world
+    if world % ep_size:
+        raise ValueError(f"prepare_twinkle(model): the mesh's ep_size {ep_size} does not divide {world} ranks")
+    if ep_size == world:
+        return None
+    ranks_dp_ep = torch.arange(world).reshape(ep_size, world // ep_size).T
+    return DeviceMesh(mesh.device_type or "cpu", ranks_dp_ep, mesh_dim_names=("dp", "ep"))
+
+
+# ---- the touch points
+
+
+def _leave_experts_out_of_fsdp(strategy: Any, hf_model: nn.Module) -> None:
+    """twinkle's FSDP2 wrap ignores the parameters under ``block.experts`` of every block marked
+    ``_ep_patched`` once ``enable_ep`` is set (its own EP mesh stays unbuilt: twinkle's EP stays off)."""
+    blocks = [
+        block
+        for _, experts, _ in sharded_experts(hf_model, packed_only=True)
+        for block in hf_model.modules()
+        if block._modules.get("experts") is experts
+    ]
+    if len(blocks) != sum(1 for _ in sharded_experts(hf_model, packed_only=True)):
+        raise ValueError(
+            "prepare_twinkle(model): twinkle's FSDP2 wrap finds experts only as a block's 'experts' attribute; "
+            "this model keeps some elsewhere"
+        )
+    strategy.enable_ep = True
+    for block in blocks:
+        block._ep_patched = True
+
+
+def _clip(model: Any) -> Callable:
+    own = model.clip_grad_norm
+
+    def clip_grad_norm(max_grad_norm: float = 1.0, norm_type: float = 2, **kwargs: Any) -> float | None:
+        adapter_name = kwargs.get("adapter_name", model._get_default_group())
+        if own(math.inf, norm_type, **kwargs) is None:  # not a step that syncs: twinkle did nothing
+            return None
+        parameters = list(model._get_trainable_parameters(adapter_name).values())
+        norm = float(clip_grad_norm_(parameters, max_grad_norm, norm_type))
+        model.optimizer_group[adapter_name]._last_grad_norm = norm  # what twinkle's metrics report
+        return norm
+
+    return clip_grad_norm
+
+
+def _patch_adapter(model: Any, hf_model: nn.Module) -> Callable:
+    own = model._patch_adapter
+
+    def patch_adapter(adapter_name: str, config_or_dir: Any, **kwargs: Any) -> None:
+        init = getattr(config_or_dir, "init_lora_weights", True)
+        if isinstance(init, str) and init != "gaussian" and getattr(config_or_dir, "target_parameters", None):
+            raise ValueError(
+                f"add_adapter_to_model: init_lora_weights={init!r} reads the base weights, which expert "
+                f"parallelism splits; use True or 'gaussian' with target_parameters"
+            )
+        with whole_experts_for_peft(hf_model):
+            own(adapter_name, config_or_dir, **kwargs)
+        expert_parameters(hf_model)  # marks the new factors as expert parameters (twinkle's FSDP2 leaves them out)
+
+    return patch_adapter
+
+
+def _full_state_dict(strategy: Any) -> Callable:
+    own = strategy.get_full_state_dict
+
+    def get_full_state_dict(model: nn.Module) -> dict:
+        unwrapped = strategy.unwrap_model(model)
+        if not _is_peft(unwrapped):  # written by the EP model's save_pretrained, which gathers its experts
+            return own(model)
+        names = {name for name, _ in unwrapped.named_parameters()}
+        return {key: value.cpu() for key, value in whole_state_dict(unwrapped, names.__contains__).items()}
+
+    return get_full_state_dict
+
+
+def _adapter_state_dict(strategy: Any) -> Callable:
+    def get_adapter_state_dict(model: nn.Module, adapter_name: str) -> dict:
+        suffix = f".{adapter_name}."
+
+        def keep(key: str) -> bool:
+            return suffix in key and any(f in key for f in ("lora_A", "lora_B", "lora_embedding"))
+
+        return {key: value.cpu() for key, value in whole_state_dict(strategy.unwrap_model(model), keep).items()}
+
+    return get_adapter_state_dict
+
+
+def _replace(obj: Any, name: str, method: Callable) -> None:
+    """``obj.name = method`` on the instance (the class is untouched); listed in :data:`TOUCH_POINTS`."""
+    assert any(e.method == name and e.how == REPLACED and _is(obj, e.owner) for e in TOUCH_POINTS), name
+    setattr(obj, name, method)
+
+
+def _resolve(owner: str) -> Any:
+    module_name, _, class_name = owner.rpartition(".")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _is(obj: Any, owner: str) -> bool:
+    return isinstance(obj, _resolve(owner))
+
+
+def _is_peft(module: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - twinkle requires peft
+        return False
+    return isinstance(module, PeftModel)

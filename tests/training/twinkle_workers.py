@@ -1,0 +1,254 @@
+"""Rank functions for tests/training/test_twinkle.py: twinkle's own steps with and without epmoe.
+
+Run in the environment with twinkle's own pins (``.venv-twinkle``: twinkle-kit 0.5.1, its peft <= 0.19),
+started by ``python twinkle_workers.py OUT_DIR`` (2 gloo ranks, every case in one start). Each case
+trains the same float64 Qwen3-MoE twice through twinkle's ``TransformersModel`` on its native FSDP2
+strategy: unsharded (FSDP2 over both ranks, every rank holding every expert) and through
+:func:`epmoe.prepare_twinkle` (EP over both ranks, experts outside FSDP2), on the same per-rank batches
+(of different sizes), and returns the relative errors of what the unsharded run is the oracle for.
+
+twinkle has no CPU platform: :func:`twinkle_on_cpu` is the patch these tests need to run it here
+(its GPU platform's device and backend replaced by ``cpu`` / ``gloo``); it is test code only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import torch
+import torch.distributed as dist
+
+STEPS = 3
+MAX_NORM = 0.05  # small enough that every step clips
+BATCH_SIZES = (2, 3)  # samples per rank
+LORA = dict(
+    r=4,
+    lora_alpha=8,
+    target_modules=["q_proj", "v_proj"],
+    target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+)
+
+
+def twinkle_on_cpu() -> None:
+    """Tests only: twinkle picks its GPU platform without an NPU or MPS; on this CPU machine its device
+    is ``cpu`` and its process-group backend ``gloo``."""
+    from twinkle.utils.platforms import gpu
+
+    gpu.GPU.get_local_device = staticmethod(lambda idx=0, **kwargs: "cpu")
+    gpu.GPU.device_backend = staticmethod(lambda platform=None: "gloo")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30)) if a.shape == b.shape else float("inf")
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def samples(step: int, rank: int) -> list[dict]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, 250, (BATCH_SIZES[rank], 12), generator=g)
+    return [{"input_ids": row.tolist(), "labels": row.tolist()} for row in ids]
+
+
+def build(path: str, ep: bool, lora: bool):
+    from twinkle.model import TransformersModel
+
+    import epmoe
+
+    model = TransformersModel(
+        model_id=path,
+        device_mesh=MESH,
+        strategy="native_fsdp",
+        mixed_precision="no",
+        torch_dtype=torch.float64,
+        experts_implementation="eager",
+    )
+    if ep:
+        epmoe.prepare_twinkle(model)
+    if lora:
+        from peft import LoraConfig
+
+        torch.manual_seed(7)  # the same draws in both runs
+        model.add_adapter_to_model("lora", LoraConfig(**LORA))
+    model.set_optimizer("AdamW", lr=1e-2, **({"adapter_name": "lora"} if lora else {}))
+    return model
+
+
+def train(model, rank: int, adapter: str | None):
+    """``STEPS`` of twinkle's forward_backward + clip_grad_and_step; the first step's gradients
+    (before the clip) and each step's norm."""
+    kwargs = {"adapter_name": adapter} if adapter else {}
+    first_grads, norms = None, []
+    for step in range(STEPS):
+        model.forward_backward(inputs=samples(step, rank), **kwargs)
+        if first_grads is None:
+            first_grads = {n: whole(p.grad).clone() for n, p in named(model) if p.grad is not None}
+        model.clip_grad_and_step(max_grad_norm=MAX_NORM, **kwargs)
+        norms.append(model.optimizer_group[adapter or ""]._last_grad_norm)
+    return first_grads, norms
+
+
+def named(model):
+    return model.strategy.unwrap_model(model.model).named_parameters()
+
+
+def slice_of(name: str, full: torch.Tensor, local: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's part of the unsharded tensor ``full`` that ``local`` (an EP rank's) holds: experts
+    ``[rank*e, (rank+1)*e)``, in peft's layouts for the LoRA factors (lora_B expert-minor)."""
+    if full.shape == local.shape:
+        return full
+    if "lora_B" in name:  # (out, r*E) viewed (out, r, E)
+        e = NUM_EXPERTS * local.shape[1] // full.shape[1]
+        return full.reshape(full.shape[0], -1, NUM_EXPERTS)[:, :, rank * e : (rank + 1) * e].reshape(full.shape[0], -1)
+    return full.narrow(0, rank * local.shape[0], local.shape[0])  # experts (E, ...), lora_A (r*E, in)
+
+
+def compare(ref: dict, model, rank: int) -> dict:
+    errors = {}
+    for name, param in named(model):
+        if name in ref:
+            errors[name] = rel(whole(param), slice_of(name, ref[name], whole(param), rank))
+    return errors
+
+
+def counts(model, adapter: str | None) -> tuple[int, int]:
+    text = model.get_train_configs(**({"adapter_name": adapter} if adapter else {}))
+    found = re.search(r"Trainable params: ([\d,]+) \|\| all params: ([\d,]+)", text)
+    return int(found.group(1).replace(",", "")), int(found.group(2).replace(",", ""))
+
+
+def full_case(rank: int, path: str, out_dir: str) -> dict:
+    """Full-parameter training: parameters after 3 steps, norms, the checkpoint twinkle saves."""
+    from transformers import AutoModelForCausalLM
+
+    unsharded = build(path, ep=False, lora=False)
+    _, ref_norms = train(unsharded, rank, None)
+    ref = {n: whole(p).detach().clone() for n, p in named(unsharded)}
+    ref_counts = counts(unsharded, None)
+    model = build(path, ep=True, lora=False)
+    _, norms = train(model, rank, None)
+    errors = compare(ref, model, rank)
+    saved = model.save("full", output_dir=out_dir)
+    dist.barrier()
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, torch_dtype=torch.float64)
+    saved_errors = {n: rel(p, ref[n]) for n, p in reloaded.named_parameters() if n in ref}
+    return {
+        "errors": errors,
+        "norms": [norms, ref_norms],
+        "saved_errors": saved_errors,
+        "saved_keys_missing": sorted(set(ref) - {n for n, _ in reloaded.named_parameters()}),
+        "counts": [counts(model, None), ref_counts],
+    }
+
+
+def lora_case(rank: int, path: str, out_dir: str) -> dict:
+    """LoRA on the experts and attention: the start, the first gradients, 3 steps, the adapter saved."""
+    unsharded = build(path, ep=False, lora=True)
+    ref_start = {n: whole(p).detach().clone() for n, p in named(unsharded) if "lora_" in n}
+    ref_first, ref_norms = train(unsharded, rank, "lora")
+    ref = {n: whole(p).detach().clone() for n, p in named(unsharded) if "lora_" in n}
+    ref_counts = counts(unsharded, "lora")
+    model = build(path, ep=True, lora=True)
+    start = {n: rel(whole(p), slice_of(n, ref_start[n], whole(p), rank)) for n, p in named(model) if n in ref_start}
+    first, norms = train(model, rank, "lora")
+    first_errors = {n: rel(g, slice_of(n, ref_first[n], g, rank)) for n, g in first.items() if n in ref_first}
+    errors = compare(ref, model, rank)
+    saved = model.save("adapter", output_dir=out_dir, adapter_name="lora")
+    if (
+        rank == 0
+    ):  # reloaded with plain transformers and peft by the test (peft 0.19 cannot load into transformers 5.25)
+        torch.save({n.replace(".lora.", ".default."): t for n, t in ref.items()}, os.path.join(out_dir, "lora_ref.pt"))
+    return {
+        "start": start,
+        "first_grads": first_errors,
+        "expert_factors": sorted(n for n in first if ".experts." in n),
+        "errors": errors,
+        "norms": [norms, ref_norms],
+        "saved": saved,
+        "counts": [counts(model, "lora"), ref_counts],
+    }
+
+
+def refusals(rank: int, path: str) -> dict:
+    """What prepare_twinkle cannot serve, refused by name before anything changes."""
+    from twinkle.model import TransformersModel
+
+    import epmoe
+
+    out = {}
+    try:
+        epmoe.prepare_twinkle(torch.nn.Linear(2, 2))
+    except TypeError as exc:
+        out["not_twinkle"] = str(exc)
+    own_ep = TransformersModel(
+        model_id=path,
+        device_mesh=MESH,
+        strategy="native_fsdp",
+        mixed_precision="no",
+        torch_dtype=torch.float64,
+        experts_implementation="eager",
+        fsdp_config={"expert_parallel": {"enabled": True, "ep_size": 2}},
+    )
+    try:
+        epmoe.prepare_twinkle(own_ep)
+    except ValueError as exc:
+        out["own_ep"] = str(exc)
+    return out
+
+
+def cases(rank: int, world: int, path: str, out_dir: str) -> dict:
+    global MESH
+    twinkle_on_cpu()
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    import twinkle
+    from twinkle.utils import DeviceMesh
+
+    MESH = DeviceMesh.from_sizes(world_size=world, fsdp_size=world, device_type="cpu")
+    twinkle.initialize(mode="local", nproc_per_node=world, global_device_mesh=MESH, seed=0)
+    results = {}
+    for name, case in (
+        ("full", lambda: full_case(rank, path, out_dir)),
+        ("lora", lambda: lora_case(rank, path, out_dir)),
+        ("refusals", lambda: refusals(rank, path)),
+    ):
+        try:
+            results[name] = case()
+        except Exception:  # noqa: BLE001 - reported to the test
+            import traceback
+
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+NUM_EXPERTS = 8
+MESH = None
+
+
+def write_model(path: str) -> None:
+    """The float64 Qwen3-MoE (8 experts, top-2) and a word-level tokenizer, as twinkle loads them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from epmoe.models import build_model
+
+    vocab = {f"w{i}": i for i in range(254)} | {"<pad>": 254, "<eos>": 255}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>").save_pretrained(path)
+    build_model("qwen3_moe", num_experts=NUM_EXPERTS, dtype=torch.float64).save_pretrained(path)
+
+
+if __name__ == "__main__":
+    from epmoe.launch import run_ranks
+
+    out_dir = sys.argv[1]
+    write_model(os.path.join(out_dir, "model"))
+    results = run_ranks(cases, 2, os.path.join(out_dir, "model"), out_dir, timeout=600)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f)
