@@ -160,19 +160,35 @@ def lora_case(rank: int, path: str, out_dir: str) -> dict:
     first_errors = {n: rel(g, slice_of(n, ref_first[n], g, rank)) for n, g in first.items() if n in ref_first}
     errors = compare(ref, model, rank)
     saved = model.save("adapter", output_dir=out_dir, adapter_name="lora")
-    if (
-        rank == 0
-    ):  # reloaded with plain transformers and peft by the test (peft 0.19 cannot load into transformers 5.25)
-        torch.save({n.replace(".lora.", ".default."): t for n, t in ref.items()}, os.path.join(out_dir, "lora_ref.pt"))
+    dist.barrier()
     return {
         "start": start,
         "first_grads": first_errors,
         "expert_factors": sorted(n for n in first if ".experts." in n),
         "errors": errors,
         "norms": [norms, ref_norms],
-        "saved": saved,
+        "saved_errors": reload_adapter(path, saved, ref),
         "counts": [counts(model, "lora"), ref_counts],
     }
+
+
+def reload_adapter(path: str, saved: str, trained: dict) -> dict:
+    """The adapter twinkle saved, on plain transformers with peft: peft 0.19's own loader cannot convert
+    into transformers 5.25 (``WeightConverter``), so its file goes into ``get_peft_model``'s model by
+    name, every key of the file used and every factor of the model filled."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager")
+    peft_model = get_peft_model(base, LoraConfig.from_pretrained(saved), adapter_name="lora")
+    file = {
+        key.replace(".weight", ".lora.weight"): t for key, t in load_file(f"{saved}/adapter_model.safetensors").items()
+    }
+    factors = {name for name, _ in peft_model.named_parameters() if "lora_" in name}
+    assert set(file) == factors, sorted(set(file) ^ factors)
+    peft_model.load_state_dict(file, strict=False)
+    return {name: rel(p, trained[name]) for name, p in peft_model.named_parameters() if "lora_" in name}
 
 
 def refusals(rank: int, path: str) -> dict:
@@ -202,6 +218,30 @@ def refusals(rank: int, path: str) -> dict:
     return out
 
 
+def plain_peft(rank: int) -> dict:
+    """peft 0.19's get_peft_model on an EP model, outside prepare_twinkle: it sizes the expert factors
+    from the shard, which epmoe refuses at the first forward rather than train from another start."""
+    from peft import LoraConfig, get_peft_model
+
+    import epmoe
+    from epmoe.models import build_model
+
+    model = build_model("qwen3_moe", num_experts=NUM_EXPERTS, dtype=torch.float64)
+    epmoe.apply_expert_parallel(model)
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_parameters=["experts.gate_up_proj"]))
+    try:
+        peft_model(torch.randint(0, 250, (2, 8)))
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    return {"refused": None}
+
+
+def versions() -> dict:
+    import importlib.metadata
+
+    return {name: importlib.metadata.version(name) for name in ("twinkle-kit", "peft", "transformers")}
+
+
 def cases(rank: int, world: int, path: str, out_dir: str) -> dict:
     global MESH
     twinkle_on_cpu()
@@ -216,6 +256,8 @@ def cases(rank: int, world: int, path: str, out_dir: str) -> dict:
         ("full", lambda: full_case(rank, path, out_dir)),
         ("lora", lambda: lora_case(rank, path, out_dir)),
         ("refusals", lambda: refusals(rank, path)),
+        ("plain_peft", lambda: plain_peft(rank)),
+        ("versions", versions),
     ):
         try:
             results[name] = case()
