@@ -106,6 +106,19 @@ def test_what_prepare_twinkle_cannot_serve_is_refused_by_name(run):
     for result in of(run, "refusals"):
         assert "expected a twinkle TransformersModel, got Linear" in result["not_twinkle"]
         assert "twinkle's own expert parallelism" in result["own_ep"]
+        assert "twinkle-kit 0.5.1 is installed; prepare_twinkle was made for 0.4.0" in result["other_version"]
+
+
+def test_epmoes_grouped_matmul_as_the_compute_of_twinkles_own_ep(run):
+    """register_grouped_mm: twinkle's own EP computes with epmoe's grouped matmul, the loss and every
+    gradient its per-expert loop's; its expert gradients stay twinkle's, 2x the unsharded model's
+    (summed over the EP group of 2, not averaged), the caveat the docs state, measured here."""
+    for result in of(run, "own_ep"):
+        gmm, loop, unsharded = result["losses"]
+        assert gmm == loop == pytest.approx(unsharded, rel=1e-12)
+        assert len(result["gmm_vs_loop"]) == 25 and max(result["gmm_vs_loop"].values()) <= TOL
+        assert result["expert_grad_ratio"] == pytest.approx([2.0] * 4, rel=1e-12)
+        assert result["dense_vs_unsharded"] <= TOL
 
 
 def test_older_peft_outside_prepare_twinkle_is_refused_not_trained_from_another_start(run):

@@ -34,11 +34,24 @@ LORA = dict(
 
 def twinkle_on_cpu() -> None:
     """Tests only: twinkle picks its GPU platform without an NPU or MPS; on this CPU machine its device
-    is ``cpu`` and its process-group backend ``gloo``."""
+    is ``cpu`` and its process-group backend ``gloo``, and its own EP's count gather is flattened for gloo."""
     from twinkle.utils.platforms import gpu
 
     gpu.GPU.get_local_device = staticmethod(lambda idx=0, **kwargs: "cpu")
     gpu.GPU.device_backend = staticmethod(lambda platform=None: "gloo")
+    # twinkle's own EP gathers (W, E) counts with all_gather_into_tensor from an (E,) tensor, which gloo
+    # takes only flat: its module sees a torch.distributed whose all_gather_into_tensor flattens
+    from twinkle.model.transformers.moe import ep_utils
+
+    class FlatGather:
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def all_gather_into_tensor(output, tensor, group=None, async_op=False):
+            return dist.all_gather_into_tensor(output.view(-1), tensor.reshape(-1), group=group, async_op=async_op)
+
+    ep_utils.dist = FlatGather()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,20 +69,24 @@ def samples(step: int, rank: int) -> list[dict]:
     return [{"input_ids": row.tolist(), "labels": row.tolist()} for row in ids]
 
 
-def build(path: str, ep: bool, lora: bool):
+def build(path: str, ep: str | None, lora: bool, dtype: torch.dtype = torch.float64):
+    """twinkle's ``TransformersModel`` on its native FSDP2 strategy over both ranks. ``ep``: ``None``
+    (unsharded), ``"epmoe"`` (:func:`epmoe.prepare_twinkle`) or ``"twinkle"`` (its own EP over both ranks)."""
     from twinkle.model import TransformersModel
 
     import epmoe
 
+    own_ep = {"expert_parallel": {"enabled": True, "ep_size": dist.get_world_size()}} if ep == "twinkle" else None
     model = TransformersModel(
         model_id=path,
         device_mesh=MESH,
         strategy="native_fsdp",
         mixed_precision="no",
-        torch_dtype=torch.float64,
-        experts_implementation="eager",
+        torch_dtype=dtype,
+        experts_implementation="eager" if dtype == torch.float64 else "grouped_mm",
+        fsdp_config=own_ep,
     )
-    if ep:
+    if ep == "epmoe":
         epmoe.prepare_twinkle(model)
     if lora:
         from peft import LoraConfig
@@ -127,11 +144,11 @@ def full_case(rank: int, path: str, out_dir: str) -> dict:
     """Full-parameter training: parameters after 3 steps, norms, the checkpoint twinkle saves."""
     from transformers import AutoModelForCausalLM
 
-    unsharded = build(path, ep=False, lora=False)
+    unsharded = build(path, ep=None, lora=False)
     _, ref_norms = train(unsharded, rank, None)
     ref = {n: whole(p).detach().clone() for n, p in named(unsharded)}
     ref_counts = counts(unsharded, None)
-    model = build(path, ep=True, lora=False)
+    model = build(path, ep="epmoe", lora=False)
     _, norms = train(model, rank, None)
     errors = compare(ref, model, rank)
     saved = model.save("full", output_dir=out_dir)
@@ -149,12 +166,12 @@ def full_case(rank: int, path: str, out_dir: str) -> dict:
 
 def lora_case(rank: int, path: str, out_dir: str) -> dict:
     """LoRA on the experts and attention: the start, the first gradients, 3 steps, the adapter saved."""
-    unsharded = build(path, ep=False, lora=True)
+    unsharded = build(path, ep=None, lora=True)
     ref_start = {n: whole(p).detach().clone() for n, p in named(unsharded) if "lora_" in n}
     ref_first, ref_norms = train(unsharded, rank, "lora")
     ref = {n: whole(p).detach().clone() for n, p in named(unsharded) if "lora_" in n}
     ref_counts = counts(unsharded, "lora")
-    model = build(path, ep=True, lora=True)
+    model = build(path, ep="epmoe", lora=True)
     start = {n: rel(whole(p), slice_of(n, ref_start[n], whole(p), rank)) for n, p in named(model) if n in ref_start}
     first, norms = train(model, rank, "lora")
     first_errors = {n: rel(g, slice_of(n, ref_first[n], g, rank)) for n, g in first.items() if n in ref_first}
@@ -191,6 +208,31 @@ def reload_adapter(path: str, saved: str, trained: dict) -> dict:
     return {name: rel(p, trained[name]) for name, p in peft_model.named_parameters() if "lora_" in name}
 
 
+def own_ep_case(rank: int, path: str) -> dict:
+    """twinkle's own EP, its per-expert loop and then epmoe's grouped matmul as its compute
+    (:func:`epmoe.compose.twinkle.register_grouped_mm`): the same loss and gradients; and how its
+    expert gradients compare with the unsharded model's (the caveat: summed over the EP group)."""
+    from epmoe.compose.twinkle import register_grouped_mm
+
+    def first_step(model):
+        out = model.forward_backward(inputs=samples(0, rank))
+        return float(out["loss"]), {n: whole(p.grad).clone() for n, p in named(model) if p.grad is not None}
+
+    ref_loss, ref_grads = first_step(build(path, ep=None, lora=False))
+    loop_loss, loop_grads = first_step(build(path, ep="twinkle", lora=False))
+    register_grouped_mm()
+    gmm_loss, gmm_grads = first_step(build(path, ep="twinkle", lora=False))
+    experts = [n for n in gmm_grads if ".experts." in n]
+    return {
+        "losses": [gmm_loss, loop_loss, ref_loss],
+        "gmm_vs_loop": {n: rel(gmm_grads[n], loop_grads[n]) for n in gmm_grads},
+        "expert_grad_ratio": [
+            float(gmm_grads[n].norm() / slice_of(n, ref_grads[n], gmm_grads[n], rank).norm()) for n in experts
+        ],
+        "dense_vs_unsharded": max(rel(gmm_grads[n], ref_grads[n]) for n in gmm_grads if n not in experts),
+    }
+
+
 def refusals(rank: int, path: str) -> dict:
     """What prepare_twinkle cannot serve, refused by name before anything changes."""
     from twinkle.model import TransformersModel
@@ -215,6 +257,15 @@ def refusals(rank: int, path: str) -> dict:
         epmoe.prepare_twinkle(own_ep)
     except ValueError as exc:
         out["own_ep"] = str(exc)
+    import epmoe.compose.twinkle as prepared
+
+    made_for, prepared.MADE_FOR = prepared.MADE_FOR, ("0.4.0",)
+    try:
+        epmoe.prepare_twinkle(own_ep)
+    except ValueError as exc:
+        out["other_version"] = str(exc)
+    finally:
+        prepared.MADE_FOR = made_for
     return out
 
 
@@ -255,6 +306,7 @@ def cases(rank: int, world: int, path: str, out_dir: str) -> dict:
     for name, case in (
         ("full", lambda: full_case(rank, path, out_dir)),
         ("lora", lambda: lora_case(rank, path, out_dir)),
+        ("own_ep", lambda: own_ep_case(rank, path)),
         ("refusals", lambda: refusals(rank, path)),
         ("plain_peft", lambda: plain_peft(rank)),
         ("versions", versions),

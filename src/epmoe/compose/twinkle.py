@@ -26,12 +26,14 @@ not in :data:`MADE_FOR`, or one whose methods changed, is refused by name before
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import math
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -41,6 +43,7 @@ from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.lora import whole_experts_for_peft
 from epmoe.ep.params import expert_parameters, parameter_counts
 from epmoe.ep.state import sharded_experts
+from epmoe.gmm import grouped_mm
 from epmoe.training.accelerate import prepare_accelerator
 from epmoe.training.clip import clip_grad_norm_
 from epmoe.training.launchers import CALLED, READ, REPLACED, Entry, remember, remembered, signature_text
@@ -114,6 +117,14 @@ TOUCH_POINTS = (
     ),
     Entry(
         "twinkle",
+        "twinkle.kernel.ops.ep",
+        "_get_impls",
+        "()",
+        CALLED,
+        "its registry of EP experts backends (a list, tried in order): register_grouped_mm puts epmoe's first",
+    ),
+    Entry(
+        "twinkle",
         _ACCELERATE,
         "get_full_state_dict",
         "(self, model)",
@@ -160,32 +171,77 @@ def prepare_twinkle(model: Any, config: ExpertParallelConfig | dict | None = Non
     return model
 
 
+def register_grouped_mm() -> None:
+    """Make epmoe's grouped matmul (:func:`epmoe.grouped_mm`, every platform's backend) the compute of
+    twinkle's *own* expert parallelism, ahead of its NPU-only grouped matmul and its per-expert loop:
+    the same numbers as its loop, in two grouped matmuls per layer. For users who keep twinkle's EP;
+    its gradients stay twinkle's (expert gradients summed over the EP group, not averaged as the
+    rest: 2x the unsharded model's at EP 2 over 2 ranks). Idempotent; ``ValueError`` on a twinkle
+    version it was not made for."""
+    _check_twinkle_version()
+    from twinkle.kernel.ops.ep import _get_impls
+
+    backends = _get_impls()
+    if not any(isinstance(backend, _twinkle_backend_class()) for backend in backends):
+        backends.insert(0, _twinkle_backend_class()())
+
+
+@functools.cache
+def _twinkle_backend_class() -> type:
+    """epmoe's grouped matmul as a twinkle ``EpExpertsGmm`` backend (its class defined once twinkle is there)."""
+    from twinkle.kernel.ops.ep import EpExpertsGmm
+
+    class EpmoeExpertsGmm(EpExpertsGmm):
+        name = "epmoe grouped_mm"
+
+        def ineligible_reason(self, experts_mod: nn.Module) -> str | None:
+            weights = [getattr(experts_mod, name, None) for name in ("gate_up_proj", "down_proj")]
+            if not all(isinstance(w, torch.Tensor) and w.dim() == 3 for w in weights):
+                return "not packed gate_up_proj / down_proj experts"
+            if getattr(experts_mod, "is_transposed", False) or getattr(experts_mod, "has_bias", False):
+                return "transposed or biased experts"
+            return None
+
+        def forward(self, experts_mod, permuted_tokens, num_global_sum_tokens_per_local_expert, experts_per_rank):
+            counts = num_global_sum_tokens_per_local_expert
+            rows = permuted_tokens.to(experts_mod.gate_up_proj.dtype)
+            gate_up = grouped_mm(rows, experts_mod.gate_up_proj, counts, trans_weight=True)
+            if hasattr(experts_mod, "_apply_gate"):
+                hidden = experts_mod._apply_gate(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                hidden = experts_mod.act_fn(gate) * up
+            out = grouped_mm(hidden, experts_mod.down_proj, counts, trans_weight=True)
+            return out.to(permuted_tokens.dtype)
+
+    return EpmoeExpertsGmm
+
+
 # ---- what is checked before anything changes
 
 
 def _check_twinkle(model: Any) -> None:
     try:
-        version = importlib.metadata.version("twinkle-kit")
         from twinkle.model import TransformersModel
-    except (importlib.metadata.PackageNotFoundError, ImportError) as exc:
+    except ImportError as exc:
         raise TypeError("prepare_twinkle(model): twinkle (pip install epmoe[twinkle]) is not installed") from exc
     if not isinstance(model, TransformersModel):
         raise TypeError(f"prepare_twinkle(model): expected a twinkle TransformersModel, got {type(model).__name__}")
+    _check_twinkle_version()
+
+
+def _check_twinkle_version() -> None:
+    version = importlib.metadata.version("twinkle-kit")
     if version not in MADE_FOR:
         raise ValueError(
-            f"prepare_twinkle(model): twinkle-kit {version} is installed; prepare_twinkle was made for "
-            f"{', '.join(MADE_FOR)} (it replaces methods twinkle offers no hook for: epmoe.training.twinkle."
+            f"epmoe: twinkle-kit {version} is installed; prepare_twinkle was made for "
+            f"{', '.join(MADE_FOR)} (it replaces methods twinkle offers no hook for: epmoe.compose.twinkle."
             f"TOUCH_POINTS). Install twinkle-kit=={MADE_FOR[-1]}"
         )
-    changed = [
-        f"{entry.owner}.{entry.method}"
-        for entry in TOUCH_POINTS
-        if not callable(getattr(_resolve(entry.owner), entry.method, None))
-        or signature_text(getattr(_resolve(entry.owner), entry.method)) != entry.signature
-    ]
+    changed = [f"{entry.owner}.{entry.method}" for entry in TOUCH_POINTS if _signature(entry) != entry.signature]
     if changed:
         raise ValueError(
-            f"prepare_twinkle(model): the installed twinkle-kit {version} differs from the one prepare_twinkle "
+            f"epmoe: the installed twinkle-kit {version} differs from the one prepare_twinkle "
             f"was checked against in {changed}"
         )
 
@@ -314,6 +370,13 @@ def _replace(obj: Any, name: str, method: Callable) -> None:
     """``obj.name = method`` on the instance (the class is untouched); listed in :data:`TOUCH_POINTS`."""
     assert any(e.method == name and e.how == REPLACED and _is(obj, e.owner) for e in TOUCH_POINTS), name
     setattr(obj, name, method)
+
+
+def _signature(entry: Entry) -> str | None:
+    try:
+        return signature_text(entry.resolve())
+    except (ImportError, AttributeError):
+        return None
 
 
 def _resolve(owner: str) -> Any:
