@@ -1,5 +1,6 @@
 """Rank functions for the composition tests (EP + PEFT LoRA, EP + FSDP2); module level for spawned ranks."""
 
+import contextlib
 import copy
 import traceback
 
@@ -456,7 +457,7 @@ def lora_init_parity(rank, world, steps):
     Returns ``{init: {...}}`` of errors and counts."""
     from peft import LoraConfig, get_peft_model
 
-    from epmoe.ep.lora import clear_full_shapes
+    from epmoe.ep.lora import clear_full_shapes, whole_experts_for_peft
 
     dtype = torch.float64
     out = {}
@@ -513,17 +514,24 @@ def lora_init_parity(rank, world, steps):
         result["param_err"] = max(max_rel(a, b) for a, b in pairs.values())
         result["trained"] = losses[-1] != losses[0]
 
-        # control: without the shard's ds_shape peft sizes the expert factors for the local experts only
-        plain = build_model("qwen3_moe", dtype=dtype)
-        epmoe.apply_expert_parallel(plain)
-        clear_full_shapes(plain)
-        torch.manual_seed(5)
-        plain = get_peft_model(plain, config())
-        epmoe.expert_parameters(plain)
+        # peft <= 0.20 reads the shard's shape, not ds_shape: what it does here with ds_shape removed. Its
+        # factors sized from the shard are refused; added inside whole_experts_for_peft they are exact.
         torch.manual_seed(5)
         fresh_ref = get_peft_model(build_model("qwen3_moe", dtype=dtype), config())
-        pairs = _expert_factor_slices(plain, fresh_ref, shard, lora_names)
-        result["control_unequal"] = sum(not torch.equal(a, b) for a, b in pairs.values())
+        for older_peft in ("plain", "whole_experts_for_peft"):
+            plain = build_model("qwen3_moe", dtype=dtype)
+            epmoe.apply_expert_parallel(plain)
+            clear_full_shapes(plain)
+            torch.manual_seed(5)
+            with whole_experts_for_peft(plain) if older_peft != "plain" else contextlib.nullcontext():
+                plain = get_peft_model(plain, config())
+            try:
+                epmoe.expert_parameters(plain)
+            except ValueError as exc:
+                result[f"older_peft_{older_peft}"] = str(exc)
+                continue
+            pairs = _expert_factor_slices(plain, fresh_ref, shard, lora_names)
+            result[f"older_peft_{older_peft}"] = sum(not torch.equal(a, b) for a, b in pairs.values())
         out[str(init)] = result
     return out
 
