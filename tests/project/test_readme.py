@@ -8,7 +8,10 @@ per rank count). Correctness of each recipe against the same recipe without EP i
 tests/training/test_training.py and tests/ep/test_compose.py; links and the API reference in tests/project/test_docs.py.
 """
 
+import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +22,7 @@ from readme_recipes import run_recipes
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = re.compile(r"<!-- recipe: (\w+) ranks=(\d+) -->\n```python\n(.*?)```", re.S)
+RECIPE = re.compile(r"<!-- recipe: (\w+) ranks=(\d+)(?: env=(\w+))? -->\n```python\n(.*?)```", re.S)
 MARKER = re.compile(r"<!-- recipe:")
 TABLE_ROW = re.compile(r"^\| \[docs/([\w-]+\.md)\]\(docs/\1\) \|", re.M)  # a row of the README's docs table
 
@@ -41,20 +44,21 @@ def recipes():
         assert len(on_page) == len(MARKER.findall(text)), (
             f"{page.relative_to(ROOT)}: a recipe marker not followed by a ```python block"
         )
-        found += [(name, int(ranks), code) for name, ranks, code in on_page]
+        found += [(name, int(ranks), env, code) for name, ranks, env, code in on_page]
     assert found, "no recipes in the README or docs/"
     return found
 
 
 def test_docs_list_the_recipes():
     """Every recipe, by page (training.md, checkpoints.md, rl.md) and in page order, each name once."""
-    assert [name for name, _, _ in recipes()] == [
+    assert [name for name, *_ in recipes()] == [
         "train_ddp",
         "train_fsdp2",
         "train_ep_dp",
         "train_trainer",
         "train_accelerate",
         "train_deepspeed",
+        "train_twinkle",
         "generate",
         "train_compiled",
         "migrate_distributed_config",
@@ -66,7 +70,7 @@ def test_docs_list_the_recipes():
         "train_grpo",
         "train_dpo",
     ]
-    assert {name: ranks for name, ranks, _ in recipes()} == {
+    assert {name: ranks for name, ranks, *_ in recipes()} == {
         "save_and_reload": 2,
         "load_sharded": 2,
         "resume": 2,
@@ -79,6 +83,7 @@ def test_docs_list_the_recipes():
         "train_trainer": 2,
         "train_accelerate": 2,
         "train_deepspeed": 2,
+        "train_twinkle": 2,
         "generate": 2,
         "train_compiled": 2,
         "migrate_distributed_config": 4,
@@ -89,7 +94,7 @@ def test_docs_list_the_recipes():
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 4])
 def test_readme_recipes_run(world, tmp_path, monkeypatch):
-    chosen = [(name, code) for name, ranks, code in recipes() if ranks == world]
+    chosen = [(name, code) for name, ranks, env, code in recipes() if ranks == world and not env]
     module = tmp_path / f"readme_recipes_{world}.py"
     module.write_text("\n\n".join(code for _, code in chosen))
     for name, _ in chosen:
@@ -124,3 +129,27 @@ def test_readme_recipes_run(world, tmp_path, monkeypatch):
             assert by_name["train_dpo"] is True  # the reference holds the policy's experts only
         if "resume" in by_name:
             assert by_name["resume"] == 1.0  # the optimizer resumed after its first step
+
+
+@pytest.mark.multirank
+def test_the_twinkle_recipe_runs_in_twinkles_environment(tmp_path):
+    """A recipe marked ``env=twinkle`` needs twinkle-kit and its own pins: written the same way, run on 2
+    ranks by tests/training/twinkle_workers.py in ``.venv-twinkle`` (which applies the tests' CPU patch
+    twinkle needs here) on a small Qwen3-MoE checkpoint under the recipe's default path."""
+    ((name, ranks, code),) = [(name, ranks, code) for name, ranks, env, code in recipes() if env == "twinkle"]
+    (tmp_path / "twinkle_recipe.py").write_text(code)
+    python = ROOT / ".venv-twinkle" / "bin" / "python"
+    assert python.exists(), "scripts/setup.sh test builds .venv-twinkle (twinkle-kit with its own pins)"
+    worker = ROOT / "tests" / "training" / "twinkle_workers.py"
+    proc = subprocess.run(
+        [str(python), str(worker), str(tmp_path), "--recipe", "twinkle_recipe", name, "--ranks", str(ranks)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "EPMOE_START_METHOD": "spawn"},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    saved = json.loads((tmp_path / "recipe.json").read_text())
+    assert len(saved) == ranks and all(path.endswith("twinkle-out/lora") for path in saved), saved
+    assert (tmp_path / "twinkle-out" / "lora" / "adapter_model.safetensors").exists()

@@ -39,6 +39,7 @@ def twinkle_on_cpu() -> None:
 
     gpu.GPU.get_local_device = staticmethod(lambda idx=0, **kwargs: "cpu")
     gpu.GPU.device_backend = staticmethod(lambda platform=None: "gloo")
+    gpu.GPU.device_prefix = staticmethod(lambda: "cpu")
     # twinkle's own EP gathers (W, E) counts with all_gather_into_tensor from an (E,) tensor, which gloo
     # takes only flat: its module sees a torch.distributed whose all_gather_into_tensor flattens
     from twinkle.model.transformers.moe import ep_utils
@@ -409,6 +410,16 @@ def write_bench_table(results: list[dict], repeats: int, out: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def recipe(rank: int, world: int, module_dir: str, module_name: str, name: str):
+    """A docs recipe marked ``env=twinkle`` (tests/project/test_readme.py), called as written."""
+    import importlib
+
+    twinkle_on_cpu()
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    sys.path.insert(0, module_dir)
+    return getattr(importlib.import_module(module_name), name)(rank, world)
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -418,9 +429,16 @@ if __name__ == "__main__":
     parser.add_argument("out_dir")
     parser.add_argument("--bench", action="store_true", help="time twinkle's arms instead of running the cases")
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--recipe", nargs=2, metavar=("MODULE", "FUNCTION"), help="run a docs recipe instead")
+    parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     model_dir = os.path.join(args.out_dir, "model")
-    if args.bench:
+    if args.recipe:  # the recipe's default checkpoint folder, under the working directory
+        write_model("qwen3-moe", torch.float32)
+        results = run_ranks(recipe, args.ranks, args.out_dir, *args.recipe, timeout=600)
+        with open(os.path.join(args.out_dir, "recipe.json"), "w") as f:
+            json.dump(results, f)
+    elif args.bench:
         write_model(model_dir, torch.float32, **BENCH_SHAPE)
         results = run_ranks(bench, 2, model_dir, args.repeats, timeout=1800)
         write_bench_table(results, args.repeats, os.path.join(args.out_dir, "twinkle_cpu.md"))
