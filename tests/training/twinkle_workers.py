@@ -354,7 +354,9 @@ def bench(rank: int, world: int, path: str, repeats: int) -> dict:
     g = torch.Generator().manual_seed(rank)
     times = {name: [] for name in arms}
     for step in range(repeats + 1):  # the first round warms up
-        inputs = [{"input_ids": r.tolist(), "labels": r.tolist()} for r in torch.randint(0, 250, BENCH_TOKENS, generator=g)]
+        inputs = [
+            {"input_ids": r.tolist(), "labels": r.tolist()} for r in torch.randint(0, 250, BENCH_TOKENS, generator=g)
+        ]
         for name, model in arms.items():
             _get_impls()[:] = loop_only if "loop" in name else ours
             dist.barrier()
