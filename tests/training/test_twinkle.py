@@ -69,6 +69,18 @@ def test_twinkles_full_save_reloads_whole_in_plain_transformers(run):
         assert max(result["saved_errors"].values()) <= TOL, (rank, result["saved_errors"])
 
 
+def test_twinkles_accelerate_strategy_equals_the_unsharded_model(run):
+    """The accelerate strategy (accelerate's DDP) through prepare_twinkle: every parameter, the norms and
+    the saved checkpoint equal the unsharded model's (twinkle's native FSDP2 run without EP). twinkle's own
+    DDP run is no oracle: its clip counts DDP's replicated gradients once per rank, sqrt(2) x the norm."""
+    for rank, result in enumerate(of(run, "accelerate")):
+        assert len(result["errors"]) == 25 and max(result["errors"].values()) <= TOL, (rank, result["errors"])
+        norms, ref_norms = result["norms"]
+        assert norms == pytest.approx(ref_norms, rel=1e-12) and min(norms) > MAX_NORM, result["norms"]
+        assert len(result["saved_errors"]) == 25 and max(result["saved_errors"].values()) <= TOL
+        assert result["twinkle_ddp_norm_ratio"][0] == pytest.approx(2**0.5, rel=1e-6)
+
+
 def test_trainable_counts_count_every_expert_once(run):
     for case in ("full", "lora"):
         for result in of(run, case):

@@ -34,12 +34,14 @@ LORA = dict(
 
 def twinkle_on_cpu() -> None:
     """Tests only: twinkle picks its GPU platform without an NPU or MPS; on this CPU machine its device
-    is ``cpu`` and its process-group backend ``gloo``, and its own EP's count gather is flattened for gloo."""
+    is ``cpu`` and its process-group backend ``gloo`` (its accelerate strategy's ``Accelerator`` on the CPU),
+    and its own EP's count gather is flattened for gloo."""
     from twinkle.utils.platforms import gpu
 
     gpu.GPU.get_local_device = staticmethod(lambda idx=0, **kwargs: "cpu")
     gpu.GPU.device_backend = staticmethod(lambda platform=None: "gloo")
     gpu.GPU.device_prefix = staticmethod(lambda: "cpu")
+    os.environ["ACCELERATE_USE_CPU"] = "true"  # its accelerate strategy's Accelerator: DDP on the CPU
     # twinkle's own EP gathers (W, E) counts with all_gather_into_tensor from an (E,) tensor, which gloo
     # takes only flat: its module sees a torch.distributed whose all_gather_into_tensor flattens
     from twinkle.model.transformers.moe import ep_utils
@@ -70,7 +72,7 @@ def samples(step: int, rank: int) -> list[dict]:
     return [{"input_ids": row.tolist(), "labels": row.tolist()} for row in ids]
 
 
-def build(path: str, ep: str | None, lora: bool, dtype: torch.dtype = torch.float64):
+def build(path: str, ep: str | None, lora: bool, dtype: torch.dtype = torch.float64, strategy: str = "native_fsdp"):
     """twinkle's ``TransformersModel`` on its native FSDP2 strategy over both ranks. ``ep``: ``None``
     (unsharded), ``"epmoe"`` (:func:`epmoe.prepare_twinkle`) or ``"twinkle"`` (its own EP over both ranks)."""
     from twinkle.model import TransformersModel
@@ -80,8 +82,8 @@ def build(path: str, ep: str | None, lora: bool, dtype: torch.dtype = torch.floa
     own_ep = {"expert_parallel": {"enabled": True, "ep_size": dist.get_world_size()}} if ep == "twinkle" else None
     model = TransformersModel(
         model_id=path,
-        device_mesh=MESH,
-        strategy="native_fsdp",
+        device_mesh=MESH if strategy == "native_fsdp" else DP_MESH,
+        strategy=strategy,
         mixed_precision="no",
         torch_dtype=dtype,
         experts_implementation="eager" if dtype == torch.float64 else "grouped_mm",
@@ -162,6 +164,31 @@ def full_case(rank: int, path: str, out_dir: str) -> dict:
         "saved_errors": saved_errors,
         "saved_keys_missing": sorted(set(ref) - {n for n, _ in reloaded.named_parameters()}),
         "counts": [counts(model, None), ref_counts],
+    }
+
+
+def accelerate_case(rank: int, path: str, out_dir: str) -> dict:
+    """twinkle's accelerate strategy (accelerate's DDP over both ranks) with prepare_twinkle: parameters
+    after 3 steps, norms and the checkpoint twinkle saves, against the unsharded model on twinkle's
+    native FSDP2 (the same averaged gradients). twinkle's own accelerate run is not the oracle: its clip
+    sums the squared norms of DDP's replicated gradients over the ranks (sqrt(2) x the norm at 2 ranks)."""
+    from transformers import AutoModelForCausalLM
+
+    unsharded = build(path, ep=None, lora=False)
+    _, ref_norms = train(unsharded, rank, None)
+    ref = {n: whole(p).detach().clone() for n, p in named(unsharded)}
+    _, twinkle_ddp_norms = train(build(path, ep=None, lora=False, strategy="accelerate"), rank, None)
+    model = build(path, ep="epmoe", lora=False, strategy="accelerate")
+    _, norms = train(model, rank, None)
+    errors = compare(ref, model, rank)
+    saved = model.save("accelerate", output_dir=out_dir)
+    dist.barrier()
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float64)
+    return {
+        "errors": errors,
+        "norms": [norms, ref_norms],
+        "twinkle_ddp_norm_ratio": [a / b for a, b in zip(twinkle_ddp_norms, ref_norms)],
+        "saved_errors": {n: rel(p, ref[n]) for n, p in reloaded.named_parameters() if n in ref},
     }
 
 
@@ -295,18 +322,20 @@ def versions() -> dict:
 
 
 def cases(rank: int, world: int, path: str, out_dir: str) -> dict:
-    global MESH
+    global MESH, DP_MESH
     twinkle_on_cpu()
     os.environ["LOCAL_WORLD_SIZE"] = str(world)
     import twinkle
     from twinkle.utils import DeviceMesh
 
     MESH = DeviceMesh.from_sizes(world_size=world, fsdp_size=world, device_type="cpu")
+    DP_MESH = DeviceMesh.from_sizes(world_size=world, dp_size=world, device_type="cpu")
     twinkle.initialize(mode="local", nproc_per_node=world, global_device_mesh=MESH, seed=0)
     results = {}
     for name, case in (
         ("full", lambda: full_case(rank, path, out_dir)),
         ("lora", lambda: lora_case(rank, path, out_dir)),
+        ("accelerate", lambda: accelerate_case(rank, path, out_dir)),
         ("own_ep", lambda: own_ep_case(rank, path)),
         ("refusals", lambda: refusals(rank, path)),
         ("plain_peft", lambda: plain_peft(rank)),
@@ -322,7 +351,7 @@ def cases(rank: int, world: int, path: str, out_dir: str) -> dict:
 
 
 NUM_EXPERTS = 8
-MESH = None
+MESH = DP_MESH = None
 BENCH_SHAPE = dict(hidden_size=256, moe_intermediate_size=128, num_experts=64, top_k=8, head_dim=32)
 BENCH_TOKENS = (8, 128)  # samples per rank, tokens per sample
 
