@@ -86,8 +86,66 @@ def save_refusals(rank, world, root):
     return out
 
 
+def shard_marks(rank, world, root):
+    """What a framework that gathers by ``named_parameters`` gets: every expert-sharded parameter (base
+    experts, LoRA factors on them) carries its ShardMark, whose ``join`` of every rank's parameter is the
+    unsharded model's tensor; ``whole_state_dict`` is the unsharded peft model's state dict on the writer;
+    and ``save_pretrained(state_dict=...)`` handed every rank's slices (as such a framework builds it)
+    still writes every expert."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from epmoe.checkpoint.save import whole_state_dict
+    from epmoe.ep.shard_mark import mark_of
+
+    def config():
+        return LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"])
+
+    torch.manual_seed(3)
+    ref = get_peft_model(build_model("qwen3_moe", dtype=torch.float64), config())
+    base = build_model("qwen3_moe", dtype=torch.float64)
+    epmoe.apply_expert_parallel(base)
+    torch.manual_seed(3)
+    model = get_peft_model(base, config())
+    with torch.no_grad():
+        model(torch.randint(0, 256, (2, 8)))  # the first forward settles the expert factors to their slices
+    marked, joined_wrong = 0, []
+    ref_params = dict(ref.named_parameters())
+    for name, param in model.named_parameters():
+        shard_mark = mark_of(param)
+        if shard_mark is None:
+            continue
+        marked += 1
+        parts = [torch.empty_like(param) for _ in range(world)]
+        dist.all_gather(parts, param.detach().contiguous())
+        if not torch.equal(shard_mark.join(parts), ref_params[name]):
+            joined_wrong.append(name)
+    unmarked_experts = [n for n in epmoe.expert_parameters(model) if mark_of(n) is None]
+    whole = whole_state_dict(model)
+    ref_state = ref.state_dict()
+    whole_wrong = [k for k in ref_state if rank == 0 and not torch.equal(whole[k], ref_state[k])]
+
+    plain = build_model("qwen3_moe", dtype=torch.float64)
+    ep = copy.deepcopy(plain)
+    epmoe.apply_expert_parallel(ep)
+    path = os.path.join(root, "slices")
+    ep.save_pretrained(path, state_dict={n: p.detach() for n, p in ep.named_parameters()})
+    dist.barrier()
+    reloaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    plain_params = dict(plain.named_parameters())
+    return {
+        "marked": marked,
+        "unmarked_experts": len(unmarked_experts),
+        "joined_wrong": joined_wrong,
+        "whole_keys": sorted(whole) == sorted(ref_state),
+        "whole_wrong": whole_wrong,
+        "slices_saved_whole": all(torch.equal(p, plain_params[n]) for n, p in reloaded.named_parameters()),
+    }
+
+
 def save_checks(rank, world, root):
     return {
+        "shard_marks": shard_marks(rank, world, root),
         "qwen3_moe_sharded": save_complete(rank, world, root, "qwen3_moe", "200KB"),
         "gpt_oss": save_complete(rank, world, root, "gpt_oss", "50GB"),
         "deepseek_v3": save_complete(rank, world, root, "deepseek_v3", "50GB"),

@@ -16,8 +16,17 @@ def test_save_pretrained_writes_every_expert(tmp_path):
     the full model's) as a plain save of the unsharded model; plain from_pretrained reloads every weight
     bitwise and reproduces the EP model's logits (fp32, 1e-6). push_to_hub (the weights are written after
     transformers' own save) and the class's save_pretrained called on the instance (it would write no
-    weights) raise on every rank, before any weights are written."""
+    weights) raise on every rank, before any weights are written. Every expert-sharded parameter, LoRA
+    factors included, carries a ShardMark that joins every rank's parts into the unsharded tensor;
+    whole_state_dict is the unsharded peft model's state dict; save_pretrained(state_dict=slices) writes
+    every expert."""
     for rank, by_case in enumerate(start_ranks(save_checks, 2, str(tmp_path), timeout=300)):
+        marks = by_case.pop("shard_marks")
+        assert marks["marked"] == 8 and marks["unmarked_experts"] == 0, (
+            marks
+        )  # 2 layers x (2 experts tensors, lora_A, lora_B)
+        assert marks["joined_wrong"] == [] and marks["whole_keys"] and marks["whole_wrong"] == [], marks
+        assert marks["slices_saved_whole"], marks
         refusals = by_case.pop("refusals")
         assert refusals["push_to_hub"][0] == "ValueError" and "upload_folder" in refusals["push_to_hub"][1], refusals
         assert refusals["class_call"][0] == "RuntimeError" and "every rank" in refusals["class_call"][1], refusals
