@@ -62,6 +62,7 @@ def compose_checks(rank, world, lengths):
         "fsdp2_lora": lambda: fsdp2_lora_train(rank, world, "qwen3_5_moe", 3),
         "lora_init": lambda: lora_init_parity(rank, world, 3),
         "lora_load_unsharded": lambda: load_unsharded_adapter(rank, world),
+        "second_adapter": lambda: second_adapter(rank, world),
     }
     out = {}
     for name, check in checks.items():
@@ -533,6 +534,45 @@ def lora_init_parity(rank, world, steps):
             pairs = _expert_factor_slices(plain, fresh_ref, shard, lora_names)
             result[f"older_peft_{older_peft}"] = sum(not torch.equal(a, b) for a, b in pairs.values())
         out[str(init)] = result
+    return out
+
+
+def second_adapter(rank, world):
+    """An adapter added to expert wrappers that already hold their slice (after a forward): peft sizes it
+    from the wrapper's local ``num_experts``, refused by name; added inside ``whole_experts_for_peft`` its
+    factors are the unsharded model's second adapter's (this rank's slice), the first adapter untouched.
+    Returns ``{"refused": message, "unequal": factors that differ, "compared": factors compared}``."""
+    from peft import LoraConfig, get_peft_model
+
+    from epmoe.ep.lora import whole_experts_for_peft
+
+    def config():
+        return LoraConfig(r=2, target_modules=["q_proj"], target_parameters=EXPERT_PARAMS, init_lora_weights=False)
+
+    ids = synthetic_batch(0, rank, 2, 8)
+    out = {}
+    for inside in (False, True):
+        torch.manual_seed(4)
+        ref = get_peft_model(build_model("qwen3_moe", dtype=torch.float64), config())
+        ref.add_adapter("second", config())
+        base = build_model("qwen3_moe", dtype=torch.float64)
+        shard = epmoe.apply_expert_parallel(base)[0]
+        torch.manual_seed(4)
+        model = get_peft_model(base, config())
+        with torch.no_grad():
+            model(ids)  # settles the first adapter's expert factors to this rank's slice
+        with whole_experts_for_peft(model) if inside else contextlib.nullcontext():
+            model.add_adapter("second", config())
+        try:
+            with torch.no_grad():
+                model(ids)
+        except ValueError as exc:
+            out["refused"] = str(exc)
+            continue
+        names = {n for n, _ in model.named_parameters() if "lora_" in n}
+        pairs = _expert_factor_slices(model, ref, shard, names)
+        out["compared"] = len(pairs)
+        out["unequal"] = sum(not torch.equal(a, b) for a, b in pairs.values())
     return out
 
 

@@ -132,6 +132,14 @@ def test_lora_on_packed_experts_starts_like_unsharded(init):
         assert r["older_peft_whole_experts_for_peft"] == 0, f"rank {rank}: {r}"
 
 
+def test_an_adapter_added_after_the_slice_is_refused_or_exact():
+    """A second adapter on expert wrappers that already hold their slice: refused by name, or, added
+    inside whole_experts_for_peft, every factor of both adapters the unsharded model's (experts sliced)."""
+    for rank, result in enumerate(results_of("second_adapter")):
+        assert "from this rank's shard (4 of 8 experts)" in result["refused"], (rank, result)
+        assert result["compared"] == 24 and result["unequal"] == 0, (rank, result)  # 2 adapters x 12 factors
+
+
 def test_unsharded_adapter_loads_into_ep_model():
     """PeftModel.from_pretrained(ep_model, path) of an adapter plain peft saved from the unsharded model:
     every factor (experts: this rank's slice) bitwise the saved one, and the unsharded model's logits."""

@@ -29,6 +29,7 @@ from static_workers import (
 from torch import nn
 
 import epmoe
+from epmoe.ep.dispatch.static import ROUTE_HEAD
 from epmoe.models import FAMILIES, build_model
 
 LAYER_CASES = [
@@ -156,7 +157,7 @@ def test_static_reads_nothing_and_exchanges_no_counts():
         assert [call["exchanges"] for call in result["static"]] == [4, 4]
         # to the one peer: the route (header + B*K ids, int64), the rows with their weights (H + K
         # float32 each) forward and backward, the combine's rows (H) forward and backward
-        B, K, H, header = 16, 2, 64, 11
+        B, K, H, header = 16, 2, 64, ROUTE_HEAD  # step header, dtype, B, T, rows, the step guard's 4 values
         assert result["static"][0]["bytes"] == (header + B * K) * 8 + 2 * B * (H + K) * 4 + 2 * B * H * 4, result
 
 

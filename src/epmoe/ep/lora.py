@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.metadata
 from collections.abc import Iterator
 
 import torch
@@ -85,7 +86,7 @@ def whole_experts_for_peft(model: nn.Module) -> Iterator[None]:
     draws the unsharded model's factors. The parameters are back on exit, with the
     ``requires_grad`` peft gave their stand-ins, and the new wrappers settled. Initialisations that
     read the base weights (PiSSA, OLoRA, CorDA, LoftQ...) would read the stand-in: refused by the caller."""
-    swapped = []
+    swapped, settled = [], []
     for _, module, state in sharded_experts(model, packed_only=True):
         for name in state.sharded_names:
             param = module._parameters[name]
@@ -93,12 +94,20 @@ def whole_experts_for_peft(model: nn.Module) -> Iterator[None]:
                 whole = param.detach().reshape(-1)[:1].expand(state.shard.num_experts, *param.shape[1:])
                 module._parameters[name] = nn.Parameter(whole, requires_grad=param.requires_grad)
                 swapped.append((module, name, param))
+    for wrapper in model.modules():  # a wrapper peft adds an adapter to sizes it from its num_experts
+        state = state_of(peft_base(wrapper)) if SETTLED in wrapper.__dict__ else None
+        if state is not None:
+            wrapper.num_experts = state.shard.num_experts
+            settled.append(wrapper)
     try:
         yield
     finally:
         for module, name, param in swapped:
             param.requires_grad_(module._parameters[name].requires_grad)
             module._parameters[name] = param
+        for wrapper in settled:
+            if set(wrapper.lora_A) <= wrapper.__dict__[SETTLED]:  # nothing added: back as it was
+                wrapper.num_experts = state_of(peft_base(wrapper)).shard.num_local_experts
     settle_expert_lora(model)
 
 
@@ -186,8 +195,6 @@ def sized_from_shard(wrapper: nn.Module, state: ExpertParallelState) -> bool:
 
 
 def _peft_version() -> str:
-    import importlib.metadata
-
     return importlib.metadata.version("peft")
 
 
@@ -206,16 +213,22 @@ def _unsettled(module: nn.Module) -> ExpertParallelState | None:
 
 
 def _narrow(wrapper: nn.Module, state: ExpertParallelState) -> None:
+    """Narrow the adapters of ``wrapper`` not narrowed yet (all ``E`` experts' factors) to this rank's."""
     shard = state.shard
     E, e, start, end = shard.num_experts, shard.num_local_experts, shard.local_start, shard.local_end
-    for linear in wrapper.lora_A.values():  # (r*E, in), expert-major
+    done = wrapper.__dict__.get(SETTLED, set())
+    for adapter, linear in wrapper.lora_A.items():  # (r*E, in), expert-major
+        if adapter in done:
+            continue
         weight = linear.weight
         _check(wrapper, shard, "lora_A", weight.shape[0], weight.shape)
         whole, rows = tuple(weight.shape), weight.shape[0] // E
         _set(weight, lambda t: t.reshape(E, rows, -1)[start:end].reshape(e * rows, -1))
         linear.out_features = e * rows
         mark(weight, ShardMark(whole, 0, None, start, end, E))
-    for linear in wrapper.lora_B.values():  # (out, r*E), expert-minor
+    for adapter, linear in wrapper.lora_B.items():  # (out, r*E), expert-minor
+        if adapter in done:
+            continue
         weight = linear.weight
         _check(wrapper, shard, "lora_B", weight.shape[1], weight.shape)
         whole, out = tuple(weight.shape), weight.shape[0]
