@@ -40,6 +40,21 @@ def run(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def ep_dp_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("twinkle-ep-dp")
+    proc = subprocess.run(
+        [str(TWINKLE_PYTHON), str(HERE / "twinkle_workers.py"), str(out), "--ep-dp"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "EPMOE_START_METHOD": "spawn"},
+        cwd=HERE,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads((out / "results.json").read_text())
+
+
 def of(run, case):
     found = [by_case[case] for by_case in run[1]]
     for rank, result in enumerate(found):
@@ -59,6 +74,17 @@ def test_full_training_equals_the_unsharded_model(run):
         errors = result["errors"]
         assert len(errors) == 25 and any(".experts." in name for name in errors), sorted(errors)
         assert max(errors.values()) <= TOL, (rank, {k: v for k, v in errors.items() if v > TOL})
+        norms, ref_norms = result["norms"]
+        assert norms == pytest.approx(ref_norms, rel=1e-12) and min(norms) > MAX_NORM, result["norms"]
+
+
+def test_ep_smaller_than_twinkles_mesh(ep_dp_run):
+    """4 ranks, DeviceMesh(ep_size=2): EP groups strided as twinkle's own ({0, 2}, {1, 3}), each expert
+    on two ranks, ranks of 4 batch sizes; 3 clipped steps equal the unsharded model (FSDP2 over 4)."""
+    for rank, result in enumerate(ep_dp_run):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        assert result["ep_groups"] == [[0, 2] if rank in (0, 2) else [1, 3]], result["ep_groups"]
+        assert len(result["errors"]) == 25 and max(result["errors"].values()) <= TOL, (rank, result["errors"])
         norms, ref_norms = result["norms"]
         assert norms == pytest.approx(ref_norms, rel=1e-12) and min(norms) > MAX_NORM, result["norms"]
 

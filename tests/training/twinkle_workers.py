@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 STEPS = 3
 MAX_NORM = 0.05  # small enough that every step clips
-BATCH_SIZES = (2, 3)  # samples per rank
+BATCH_SIZES = (2, 3, 1, 2)  # samples per rank (the 2-rank cases take the first two)
 LORA = dict(
     r=4,
     lora_alpha=8,
@@ -441,6 +441,45 @@ def write_bench_table(results: list[dict], repeats: int, out: str) -> None:
         f.write("\n".join(lines) + "\n")
 
 
+def ep_dp_case(rank: int, world: int, path: str, out_dir: str) -> dict:
+    """4 ranks, twinkle's mesh with ``ep_size=2``: EP groups of 2 ranks strided as twinkle's own
+    ({0, 2}, {1, 3}), each expert on 2 ranks; 3 clipped steps against the unsharded model (FSDP2 over 4)."""
+    global MESH
+    twinkle_on_cpu()
+    os.environ["LOCAL_WORLD_SIZE"] = str(world)
+    import twinkle
+    from twinkle.utils import DeviceMesh
+
+    from epmoe.ep.state import sharded_experts
+
+    MESH = DeviceMesh.from_sizes(world_size=world, fsdp_size=world, device_type="cpu")
+    twinkle.initialize(mode="local", nproc_per_node=world, global_device_mesh=MESH, seed=0)
+    try:
+        unsharded = build(path, ep=None, lora=False)
+        _, ref_norms = train(unsharded, rank, None)
+        ref = {n: whole(p).detach().clone() for n, p in named(unsharded)}
+        MESH = DeviceMesh.from_sizes(world_size=world, fsdp_size=world, ep_size=2, device_type="cpu")
+        model = build(path, ep="epmoe", lora=False)
+        _, norms = train(model, rank, None)
+        groups = {
+            tuple(dist.get_process_group_ranks(state.model.channel.group))
+            for _, _, state in sharded_experts(model.strategy.unwrap_model(model.model))
+        }
+        ep_rank = {0: 0, 2: 1, 1: 0, 3: 1}[rank]
+        errors = {}
+        for name, param in named(model):
+            local = whole(param)
+            full = ref[name]
+            errors[name] = rel(
+                local, full.narrow(0, ep_rank * local.shape[0], local.shape[0]) if full.shape != local.shape else full
+            )
+        return {"errors": errors, "norms": [norms, ref_norms], "ep_groups": sorted(groups)}
+    except Exception:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        return {"error": traceback.format_exc()}
+
+
 def recipe(rank: int, world: int, module_dir: str, module_name: str, name: str):
     """A docs recipe marked ``env=twinkle`` (tests/project/test_readme.py), called as written."""
     import importlib
@@ -462,9 +501,15 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--recipe", nargs=2, metavar=("MODULE", "FUNCTION"), help="run a docs recipe instead")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--ep-dp", action="store_true", help="the 4-rank EP x DP case instead")
     args = parser.parse_args()
     model_dir = os.path.join(args.out_dir, "model")
-    if args.recipe:  # the recipe's default checkpoint folder, under the working directory
+    if args.ep_dp:
+        write_model(model_dir)
+        results = run_ranks(ep_dp_case, 4, model_dir, args.out_dir, timeout=600)
+        with open(os.path.join(args.out_dir, "results.json"), "w") as f:
+            json.dump(results, f)
+    elif args.recipe:  # the recipe's default checkpoint folder, under the working directory
         write_model("qwen3-moe", torch.float32)
         results = run_ranks(recipe, args.ranks, args.out_dir, *args.recipe, timeout=600)
         with open(os.path.join(args.out_dir, "recipe.json"), "w") as f:
