@@ -139,18 +139,22 @@ def _scale_verdict(records: list[list], device: torch.device) -> tuple[torch.Ten
     one = torch.ones((), dtype=torch.float64, device=device)
     if not records:
         return torch.zeros((), dtype=torch.int64, device=device), one, one
-    moved = any(grad._version != version for grad, version, _ in records)
-    before, after = [], []
-    for grad, _, sample in records:
+    before, after, moved = [], [], []
+    for grad, version, sample in records:
         now = _spread(grad.detach(), SCALE_SAMPLE).to(device, torch.float64)
-        before.append(torch.where((now == 0).all(), 0, sample.to(device)))  # zeros now: zero_grad, not a change
+        zeroed = (now == 0).all()  # zeros now: zero_grad(set_to_none=False), not a change
+        before.append(torch.where(zeroed, 0, sample.to(device)))
         after.append(now)
+        if grad._version != version:
+            moved.append(~zeroed)
     before, after = torch.cat(before), torch.cat(after)
+    moved = torch.stack(moved).any() if moved else torch.zeros((), dtype=torch.bool, device=device)
     evidence = (before != 0).any()
     c = (after * before).sum() / (before * before).sum().clamp_min(torch.finfo(torch.float64).tiny)
-    tolerance = 16 * max(torch.finfo(grad.dtype).eps for grad, _, _ in records) * one
+    # an in-place scale rounds each element once (within eps/2); the fit and the ranks' fits agree within that
+    tolerance = 4 * max(torch.finfo(grad.dtype).eps for grad, _, _ in records) * one
     misfit = ((after - c * before).abs() > tolerance * (c * before).abs()).any()
-    verdict = torch.where(misfit, CHANGED, SCALED if moved else UNCHANGED)
+    verdict = torch.where(misfit, CHANGED, torch.where(moved, SCALED, UNCHANGED))
     verdict = torch.where(evidence, verdict, NO_EVIDENCE).to(torch.int64)
     return verdict, torch.where(evidence, c, one), tolerance
 
