@@ -53,7 +53,8 @@ import torch
 from epmoe import platform
 from epmoe.ep.routing import ACCUMULATION_DTYPES, RowPairs
 from epmoe.errors import double_backward_error
-from epmoe.gmm.registry import counts_once, run_grouped_mm, run_grouped_mm_backward
+from epmoe.gmm.operands import counts_once
+from epmoe.gmm.registry import run_grouped_mm, run_grouped_mm_backward
 
 # a grouped matmul with its counts and backend bound: (x_AD rows grouped by local expert, weight) -> y_AN
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -27,16 +27,8 @@ import torch
 from epmoe import errors
 from epmoe.errors import double_backward_error
 from epmoe.gmm.backend import GmmBackend
-from epmoe.gmm.registry import (
-    BackendChoice,
-    backend_counts,
-    check_operands,
-    choice_of,
-    counts_list,
-    run_grouped_mm,
-    run_grouped_mm_backward,
-    select_backend,
-)
+from epmoe.gmm.operands import backend_counts, check_operands, counts_list
+from epmoe.gmm.registry import BackendChoice, choice_of, run_grouped_mm, run_grouped_mm_backward, select_backend
 
 
 def _op_backend(

@@ -13,8 +13,8 @@ projections, in forward and backward) holds one :class:`BackendChoice`: the regi
 judge the family of calls together, once per device and dtype, and one backend runs them all; the
 calls are judged again only where their :class:`Operands` differ from the ones judged.
 
-Operands are validated here (:func:`check_operands`), as the backends are asked about them, and
-counts are given to a backend as it takes them (:func:`backend_counts`, :func:`counts_once`).
+Operands are validated (:func:`~epmoe.gmm.operands.check_operands`) as the backends are asked about
+them, and counts are given to a backend as it takes them (:mod:`epmoe.gmm.operands`).
 :func:`run_grouped_mm` and :func:`run_grouped_mm_backward` run a chosen backend: the one body of the
 ``epmoe::grouped_mm`` op and of the other ops that run grouped matmuls inside
 (``epmoe::routed_mlp``, the fused ``alltoallv_gmm`` / ``gmm_alltoallv``), which call them with the
@@ -37,6 +37,7 @@ from epmoe.gmm.backend import BackendStatus, GmmBackend
 from epmoe.gmm.batched import BatchedBackend
 from epmoe.gmm.loop import LoopBackend
 from epmoe.gmm.npu import NpuBackend
+from epmoe.gmm.operands import check_operands
 from epmoe.gmm.torch_gmm import TorchBackend
 
 logger = logging.getLogger(__name__)
@@ -402,73 +403,6 @@ def _warn_fallback(backend: GmmBackend, declined: list[tuple[str, str]]) -> None
         backend.name,
         reasons,
     )
-
-
-def check_operands(x: object, weight: object, trans_weight: object, caller: str = "grouped_mm") -> None:
-    """``ValueError`` / ``TypeError`` naming ``caller(argument)`` unless ``x`` (T, D) and ``weight``
-    (G, D, N), or (G, N, D) with ``trans_weight``, are floating tensors that fit together."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{caller}(x): expected a Tensor, got {type(x).__name__}")
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"{caller}(weight): expected a Tensor, got {type(weight).__name__}")
-    if not isinstance(trans_weight, bool):
-        raise TypeError(f"{caller}(trans_weight): expected a bool, got {type(trans_weight).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"{caller}(x): expected a 2-D (T, D) tensor, got shape {tuple(x.shape)}")
-    if weight.dim() != 3:
-        raise ValueError(f"{caller}(weight): expected a 3-D (G, D, N) tensor, got shape {tuple(weight.shape)}")
-    if not x.dtype.is_floating_point:
-        raise ValueError(f"{caller}(x): expected a floating dtype, got {x.dtype}")
-    if weight.dtype != x.dtype:
-        raise ValueError(f"{caller}(weight): dtype {weight.dtype} does not match x's {x.dtype}")
-    if weight.device != x.device:
-        raise ValueError(f"{caller}(weight): on {weight.device}, x is on {x.device}")
-    k_dim = 2 if trans_weight else 1
-    if weight.shape[k_dim] != x.shape[1]:
-        layout = "(G, N, D)" if trans_weight else "(G, D, N)"
-        raise ValueError(
-            f"{caller}(weight): shape {tuple(weight.shape)} read as {layout} has D={weight.shape[k_dim]}, "
-            f"but x has D={x.shape[1]}"
-        )
-
-
-def counts_list(counts: object, num_groups: int, num_rows: int) -> list[int]:
-    """``counts`` as a Python list, validated; at most one host read of a tensor."""
-    values = errors.int_list("grouped_mm(counts)", counts)
-    if len(values) != num_groups:
-        raise ValueError(f"grouped_mm(counts): {len(values)} counts for {num_groups} groups in weight")
-    if any(c < 0 for c in values):
-        raise ValueError(f"grouped_mm(counts): counts must be non-negative, got {errors.negatives(values)}")
-    if sum(values) != num_rows:
-        raise ValueError(f"grouped_mm(counts): counts sum to {sum(values)}, but x has {num_rows} rows")
-    return values
-
-
-def backend_counts(
-    backend: GmmBackend, counts_G: torch.Tensor, host_counts: list[int] | None, x_TD: torch.Tensor, num_groups: int
-) -> list[int] | torch.Tensor:
-    """The counts as ``backend`` takes them: ``host_counts`` where the caller has them, else the
-    ``(G,)`` tensor on ``x_TD``'s device for a :attr:`~GmmBackend.device_counts` backend (not read:
-    its values are trusted), else ``counts_G`` read to the host once and validated."""
-    if host_counts is not None:
-        return host_counts
-    if backend.device_counts:
-        return counts_G.to(device=x_TD.device, dtype=torch.int64)
-    return counts_list(counts_G, num_groups, x_TD.shape[0])
-
-
-def counts_once(
-    backend: GmmBackend, counts_G: torch.Tensor, num_groups: int, device: torch.device
-) -> list[int] | torch.Tensor:
-    """For an op that issues several grouped matmuls on the same counts on ``backend`` and holds no
-    host counts (where it does, every call takes those): the ``(G,)`` tensor on ``device`` for a
-    :attr:`~GmmBackend.device_counts` backend (not read), else ``counts_G`` read to the host once and
-    validated (every call then gets the list; the rows are the caller's, checked there)."""
-    if backend.device_counts:
-        return counts_G.to(device=device, dtype=torch.int64)
-    values = errors.int_list("grouped_mm(counts)", counts_G)
-    counts_list(values, num_groups, sum(values))
-    return values
 
 
 def run_grouped_mm(

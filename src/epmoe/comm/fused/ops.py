@@ -46,7 +46,8 @@ from epmoe.comm.fused.autograd import AlltoallvGmm, Call, GmmAlltoallv
 from epmoe.comm.layout import RowLayout, round_bounds
 from epmoe.comm.steps import AGREE, MODEL_WIDE, Position, StepChannel, dtype_code, dtype_name, world_size
 from epmoe.gmm.backend import GmmBackend
-from epmoe.gmm.registry import check_operands, select_backend
+from epmoe.gmm.operands import check_operands
+from epmoe.gmm.registry import select_backend
 
 IMPLS = ("auto", "npu_fused", "pipelined", "reference")
 # num_chunks="auto": measured on 2 gloo ranks of a 2-core CPU (benchmarks/fused_cpu.md), rounds do
