@@ -631,17 +631,16 @@ def whole_state_dict(model: nn.Module, keep: Callable[[str], bool] = lambda key:
     with own_state_dict():
         local = model.state_dict(keep_vars=True)
     gathers, out = _WriterGathers(), {}
-    for key, value in local.items():
+    for key, tensor in local.items():
         if not keep(key):
             continue
-        value_mark = mark_of(value)
-        value = value.detach()
+        value, shard_mark = tensor.detach(), mark_of(tensor)
         if isinstance(value, DTensor):
             out[key] = value.full_tensor()
             continue
-        channel = expert_owner(local[key]).channel if value_mark is not None else None
+        channel = expert_owner(tensor).channel if shard_mark is not None else None
         parts = gathers.gather(channel, value.contiguous()) if gathers.joins(channel) else None
-        out[key] = value_mark.join(parts) if parts is not None else value
+        out[key] = shard_mark.join(parts) if parts is not None else value
     return out
 
 

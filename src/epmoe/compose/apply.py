@@ -309,9 +309,8 @@ def _step_channels(
     """The model's EP and ``"dp"`` step channels, each on a group created for it with
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
     names = tuple(shard.module_name for shard in shards)
-    width = (
-        max(shard.num_local_experts for shard in shards) + 3 + GUARD
-    )  # a row: counts, slot total, dtype, rows, guard
+    # a row: the counts, the slot total, the dtype, the rows, the step guard's values
+    width = max(shard.num_local_experts for shard in shards) + 3 + GUARD
     timeout = step_timeout_s(config.timeout, group)
     ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
     dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None

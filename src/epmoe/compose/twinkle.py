@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from epmoe.checkpoint.save import whole_state_dict
 from epmoe.compose.apply import apply_expert_parallel
@@ -62,7 +63,8 @@ TOUCH_POINTS = (
         "(self, max_grad_norm=1.0, norm_type=2, **kwargs)",
         REPLACED,
         "twinkle's own runs with max_grad_norm=inf (its unscale and its division by the global token count, "
-        "one factor on every rank), then epmoe.clip_grad_norm_: its norm sees each rank's experts only",
+        "one factor on every rank), then epmoe.clip_grad_norm_ (its norm sees each rank's experts only); the "
+        "adapter from its _get_default_group, the norm reported in its OptimizerGroup._last_grad_norm",
     ),
     Entry(
         "twinkle",
@@ -271,12 +273,8 @@ def _check_servable(model: Any) -> None:
 def _ep_group(mesh: Any) -> Any:
     """The EP group over twinkle's mesh: ``None`` (every rank) or a ``("dp", "ep")`` DeviceMesh whose
     EP groups are strided as twinkle's own (``ep`` rows of ``arange(W).reshape(ep, W // ep)``)."""
-    import numpy as np
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
-
     world = dist.get_world_size()
-    if sorted(np.asarray(mesh.mesh).flatten().tolist()) != list(range(world)):
+    if sorted(torch.as_tensor(mesh.mesh).flatten().tolist()) != list(range(world)):
         raise ValueError(f"prepare_twinkle(model): the device mesh {mesh.mesh.tolist()} does not cover every rank")
     ep_size = mesh.ep_size or world
     if world % ep_size:
@@ -293,13 +291,9 @@ def _ep_group(mesh: Any) -> Any:
 def _leave_experts_out_of_fsdp(strategy: Any, hf_model: nn.Module) -> None:
     """twinkle's FSDP2 wrap ignores the parameters under ``block.experts`` of every block marked
     ``_ep_patched`` once ``enable_ep`` is set (its own EP mesh stays unbuilt: twinkle's EP stays off)."""
-    blocks = [
-        block
-        for _, experts, _ in sharded_experts(hf_model, packed_only=True)
-        for block in hf_model.modules()
-        if block._modules.get("experts") is experts
-    ]
-    if len(blocks) != sum(1 for _ in sharded_experts(hf_model, packed_only=True)):
+    experts = {id(module) for _, module, _ in sharded_experts(hf_model, packed_only=True)}
+    blocks = [block for block in hf_model.modules() if id(block._modules.get("experts")) in experts]
+    if len(blocks) != len(experts):
         raise ValueError(
             "prepare_twinkle(model): twinkle's FSDP2 wrap finds experts only as a block's 'experts' attribute; "
             "this model keeps some elsewhere"
@@ -368,7 +362,8 @@ def _adapter_state_dict(strategy: Any) -> Callable:
 
 def _replace(obj: Any, name: str, method: Callable) -> None:
     """``obj.name = method`` on the instance (the class is untouched); listed in :data:`TOUCH_POINTS`."""
-    assert any(e.method == name and e.how == REPLACED and _is(obj, e.owner) for e in TOUCH_POINTS), name
+    if not any(e.method == name and e.how == REPLACED and _is(obj, e.owner) for e in TOUCH_POINTS):
+        raise LookupError(f"epmoe: {type(obj).__name__}.{name} is not in epmoe.compose.twinkle.TOUCH_POINTS")
     setattr(obj, name, method)
 
 
