@@ -22,6 +22,10 @@ import torch
 import torch.distributed as dist
 
 STEPS = 3
+NUM_EXPERTS = 8
+MESH = DP_MESH = None  # twinkle's DeviceMesh of the running case: FSDP2 over every rank, plain data parallel
+BENCH_SHAPE = dict(hidden_size=256, moe_intermediate_size=128, num_experts=64, top_k=8, head_dim=32)
+BENCH_TOKENS = (8, 128)  # samples per rank, tokens per sample
 MAX_NORM = 0.05  # small enough that every step clips
 BATCH_SIZES = (2, 3, 1, 2)  # samples per rank (the 2-rank cases take the first two)
 LORA = dict(
@@ -348,12 +352,6 @@ def cases(rank: int, world: int, path: str, out_dir: str) -> dict:
 
             results[name] = {"error": traceback.format_exc()}
     return results
-
-
-NUM_EXPERTS = 8
-MESH = DP_MESH = None
-BENCH_SHAPE = dict(hidden_size=256, moe_intermediate_size=128, num_experts=64, top_k=8, head_dim=32)
-BENCH_TOKENS = (8, 128)  # samples per rank, tokens per sample
 
 
 def bench(rank: int, world: int, path: str, repeats: int) -> dict:
