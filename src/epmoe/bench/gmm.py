@@ -421,14 +421,10 @@ def summarize(results: list[Result]) -> list[str]:
     groups: dict[tuple, list[Result]] = {}
     for r in results:
         groups.setdefault((r.case, r.projection, r.dtype, r.pass_), []).append(r)
-
-    def name(key: tuple) -> str:
-        return " ".join(key)
-
     same_code, picked_vs_best = [], []
     for key, rows in groups.items():
         auto = next(r for r in rows if r.auto)
-        singles = {r.backend: r for r in rows if not r.auto and r.backend is not None}
+        singles = _singles(rows)
         if auto.backend in singles:
             picked, best = singles[auto.backend], min(singles.values(), key=lambda r: r.seconds)
             same_code.append(auto.seconds / picked.seconds)
@@ -438,9 +434,25 @@ def summarize(results: list[Result]) -> list[str]:
     def beyond_noise(q: float, a: Result, b: Result) -> bool:
         return q > max(floor, 1 + a.spread, 1 + b.spread)
 
+    lines = _noise_bullets(results, same_code, floor)
+    lines += _torch_vs_loop_bullet(groups, beyond_noise)
+    lines += _picked_vs_best_bullet(picked_vs_best, beyond_noise)
+    return lines + _large_groups_bullet(groups)
+
+
+def _name(key: tuple) -> str:
+    return " ".join(key)
+
+
+def _singles(rows: list[Result]) -> dict[str, Result]:
+    """A group's rows of one named backend each (not ``auto``), by backend."""
+    return {r.backend: r for r in rows if not r.auto and r.backend is not None}
+
+
+def _noise_bullets(results: list[Result], same_code: list[float], floor: float) -> list[str]:
     spreads = sorted(r.spread for r in results)
     noisiest = max(results, key=lambda r: r.spread)
-    lines = [
+    return [
         f"- Noise: (slowest - fastest round) / median is {statistics.median(spreads):.0%} for the median row, "
         f"{noisiest.spread:.0%} at worst ({noisiest.case} {noisiest.projection} {noisiest.dtype} {noisiest.pass_} "
         f"{noisiest.label})"
@@ -454,50 +466,58 @@ def summarize(results: list[Result]) -> list[str]:
         f"- `auto` picked: {', '.join(sorted({r.backend for r in results if r.auto}))}.",
     ]
 
+
+def _torch_vs_loop_bullet(groups: dict[tuple, list[Result]], beyond_noise: Callable) -> list[str]:
     torch_vs_loop = []
     for key, rows in groups.items():
-        singles = {r.backend: r for r in rows if not r.auto and r.backend is not None}
+        singles = _singles(rows)
         if "torch" in singles and "loop" in singles:
             torch, loop = singles["torch"], singles["loop"]
             torch_vs_loop.append((torch.seconds / loop.seconds, key, torch, loop))
-    if torch_vs_loop:
-        ratios = [q for q, *_ in torch_vs_loop]
-        worst, worst_key, *_ = max(torch_vs_loop, key=lambda t: t[0])
-        slower = [
-            f"{name(k)} ({q:.2f})" for q, k, a, b in sorted(torch_vs_loop, key=lambda t: -t[0]) if beyond_noise(q, a, b)
-        ]
-        lines.append(
-            f"- `torch` time / `loop` time: median {statistics.median(ratios):.2f}, from {min(ratios):.2f} to "
-            f"{worst:.2f} ({name(worst_key)}); "
-            + (f"slower beyond noise in: {'; '.join(slower)}." if slower else "never slower beyond noise.")
-        )
+    if not torch_vs_loop:
+        return []
+    ratios = [q for q, *_ in torch_vs_loop]
+    worst, worst_key, *_ = max(torch_vs_loop, key=lambda t: t[0])
+    slower = [
+        f"{_name(k)} ({q:.2f})" for q, k, a, b in sorted(torch_vs_loop, key=lambda t: -t[0]) if beyond_noise(q, a, b)
+    ]
+    return [
+        f"- `torch` time / `loop` time: median {statistics.median(ratios):.2f}, from {min(ratios):.2f} to "
+        f"{worst:.2f} ({_name(worst_key)}); "
+        + (f"slower beyond noise in: {'; '.join(slower)}." if slower else "never slower beyond noise.")
+    ]
 
-    if picked_vs_best:
-        worst, worst_key, picked, best = max(picked_vs_best, key=lambda t: t[0])
-        slower = [t for t in picked_vs_best if beyond_noise(*t[:1], *t[2:])]
-        lines.append(
-            f"- The backend `auto` picked, against the fastest single backend of the same row: time ratio at most "
-            f"{worst:.2f} ({name(worst_key)}, fastest there: `{best.backend}`): "
-            + (
-                f"slower beyond noise in: {'; '.join(f'{name(k)} ({q:.2f})' for q, k, *_ in slower)}."
-                if slower
-                else "never slower beyond noise."
-            )
-        )
 
+def _picked_vs_best_bullet(picked_vs_best: list[tuple], beyond_noise: Callable) -> list[str]:
+    if not picked_vs_best:
+        return []
+    worst, worst_key, picked, best = max(picked_vs_best, key=lambda t: t[0])
+    slower = [t for t in picked_vs_best if beyond_noise(*t[:1], *t[2:])]
+    return [
+        f"- The backend `auto` picked, against the fastest single backend of the same row: time ratio at most "
+        f"{worst:.2f} ({_name(worst_key)}, fastest there: `{best.backend}`): "
+        + (
+            f"slower beyond noise in: {'; '.join(f'{_name(k)} ({q:.2f})' for q, k, *_ in slower)}."
+            if slower
+            else "never slower beyond noise."
+        )
+    ]
+
+
+def _large_groups_bullet(groups: dict[tuple, list[Result]]) -> list[str]:
     large = [(r.ratio, key) for key, rows in groups.items() for r in rows if r.auto and r.mean_rows >= LARGE_ROWS]
-    if large:
-        below = [f"{name(k)} ({q:.2f})" for q, k in sorted(large) if q < GOAL_RATIO]
-        lines.append(
-            f"- `auto` throughput / dense where groups average >= {LARGE_ROWS} rows: {min(large)[0]:.2f} to "
-            f"{max(large)[0]:.2f}; "
-            + (
-                f"below {GOAL_RATIO}x in {len(below)} of {len(large)}: {'; '.join(below)}."
-                if below
-                else f"at least {GOAL_RATIO}x in all {len(large)}."
-            )
+    if not large:
+        return []
+    below = [f"{_name(k)} ({q:.2f})" for q, k in sorted(large) if q < GOAL_RATIO]
+    return [
+        f"- `auto` throughput / dense where groups average >= {LARGE_ROWS} rows: {min(large)[0]:.2f} to "
+        f"{max(large)[0]:.2f}; "
+        + (
+            f"below {GOAL_RATIO}x in {len(below)} of {len(large)}: {'; '.join(below)}."
+            if below
+            else f"at least {GOAL_RATIO}x in all {len(large)}."
         )
-    return lines
+    ]
 
 
 def _document(
@@ -506,23 +526,7 @@ def _document(
     extra = "".join(f" --case {c}" for c in args.case or []) + "".join(f" --dtype {d}" for d in args.dtype or [])
     extra += "".join(f" --gmm-backend {b}" for b in args.gmm_backend or [])
     command = f"epmoe bench gmm {settings.options()}{extra}"
-    case_rows = []
-    for case in cases:
-        counts = case.counts(settings.seed)
-        dims = ", ".join(f"{p} {case.dims(p)[0]}x{case.dims(p)[1]}" for p in case.projections)
-        case_rows.append(
-            (
-                case.name,
-                case.model,
-                case.num_experts,
-                case.rows,
-                f"{min(counts)} / {case.rows / case.num_experts:.0f} / {max(counts)}",
-                dims,
-            )
-        )
-    cases_table = common.markdown_table(
-        ("case", "shape", "G", "rows T", "rows per group min / mean / max", "D x N"), case_rows, align="llrrll"
-    )
+    cases_table = _cases_table(cases, settings.seed)
     return f"""# Grouped matmul benchmark: `epmoe bench gmm`
 
 Reproduce (from the repository root, after `pip install -e .`):
@@ -568,6 +572,20 @@ can reach at `M` rows per group. A group's weight is packed and streamed for onl
 
 {chr(10).join(summary)}
 """
+
+
+def _cases_table(cases, seed: int) -> str:
+    rows = []
+    for case in cases:
+        counts = case.counts(seed)
+        dims = ", ".join(f"{p} {case.dims(p)[0]}x{case.dims(p)[1]}" for p in case.projections)
+        mean = case.rows / case.num_experts
+        rows.append(
+            (case.name, case.model, case.num_experts, case.rows, f"{min(counts)} / {mean:.0f} / {max(counts)}", dims)
+        )
+    return common.markdown_table(
+        ("case", "shape", "G", "rows T", "rows per group min / mean / max", "D x N"), rows, align="llrrll"
+    )
 
 
 def _load(value: float | None) -> str:

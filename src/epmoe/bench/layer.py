@@ -510,15 +510,7 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
         DDP(balanced), ids, epmoe.LoadBalancer(balanced, update_rate=1e-3), balancer_seconds
     )
     steps[REPLICATED_DDP] = model_step(DDP(copy.deepcopy(reference)), ids)
-    try:
-        from transformers.distributed import DistributedConfig
-
-        hf = load_causal_lm(path, distributed_config=DistributedConfig(fsdp_size=world, ep_size=world))
-        steps["transformers EP"] = model_step(hf, ids)
-        losses["transformers EP"] = steps["transformers EP"]()
-    except Exception:  # noqa: BLE001 - report why their path could not run, keep measuring ours
-        errors["transformers EP"] = traceback.format_exc()
-        steps.pop("transformers EP", None)
+    _add_transformers_ep(path, world, ids, steps, losses, errors)
     failed = [None] * world
     dist.all_gather_object(failed, sorted(errors))
     if any(f != failed[0] for f in failed):
@@ -537,21 +529,38 @@ def _ep2_rank(rank: int, world: int, path: str, tokens: int, warmup: int, repeat
             epmoe.apply_expert_parallel(net)
         seconds, trainer_losses[label] = _trainer_steps(net, label == EPMOE_TRAINER, tokens, warmup + repeats, seed)
         times[label] = seconds[warmup:]
-    state = next(state for _, _, state in ep_states(model))
-    counts = [tokens // state.shard.num_experts] * state.shard.num_local_experts
-    start = time.perf_counter()
-    for _ in range(10_000):
-        state.loads.count(counts)
-    count_load_us = (time.perf_counter() - start) / 10_000 * 1e6
     return {
         "losses": losses,
         "times": times,
         "errors": errors,
         "dispatch": "/".join(dispatch),
         "trainer_losses": trainer_losses,
-        "count_load_us": count_load_us,
+        "count_load_us": _count_load_us(model, tokens),
         "balancer_ms": 1e3 * statistics.median(balancer_seconds[-repeats:]),
     }
+
+
+def _add_transformers_ep(path: str, world: int, ids: torch.Tensor, steps: dict, losses: dict, errors: dict) -> None:
+    """transformers' own EP as one more variant of part ep2, or why it could not run."""
+    try:
+        from transformers.distributed import DistributedConfig
+
+        hf = load_causal_lm(path, distributed_config=DistributedConfig(fsdp_size=world, ep_size=world))
+        steps["transformers EP"] = model_step(hf, ids)
+        losses["transformers EP"] = steps["transformers EP"]()
+    except Exception:  # noqa: BLE001 - report why their path could not run, keep measuring ours
+        errors["transformers EP"] = traceback.format_exc()
+        steps.pop("transformers EP", None)
+
+
+def _count_load_us(model: torch.nn.Module, tokens: int) -> float:
+    """Microseconds per call of the load telemetry's count (the first experts module's counters)."""
+    state = next(state for _, _, state in ep_states(model))
+    counts = [tokens // state.shard.num_experts] * state.shard.num_local_experts
+    start = time.perf_counter()
+    for _ in range(10_000):
+        state.loads.count(counts)
+    return (time.perf_counter() - start) / 10_000 * 1e6
 
 
 def _trainer_steps(model: torch.nn.Module, prepare: bool, tokens: int, steps: int, seed: int):

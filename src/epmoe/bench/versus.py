@@ -801,39 +801,7 @@ class VersusReport:
                 f"`torch.compile`, forward + backward, loss vs the unsharded model (this run: {first}, fp64)",
                 *(checked["compile"][name] for name in SYSTEMS),
             ),
-            (
-                "Trainer",
-                "`epmoe.prepare_trainer`: every parameter equals the Trainer without EP "
-                "(tests/training/test_launchers.py)",
-                "takes the model as loaded",
-                "takes the model as loaded",
-            ),
-            (
-                "Trainer checkpoints, resume",
-                "model and optimizer (DCP) in each checkpoint, resumed exactly at another "
-                "world size (tests/training/test_launchers.py)",
-                "as transformers' (the same load)",
-                f"(this run: {first}) {refusal}",
-            ),
-            (
-                "DeepSpeed ZeRO 1-3",
-                "`epmoe.prepare_deepspeed`, exact (tests/training/test_deepspeed.py)",
-                "none: `DistributedConfig` shards with FSDP2 at load",
-                "none: `DistributedConfig` shards with FSDP2 at load",
-            ),
-            (
-                "routing replay (RL), load telemetry",
-                "`epmoe.record_routing` / `replay_routing` (tests/training/test_replay*.py), `epmoe.expert_load`",
-                "the same calls on the loaded model (tests/models/test_transformers_ep.py)",
-                "no API",
-            ),
-            (
-                "TP mesh (`tp_size > 1`)",
-                "none: EP x DP meshes",
-                "ep_size == tp_size: nothing moves, partial outputs all-reduced; otherwise each TP rank "
-                "exchanges its slice (tests/models/test_transformers_ep.py)",
-                "`all_reduce` at inference where ep_size == tp_size, else `all_to_all` on TP slices",
-            ),
+            *_documented_features(first, refusal),
         ]
 
     def markdown(self) -> str:
@@ -939,3 +907,42 @@ def _markdown(docstring: str) -> str:
 
 def _cell(value) -> str:
     return value if isinstance(value, str) else ("exact" if value <= EXACT else "NOT exact") + f" ({value:.1e})"
+
+
+def _documented_features(first: str, refusal: str) -> list[tuple[str, ...]]:
+    """The rows of :meth:`VersusReport.features` that the tests named in them check (``first``: the run whose
+    checks are shown; ``refusal``: what transformers' EP said of Trainer checkpoints there)."""
+    return [
+        (
+            "Trainer",
+            "`epmoe.prepare_trainer`: every parameter equals the Trainer without EP (tests/training/test_launchers.py)",
+            "takes the model as loaded",
+            "takes the model as loaded",
+        ),
+        (
+            "Trainer checkpoints, resume",
+            "model and optimizer (DCP) in each checkpoint, resumed exactly at another "
+            "world size (tests/training/test_launchers.py)",
+            "as transformers' (the same load)",
+            f"(this run: {first}) {refusal}",
+        ),
+        (
+            "DeepSpeed ZeRO 1-3",
+            "`epmoe.prepare_deepspeed`, exact (tests/training/test_deepspeed.py)",
+            "none: `DistributedConfig` shards with FSDP2 at load",
+            "none: `DistributedConfig` shards with FSDP2 at load",
+        ),
+        (
+            "routing replay (RL), load telemetry",
+            "`epmoe.record_routing` / `replay_routing` (tests/training/test_replay*.py), `epmoe.expert_load`",
+            "the same calls on the loaded model (tests/models/test_transformers_ep.py)",
+            "no API",
+        ),
+        (
+            "TP mesh (`tp_size > 1`)",
+            "none: EP x DP meshes",
+            "ep_size == tp_size: nothing moves, partial outputs all-reduced; otherwise each TP rank "
+            "exchanges its slice (tests/models/test_transformers_ep.py)",
+            "`all_reduce` at inference where ep_size == tp_size, else `all_to_all` on TP slices",
+        ),
+    ]
