@@ -17,7 +17,8 @@ from families import Family, build, inputs, loss_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import epmoe
-from epmoe.ep.recognize import find_experts_modules, zero_experts
+from epmoe.ep.adopt import find_experts_modules
+from epmoe.ep.recognize import zero_experts
 
 LENGTHS = [7, 5, 6, 9]
 

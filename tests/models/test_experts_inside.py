@@ -19,8 +19,9 @@ from experts_inside_workers import SHARED_KINDS, all_cases, run_cases
 from ranks import start_ranks
 
 import epmoe
+from epmoe.ep.adopt import find_experts_modules
 from epmoe.ep.expert_weights import ExpertWeights, family_compute_dtype
-from epmoe.ep.recognize import find_experts_modules, shared_parameters
+from epmoe.ep.recognize import shared_parameters
 from epmoe.models import build_model
 
 EXACT = 1e-10

@@ -240,8 +240,8 @@ def _scaled(cls: type):
 
 
 def adopted_families() -> list:
-    """The families whose experts epmoe adopts (no decorator: :func:`epmoe.ep.recognize.adopt_packed_experts`)."""
-    from epmoe.ep.recognize import find_experts_modules
+    """The families whose experts epmoe adopts (no decorator: :func:`epmoe.ep.adopt.adopt_packed_experts`)."""
+    from epmoe.ep.adopt import find_experts_modules
 
     out = []
     for family in checked():
@@ -275,7 +275,8 @@ def test_stacked_rows_experts_run_as_packed_views_under_their_own_names():
     import torch
 
     import epmoe
-    from epmoe.ep.recognize import find_experts_modules, stacked_rows
+    from epmoe.ep.adopt import find_experts_modules
+    from epmoe.ep.recognize import stacked_rows
 
     family = found()["dbrx"]
     reference = families.build(family)

@@ -54,6 +54,7 @@ from epmoe import platform
 from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe.checkpoint.state_dict_warning import warn_on_bare_state_dict
 from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
+from epmoe.ep.adopt import find_experts_modules
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import unfaithful_experts
 from epmoe.ep.counts import GUARD
@@ -66,7 +67,6 @@ from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_paramete
 from epmoe.ep.position import LayerPosition
 from epmoe.ep.recognize import (
     expert_rows,
-    find_experts_modules,
     fused_ineligible_reason,
     num_experts_of,
     per_expert_post,

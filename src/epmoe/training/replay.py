@@ -56,8 +56,8 @@ from torch.overrides import TorchFunctionMode
 
 from epmoe import platform
 from epmoe.comm.steps import AGREE, StepChannel
+from epmoe.ep.adopt import find_experts_modules
 from epmoe.ep.counters import counted_modules
-from epmoe.ep.recognize import find_experts_modules
 from epmoe.ep.state import ep_model
 from epmoe.integrations.blocks import block_router, block_top_k
 

@@ -44,7 +44,7 @@ from torch import nn
 
 from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
 from epmoe.checkpoint.save import SavePretrained, adapter_state_dict
-from epmoe.ep.recognize import find_experts_modules
+from epmoe.ep.adopt import find_experts_modules
 from epmoe.ep.state import ep_states
 from epmoe.integrations.peft import has_expert_lora
 from epmoe.training.accelerate import prepare_accelerator
