@@ -196,6 +196,26 @@ def accelerate_case(rank: int, path: str, out_dir: str) -> dict:
     }
 
 
+def accumulation_case(rank: int, path: str) -> dict:
+    """twinkle's gradient accumulation (``gradient_accumulation_steps=2`` on every call, 5 micro-batches:
+    twinkle steps where its counter says so): every parameter against the unsharded model."""
+
+    def run(model):
+        for micro in range(5):
+            model.forward_backward(inputs=samples(micro, rank), gradient_accumulation_steps=2)
+            model.clip_grad_and_step(max_grad_norm=MAX_NORM, gradient_accumulation_steps=2)
+        return model
+
+    unsharded = build(path, ep=None, lora=False)
+    start = {n: p.detach().clone() for n, p in named(unsharded)}  # before the wrap: whole tensors
+    run(unsharded)
+    ref = {n: whole(p).detach().clone() for n, p in named(unsharded)}
+    return {
+        "errors": compare(ref, run(build(path, ep="epmoe", lora=False)), rank),
+        "trained": [n for n in ref if rel(ref[n], start[n]) > 1e-6],
+    }
+
+
 def lora_case(rank: int, path: str, out_dir: str) -> dict:
     """LoRA on the experts and attention: the start, the first gradients, 3 steps, the adapter saved."""
     unsharded = build(path, ep=None, lora=True)
@@ -340,6 +360,7 @@ def cases(rank: int, world: int, path: str, out_dir: str) -> dict:
         ("full", lambda: full_case(rank, path, out_dir)),
         ("lora", lambda: lora_case(rank, path, out_dir)),
         ("accelerate", lambda: accelerate_case(rank, path, out_dir)),
+        ("accumulation", lambda: accumulation_case(rank, path)),
         ("own_ep", lambda: own_ep_case(rank, path)),
         ("refusals", lambda: refusals(rank, path)),
         ("plain_peft", lambda: plain_peft(rank)),
