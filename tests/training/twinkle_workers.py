@@ -77,8 +77,9 @@ def samples(step: int, rank: int) -> list[dict]:
 
 
 def build(path: str, ep: str | None, lora: bool, dtype: torch.dtype = torch.float64, strategy: str = "native_fsdp"):
-    """twinkle's ``TransformersModel`` on its native FSDP2 strategy over both ranks. ``ep``: ``None``
-    (unsharded), ``"epmoe"`` (:func:`epmoe.prepare_twinkle`) or ``"twinkle"`` (its own EP over both ranks)."""
+    """twinkle's ``TransformersModel`` on ``strategy`` (its native FSDP2 over every rank of :data:`MESH`, or
+    accelerate's DDP over :data:`DP_MESH`). ``ep``: ``None`` (unsharded), ``"epmoe"``
+    (:func:`epmoe.prepare_twinkle`) or ``"twinkle"`` (its own EP over every rank)."""
     from twinkle.model import TransformersModel
 
     import epmoe
