@@ -485,14 +485,7 @@ def ep_dp_case(rank: int, world: int, path: str, out_dir: str) -> dict:
             tuple(dist.get_process_group_ranks(state.model.channel.group))
             for _, _, state in sharded_experts(model.strategy.unwrap_model(model.model))
         }
-        ep_rank = {0: 0, 2: 1, 1: 0, 3: 1}[rank]
-        errors = {}
-        for name, param in named(model):
-            local = whole(param)
-            full = ref[name]
-            errors[name] = rel(
-                local, full.narrow(0, ep_rank * local.shape[0], local.shape[0]) if full.shape != local.shape else full
-            )
+        errors = compare(ref, model, rank // 2)  # EP rank: groups {0, 2} and {1, 3}
         return {"errors": errors, "norms": [norms, ref_norms], "ep_groups": sorted(groups)}
     except Exception:  # noqa: BLE001 - reported to the test
         import traceback

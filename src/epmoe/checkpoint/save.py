@@ -626,7 +626,7 @@ def whole_state_dict(model: nn.Module, keep: Callable[[str], bool] = lambda key:
     rank 0): FSDP2's DTensors whole, and every expert-sharded tensor, base experts and the LoRA
     factors on them, joined from every EP rank by its :class:`~epmoe.ep.shard_mark.ShardMark`. Other
     ranks get their own tensors. For a framework's save that writes a state dict itself (twinkle's
-    adapter and PeftModel saves). Collective: every rank calls it, with the same ``keep``."""
+    adapter saves). Collective: every rank calls it, with the same ``keep``."""
     expert_parameters(model)  # settles LoRA factors and marks every expert parameter's owner
     with own_state_dict():
         local = model.state_dict(keep_vars=True)

@@ -16,8 +16,9 @@ give the unsharded model's numbers:
   rank, which the step guard lets pass) then :func:`epmoe.clip_grad_norm_` (every expert once);
 * LoRA through ``add_adapter_to_model`` sized and drawn as the unsharded model's on twinkle's peft
   (:func:`epmoe.ep.lora.whole_experts_for_peft`);
-* checkpoint and adapter saves whole (:func:`epmoe.checkpoint.save.whole_state_dict`, and the EP
-  model's own ``save_pretrained``), and the trainable-parameter count every expert once.
+* checkpoint saves whole (the EP model's own ``save_pretrained``, which twinkle's ``save`` calls) and
+  adapter saves whole (:func:`epmoe.checkpoint.save.whole_state_dict`), and the trainable-parameter
+  count every expert once.
 
 twinkle has no hook for any of these, so each is a method or attribute of *this* model or strategy,
 listed in :data:`TOUCH_POINTS` with the signature it was checked against and why; a twinkle version
@@ -27,7 +28,6 @@ not in :data:`MADE_FOR`, or one whose methods changed, is refused by name before
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.metadata
 import math
 from collections.abc import Callable
@@ -47,7 +47,17 @@ from epmoe.ep.state import sharded_experts
 from epmoe.gmm import grouped_mm
 from epmoe.training.accelerate import prepare_accelerator
 from epmoe.training.clip import clip_grad_norm_
-from epmoe.training.launchers import CALLED, READ, REPLACED, Entry, remember, remembered, signature_text
+from epmoe.training.launchers import (
+    CALLED,
+    READ,
+    REPLACED,
+    Entry,
+    is_instance_of,
+    remember,
+    remembered,
+    replace,
+    signature_text,
+)
 
 MADE_FOR = ("0.5.1",)  # the twinkle-kit versions whose internals TOUCH_POINTS were checked against
 PREPARED = "prepare_twinkle"
@@ -94,15 +104,6 @@ TOUCH_POINTS = (
     Entry(
         "twinkle",
         _NATIVE,
-        "get_full_state_dict",
-        "(self, model)",
-        REPLACED,
-        "twinkle's own reads each rank's slice of the experts: whole tensors (save_pretrained of the EP model "
-        "gathers experts module by module; a PeftModel's full save is written from whole_state_dict)",
-    ),
-    Entry(
-        "twinkle",
-        _NATIVE,
         "get_adapter_state_dict",
         "(self, model, adapter_name)",
         REPLACED,
@@ -124,14 +125,6 @@ TOUCH_POINTS = (
         "()",
         CALLED,
         "its registry of EP experts backends (a list, tried in order): register_grouped_mm puts epmoe's first",
-    ),
-    Entry(
-        "twinkle",
-        _ACCELERATE,
-        "get_full_state_dict",
-        "(self, model)",
-        REPLACED,
-        "as the native strategy's",
     ),
     Entry(
         "twinkle",
@@ -160,15 +153,15 @@ def prepare_twinkle(model: Any, config: ExpertParallelConfig | dict | None = Non
     strategy = model.strategy
     hf_model = strategy.unwrap_model(model.model)
     apply_expert_parallel(hf_model, _ep_group(model.device_mesh), config=config)
-    if _is(strategy, _NATIVE):
+    if is_instance_of(strategy, _NATIVE):
         _leave_experts_out_of_fsdp(strategy, hf_model)
     else:
         prepare_accelerator(strategy.accelerator)
-    _replace(model, "clip_grad_norm", _clip(model))
-    _replace(model, "_patch_adapter", _patch_adapter(model, hf_model))
-    _replace(model, "_get_nb_trainable_parameters", lambda adapter_name, module: parameter_counts(module))
-    _replace(strategy, "get_full_state_dict", _full_state_dict(strategy))
-    _replace(strategy, "get_adapter_state_dict", _adapter_state_dict(strategy))
+    replace(model, "clip_grad_norm", _clip(model), TOUCH_POINTS)
+    replace(model, "_patch_adapter", _patch_adapter(model, hf_model), TOUCH_POINTS)
+    counts = lambda adapter_name, module: parameter_counts(module)  # noqa: E731 - twinkle's signature
+    replace(model, "_get_nb_trainable_parameters", counts, TOUCH_POINTS)
+    replace(strategy, "get_adapter_state_dict", _adapter_state_dict(strategy), TOUCH_POINTS)
     remember(model, PREPARED)
     return model
 
@@ -261,7 +254,7 @@ def _check_servable(model: Any) -> None:
             "prepare_twinkle(model): memory_efficient_init=True broadcasts whole tensors from rank 0 into the "
             "FSDP2 wrap, expert slices included; build the model with memory_efficient_init=False"
         )
-    if not (_is(model.strategy, _NATIVE) or _is(model.strategy, _ACCELERATE)):
+    if not (is_instance_of(model.strategy, _NATIVE) or is_instance_of(model.strategy, _ACCELERATE)):
         raise ValueError(
             f"prepare_twinkle(model): twinkle's {type(model.strategy).__name__} strategy is not served "
             f"(native_fsdp and accelerate are)"
@@ -335,19 +328,6 @@ def _patch_adapter(model: Any, hf_model: nn.Module) -> Callable:
     return patch_adapter
 
 
-def _full_state_dict(strategy: Any) -> Callable:
-    own = strategy.get_full_state_dict
-
-    def get_full_state_dict(model: nn.Module) -> dict:
-        unwrapped = strategy.unwrap_model(model)
-        if not _is_peft(unwrapped):  # written by the EP model's save_pretrained, which gathers its experts
-            return own(model)
-        names = {name for name, _ in unwrapped.named_parameters()}
-        return {key: value.cpu() for key, value in whole_state_dict(unwrapped, names.__contains__).items()}
-
-    return get_full_state_dict
-
-
 def _adapter_state_dict(strategy: Any) -> Callable:
     def get_adapter_state_dict(model: nn.Module, adapter_name: str) -> dict:
         suffix = f".{adapter_name}."
@@ -360,32 +340,8 @@ def _adapter_state_dict(strategy: Any) -> Callable:
     return get_adapter_state_dict
 
 
-def _replace(obj: Any, name: str, method: Callable) -> None:
-    """``obj.name = method`` on the instance (the class is untouched); listed in :data:`TOUCH_POINTS`."""
-    if not any(e.method == name and e.how == REPLACED and _is(obj, e.owner) for e in TOUCH_POINTS):
-        raise LookupError(f"epmoe: {type(obj).__name__}.{name} is not in epmoe.compose.twinkle.TOUCH_POINTS")
-    setattr(obj, name, method)
-
-
 def _signature(entry: Entry) -> str | None:
     try:
         return signature_text(entry.resolve())
     except (ImportError, AttributeError):
         return None
-
-
-def _resolve(owner: str) -> Any:
-    module_name, _, class_name = owner.rpartition(".")
-    return getattr(importlib.import_module(module_name), class_name)
-
-
-def _is(obj: Any, owner: str) -> bool:
-    return isinstance(obj, _resolve(owner))
-
-
-def _is_peft(module: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - twinkle requires peft
-        return False
-    return isinstance(module, PeftModel)

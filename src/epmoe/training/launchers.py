@@ -247,14 +247,15 @@ def entries_to_check() -> list[tuple[Entry, str]]:
     return [(entry, owner) for entry in TABLE for owner in (entry.owner, *_ALSO_ON.get(entry.owner, ()))]
 
 
-def _entry(obj: Any, name: str) -> Entry:
-    for entry in TABLE:
-        if entry.method == name and entry.how == REPLACED and _is_instance(obj, entry.owner):
+def _entry(obj: Any, name: str, table: tuple[Entry, ...]) -> Entry:
+    for entry in table:
+        if entry.method == name and entry.how == REPLACED and is_instance_of(obj, entry.owner):
             return entry
     raise LookupError(f"epmoe: {type(obj).__name__}.{name} is not in the launcher table (epmoe.training.launchers)")
 
 
-def _is_instance(obj: Any, owner: str) -> bool:
+def is_instance_of(obj: Any, owner: str) -> bool:
+    """Whether ``obj`` is an instance of the class at the dotted path ``owner`` (``False`` where it is not installed)."""
     module_name, _, class_name = owner.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
@@ -263,10 +264,10 @@ def _is_instance(obj: Any, owner: str) -> bool:
     return isinstance(cls, type) and isinstance(obj, cls)
 
 
-def replace(obj: Any, name: str, method: Callable) -> None:
+def replace(obj: Any, name: str, method: Callable, table: tuple[Entry, ...] = TABLE) -> None:
     """Make ``method`` ``obj.name`` (an instance attribute; the class is untouched). ``obj.name`` must be
-    listed in :data:`TABLE` as replaced."""
-    _entry(obj, name)
+    listed in ``table`` (:data:`TABLE`, or another library's own, such as twinkle's) as replaced."""
+    _entry(obj, name, table)
     setattr(obj, name, method)
 
 
