@@ -64,6 +64,9 @@ def make_inputs(case_seed: int, src: int, T: int, K: int, kind: str, arg, ep_siz
         pool = torch.arange(E)
     order = torch.rand(T, len(pool), generator=g).argsort(dim=1)[:, :K]  # K distinct experts per token
     index = pool[order]
+    if kind == "zipf" and T:  # expert g drawn with weight 1 / (g + 1) ** arg, K distinct per token
+        prob = (torch.arange(E, dtype=torch.float64) + 1) ** -arg
+        index = torch.multinomial(prob.expand(T, E), K, replacement=False, generator=g)
     if kind == "one_expert":
         if K == 1:
             index[:] = arg

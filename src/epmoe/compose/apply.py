@@ -58,8 +58,8 @@ from epmoe.ep.adopt import find_experts_modules
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import unfaithful_experts
 from epmoe.ep.counts import GUARD
-from epmoe.ep.expert_weights import family_compute_dtype
-from epmoe.ep.experts import LocalExperts, experts_gmm_backends
+from epmoe.ep.expert_weights import ExpertWeights, family_compute_dtype
+from epmoe.ep.experts import LocalExperts, experts_gmm_backends, not_lean
 from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
@@ -309,8 +309,11 @@ def _step_channels(
     """The model's EP and ``"dp"`` step channels, each on a group created for it with
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
     names = tuple(shard.module_name for shard in shards)
-    # a row: the counts, the slot total, the dtype, the rows, the step guard's values
+    # a row: the counts, the slot total, the dtype, the rows, the step guard's values (with replicas:
+    # the sender's whole histogram, epmoe.ep.counts)
     width = max(shard.num_local_experts for shard in shards) + 3 + GUARD
+    if config.replicas:
+        width += max(shard.num_experts for shard in shards)
     timeout = step_timeout_s(config.timeout, group)
     ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
     dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None
@@ -373,6 +376,8 @@ def _validate(
         )
         if not isinstance(module, nn.ModuleList):
             family_compute_dtype(module)  # found before sharding: the family's forward may expect every expert
+        if config.replicas:
+            _check_replicas(name, module)
         transport, reason = _resolve_transport(module, config)
         checked.transport.append(transport)
         if reason is not None:
@@ -386,6 +391,18 @@ def _validate(
     checked.backend = choose_backend(statuses, backend=config.gmm_backend)  # a named backend that declines raises here
     checked.declined_backends = [f"{s.name}: {s.reason}" for s in statuses if not s.eligible]
     return checked
+
+
+def _check_replicas(name: str, experts: nn.Module) -> None:
+    """``ValueError`` naming the experts module and why, unless its experts run ``epmoe::routed_mlp``,
+    whose weights expert replicas extend (:mod:`epmoe.ep.replicas`)."""
+    post = None if isinstance(experts, nn.ModuleList) else per_expert_post(experts)
+    reason = not_lean(ExpertWeights(experts), post)
+    if reason is not None:
+        raise ValueError(
+            f"ExpertParallelConfig(replicas): {type(experts).__name__} at {name} cannot lend its experts to "
+            f"other ranks: {reason}; use replicas=0 for this model"
+        )
 
 
 def _check_input_weighted_block(model: nn.Module, name: str, experts: nn.Module, block: nn.Module | None) -> None:

@@ -55,6 +55,11 @@ class ExpertParallelConfig:
             at each layer's first forward, one host read, and again where a batch outgrows it while
             ``check_steps`` is on) or an int >= 1, ``B`` itself: no agreement at all (sync-free from
             the first step); a forward with more tokens on any rank raises on every rank.
+        replicas: an int >= 0, the experts it does not own a rank may compute rows of in one layer
+            call (default 0: none). Hot experts' slots then move to ranks below the mean load, the
+            weights travelling for the call (:mod:`epmoe.ep.replicas`): the same outputs and
+            gradients, fewer rows on the most loaded rank. Runs the all-to-all-v dispatch (the
+            static exchange at ``generate``'s decode steps runs without replicas).
     """
 
     gmm_backend: str = "auto"
@@ -65,6 +70,7 @@ class ExpertParallelConfig:
     check_steps: bool | str = "auto"
     capacity_factor: float | None = None
     static_tokens: int | None = None
+    replicas: int = 0
 
     def __post_init__(self) -> None:
         names = ["auto"] + [status.name for status in gmm_backends()]
@@ -103,6 +109,25 @@ class ExpertParallelConfig:
                 "matmul, which the fused ops do not expose; use dispatch='alltoallv' or 'auto'"
             )
         self._check_static()
+        self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        """What expert replicas cannot serve (:mod:`epmoe.ep.replicas`)."""
+        n = self.replicas
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"ExpertParallelConfig(replicas): expected an int >= 0, got {n!r}")
+        if n and self.dispatch in ("fused", "static"):
+            raise ValueError(
+                f"ExpertParallelConfig(replicas): moves slots between ranks by the counts exchange's plan, "
+                f"which dispatch={self.dispatch!r} does not run ("
+                + ("its ops keep the vendor's per-slot layout" if self.dispatch == "fused" else "no counts exchange")
+                + "); use dispatch='alltoallv' or 'auto' with replicas, or replicas=0"
+            )
+        if n and self.capacity_factor is not None:
+            raise ValueError(
+                "ExpertParallelConfig(replicas): capacity_factor keeps each expert's first slots where its "
+                "owner computes them; replicas move slots to other ranks: use one or the other"
+            )
 
     def _check_static(self) -> None:
         """The static exchange's conflicts (:mod:`epmoe.ep.dispatch.static`)."""

@@ -10,7 +10,9 @@ ride along). With ``W = 2`` ranks and ``e = 2`` local experts::
     rank 1 send_counts_WE [b0 b1 b2 b3]   recv_counts_WE [a2 a3 | b2 b3]   local_counts_e [a2+b2, a3+b3]
 
 A rank sends a token once to each rank holding one of its experts: its rows per rank
-(:func:`~epmoe.ep.routing.destinations_TW`) travel in the same exchange.
+(:func:`~epmoe.ep.routing.destinations_TW`) travel in the same exchange. With expert replicas
+(``every_expert``) each rank also sends every peer its whole histogram, so every rank learns the
+call's slot matrix ``slots_WE`` (rank s, global expert g), which :mod:`epmoe.ep.replicas` plans from.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class LayerCounts:
     send_rows_W: list[int]  # (W,) rows this rank sends to each rank (empty on a single rank)
     recv_rows_W: list[int]  # (W,) rows this rank receives from each rank (empty on a single rank)
     peer_guards: list[list[int]] | None  # (W, GUARD) the step guard's values by source, where they travelled
+    slots_WE: list[list[int]] | None = None  # (W, E) every rank's slots per global expert (every_expert)
 
 
 def exchange_layer_counts(
@@ -49,23 +52,28 @@ def exchange_layer_counts(
     hidden_TH: torch.Tensor,
     top_k_index_TK: torch.Tensor,
     guard: torch.Tensor | None = None,
+    every_expert: bool = False,
 ) -> LayerCounts:
     """The counts exchange of a layer forward at ``position`` (see the module docstring): this rank's
     slots per global expert from ``top_k_index_TK`` and its rows per rank, with the EP group on
     ``channel`` (``None``: a group of one, nothing exchanged; one host read either way). The ranks
     also agree that their rows travel in ``hidden_TH``'s dtype; ``guard``: the step guard's
-    ``(GUARD,)`` values to send, where it runs."""
+    ``(GUARD,)`` values to send, where it runs; ``every_expert``: every rank also learns the whole
+    slot matrix (``slots_WE``)."""
     expert_S = top_k_index_TK.reshape(-1)
     slots_E = torch.zeros(shard.num_experts, dtype=torch.int64, device=expert_S.device)
     slots_E.scatter_add_(0, expert_S, torch.ones_like(expert_S))
     if channel is None:
         slots = slots_E.tolist()
-        return LayerCounts(slots, slots, slots, None, sum(slots), [], [], None)
+        return LayerCounts(slots, slots, slots, None, sum(slots), [], [], None, [slots] if every_expert else None)
     W, e = channel.size, shard.num_local_experts
     rows_W = destinations_TW(top_k_index_TK, e, W).sum(0)
     guard_values = slots_E.new_zeros(GUARD) if guard is None else guard
-    extra = torch.cat([rows_W.view(W, 1), guard_values.view(1, -1).expand(W, -1)], dim=1)
-    exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, extra)
+    columns = [rows_W.view(W, 1), guard_values.view(1, -1).expand(W, -1)]
+    if every_expert:
+        columns.append(slots_E.view(1, -1).expand(W, -1))
+    exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, torch.cat(columns, dim=1))
+    received = exchanged.extras_received
     recv = exchanged.recv_counts
     return LayerCounts(
         exchanged.send_counts,
@@ -74,6 +82,7 @@ def exchange_layer_counts(
         channel.group,
         sum(exchanged.slots_by_rank),
         [row[0] for row in exchanged.extras_sent],
-        [row[0] for row in exchanged.extras_received],
-        [row[1:] for row in exchanged.extras_received] if guard is not None else None,
+        [row[0] for row in received],
+        [row[1 : 1 + GUARD] for row in received] if guard is not None else None,
+        [row[1 + GUARD :] for row in received] if every_expert else None,
     )

@@ -50,9 +50,16 @@ from epmoe.ep.expert_weights import ExpertWeights, WeightsHook, as_is, gmm_probe
 from epmoe.ep.grads import shared_by_source
 from epmoe.ep.mlp import expert_mlp, register_experts, routed_mlp_autograd, routed_mlp_custom_op
 from epmoe.ep.recognize import is_default_silu_gate, is_silu, num_experts_of
+from epmoe.ep.replicas import min_rows
 from epmoe.ep.routing import RowPairs, RowSources
 from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
+
+# the weights as a forward uses them -> the same with the call's expert replicas after the local experts
+Replicas = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
+]
 
 
 def experts_gmm_backends(module: nn.Module) -> list[BackendStatus]:
@@ -220,11 +227,7 @@ class LocalExperts:
         """Whether :meth:`routed_mlp` runs ``epmoe::routed_mlp`` (packed experts without a norm after
         the down projection, or Linear triples, with no parameter shared by the experts), keeping what
         :mod:`epmoe.ep.mlp` says."""
-        if self.weights.shared_names or self.post is not None:
-            return False
-        if self.weights.packed:
-            return not getattr(self.module, "has_post_expert_norm", False)
-        return self.weights.triples is not None
+        return not_lean(self.weights, self.post) is None
 
     def routed_mlp(
         self,
@@ -234,6 +237,7 @@ class LocalExperts:
         *,
         sync_weights: WeightsHook | None = None,
         sources: RowSources | None = None,
+        replicas: Replicas | None = None,
     ) -> torch.Tensor:
         """``(R, H)``: rows ``x_RH`` through the local experts their ``pairs`` name, weighted by
         ``weights_RK`` and summed per row (:mod:`epmoe.ep.mlp`): through the ``epmoe::routed_mlp``
@@ -244,7 +248,9 @@ class LocalExperts:
         on arrival, the result stays in it: the combine sums it per token before the layer casts back).
         ``sources``: which ranks the rows came from (the all-to-all-v transport's, over more than one
         rank); the parameters shared by the experts then get, on each rank, the gradient of its own
-        rows (:meth:`_by_source`)."""
+        rows (:meth:`_by_source`). ``replicas`` (:attr:`lean` experts only): takes the weights as the
+        forward uses them, ``(up, down, up_bias, down_bias)``, and returns them with the call's
+        expert replicas after the local experts (:mod:`epmoe.ep.replicas`), which ``pairs`` name too."""
         sync_weights = sync_weights or as_is
         if not self.lean:
             if self.weights.packed:
@@ -256,6 +262,8 @@ class LocalExperts:
                 )
             return routed_mlp_autograd(forward, x_RH, weights_RK, pairs)
         up, down, up_bias, down_bias = self.weights.read(sync_weights)  # in the compute dtype
+        if replicas is not None:
+            up, down, up_bias, down_bias = replicas(up, down, up_bias, down_bias)
         return routed_mlp_custom_op(
             self.key,
             x_RH.to(up.dtype) if self.weights.packed else x_RH,
@@ -267,6 +275,14 @@ class LocalExperts:
             down_bias,
             trans_weight=self.weights.trans_weight,
         )
+
+    def replica_min_rows(self, hidden: int, backward: bool) -> float:
+        """The fewest slots worth moving one of these experts to another rank for
+        (:func:`epmoe.ep.replicas.min_rows`, on the device of their weights)."""
+        params = self.weights.expert_parameters()
+        elements = sum(p.numel() for p in params) // num_experts_of(self.module)
+        rho = platform.flops_per_link_byte(params[0])
+        return min_rows(elements, hidden, params[0].element_size(), rho, backward)
 
     def _split_shared(self) -> bool:
         """Whether a forward must split the shared parameters' gradients by source rank: some need a
@@ -392,6 +408,20 @@ class LocalExperts:
         # whose exchange must run in backward on every rank.
         starts = prefix(counts)
         return torch.cat([expert(x_em[starts[j] : starts[j + 1]]) for j, expert in enumerate(experts)])
+
+
+def not_lean(weights: ExpertWeights, post: str | None) -> str | None:
+    """Why experts of ``weights`` (with the per-expert ``post`` module, if any) do not run
+    ``epmoe::routed_mlp`` (:attr:`LocalExperts.lean`), or ``None`` where they do."""
+    if weights.shared_names:
+        return f"its experts share parameters ({', '.join(weights.shared_names)})"
+    if post is not None:
+        return f"a per-expert module ({post}) runs after the down projection"
+    if weights.packed and getattr(weights.module, "has_post_expert_norm", False):
+        return "a norm runs after the down projection"
+    if not weights.packed and weights.triples is None:
+        return "its experts run their own forwards (not bias-free Linear triples)"
+    return None
 
 
 class _ExpertsCall(nn.Module):

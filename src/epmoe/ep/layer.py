@@ -10,12 +10,17 @@ one call of the layer (:func:`_call`), the same steps for every transport::
       1. position   the layer's next call; its headers name it             (epmoe.ep.position)
       2. counts     the counts exchange, where the transport needs it:     (epmoe.ep.counts)
                     the one host read, the step header and guard riding along
-      3. dispatch   each token to its experts' ranks (the transport: it only moves tokens)
+      3. replicas   with ExpertParallelConfig(replicas=N): the call's plan, hot experts' slots
+                    to ranks below the mean, from the counts every rank has (epmoe.ep.replicas)
+      4. dispatch   each token to its experts' ranks (the transport: it only moves tokens)
                                                                            (epmoe.ep.dispatch)
-      4. experts    the local experts' MLP on the rows, weighted           (epmoe.ep.experts, .mlp)
-      5. combine    back to the sender, summed per token                   (epmoe.ep.dispatch)
-      6. telemetry  the call's slots per local expert, dropped slots       (epmoe.ep.counters)
-      7. backward   its backward starts with a step-header exchange, where check_steps says so
+      5. experts    the local experts' MLP on the rows, weighted; with a plan, the replicas'
+                    weights come from their owners first                  (epmoe.ep.experts, .mlp,
+                                                                            epmoe.comm.replicas)
+      6. combine    back to the sender, summed per token                   (epmoe.ep.dispatch)
+      7. telemetry  the call's slots per local expert, dropped slots, rows computed
+                                                                           (epmoe.ep.counters)
+      8. backward   its backward starts with a step-header exchange, where check_steps says so
     out_TH
 
 A call that runs on the device alone (the transport's ``traced_whole``: a group of one, dropless,
@@ -29,16 +34,19 @@ tracer.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
+from epmoe.comm.replicas import send_expert_weights
 from epmoe.ep.config import DROPPED_COUNTER
 from epmoe.ep.counts import LayerCounts, exchange_layer_counts
 from epmoe.ep.dispatch import Arrived, Dispatcher, Link, SharedExpert
 from epmoe.ep.expert_weights import WeightsHook
 from epmoe.ep.guard import check as check_guard
+from epmoe.ep.replicas import ReplicaPlan, plan_replicas
 from epmoe.ep.state import ExpertParallelState, state_of
 from epmoe.gmm import GmmBackend
 
@@ -75,34 +83,68 @@ def _call(
     shard, channel = state.shard, state.model.channel
     position = state.steps.next_call()  # 1
     guard = _guard_values(state, hidden_TH.device)
-    counts = None
+    counts = plan = None
     if transport.needs_counts:  # 2
-        counts = exchange_layer_counts(channel, position, shard, hidden_TH, top_k_index_TK, guard)
+        every_expert = state.model.config.replicas > 0
+        counts = exchange_layer_counts(channel, position, shard, hidden_TH, top_k_index_TK, guard, every_expert)
         guard = None  # it travelled with the counts
+        if every_expert and channel is not None:  # 3
+            plan = _replica_plan(state, counts, hidden_TH.shape[1])
     hook = _weights_hook(state)
     projections, backend = _projections(state, transport, hook)
-    link = Link(channel, shard, position, checks, counts, _capacity(state, counts), guard, projections, backend, shared)
-    rows, meta = transport.dispatch(hidden_TH, top_k_index_TK, top_k_weights_TK, link)  # 3
+    link = Link(
+        channel, shard, position, checks, counts, _capacity(state, counts), guard, projections, backend, shared, plan
+    )
+    rows, meta = transport.dispatch(hidden_TH, top_k_index_TK, top_k_weights_TK, link)  # 4
     arrived: Arrived = meta.arrived
     if arrived.peer_guards is not None:
         check_guard(arrived.peer_guards, position.describe(channel.layer_names))
-    if arrived.routed is None:  # 4: up-projected rows (the fused transport): the gate / activation is left
+    if arrived.routed is None:  # 5: up-projected rows (the fused transport): the gate / activation is left
         out_rows = state.experts.gate_activation(rows)
     else:
         routed = arrived.routed
+        replicas = None if plan is None else functools.partial(_with_replicas, plan, shard.ep_rank, counts.group)
         out_rows = state.experts.routed_mlp(
-            rows, routed.weights_RK, routed.pairs, sync_weights=hook, sources=routed.sources
+            rows, routed.weights_RK, routed.pairs, sync_weights=hook, sources=routed.sources, replicas=replicas
         )
-    out_TH = transport.combine(out_rows, meta)  # 5
-    state.loads.count(arrived.load_e)  # 6
+    out_TH = transport.combine(out_rows, meta)  # 6
+    state.loads.count(arrived.load_e)  # 7
     if arrived.dropped_e is not None:
         state.loads.count(arrived.dropped_e, (DROPPED_COUNTER,))
-    return state.steps.backward_header(out_TH, channel, checks)  # 7
+    return state.steps.backward_header(out_TH, channel, checks)  # 8
 
 
 _call_eagerly = torch.compiler.disable(
     _call, reason="the counts exchange reads the counts to the host: one graph break per layer"
 )
+
+
+def _replica_plan(state: ExpertParallelState, counts: LayerCounts, hidden: int) -> ReplicaPlan | None:
+    """The call's expert replicas (:func:`~epmoe.ep.replicas.plan_replicas` on the slot matrix every
+    rank got in the counts exchange; the same on every rank), ``None`` where it moves nothing."""
+    least = state.experts.replica_min_rows(hidden, torch.is_grad_enabled())
+    plan = plan_replicas(counts.slots_WE, state.shard.num_local_experts, state.model.config.replicas, least)
+    return plan if plan.moves else None
+
+
+def _with_replicas(
+    plan: ReplicaPlan,
+    rank: int,
+    group,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The local experts' weights as the forward uses them, then the replicas' from their owners
+    (:func:`~epmoe.comm.replicas.send_expert_weights`: its backward returns each copy's gradient)."""
+    e, W = plan.experts_per_rank, plan.ep_size
+    sent, received = plan.sent(rank), plan.received(rank)
+    send_W = [sum(m.helper == r for m in sent) for r in range(W)]
+    recv_W = [sum(m.owner == s for m in received) for s in range(W)]
+    weights = (up, down, up_bias, down_bias)
+    copies = send_expert_weights(weights, [m.expert - rank * e for m in sent], send_W, recv_W, group)
+    return tuple(None if w is None else torch.cat([w, c]) for w, c in zip(weights, copies))
 
 
 def _guard_values(state: ExpertParallelState, device: torch.device) -> torch.Tensor | None:

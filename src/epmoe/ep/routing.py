@@ -262,3 +262,79 @@ def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
     for column in row_TD.unbind(1):
         out_TH += y_RH[column]
     return out_TH.to(y_RH.dtype)
+
+
+def redirected_slots(
+    top_k_index_TK: torch.Tensor, moves_M5: torch.Tensor, ep_size: int, num_redirected: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(moved_TK, slot_X, helper_X, replica_X)`` of the slots expert replicas take from this rank
+    (:mod:`epmoe.ep.replicas`); ``moves_M5``: ``(M, 5)`` int64 on the device, per move touching this
+    rank ``(expert, lo, hi, helper, replica)``: its slots of ``expert`` at positions ``[lo, hi)`` among
+    this rank's slots of that expert (in slot order ``t*K + k``) go to ``helper``, which runs them as its
+    local expert ``replica``. ``moved_TK``: bool, the slots that go to a helper; ``slot_X``: them, by
+    helper, then slot (``num_redirected`` of them, known on the host); ``helper_X``, ``replica_X``:
+    each one's helper and ``replica``. Built by one stable sort and a comparison with every move, nothing read to the host."""
+    expert_S = top_k_index_TK.reshape(-1)
+    S, device = expert_S.numel(), expert_S.device
+    order_S = torch.sort(expert_S, stable=True).indices
+    counts_E = torch.bincount(expert_S)
+    starts_E = counts_E.cumsum(0) - counts_E
+    position_S = torch.empty_like(expert_S).index_copy_(
+        0, order_S, torch.arange(S, device=device) - starts_E[expert_S[order_S]]
+    )
+    expert_M, lo_M, hi_M, helper_M, replica_M = moves_M5.unbind(1)
+    match_SM = (expert_S[:, None] == expert_M) & (position_S[:, None] >= lo_M) & (position_S[:, None] < hi_M)
+    moved_S = match_SM.any(1)
+    move_S = match_SM.to(torch.int8).argmax(1)
+    helper_S = torch.where(moved_S, helper_M[move_S], ep_size)
+    slot_X = torch.sort(helper_S, stable=True).indices[:num_redirected]
+    move_X = move_S[slot_X]
+    return moved_S.view(top_k_index_TK.shape), slot_X, helper_M[move_X], replica_M[move_X]
+
+
+def replica_token_rows(
+    top_k_index_TK: torch.Tensor,
+    rows: TokenRows,
+    send_rows_W: list[int],
+    redirected: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    experts_per_rank: int,
+) -> tuple[TokenRows, torch.Tensor]:
+    """``(rows, local_RK)``: the sender's rows with expert replicas (:mod:`epmoe.ep.replicas`):
+    ``rows`` (each token once per rank holding one of its experts) and one row of its own per
+    redirected slot (:func:`redirected_slots`), destination-major,
+    each destination's own rows first; ``local_RK``: each row's choices as its destination's local
+    experts (``-1``: not computed there: another rank's expert, or a slot moved to a helper)::
+
+        token t0 -> experts 0 (rank 0) and 3 (rank 1); expert 0's slot of t0 moved to rank 1 as replica 2
+        rows [t0 -> rank 0: (-1, -1) | t0 -> rank 1: (-1, 1) | t0 -> rank 1: (2, -1)]"""
+    T, K = top_k_index_TK.shape
+    device, e = top_k_index_TK.device, experts_per_rank
+    moved_TK, slot_X, helper_X, replica_X = redirected
+    R = rows.token_R.numel()
+    dest_R = torch.repeat_interleave(
+        torch.arange(len(send_rows_W), device=device), torch.tensor(send_rows_W, device=device), output_size=R
+    )
+    local_RK = top_k_index_TK[rows.token_R] - dest_R[:, None] * e
+    own_RK = (local_RK >= 0) & (local_RK < e) & ~moved_TK[rows.token_R]
+    local_RK = torch.where(own_RK, local_RK, -1)
+    X = slot_X.numel()
+    local_XK = torch.full((X, K), -1, dtype=torch.int64, device=device)
+    local_XK[torch.arange(X, device=device), slot_X % K] = replica_X
+    order = torch.sort(torch.cat([dest_R * 2, helper_X * 2 + 1]), stable=True).indices
+    token_R = torch.cat([rows.token_R, slot_X // K])[order]
+    return TokenRows(token_R, rows_by_token(token_R, T, min(K, len(send_rows_W)) + min(K, X))), torch.cat(
+        [local_RK, local_XK]
+    )[order]
+
+
+def rows_by_token(token_R: torch.Tensor, num_tokens: int, per_token: int) -> torch.Tensor:
+    """``(T, D)`` int64: each token's rows of ``token_R``, in row order (``D = per_token`` at least
+    the most rows a token has; ``R`` where it has fewer)."""
+    R, device = token_R.numel(), token_R.device
+    order = torch.sort(token_R, stable=True).indices
+    rows_T = torch.bincount(token_R, minlength=num_tokens)
+    starts_T = rows_T.cumsum(0) - rows_T
+    token_sorted = token_R[order]
+    row_TD = torch.full((num_tokens, per_token), R, dtype=torch.int64, device=device)
+    row_TD[token_sorted, torch.arange(R, device=device) - starts_T[token_sorted]] = order
+    return row_TD

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from epmoe import platform
 from epmoe.comm import all_to_all_v
 from epmoe.ep.counts import LayerCounts
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
@@ -35,6 +36,8 @@ from epmoe.ep.routing import (
     UnpackRoute,
     keep_first,
     pair_rows,
+    redirected_slots,
+    replica_token_rows,
     token_rows,
 )
 
@@ -46,6 +49,7 @@ class AllToAllVMeta:
     arrived: Arrived
     counts: LayerCounts | None  # the counts exchange's (None: the call ran on the device alone)
     rows: TokenRows | None  # the sender's rows (None on a single rank: the rows are the tokens)
+    splits: tuple[list[int], list[int]] | None = None  # (send_W, recv_W) with expert replicas, else the counts'
 
 
 class AllToAllVDispatcher(Dispatcher):
@@ -67,6 +71,8 @@ class AllToAllVDispatcher(Dispatcher):
     ) -> tuple[torch.Tensor, AllToAllVMeta]:
         """``(x_RH, meta)``: the rows this rank's local experts run, source-major."""
         shard, counts = link.shard, link.counts
+        if link.plan is not None:
+            return self._with_replicas(hidden_TH, top_k_index_TK, top_k_weights_TK, link)
         if counts is None:  # on the device alone: the tokens are the rows, no host read
             pairs = pair_rows(top_k_index_TK, shard.num_experts)
             return hidden_TH, AllToAllVMeta(Arrived(RoutedRows(top_k_weights_TK, pairs), pairs.counts_e), None, None)
@@ -93,9 +99,49 @@ class AllToAllVDispatcher(Dispatcher):
         arrived = Arrived(RoutedRows(weights_RK, pairs, sources), host_counts, dropped, counts.peer_guards)
         return x_RH, AllToAllVMeta(arrived, counts, rows)
 
+    def _with_replicas(
+        self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, link: Link
+    ) -> tuple[torch.Tensor, AllToAllVMeta]:
+        """:meth:`dispatch` under a replica plan (:mod:`epmoe.ep.replicas`): each token's rows as
+        always, and a row of its own per slot moved to a helper; each row carries its choices as its
+        destination's local experts (the helper's replicas after its own), so the receiver reads its
+        pairs off the rows. Every count follows from the counts exchange and the plan."""
+        shard, counts, plan, group = link.shard, link.counts, link.plan, link.counts.group
+        me, W, e = shard.ep_rank, len(counts.send_rows_W), shard.num_local_experts
+        (T, K), H, device = top_k_index_TK.shape, hidden_TH.shape[1], hidden_TH.device
+        redirected_W = plan.redirected_rows_W(me)
+        send_W = [a + b for a, b in zip(counts.send_rows_W, redirected_W)]
+        recv_W = [counts.recv_rows_W[s] + plan.redirected_rows_W(s)[me] for s in range(W)]
+        moves = [(m, *plan.redirected(me, m)) for m in plan.moves]
+        moves_M5 = [[m.expert, lo, hi, m.helper, plan.replica_index(m)] for m, lo, hi in moves if lo < hi]
+        if moves_M5:
+            moves_M5 = platform.host_to_device(torch.tensor(moves_M5, dtype=torch.int64), device)
+            redirected = redirected_slots(top_k_index_TK, moves_M5, W, sum(redirected_W))
+        else:
+            none = torch.zeros(0, dtype=torch.int64, device=device)
+            redirected = (torch.zeros(T, K, dtype=torch.bool, device=device), none, none, none)
+        rows = token_rows(top_k_index_TK, e, W, sum(counts.send_rows_W))
+        rows, local_RK = replica_token_rows(top_k_index_TK, rows, counts.send_rows_W, redirected, e)
+        wide = torch.float64 in (hidden_TH.dtype, top_k_weights_TK.dtype)
+        route_dtype = torch.float64 if wide else torch.float32  # its K ids fill whole columns of the rows
+        weights_TK = top_k_weights_TK.to(route_dtype)
+        sent_RX = GatherRows.apply(hidden_TH, torch.cat([torch.zeros_like(weights_TK), weights_TK], dim=1), *rows)
+        ids_columns = K * route_dtype.itemsize // hidden_TH.dtype.itemsize
+        sent_RX[:, H : H + ids_columns] = local_RK.to(route_dtype).view(hidden_TH.dtype)  # each row's own ids
+        received_RX = all_to_all_v(sent_RX, recv_W, send_W, group)
+        x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, route_dtype)
+        host_counts = plan.local_counts(me)  # the local experts', then the replicas'
+        local_RK = route_RK2[:, :K].long()
+        local_RK = local_RK.masked_fill(local_RK < 0, len(host_counts))
+        pairs = pair_rows(local_RK, len(host_counts), sum(host_counts), host_counts)
+        routed = RoutedRows(route_RK2[:, K:].to(top_k_weights_TK.dtype), pairs, RowSources(recv_W, group))
+        arrived = Arrived(routed, counts.local_counts_e, None, counts.peer_guards)
+        return x_RH, AllToAllVMeta(arrived, counts, rows, (send_W, recv_W))
+
     def combine(self, y_RH: torch.Tensor, meta: AllToAllVMeta) -> torch.Tensor:
         """``(T, H)``: the rows back to their senders, summed per token in rank order."""
         if meta.rows is None:
             return y_RH
-        back_RH = all_to_all_v(y_RH, meta.counts.send_rows_W, meta.counts.recv_rows_W, meta.counts.group)
+        send_W, recv_W = meta.splits or (meta.counts.send_rows_W, meta.counts.recv_rows_W)
+        back_RH = all_to_all_v(y_RH, send_W, recv_W, meta.counts.group)
         return SumRows.apply(back_RH, *meta.rows)

@@ -29,6 +29,7 @@ from torch import nn
 from epmoe.comm.steps import Position, StepChannel
 from epmoe.ep.config import ExpertShard
 from epmoe.ep.counts import LayerCounts
+from epmoe.ep.replicas import ReplicaPlan
 from epmoe.ep.routing import RowPairs, RowSources
 from epmoe.gmm import GmmBackend
 
@@ -56,6 +57,7 @@ class Link:
     projections: tuple[torch.Tensor, ...] = ()  # the expert weights a transport multiplies by (its projection_names)
     gmm_backend: GmmBackend | None = None  # their grouped-matmul backend, with projections
     shared: SharedExpert | None = None  # the block's shared expert, where the transport carries_shared
+    plan: ReplicaPlan | None = None  # the call's expert replicas (epmoe.ep.replicas), where it has any
 
 
 @dataclass(frozen=True)
