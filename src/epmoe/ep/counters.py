@@ -36,6 +36,7 @@ class LoadCounters(dict):
         super().__init__()
         self.num_local_experts = num_local_experts
         self.routed: tuple[str, ...] = (TELEMETRY_COUNTER,)
+        self.moved_W: list[int] | None = None  # slots expert replicas moved onto (+) / off (-) each EP rank
         for counter in (TELEMETRY_COUNTER, DROPPED_COUNTER):
             self.add_counter(counter)
 
@@ -57,6 +58,13 @@ class LoadCounters(dict):
             if self[counter].device != counts.device:  # counts on the device: the counter follows them
                 self[counter] = self[counter].to(counts.device)
             self[counter].add_(counts)
+
+    def count_moved(self, moved_W: list[int]) -> None:
+        """Add a forward's slots that expert replicas moved onto (+) and off (-) each EP rank
+        (:meth:`epmoe.ep.replicas.ReplicaPlan.moved_W`: the same on every rank); not in a recomputed forward."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self.moved_W = moved_W if self.moved_W is None else [a + b for a, b in zip(self.moved_W, moved_W)]
 
 
 class CountedLayer(Protocol):

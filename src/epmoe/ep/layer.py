@@ -111,6 +111,8 @@ def _call(
     state.loads.count(arrived.load_e)  # 7
     if arrived.dropped_e is not None:
         state.loads.count(arrived.dropped_e, (DROPPED_COUNTER,))
+    if plan is not None:
+        state.loads.count_moved(plan.moved_W())
     return state.steps.backward_header(out_TH, channel, checks)  # 8
 
 

@@ -67,14 +67,31 @@ def replicas_load(state: ExpertParallelState, load_E: torch.Tensor) -> torch.Ten
     return total.cpu()
 
 
-def expert_load(model: nn.Module, *, dropped: bool = False) -> dict[str, torch.Tensor]:
+def expert_load(model: nn.Module, *, dropped: bool = False, computed: bool = False) -> dict[str, torch.Tensor]:
     """Experts module name -> ``(E,)`` int64 routed slots per global expert since the last
     :func:`reset_expert_load` (see the module docstring); with ``dropped``, the slots capacity
-    dropped (dropless: zeros). Collective over the EP group."""
-    if not isinstance(dropped, bool):
-        raise TypeError(f"expert_load(dropped): expected a bool, got {type(dropped).__name__}")
+    dropped (dropless: zeros); with ``computed``, ``(W,)``: the slots each EP rank computed, its
+    expert replicas' included (:mod:`epmoe.ep.replicas`; without them, its experts' routed slots
+    less those dropped). Collective over the EP group."""
+    for name, value in (("dropped", dropped), ("computed", computed)):
+        if not isinstance(value, bool):
+            raise TypeError(f"expert_load({name}): expected a bool, got {type(value).__name__}")
+    if dropped and computed:
+        raise ValueError("expert_load(dropped, computed): ask for one at a time")
+    if computed:
+        return {name: computed_load(layer) for name, layer in counted_layers(model, "expert_load")}
     counter = DROPPED_COUNTER if dropped else TELEMETRY_COUNTER
     return {name: global_load(layer, counter) for name, layer in counted_layers(model, "expert_load")}
+
+
+def computed_load(layer: CountedLayer) -> torch.Tensor:
+    """``(W,)`` int64: the slots each EP rank of one layer computed (see :func:`expert_load`)."""
+    routed_E = global_load(layer, TELEMETRY_COUNTER) - global_load(layer, DROPPED_COUNTER)
+    W = 1 if layer.channel is None else layer.channel.size
+    computed_W = routed_E.view(W, -1).sum(1)
+    if layer.loads.moved_W is not None:
+        computed_W += torch.tensor(layer.loads.moved_W, dtype=torch.int64)
+    return computed_W
 
 
 def reset_expert_load(model: nn.Module) -> None:
@@ -82,6 +99,7 @@ def reset_expert_load(model: nn.Module) -> None:
     for _, layer in counted_layers(model, "reset_expert_load"):
         layer.loads[TELEMETRY_COUNTER].zero_()
         layer.loads[DROPPED_COUNTER].zero_()
+        layer.loads.moved_W = None
 
 
 def max_over_mean(counts) -> float:

@@ -107,14 +107,19 @@ class ReplicaPlan:
             rows_W[move.helper] += hi - lo
         return rows_W
 
-    def computed_rows_W(self) -> list[int]:
-        """``(W,)`` slots each rank's experts compute under the plan (its replicas' included)."""
-        e = self.experts_per_rank
-        rows_W = [sum(sum(row[r * e : (r + 1) * e]) for row in self.slots_WE) for r in range(self.ep_size)]
+    def moved_W(self) -> list[int]:
+        """``(W,)`` slots the plan moves onto (+) and off (-) each rank."""
+        moved_W = [0] * self.ep_size
         for move in self.moves:
-            rows_W[move.owner] -= move.slots
-            rows_W[move.helper] += move.slots
-        return rows_W
+            moved_W[move.owner] -= move.slots
+            moved_W[move.helper] += move.slots
+        return moved_W
+
+    def computed_rows_W(self) -> list[int]:
+        """``(W,)`` slots each rank computes under the plan (its replicas' included)."""
+        e = self.experts_per_rank
+        routed_W = [sum(sum(row[r * e : (r + 1) * e]) for row in self.slots_WE) for r in range(self.ep_size)]
+        return [a + b for a, b in zip(routed_W, self.moved_W())]
 
     def local_counts(self, rank: int) -> list[int]:
         """``(e + n,)`` slots each of ``rank``'s local experts computes, then each of its ``n`` replicas."""

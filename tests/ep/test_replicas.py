@@ -1,0 +1,290 @@
+"""Expert replicas (``ExpertParallelConfig(replicas=N)``): the plan, its row maps, the config, and
+(multirank) exactness against the same EP model without replicas and the unsharded model."""
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+
+import epmoe
+from epmoe import platform
+from epmoe.ep.replicas import Move, ReplicaPlan, min_rows, plan_replicas
+from epmoe.ep.routing import redirected_slots, replica_token_rows, token_rows
+
+
+def zipf_matrix(rng: random.Random, W: int, e: int, tokens: int, K: int, skew: float) -> list[list[int]]:
+    """Slots rank s sends expert g: ``tokens`` tokens per rank, K distinct experts each, expert g
+    drawn with weight 1/(g+1)^skew after a random relabelling."""
+    E = W * e
+    label = list(range(E))
+    rng.shuffle(label)
+    weights = [1 / (label[g] + 1) ** skew for g in range(E)]
+    slots_WE = []
+    for _ in range(W):
+        row = [0] * E
+        for _ in range(tokens):
+            for g in set(rng.choices(range(E), weights, k=K)):
+                row[g] += 1
+        slots_WE.append(row)
+    return slots_WE
+
+
+def routed_W(slots_WE, e):
+    W = len(slots_WE)
+    return [sum(sum(row[r * e : (r + 1) * e]) for row in slots_WE) for r in range(W)]
+
+
+def test_plan_brings_the_most_loaded_rank_to_the_mean_with_the_same_total():
+    rng = random.Random(0)
+    for _ in range(300):
+        W, e = rng.choice([2, 4, 8]), rng.choice([1, 2, 4])
+        slots_WE = zipf_matrix(rng, W, e, rng.randint(0, 60), min(2, W * e), rng.choice([0.0, 1.0, 2.0]))
+        plan = plan_replicas(slots_WE, e, replicas=e + W, least=0)
+        before, after = routed_W(slots_WE, e), plan.computed_rows_W()
+        assert sum(after) == sum(before)
+        assert max(after) <= max(math.ceil(sum(before) / W), 0), (slots_WE, plan.moves)
+        assert plan == plan_replicas([list(r) for r in slots_WE], e, e + W, 0)  # a function of its inputs
+
+
+def test_each_experts_slots_are_split_into_consecutive_ranges():
+    rng = random.Random(1)
+    for _ in range(200):
+        W, e = rng.choice([2, 4]), rng.choice([1, 2, 4])
+        slots_WE = zipf_matrix(rng, W, e, 40, 2, 2.0)
+        plan = plan_replicas(slots_WE, e, replicas=rng.choice([1, 2, 3]), least=0)
+        for g in range(W * e):
+            load = sum(row[g] for row in slots_WE)
+            moves = sorted((m for m in plan.moves if m.expert == g), key=lambda m: m.start)
+            kept = plan.local_counts(g // e)[g % e]
+            assert [kept] + [m.stop for m in moves[:-1]] == [m.start for m in moves] or not moves
+            assert kept + sum(m.slots for m in moves) == load
+            for m in moves:  # what the sources redirect adds up to the move
+                assert sum(hi - lo for lo, hi in (plan.redirected(s, m) for s in range(W))) == m.slots
+                assert m.helper != m.owner
+        for h in range(W):
+            assert len(plan.received(h)) <= plan_replicas(slots_WE, e, 3, 0).ep_size * e
+            assert len({m.expert for m in plan.received(h)}) == len(plan.received(h))
+
+
+def test_a_rank_lends_or_helps_at_most_replicas_experts():
+    rng = random.Random(2)
+    for replicas in (1, 2):
+        for _ in range(100):
+            slots_WE = zipf_matrix(rng, 4, 4, 50, 2, 2.0)
+            plan = plan_replicas(slots_WE, 4, replicas, 0)
+            assert all(len(plan.received(h)) <= replicas for h in range(4))
+
+
+def test_replicas_zero_or_balanced_routing_plans_nothing():
+    assert plan_replicas([[5, 5], [5, 5]], 1, replicas=0, least=0).moves == ()
+    assert plan_replicas([[3, 3, 3, 3], [3, 3, 3, 3]], 2, replicas=2, least=0).moves == ()
+    assert plan_replicas([[0, 0], [0, 0]], 1, replicas=2, least=0).moves == ()
+
+
+def test_the_worked_example_of_the_docs():
+    """1505 and 543 slots on two ranks of 4 experts: 481 of the hottest expert's slots move."""
+    slots_WE = [[450, 105, 100, 100, 75, 65, 65, 67], [450, 100, 100, 100, 75, 65, 65, 66]]
+    plan = plan_replicas(slots_WE, 4, replicas=1, least=0)
+    assert routed_W(slots_WE, 4) == [1505, 543]
+    assert plan.moves == (Move(0, 0, 1, 419, 900),)
+    assert plan.computed_rows_W() == [1024, 1024] and plan.moved_W() == [-481, 481]
+    assert plan.local_counts(1) == [150, 130, 130, 133, 481] and plan.replica_index(plan.moves[0]) == 4
+
+
+def test_the_cost_model():
+    # training: m > 2 F b rho / (6 F - 4 H b rho)
+    assert min_rows(1000, 10, 4, 5.0, backward=True) == pytest.approx(2 * 1000 * 4 * 5 / (6000 - 4 * 10 * 4 * 5))
+    assert min_rows(1000, 10, 4, 5.0, backward=False) == pytest.approx(1000 * 4 * 5 / (2000 - 2 * 10 * 4 * 5))
+    assert min_rows(1000, 100, 4, 50.0, backward=True) == math.inf  # a row costs more to send than to compute
+    assert min_rows(1000, 10, 4, 0.0, backward=True) == 0.0  # a free link: any imbalance
+    # the benchmark's shape (H 512, I 1024, fp32) on this CPU's rate: a few dozen slots
+    F = 3 * 512 * 1024
+    least = min_rows(F, 512, 4, platform.flops_per_link_byte("cpu"), backward=True)
+    assert 10 < least < 200
+    assert plan_replicas([[900, 205, 200, 200, 150, 130, 130, 133], [0] * 8], 4, 1, least).moves
+    assert plan_replicas([[300 + least // 4, 205, 200, 200, 250, 230, 230, 233], [0] * 8], 4, 1, least).moves == ()
+
+
+def test_sources_find_their_redirected_slots_and_rows():
+    """The device-side row maps against a loop over the slots."""
+    g = torch.Generator().manual_seed(3)
+    W, e, K, T = 2, 3, 2, 9
+    index = torch.stack([torch.randperm(W * e, generator=g)[:K] for _ in range(T)])
+    counts = torch.bincount(index.reshape(-1), minlength=W * e).tolist()
+    other = [5, 1, 0, 2, 3, 7]
+    plan = ReplicaPlan(
+        (Move(index[0, 0].item(), index[0, 0].item() // e, 1 - index[0, 0].item() // e, 0, 0),), (counts, other), e
+    )
+    g0 = index[0, 0].item()
+    # the second half of expert g0's slots of this rank (source 0) move
+    half = counts[g0] // 2
+    move = Move(g0, g0 // e, 1 - g0 // e, half, counts[g0] + other[g0])
+    plan = ReplicaPlan((move,), (tuple(counts), tuple(other)), e)
+    lo, hi = plan.redirected(0, move)
+    assert (lo, hi) == (half, counts[g0])
+    moves = torch.tensor([[g0, lo, hi, move.helper, plan.replica_index(move)]])
+    moved_TK, slot_X, helper_X, replica_X = redirected_slots(index, moves, W, hi - lo)
+    mine = [t * K + k for t in range(T) for k in range(K) if index[t, k] == g0]
+    assert slot_X.tolist() == mine[lo:hi] and helper_X.tolist() == [move.helper] * (hi - lo)
+    assert replica_X.tolist() == [e] * (hi - lo)
+    assert moved_TK.reshape(-1).nonzero().squeeze(1).tolist() == mine[lo:hi]
+    send_rows_W = [sum(any(index[t, k] // e == r for k in range(K)) for t in range(T)) for r in range(W)]
+    rows = token_rows(index, e, W, sum(send_rows_W))
+    rows, local_RK = replica_token_rows(index, rows, send_rows_W, (moved_TK, slot_X, helper_X, replica_X), e)
+    want_tokens, want_local = [], []
+    for r in range(W):
+        for t in range(T):
+            if any(index[t, k] // e == r for k in range(K)):
+                want_tokens.append(t)
+                want_local.append(
+                    [
+                        index[t, k].item() - r * e if index[t, k] // e == r and t * K + k not in mine[lo:hi] else -1
+                        for k in range(K)
+                    ]
+                )
+        for s in mine[lo:hi] if r == move.helper else []:
+            want_tokens.append(s // K)
+            want_local.append([e if k == s % K else -1 for k in range(K)])
+    assert rows.token_R.tolist() == want_tokens
+    assert local_RK.tolist() == want_local
+    for t in range(T):  # each token's rows, in row order
+        mine_rows = [i for i, tok in enumerate(want_tokens) if tok == t]
+        got = [i for i in rows.row_TD[t].tolist() if i < len(want_tokens)]
+        assert got == mine_rows
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "2", None])
+def test_replicas_must_be_an_int_at_least_zero(value):
+    with pytest.raises(ValueError, match=r"ExpertParallelConfig\(replicas\)"):
+        epmoe.ExpertParallelConfig(replicas=value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"dispatch": "fused"}, {"dispatch": "static"}, {"capacity_factor": 1.0}],
+    ids=lambda o: next(iter(o)) + "=" + str(next(iter(o.values()))),
+)
+def test_replicas_refuse_what_they_cannot_serve(options):
+    with pytest.raises(ValueError, match=r"ExpertParallelConfig\(replicas\)"):
+        epmoe.ExpertParallelConfig(replicas=1, **options)
+    epmoe.ExpertParallelConfig(replicas=0, **options)
+
+
+def test_all_combinations_of_small_plans_are_consistent():
+    """Every slot matrix of 2 ranks x 2 experts with up to 3 slots each: the plan's counts agree."""
+    for values in itertools.product(range(4), repeat=4):
+        slots_WE = [list(values[:2]) + [0, 0], [0, 0] + list(values[2:])]
+        plan = plan_replicas(slots_WE, 2, 2, 0)
+        total_local = sum(sum(plan.local_counts(r)) for r in range(plan.ep_size))
+        assert total_local == sum(values) == sum(plan.computed_rows_W())
+
+
+# --------------------------------------------------------------------------------------------
+# multirank: exactness (replica_workers), two spawns
+
+TOL = 1e-10
+
+
+@pytest.fixture
+def two_ranks(tmp_path_factory):
+    from replica_workers import two_rank_run
+    from ranks import start_ranks
+
+    return start_ranks(two_rank_run, 2, str(tmp_path_factory.getbasetemp() / "replicas"), timeout=600, once=True)
+
+
+@pytest.fixture
+def four_ranks():
+    from replica_workers import four_rank_run
+    from ranks import start_ranks
+
+    return start_ranks(four_rank_run, 4, timeout=600, once=True)
+
+
+def assert_exact(result, label, tol=TOL):
+    errors = result["errors"]
+    assert errors, f"{label}: nothing compared"
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= tol, f"{label}: {worst} relative error {errors[worst]:.3g}"
+
+
+def assert_module_cases(results, want_moves=True):
+    for rank, result in enumerate(results):
+        for name, case in result["module"].items():
+            for key, err in {**case["errors"], **{f"plain/{k}": v for k, v in case["plain"].items()}}.items():
+                assert err <= 1e-12, f"rank {rank} {name}: {key} relative error {err:.3g}"
+            for key, nonzero in case["exact_zero"].items():
+                assert nonzero == 0, f"rank {rank} {name}: an expert without tokens has a nonzero gradient ({key})"
+            assert case["moves"] > 0 or not want_moves, f"rank {rank} {name}: the plan moved nothing"
+
+
+@pytest.mark.multirank
+def test_experts_module_with_replicas_equals_unsharded_and_plain_ep_at_ep2(two_ranks):
+    """Skewed (Zipf, one hot expert, one hot rank), uniform, a rank with no tokens, an expert with
+    none, fp64: outputs, hidden and routing-weight gradients and every expert gradient."""
+    assert_module_cases(two_ranks)
+
+
+@pytest.mark.multirank
+def test_experts_module_with_replicas_at_ep4_uneven(four_ranks):
+    assert_module_cases(four_ranks)
+
+
+@pytest.mark.multirank
+def test_bf16_replicas_as_close_to_fp64_as_without(two_ranks):
+    for result in two_ranks:
+        arms = {arm: max(errors.values()) for arm, errors in result["module_bf16"].items()}
+        assert arms["replicas"] <= max(2 * arms["ep"], 3e-2), arms
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("recipe", ["ddp", "fsdp2", "checkpointing", "expert_grad_sum", "expert_grad_mean"])
+def test_training_with_replicas_equals_without_and_unsharded(two_ranks, recipe):
+    """3 AdamW steps (DDP, FSDP2: clipped; gradient checkpointing under DDP; no wrapper in each
+    expert_grad mode) on a skewed router, ranks of different batch sizes: losses, logits, every
+    gradient, clip norms and parameters against the EP model without replicas and the unsharded
+    model; rows computed per rank balanced, routed slots unchanged."""
+    for rank, result in enumerate(two_ranks):
+        res = result[recipe]
+        assert_exact(res, f"rank {rank} {recipe}")
+        assert res["moves"] > 0 and res["plain_moves"] == 0, res
+        assert res["routed_equal"]
+        for name, computed in res["computed"].items():
+            without = res["computed_without"][name]
+            assert sum(computed) == sum(without) and max(computed) < max(without), (name, computed, without)
+
+
+@pytest.mark.multirank
+def test_training_with_replicas_at_ep4_and_on_an_ep_dp_mesh(four_ranks):
+    for rank, result in enumerate(four_ranks):
+        for label in ("ddp", "mesh"):
+            res = result[label]
+            assert_exact(res, f"rank {rank} {label}")
+            assert res["moves"] > 0 and res["routed_equal"], res
+            assert all(max(c) <= max(w) for c, w in zip(res["computed"].values(), res["computed_without"].values()))
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("part", ["lora", "replay"])
+def test_lora_on_experts_and_routing_replay_with_replicas(two_ranks, part):
+    for rank, result in enumerate(two_ranks):
+        assert_exact(result[part], f"rank {rank} {part}")
+        assert result[part]["moves"] > 0
+    assert two_ranks[0]["lora"]["expert_factors"] > 0
+
+
+@pytest.mark.multirank
+def test_save_pretrained_with_replicas_equals_without(two_ranks):
+    for result in two_ranks:
+        save = result["save"]
+        assert_exact(save, "save_pretrained")
+        assert save["same_keys"] and save["same_optimizer_state"] and save["experts_whole"], save
+
+
+@pytest.mark.multirank
+def test_the_cost_model_moves_nothing_at_small_shapes(two_ranks):
+    for result in two_ranks:
+        seen = result["cost_model"]
+        assert seen["plans"] > 0 and seen["moves"] == 0 and seen["logits"] == 0.0, seen
