@@ -189,16 +189,16 @@ TOL = 1e-10
 
 @pytest.fixture
 def two_ranks(tmp_path_factory):
-    from replica_workers import two_rank_run
     from ranks import start_ranks
+    from replica_workers import two_rank_run
 
     return start_ranks(two_rank_run, 2, str(tmp_path_factory.getbasetemp() / "replicas"), timeout=600, once=True)
 
 
 @pytest.fixture
 def four_ranks():
-    from replica_workers import four_rank_run
     from ranks import start_ranks
+    from replica_workers import four_rank_run
 
     return start_ranks(four_rank_run, 4, timeout=600, once=True)
 
