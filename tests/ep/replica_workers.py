@@ -333,6 +333,36 @@ def cost_model_run(rank, world):
     return {"moves": sum(len(p) for p in plans), "plans": len(plans), "logits": rel(logits, plain(ids).logits)}
 
 
+def disagreement(rank, world):
+    """Ranks whose configs differ in ``replicas`` (their plans would differ): every rank raises at apply."""
+    try:
+        epmoe.apply_expert_parallel(skewed_model(), config={"replicas": rank})
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def generate_run(rank, world):
+    """``generate`` (its prompt's forward with replicas, its decode steps on the static exchange)
+    gives the same tokens as without replicas, and its prompt's logits."""
+    base = skewed_model()
+    prompt = tokens(0, rank, ((2, 9), (2, 9)))
+    outs = {}
+    for arm in ("ep", "replicas"):
+        model = copy.deepcopy(base)
+        epmoe.apply_expert_parallel(model, config={"replicas": 2 if arm == "replicas" else 0})
+        with free_link(), recorded_plans() as plans:
+            sequences = model.generate(prompt, max_new_tokens=4 + rank, min_new_tokens=4 + rank, do_sample=False)
+            with torch.no_grad():
+                logits = model(prompt).logits
+        outs[arm] = (sequences, logits, sum(len(p) for p in plans))
+    return {
+        "same_tokens": torch.equal(outs["ep"][0], outs["replicas"][0]),
+        "logits": rel(outs["replicas"][1], outs["ep"][1]),
+        "moves": outs["replicas"][2],
+    }
+
+
 def two_rank_run(rank, world, out_dir):
     """Everything the 2-rank tests ask, in one spawn."""
     results = {"module": module_cases(rank, world, SKEWED)}
@@ -348,6 +378,8 @@ def two_rank_run(rank, world, out_dir):
     results["replay"] = replay_arms(rank, world)
     results["save"] = save_arms(rank, world, out_dir)
     results["cost_model"] = cost_model_run(rank, world)
+    results["disagreement"] = disagreement(rank, world)
+    results["generate"] = generate_run(rank, world)
     return results
 
 

@@ -12,6 +12,7 @@ import epmoe
 from epmoe import platform
 from epmoe.ep.replicas import Move, ReplicaPlan, min_rows, plan_replicas
 from epmoe.ep.routing import redirected_slots, replica_token_rows, token_rows
+from epmoe.models import build_model
 
 
 def zipf_matrix(rng: random.Random, W: int, e: int, tokens: int, K: int, skew: float) -> list[list[int]]:
@@ -288,3 +289,37 @@ def test_the_cost_model_moves_nothing_at_small_shapes(two_ranks):
     for result in two_ranks:
         seen = result["cost_model"]
         assert seen["plans"] > 0 and seen["moves"] == 0 and seen["logits"] == 0.0, seen
+
+
+@pytest.mark.parametrize("variant", ["per_route_norm", "biased_module_list"])
+def test_experts_that_cannot_lend_their_weights_are_refused_at_apply(variant):
+    """Experts that do not run the routed MLP op (a per-expert module after the down projection,
+    a ModuleList of experts that run their own forwards) raise at apply, naming the module and
+    why, and the model is left as it was."""
+    from custom_moe import BiasedExpert, TinyMoELM
+    from experts_variants import install
+
+    if variant == "biased_module_list":
+        model, where = TinyMoELM(expert_cls=BiasedExpert), "blocks.0.experts"
+    else:
+        model, where = install(build_model("qwen3_moe"), variant), "model.layers.0.mlp.experts"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"ExpertParallelConfig\(replicas\): \w+ at {where} cannot lend"):
+        epmoe.apply_expert_parallel(model, config={"replicas": 1})
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert epmoe.ep.state.ep_model(model) is None
+    epmoe.apply_expert_parallel(model, config={"replicas": 0})  # the same model without replicas runs
+
+
+@pytest.mark.multirank
+def test_ranks_that_disagree_on_replicas_raise_on_every_rank(two_ranks):
+    for result in two_ranks:
+        assert result["disagreement"] is not None and "config.replicas" in result["disagreement"], result
+
+
+@pytest.mark.multirank
+def test_generate_with_replicas_gives_the_same_tokens(two_ranks):
+    for result in two_ranks:
+        seen = result["generate"]
+        assert seen["same_tokens"] and seen["logits"] <= TOL and seen["moves"] > 0, seen

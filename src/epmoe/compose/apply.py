@@ -58,8 +58,8 @@ from epmoe.ep.adopt import find_experts_modules
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import unfaithful_experts
 from epmoe.ep.counts import GUARD
-from epmoe.ep.expert_weights import ExpertWeights, family_compute_dtype
-from epmoe.ep.experts import LocalExperts, experts_gmm_backends, not_lean
+from epmoe.ep.expert_weights import family_compute_dtype
+from epmoe.ep.experts import LocalExperts, experts_gmm_backends
 from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
@@ -397,7 +397,7 @@ def _check_replicas(name: str, experts: nn.Module) -> None:
     """``ValueError`` naming the experts module and why, unless its experts run ``epmoe::routed_mlp``,
     whose weights expert replicas extend (:mod:`epmoe.ep.replicas`)."""
     post = None if isinstance(experts, nn.ModuleList) else per_expert_post(experts)
-    reason = not_lean(ExpertWeights(experts), post)
+    reason = LocalExperts(experts, post=post).why_not_lean()
     if reason is not None:
         raise ValueError(
             f"ExpertParallelConfig(replicas): {type(experts).__name__} at {name} cannot lend its experts to "

@@ -227,7 +227,23 @@ class LocalExperts:
         """Whether :meth:`routed_mlp` runs ``epmoe::routed_mlp`` (packed experts without a norm after
         the down projection, or Linear triples, with no parameter shared by the experts), keeping what
         :mod:`epmoe.ep.mlp` says."""
-        return not_lean(self.weights, self.post) is None
+        if self.weights.shared_names or self.post is not None:
+            return False
+        if self.weights.packed:
+            return not getattr(self.module, "has_post_expert_norm", False)
+        return self.weights.triples is not None
+
+    def why_not_lean(self) -> str | None:
+        """Why these experts are not :attr:`lean`, or ``None`` where they are."""
+        if self.lean:
+            return None
+        if self.weights.shared_names:
+            return f"its experts share parameters ({', '.join(self.weights.shared_names)})"
+        if self.post is not None:
+            return f"a per-expert module ({self.post}) runs after the down projection"
+        if self.weights.packed:
+            return "a norm runs after the down projection"
+        return "its experts run their own forwards (not bias-free Linear triples)"
 
     def routed_mlp(
         self,
@@ -408,20 +424,6 @@ class LocalExperts:
         # whose exchange must run in backward on every rank.
         starts = prefix(counts)
         return torch.cat([expert(x_em[starts[j] : starts[j + 1]]) for j, expert in enumerate(experts)])
-
-
-def not_lean(weights: ExpertWeights, post: str | None) -> str | None:
-    """Why experts of ``weights`` (with the per-expert ``post`` module, if any) do not run
-    ``epmoe::routed_mlp`` (:attr:`LocalExperts.lean`), or ``None`` where they do."""
-    if weights.shared_names:
-        return f"its experts share parameters ({', '.join(weights.shared_names)})"
-    if post is not None:
-        return f"a per-expert module ({post}) runs after the down projection"
-    if weights.packed and getattr(weights.module, "has_post_expert_norm", False):
-        return "a norm runs after the down projection"
-    if not weights.packed and weights.triples is None:
-        return "its experts run their own forwards (not bias-free Linear triples)"
-    return None
 
 
 class _ExpertsCall(nn.Module):
