@@ -151,6 +151,8 @@ def test_what_it_cannot_serve_is_refused_on_every_rank(saved):
         assert "capacity_factor=1.0" in errors["capacity_factor"]
         assert errors["fused"].startswith("ValueError: ep_implementation='epmoe-fused'")
         assert "dispatch='fused'" in errors["fused"]
+        assert errors["replicas"].startswith("ValueError: ep_implementation='epmoe-replicas'")
+        assert "replicas=2" in errors["replicas"]
         uneven = errors["batches of two sizes"]
         assert uneven.startswith("ValueError") and "[3, 4] tokens" in uneven and "same batch" in uneven, uneven
 
@@ -170,6 +172,7 @@ def test_what_epmoe_cannot_serve_is_named():
         (ExpertParallelConfig(dispatch="fused"), "dispatch='fused'"),
         (ExpertParallelConfig(dispatch="fused", num_chunks=2), "dispatch='fused'"),
         (ExpertParallelConfig(expert_grad="mean"), "expert_grad='mean'"),
+        (ExpertParallelConfig(replicas=2), "replicas=2"),
     ):
         assert named in why_not_served(experts, config)
 

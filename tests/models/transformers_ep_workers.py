@@ -16,6 +16,7 @@ from epmoe.integrations import transformers_ep
 CONFIGURED = {
     "epmoe-static": {"dispatch": "static", "static_tokens": 64, "check_steps": False},
     "epmoe-capacity": {"capacity_factor": 1.0},
+    "epmoe-replicas": {"replicas": 2},
     "epmoe-fused": {"dispatch": "fused"},
     "epmoe-unchecked": {"check_steps": False},  # what accelerators default to
 }
@@ -113,12 +114,13 @@ def cases(rank: int, world: int, runs: dict) -> dict:
 
 def refused(rank: int, world: int, path: str) -> dict:
     """``{case: the error it raises on this rank, or "no error"}``: loading an implementation
-    registered with ``capacity_factor``, or with the fused ops; calling experts whose EP group shares
+    registered with ``capacity_factor``, expert replicas, or the fused ops; calling experts whose EP group shares
     one batch (``ep_size == tp_size``) with batches of different sizes."""
     out = {}
     for case, loading in (
         ("capacity_factor", lambda: load(path, "epmoe-capacity", torch.float32, 2, 2)),
         ("fused", lambda: load(path, "epmoe-fused", torch.float32, 2, 2)),
+        ("replicas", lambda: load(path, "epmoe-replicas", torch.float32, 2, 2)),
         ("batches of two sizes", lambda: _uneven_shared_batch(rank, path)),
     ):
         try:

@@ -54,7 +54,8 @@ do the expert gradients' reduction (FSDP2 over the expert-FSDP mesh) and their c
 always, ``"static"`` always), ``static_tokens``, ``gmm_backend``, ``check_steps``, ``timeout``. What
 epmoe cannot serve raises ``ValueError`` when transformers builds the implementation (at load, on
 every rank: every rank builds the same modules' implementations), naming it, never falling back to
-another path: ``capacity_factor`` and the fused ops (``dispatch="fused"``, ``num_chunks``), an
+another path: ``capacity_factor``, expert ``replicas`` (their weights would travel as transformers'
+FSDP2 shards, whose gradients transformers reduces), the fused ops (``dispatch="fused"``, ``num_chunks``), an
 ``expert_grad`` other than ``"auto"`` (the expert gradients are transformers' FSDP2's), experts that
 are not transformers' packed experts, and experts whose class departs from the
 decorated contract or holds what the routed MLP op does not run (a norm after the down projection,
@@ -102,6 +103,7 @@ def why_not_served(experts: nn.Module, config: ExpertParallelConfig | None = Non
         "dispatch": config.dispatch == "fused",
         "num_chunks": config.num_chunks != "auto",
         "expert_grad": config.expert_grad != "auto",
+        "replicas": config.replicas > 0,
     }
     option = next((option for option, asked in refused.items() if asked), None)
     if option is not None:
