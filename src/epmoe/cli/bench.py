@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from epmoe.bench import checkpoint, common, experts, fused, gmm, layer, versus
+from epmoe.bench import balance, checkpoint, common, experts, fused, gmm, layer, versus
 
 BENCHMARKS = {
     "gmm": gmm,
@@ -20,6 +20,7 @@ BENCHMARKS = {
     "checkpoint": checkpoint,
     "versus": versus,
     "experts": experts,
+    "balance": balance,
 }
 
 

@@ -34,6 +34,7 @@ class Traffic:
 
     bytes_to_peers: int = 0
     exchanges: int = 0
+    replica_weight_bytes: int = 0  # of bytes_to_peers: expert replicas' weights and their gradients (comm.replicas)
 
 
 _RECORDERS: list[Traffic] = []
@@ -57,6 +58,13 @@ def record_traffic(bytes_to_peers: int) -> None:
     for traffic in _RECORDERS:
         traffic.bytes_to_peers += bytes_to_peers
         traffic.exchanges += 1
+
+
+def record_replica_weights(bytes_to_peers: int) -> None:
+    """Say that ``bytes_to_peers`` of what the exchanges hand other ranks are expert replicas' weights
+    and gradients (counted by :func:`all_to_all_v` as well), to every open :func:`count_traffic`."""
+    for traffic in _RECORDERS:
+        traffic.replica_weight_bytes += bytes_to_peers
 
 
 @torch.library.custom_op("epmoe::all_to_all_v", mutates_args=())

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from epmoe.comm.all_to_all import all_to_all_v
+from epmoe.comm.all_to_all import all_to_all_v, record_replica_weights
 
 
 def send_expert_weights(
@@ -43,6 +43,8 @@ def send_expert_weights(
     index = torch.tensor(send_index, dtype=torch.int64, device=present[0].device)
     sizes = [math.prod(w.shape[1:]) for w in present]
     sent = torch.cat([w.index_select(0, index).reshape(len(send_index), n) for w, n in zip(present, sizes)], dim=1)
+    # every row goes to another rank; its gradient comes back the same way
+    record_replica_weights(sent.numel() * sent.element_size() * (2 if sent.requires_grad else 1))
     received = all_to_all_v(sent, recv_W, send_W, group)
     pieces = iter(received.split(sizes, dim=1))
     n = received.shape[0]
