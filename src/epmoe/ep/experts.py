@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -55,11 +56,14 @@ from epmoe.ep.routing import RowPairs, RowSources
 from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, gmm_backends_for, grouped_mm
 from epmoe.gmm.backend import prefix
 
-# the weights as a forward uses them -> the same with the call's expert replicas after the local experts
-Replicas = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None],
-]
+
+class Replicas(NamedTuple):
+    """The experts other ranks lend a layer call (:mod:`epmoe.ep.replicas`): the ``pairs`` of the rows
+    they run, and ``lend(weights) -> (own, copies)``, the exchange of the weights as the forward uses
+    them, ``[up, down, up_bias, down_bias]`` (:func:`epmoe.comm.replicas.lend_expert_weights`)."""
+
+    pairs: RowPairs
+    lend: Callable[[list[torch.Tensor | None]], tuple[list[torch.Tensor | None], list[torch.Tensor | None]]]
 
 
 def experts_gmm_backends(module: nn.Module) -> list[BackendStatus]:
@@ -264,9 +268,8 @@ class LocalExperts:
         on arrival, the result stays in it: the combine sums it per token before the layer casts back).
         ``sources``: which ranks the rows came from (the all-to-all-v transport's, over more than one
         rank); the parameters shared by the experts then get, on each rank, the gradient of its own
-        rows (:meth:`_by_source`). ``replicas`` (:attr:`lean` experts only): takes the weights as the
-        forward uses them, ``(up, down, up_bias, down_bias)``, and returns them with the call's
-        expert replicas after the local experts (:mod:`epmoe.ep.replicas`), which ``pairs`` name too."""
+        rows (:meth:`_by_source`). ``replicas`` (:attr:`lean` experts only): the experts other ranks
+        lend this call, run by a second op on the same rows and added (:class:`Replicas`)."""
         sync_weights = sync_weights or as_is
         if not self.lean:
             if self.weights.packed:
@@ -277,20 +280,22 @@ class LocalExperts:
                     self._by_source, pairs=pairs, K=weights_RK.shape[1], sources=sources, sync_weights=sync_weights
                 )
             return routed_mlp_autograd(forward, x_RH, weights_RK, pairs)
-        up, down, up_bias, down_bias = self.weights.read(sync_weights)  # in the compute dtype
-        if replicas is not None:
-            up, down, up_bias, down_bias = replicas(up, down, up_bias, down_bias)
-        return routed_mlp_custom_op(
-            self.key,
-            x_RH.to(up.dtype) if self.weights.packed else x_RH,
-            weights_RK,
-            pairs,
-            up,
-            down,
-            up_bias,
-            down_bias,
-            trans_weight=self.weights.trans_weight,
+        weights = self.weights.read(sync_weights)  # in the compute dtype
+        x_RH = x_RH.to(weights[0].dtype) if self.weights.packed else x_RH
+        if replicas is None:
+            return routed_mlp_custom_op(
+                self.key, x_RH, weights_RK, pairs, *weights, trans_weight=self.weights.trans_weight
+            )
+        weights, lent = replicas.lend(list(weights))
+        out_RH = routed_mlp_custom_op(
+            self.key, x_RH, weights_RK, pairs, *weights, trans_weight=self.weights.trans_weight
         )
+        if replicas.pairs.counts_e.numel():  # some experts lent to this rank
+            lent_RH = routed_mlp_custom_op(
+                self.key, x_RH, weights_RK, replicas.pairs, *lent, trans_weight=self.weights.trans_weight
+            )
+            out_RH = out_RH + lent_RH
+        return out_RH
 
     def replica_min_rows(self, hidden: int, backward: bool) -> float:
         """The fewest slots worth moving one of these experts to another rank for

@@ -40,11 +40,12 @@ import math
 import torch
 from torch import nn
 
-from epmoe.comm.replicas import send_expert_weights
+from epmoe.comm.replicas import lend_expert_weights
 from epmoe.ep.config import DROPPED_COUNTER
 from epmoe.ep.counts import LayerCounts, exchange_layer_counts
 from epmoe.ep.dispatch import Arrived, Dispatcher, Link, SharedExpert
 from epmoe.ep.expert_weights import WeightsHook
+from epmoe.ep.experts import Replicas
 from epmoe.ep.guard import check as check_guard
 from epmoe.ep.replicas import ReplicaPlan, plan_replicas
 from epmoe.ep.state import ExpertParallelState, state_of
@@ -103,7 +104,9 @@ def _call(
         out_rows = state.experts.gate_activation(rows)
     else:
         routed = arrived.routed
-        replicas = None if plan is None else functools.partial(_with_replicas, plan, shard.ep_rank, counts.group)
+        replicas = None
+        if plan is not None:
+            replicas = Replicas(routed.replica_pairs, functools.partial(_lend, plan, shard.ep_rank, counts.group))
         out_rows = state.experts.routed_mlp(
             rows, routed.weights_RK, routed.pairs, sync_weights=hook, sources=routed.sources, replicas=replicas
         )
@@ -129,24 +132,17 @@ def _replica_plan(state: ExpertParallelState, counts: LayerCounts, hidden: int) 
     return plan if plan.moves else None
 
 
-def _with_replicas(
-    plan: ReplicaPlan,
-    rank: int,
-    group,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    up_bias: torch.Tensor | None,
-    down_bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The local experts' weights as the forward uses them, then the replicas' from their owners
-    (:func:`~epmoe.comm.replicas.send_expert_weights`: its backward returns each copy's gradient)."""
+def _lend(
+    plan: ReplicaPlan, rank: int, group, weights: list[torch.Tensor | None]
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """The plan's weight exchange (:func:`~epmoe.comm.replicas.lend_expert_weights`) of the local
+    experts' weights as the forward uses them: ``(own, copies)``, the copies in the order of the
+    helper's replicas (:meth:`~epmoe.ep.replicas.ReplicaPlan.received`)."""
     e, W = plan.experts_per_rank, plan.ep_size
     sent, received = plan.sent(rank), plan.received(rank)
     send_W = [sum(m.helper == r for m in sent) for r in range(W)]
     recv_W = [sum(m.owner == s for m in received) for s in range(W)]
-    weights = (up, down, up_bias, down_bias)
-    copies = send_expert_weights(weights, [m.expert - rank * e for m in sent], send_W, recv_W, group)
-    return tuple(None if w is None else torch.cat([w, c]) for w, c in zip(weights, copies))
+    return lend_expert_weights(weights, [m.expert - rank * e for m in sent], send_W, recv_W, group)
 
 
 def _guard_values(state: ExpertParallelState, device: torch.device) -> torch.Tensor | None:

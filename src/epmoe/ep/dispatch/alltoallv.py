@@ -130,11 +130,17 @@ class AllToAllVDispatcher(Dispatcher):
         sent_RX[:, H : H + ids_columns] = local_RK.to(route_dtype).view(hidden_TH.dtype)  # each row's own ids
         received_RX = all_to_all_v(sent_RX, recv_W, send_W, group)
         x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, route_dtype)
-        host_counts = plan.local_counts(me)  # the local experts', then the replicas'
+        computed = plan.local_counts(me)  # the local experts' slots, then the lent experts'
+        own, lent = computed[:e], computed[e:]
         local_RK = route_RK2[:, :K].long()
-        local_RK = local_RK.masked_fill(local_RK < 0, len(host_counts))
-        pairs = pair_rows(local_RK, len(host_counts), sum(host_counts), host_counts)
-        routed = RoutedRows(route_RK2[:, K:].to(top_k_weights_TK.dtype), pairs, RowSources(recv_W, group))
+        own_RK = local_RK.masked_fill((local_RK < 0) | (local_RK >= e), e)
+        lent_RK = (local_RK - e).masked_fill(local_RK < e, len(lent))
+        routed = RoutedRows(
+            route_RK2[:, K:].to(top_k_weights_TK.dtype),
+            pair_rows(own_RK, e, sum(own), own),
+            RowSources(recv_W, group),
+            pair_rows(lent_RK, len(lent), sum(lent), lent),
+        )
         arrived = Arrived(routed, counts.local_counts_e, None, counts.peer_guards)
         return x_RH, AllToAllVMeta(arrived, counts, rows, (send_W, recv_W))
 

@@ -69,6 +69,7 @@ class RoutedRows:
     weights_RK: torch.Tensor  # (R, K) each received row's routing weights
     pairs: RowPairs  # the pairs the rows expand to, expert-major
     sources: RowSources | None = None
+    replica_pairs: RowPairs | None = None  # the pairs of the experts other ranks lend this call (epmoe.ep.replicas)
 
 
 @dataclass(frozen=True)
