@@ -50,6 +50,7 @@ class TrainOptions:
     seed: int = 0
     trainer: bool = False  # train through transformers.Trainer instead of a DDP loop
     balance: bool = False  # DDP loop only: epmoe.LoadBalancer on the EP model, mirrored on the reference
+    replicas: int = 0  # ExpertParallelConfig(replicas=...) of the EP model
     show_progress: bool = False
 
     def __post_init__(self) -> None:
@@ -76,11 +77,17 @@ class StepRecord:
     time_ep: float
     time_ref: float
     load: dict[str, list[int]] = field(default_factory=dict)  # EP model: slots per global expert, per layer
+    rows: dict[str, list[int]] = field(default_factory=dict)  # EP model: slots each rank computed, per layer
 
     @property
     def imbalance(self) -> list[float]:
         """Per layer, the busiest expert's load over the mean (1.0: perfect balance)."""
         return [max_over_mean(counts) for counts in self.load.values()]
+
+    @property
+    def rank_imbalance(self) -> float:
+        """The most loaded rank's computed slots over the mean, in the layer where that is largest."""
+        return max(max_over_mean(counts) for counts in self.rows.values())
 
     @property
     def diff(self) -> float:
@@ -123,7 +130,7 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
         options.family, num_experts=options.num_experts, top_k=options.top_k, seed=options.seed, dtype=dtype
     ).to(device)
     model = copy.deepcopy(reference)
-    shards = epmoe.apply_expert_parallel(model, config={"gmm_backend": options.backend})
+    shards = epmoe.apply_expert_parallel(model, config={"gmm_backend": options.backend, "replicas": options.replicas})
     backend = experts_backend(model.get_submodule(shards[0].module_name), options.backend).name
     result = TrainResult(options, world, backend)
     ep_model = model
@@ -163,7 +170,7 @@ def train_parity(rank: int, world: int, options: TrainOptions) -> TrainResult:
                 _global_loss(loss_ref, world),
                 time_ep,
                 time_ref,
-                _step_load(ep_model),
+                *_step_load(ep_model),
             )
         )
         if balancer is not None:  # after both steps: the next step of both selects with the new biases
@@ -193,11 +200,13 @@ def _timed_step(model, optimizer, ids: torch.Tensor, clip) -> tuple[torch.Tensor
     return loss, time.perf_counter() - start
 
 
-def _step_load(model) -> dict[str, list[int]]:
-    """The EP model's expert load of the step just run (a collective), counting afresh after it."""
+def _step_load(model) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+    """The EP model's expert load of the step just run and the slots each rank computed (collectives),
+    counting afresh after them."""
     load = {name: counts.tolist() for name, counts in epmoe.expert_load(model).items()}
+    rows = {name: counts.tolist() for name, counts in epmoe.expert_load(model, computed=True).items()}
     epmoe.reset_expert_load(model)
-    return load
+    return load, rows
 
 
 def reload_error(model, rank: int, world: int, options: TrainOptions, device: torch.device, balancer=None) -> float:
@@ -308,5 +317,5 @@ def _train_with_trainer(result: TrainResult, model, reference, rank: int, device
             losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
             curves[label] = (losses, times.times)
     (losses_ref, times_ref), (losses_ep, times_ep) = curves["ref"], curves["ep"]
-    for step, values in enumerate(zip(losses_ep, losses_ref, times_ep, times_ref, loads.loads)):
-        result.records.append(StepRecord(step, *values))
+    for step, (*values, (load, rows)) in enumerate(zip(losses_ep, losses_ref, times_ep, times_ref, loads.loads)):
+        result.records.append(StepRecord(step, *values, load, rows))

@@ -32,7 +32,9 @@ def test_demo_command_prints_table_and_writes_plot(tmp_path, capsys):
     rows = _table_rows(out)
     assert [int(row[0]) for row in rows] == list(range(24)), rows
     assert all(float(row[3]) < 1e-5 for row in rows), rows  # |diff| with balancing
-    assert all(len(row) == 8 and all(float(x) >= 1.0 for x in row[6:]) for row in rows), rows  # 2 layers' imbalance
+    # the most loaded rank's rows over the mean, then 2 layers' expert imbalance
+    assert all(len(row) == 9 and all(float(x) >= 1.0 for x in row[6:]) for row in rows), rows
+    assert "rows computed per rank, max/mean (the most skewed layer, mean over steps): " in out
     assert float(rows[-1][1]) < float(rows[0][1]) - 0.1, rows  # it trains
     reload = _reload_error(out)
     assert reload < 1e-5, reload
@@ -43,8 +45,9 @@ def test_demo_command_prints_table_and_writes_plot(tmp_path, capsys):
 
 @pytest.mark.multirank
 def test_demo_trainer_command(tmp_path, capsys):
-    """``--trainer``: both models through transformers.Trainer; the table, the reload check and the plot."""
-    assert main(["demo", "--trainer", "--steps", "2", "--out", str(tmp_path)]) == 0
+    """``--trainer`` (with ``--replicas 2``): both models through transformers.Trainer; the table, the reload
+    check and the plot."""
+    assert main(["demo", "--trainer", "--replicas", "2", "--steps", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "loss (EP)" in out and "transformers.Trainer (epmoe.prepare_trainer on the EP side)" in out
     rows = _table_rows(out)
@@ -67,6 +70,7 @@ def test_demo_trainer_command(tmp_path, capsys):
         (["demo", "--nproc", "3"], "--nproc: 3 ranks cannot share the demo model's 32 experts"),
         (["demo", "--timeout", "0"], "--timeout"),
         (["demo", "--trainer", "--balance"], "--balance: not supported with --trainer"),
+        (["demo", "--replicas", "-1"], "ExpertParallelConfig(replicas)"),
     ],
 )
 def test_demo_bad_options_fail_clearly(argv, message, capsys):

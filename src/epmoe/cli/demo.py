@@ -46,6 +46,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--balance", action="store_true", help="auxiliary-loss-free load balancing (epmoe.LoadBalancer) on both models"
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="experts of other ranks a rank may compute rows of per layer call (ExpertParallelConfig(replicas=N); default 0)",
+    )
     parser.add_argument("--out", default="epmoe-out", help="directory for the plot (default ./epmoe-out)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the run is abandoned")
     parser.set_defaults(run=run)
@@ -54,12 +60,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 def format_table(result: TrainResult) -> str:
     lines = [
         f"{'step':>4}  {'loss (EP)':>10}  {'loss (no EP)':>12}  {'|diff|':>9}  {'time EP':>9}  {'time no EP':>10}"
-        f"  max/mean expert load per layer",
+        f"  {'rows/rank':>9}  max/mean expert load per layer",
     ]
     for r in result.records:
         lines.append(
             f"{r.step:>4}  {r.loss_ep:>10.6f}  {r.loss_ref:>12.6f}  {r.diff:>9.2e}  "
-            f"{r.time_ep * 1e3:>7.1f}ms  {r.time_ref * 1e3:>8.1f}ms  " + " ".join(f"{x:.2f}" for x in r.imbalance)
+            f"{r.time_ep * 1e3:>7.1f}ms  {r.time_ref * 1e3:>8.1f}ms  {r.rank_imbalance:>9.2f}  "
+            + " ".join(f"{x:.2f}" for x in r.imbalance)
         )
     return "\n".join(lines)
 
@@ -154,9 +161,11 @@ def _validate(args: argparse.Namespace) -> TrainOptions:
         device=args.device,
         trainer=args.trainer,
         balance=args.balance,
+        replicas=args.replicas,
         show_progress=not args.trainer,
     )
-    ExpertParallelConfig(gmm_backend=args.gmm_backend)  # a bad --gmm-backend fails here, not in every rank
+    # a bad --gmm-backend or --replicas fails here, not in every rank
+    ExpertParallelConfig(gmm_backend=args.gmm_backend, replicas=args.replicas)
     world = int(os.environ["WORLD_SIZE"]) if _under_torchrun() else args.nproc
     if options.num_experts % world:
         what = "the torchrun world size" if _under_torchrun() else "--nproc"
@@ -218,6 +227,15 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"expert load max/mean of {LOAD_WINDOW}-step windows (mean over layers): {windows}"
         f"{' (LoadBalancer on)' if args.balance else ' (--balance: with epmoe.LoadBalancer)'}"
+    )
+    rows = statistics.fmean(r.rank_imbalance for r in result.records)
+    print(
+        f"rows computed per rank, max/mean (the most skewed layer, mean over steps): {rows:.2f}"
+        + (
+            f" (replicas={args.replicas}: hot experts computed on other ranks too, where the cost model says it pays)"
+            if args.replicas
+            else " (--replicas N: hot experts computed on other ranks too, exactly)"
+        )
     )
     path = plot(result, Path(args.out) / f"demo-{args.model}-loss.png")
     print(f"loss curves plotted to {path.resolve()}")

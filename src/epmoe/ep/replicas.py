@@ -4,8 +4,9 @@ Under expert parallelism each layer waits for its most loaded rank. With
 ``ExpertParallelConfig(replicas=N)`` a layer call may move some of a hot expert's *slots* (its
 (token, k) choices) from the expert's owner to *helper* ranks, each helper computing the rows of at
 most ``N`` experts it does not own. The helper gets the expert's weights for this call only, through
-a differentiable exchange (:func:`epmoe.comm.replicas.send_expert_weights`): the copy's gradient goes
-back to the owner and is summed into the owner's gradient by autograd, before anything reduces it.
+a differentiable exchange (:func:`epmoe.comm.replicas.lend_expert_weights`): the copy's gradient goes
+back to the owner and is added into the owner's gradient in the exchange's backward, before anything
+reduces it.
 Nothing of a replica is a parameter, optimizer state or a checkpoint entry; the outputs and every
 gradient are those of the model without replicas (sums in another order).
 
@@ -39,8 +40,9 @@ where the denominator is not positive, nothing is ever moved.
 What a rank does with the plan: a source sends each redirected slot as a row of its own to the
 helper (its token's row to the owner still travels, for the owner's other experts), so every rank's
 send and receive counts follow from the slot matrix and the plan (:meth:`ReplicaPlan.redirected`);
-a helper runs its replicas as local experts ``e, e+1, ...`` after its own ``e``, in the order of
-:meth:`ReplicaPlan.received`, which the owners' sends follow (:meth:`ReplicaPlan.sent`).
+a helper numbers its replicas ``e, e+1, ...`` after its own ``e`` local experts (its rows' ids say
+which), in the order of :meth:`ReplicaPlan.received`, which the owners' sends follow
+(:meth:`ReplicaPlan.sent`), and runs them by a second routed-MLP op on the same rows.
 """
 
 from __future__ import annotations
