@@ -289,7 +289,7 @@ def save_arms(rank, world, out_dir):
     from safetensors.torch import load_file
 
     base = skewed_model()
-    saved, states = {}, {}
+    saved, states, dcp_states = {}, {}, {}
     for arm in ("ep", "replicas"):
         model = copy.deepcopy(base)
         epmoe.apply_expert_parallel(model, config={"replicas": 2 if arm == "replicas" else 0})
@@ -305,6 +305,7 @@ def save_arms(rank, world, out_dir):
         dist.barrier()
         saved[arm] = load_file(f"{path}/model.safetensors")
         states[arm] = [(k, tuple(v.shape)) for st in opt.state_dict()["state"].values() for k, v in st.items()]
+        dcp_states[arm] = _shapes(epmoe.get_state_dict(model, opt))
     if rank == 0:
         base.save_pretrained(f"{out_dir}/unsharded")
     dist.barrier()
@@ -314,9 +315,21 @@ def save_arms(rank, world, out_dir):
         "errors": errors,
         "same_keys": sorted(saved["ep"]) == sorted(saved["replicas"]),
         "same_optimizer_state": states["ep"] == states["replicas"],
+        "same_dcp_state": dcp_states["ep"] == dcp_states["replicas"] and len(dcp_states["ep"]) > 0,
         "experts_whole": {k: tuple(v.shape) for k, v in saved["replicas"].items()}
         == {k: tuple(v.shape) for k, v in unsharded.items()},
     }
+
+
+def _shapes(state, prefix=""):
+    """``[(key path, shape)]`` of the tensors of a nested state dict (DTensors by their global shape)."""
+    out = []
+    for key, value in sorted(state.items(), key=lambda kv: str(kv[0])):
+        if isinstance(value, dict):
+            out += _shapes(value, f"{prefix}{key}.")
+        elif isinstance(value, torch.Tensor):
+            out.append((f"{prefix}{key}", tuple(value.shape)))
+    return out
 
 
 def cost_model_run(rank, world):

@@ -277,11 +277,12 @@ def test_lora_on_experts_and_routing_replay_with_replicas(two_ranks, part):
 
 
 @pytest.mark.multirank
-def test_save_pretrained_with_replicas_equals_without(two_ranks):
+def test_save_pretrained_optimizer_and_dcp_state_with_replicas_equal_without(two_ranks):
     for result in two_ranks:
         save = result["save"]
         assert_exact(save, "save_pretrained")
         assert save["same_keys"] and save["same_optimizer_state"] and save["experts_whole"], save
+        assert save["same_dcp_state"], save
 
 
 @pytest.mark.multirank

@@ -63,6 +63,7 @@ ARMS = {
     "capacity 1.0": {"capacity_factor": 1.0},
 }
 WORKLOADS = ("uniform", "zipf", "hot expert", "hot rank", "recorded")
+BREAKDOWN = "hot rank"  # the workload whose replicas arm's time is taken apart by rank
 LIMIT = "limit"  # the same model with the uniform router, without replicas: timed beside every workload's arms
 HEADERS = (
     "workload",
@@ -252,7 +253,63 @@ def _rank(rank: int, world: int, shape: Shape, routers: dict, warmup: int, repea
             figures[arm]["spread"] = timings[arm].spread
             figures[arm]["limit_ms"] = 1e3 * timings[LIMIT].median_s
         out[workload] = figures
+        if workload == BREAKDOWN:
+            out["breakdown"] = {arm: _breakdown(arms[arm], steps[arm], world) for arm in ("without", "replicas")}
+    out["link"] = _link(shape, world)
     return out
+
+
+def _breakdown(model: torch.nn.Module, step, world: int) -> list[dict]:
+    """Per rank, where 3 steps of ``model`` spend their time (``torch.profiler``, per step): the
+    matmuls, the all-to-all-v exchanges (waiting for the other rank included), the whole step; and
+    the rows the rank computed."""
+    from torch.profiler import profile
+
+    epmoe.reset_expert_load(model)
+    step()
+    (computed,) = epmoe.expert_load(model, computed=True).values()
+    with profile() as prof:
+        for _ in range(3):
+            torch.distributed.barrier()
+            step()
+    self_ms = {}
+    for event in prof.key_averages():
+        self_ms[event.key] = self_ms.get(event.key, 0.0) + event.self_cpu_time_total / 1e3 / 3
+    rank = torch.distributed.get_rank()
+    mine = {
+        "rows": int(computed[rank]),
+        "mm": self_ms.get("aten::mm", 0.0),
+        "exchange": sum(ms for key, ms in self_ms.items() if "all_to_all_v" in key or "alltoall" in key),
+        "total": sum(self_ms.values()),
+    }
+    every = [None] * world
+    torch.distributed.all_gather_object(every, mine)
+    return every
+
+
+def _link(shape: Shape, world: int) -> dict:
+    """What the cost model's exchange rate is made of, measured on these ranks: one rank's matmul
+    flops per second at the experts' shape, and the bytes per second of an all-to-all-v that moves
+    one expert's weights from one rank to the other."""
+    import time
+
+    x, w = torch.randn(1024, shape.hidden), torch.randn(shape.hidden, 2 * shape.intermediate)
+    elements = 3 * shape.hidden * shape.intermediate
+    rank = torch.distributed.get_rank()
+    sent = torch.randn(elements if rank == 0 else 0)
+    send, recv = ([0, elements], [0, 0]) if rank == 0 else ([0, 0], [elements, 0])
+    mm, link = [], []
+    for _ in range(12):
+        start = time.perf_counter()
+        x @ w
+        mm.append(time.perf_counter() - start)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        torch.distributed.all_to_all_single(torch.empty(sum(recv)), sent, recv, send)
+        link.append(time.perf_counter() - start)
+    flops = 2 * x.shape[0] * x.shape[1] * w.shape[1] / statistics.median(mm[2:])
+    link_bytes = elements * 4 / statistics.median(link[2:])
+    return {"gflops": flops / 1e9, "gb_s": link_bytes / 1e9, "rho": flops / link_bytes}
 
 
 def _sum_bytes_over_ranks(figures: dict, world: int) -> None:
@@ -366,6 +423,12 @@ def markdown(shape: Shape, result: dict, settings: common.Settings, command: str
         f"replicas take {uniform['replicas']['ms'] / uniform['without']['ms']:.2f}x the step without."
     )
     median_error = statistics.median(result[w]["replicas"]["error"] for w in WORKLOADS)
+    link = result["link"]
+    breakdown = [
+        (arm, rank, r["rows"], f"{r['mm']:.1f}", f"{r['exchange']:.1f}", f"{r['total']:.1f}")
+        for arm, ranks in result["breakdown"].items()
+        for rank, r in enumerate(ranks)
+    ]
     return "\n".join(
         [
             "# Expert replicas on skewed routing (`epmoe bench balance`)",
@@ -385,6 +448,18 @@ def markdown(shape: Shape, result: dict, settings: common.Settings, command: str
             "(float32 rounding, as without replicas); the LoadBalancer and capacity arms change the model.",
             "",
             common.markdown_table(HEADERS, rows),
+            "",
+            f"Where the {BREAKDOWN} workload's step goes, per rank (torch.profiler, self CPU time per step; "
+            "the exchanges include waiting for the other rank):",
+            "",
+            common.markdown_table(
+                ("arm", "rank", "rows computed", "matmul ms", "all-to-all-v ms", "profiled ms"), breakdown
+            ),
+            "",
+            f"The link, measured on these ranks: a matmul at the experts' shape runs {link['gflops']:.0f} GFLOP/s "
+            f"per rank, an all-to-all-v moving one expert's weights {link['gb_s']:.2f} GB/s: "
+            f"{link['rho']:.0f} flops per link byte (the cost model takes "
+            f"{epmoe.platform.flops_per_link_byte(settings.device):g}).",
             "",
             "Rows: the routed pairs each rank computed (replicas included) over the mean of the ranks. "
             "Token MiB: what the exchanges of both ranks handed the other per step (forward and backward: "
