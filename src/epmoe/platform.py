@@ -50,7 +50,7 @@ _COMM_BACKENDS = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl", "cpu": "gloo", "
 # (epmoe.ep.replicas): the CPU with gloo on loopback as measured by `epmoe bench balance` (its
 # "link" table); accelerators: dense 16-bit matmul peak over one direction of the chip-to-chip link
 # (H100: ~990 TFLOP/s over ~450 GB/s NVLink; Ascend 910B: ~310 TFLOP/s over ~196 GB/s HCCS -> ~1600)
-_FLOPS_PER_LINK_BYTE = {"cpu": 50.0, "cuda": 2200.0, "npu": 1600.0}
+_FLOPS_PER_LINK_BYTE = {"cpu": 35.0, "cuda": 2200.0, "npu": 1600.0}
 _DEFAULT_FLOPS_PER_LINK_BYTE = 2000.0
 
 

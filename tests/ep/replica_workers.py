@@ -355,6 +355,22 @@ def disagreement(rank, world):
     return None
 
 
+def key_mismatch(rank, world):
+    """Ranks whose cost models disagree (their plans would differ): the counts exchange raises on every rank."""
+    model = skewed_model()
+    epmoe.apply_expert_parallel(model, config={"replicas": 2})
+    rates = platform._FLOPS_PER_LINK_BYTE
+    saved = rates["cpu"]
+    rates["cpu"] = 0.0 if rank == 0 else saved
+    try:
+        model(tokens(0, rank, ((2, 12), (3, 7))))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        rates["cpu"] = saved
+    return None
+
+
 def generate_run(rank, world):
     """``generate`` (its prompt's forward with replicas, its decode steps on the static exchange)
     gives the same tokens as without replicas, and its prompt's logits."""
@@ -392,6 +408,7 @@ def two_rank_run(rank, world, out_dir):
     results["save"] = save_arms(rank, world, out_dir)
     results["cost_model"] = cost_model_run(rank, world)
     results["disagreement"] = disagreement(rank, world)
+    results["key_mismatch"] = key_mismatch(rank, world)
     results["generate"] = generate_run(rank, world)
     return results
 

@@ -315,8 +315,12 @@ def test_experts_that_cannot_lend_their_weights_are_refused_at_apply(variant):
 
 @pytest.mark.multirank
 def test_ranks_that_disagree_on_replicas_raise_on_every_rank(two_ranks):
+    """At apply (the config), and at a layer call whose plans would differ (the cost model's input)."""
     for result in two_ranks:
         assert result["disagreement"] is not None and "config.replicas" in result["disagreement"], result
+        mismatch = result["key_mismatch"]
+        assert mismatch is not None and "differently at forward of model.layers.0.mlp.experts" in mismatch, mismatch
+        assert "[0, -1] by rank" in mismatch, mismatch
 
 
 @pytest.mark.multirank

@@ -312,8 +312,8 @@ def _step_channels(
     # a row: the counts, the slot total, the dtype, the rows, the step guard's values (with replicas:
     # the sender's whole histogram, epmoe.ep.counts)
     width = max(shard.num_local_experts for shard in shards) + 3 + GUARD
-    if config.replicas:
-        width += max(shard.num_experts for shard in shards)
+    if config.replicas:  # and the replica plan's key (epmoe.ep.counts)
+        width += max(shard.num_experts for shard in shards) + 1
     timeout = step_timeout_s(config.timeout, group)
     ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
     dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None

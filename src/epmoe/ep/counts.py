@@ -11,8 +11,9 @@ ride along). With ``W = 2`` ranks and ``e = 2`` local experts::
 
 A rank sends a token once to each rank holding one of its experts: its rows per rank
 (:func:`~epmoe.ep.routing.destinations_TW`) travel in the same exchange. With expert replicas
-(``every_expert``) each rank also sends every peer its whole histogram, so every rank learns the
-call's slot matrix ``slots_WE`` (rank s, global expert g), which :mod:`epmoe.ep.replicas` plans from.
+(``replica_key``) each rank also sends every peer its whole histogram, so every rank learns the
+call's slot matrix ``slots_WE`` (rank s, global expert g), which :mod:`epmoe.ep.replicas` plans from,
+and the rest of what the plan takes, which the ranks check is the same.
 """
 
 from __future__ import annotations
@@ -52,28 +53,33 @@ def exchange_layer_counts(
     hidden_TH: torch.Tensor,
     top_k_index_TK: torch.Tensor,
     guard: torch.Tensor | None = None,
-    every_expert: bool = False,
+    replica_key: int | None = None,
 ) -> LayerCounts:
     """The counts exchange of a layer forward at ``position`` (see the module docstring): this rank's
     slots per global expert from ``top_k_index_TK`` and its rows per rank, with the EP group on
     ``channel`` (``None``: a group of one, nothing exchanged; one host read either way). The ranks
     also agree that their rows travel in ``hidden_TH``'s dtype; ``guard``: the step guard's
-    ``(GUARD,)`` values to send, where it runs; ``every_expert``: every rank also learns the whole
-    slot matrix (``slots_WE``)."""
+    ``(GUARD,)`` values to send, where it runs; ``replica_key`` (with expert replicas: what the
+    replica plan takes besides the counts, its fewest slots worth a move, which must be the same on
+    every rank): every rank also learns the whole slot matrix (``slots_WE``), and the ranks raise,
+    every one, where their keys differ (their plans would)."""
     expert_S = top_k_index_TK.reshape(-1)
     slots_E = torch.zeros(shard.num_experts, dtype=torch.int64, device=expert_S.device)
     slots_E.scatter_add_(0, expert_S, torch.ones_like(expert_S))
     if channel is None:
         slots = slots_E.tolist()
-        return LayerCounts(slots, slots, slots, None, sum(slots), [], [], None, [slots] if every_expert else None)
+        every = [slots] if replica_key is not None else None
+        return LayerCounts(slots, slots, slots, None, sum(slots), [], [], None, every)
     W, e = channel.size, shard.num_local_experts
     rows_W = destinations_TW(top_k_index_TK, e, W).sum(0)
     guard_values = slots_E.new_zeros(GUARD) if guard is None else guard
     columns = [rows_W.view(W, 1), guard_values.view(1, -1).expand(W, -1)]
-    if every_expert:
-        columns.append(slots_E.view(1, -1).expand(W, -1))
+    if replica_key is not None:
+        columns.append(torch.cat([slots_E.new_tensor([replica_key]), slots_E]).view(1, -1).expand(W, -1))
     exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, torch.cat(columns, dim=1))
     received = exchanged.extras_received
+    if replica_key is not None:
+        _check_replica_keys([row[1 + GUARD] for row in received], position.describe(channel.layer_names))
     recv = exchanged.recv_counts
     return LayerCounts(
         exchanged.send_counts,
@@ -84,5 +90,16 @@ def exchange_layer_counts(
         [row[0] for row in exchanged.extras_sent],
         [row[0] for row in received],
         [row[1 : 1 + GUARD] for row in received] if guard is not None else None,
-        [row[1 + GUARD :] for row in received] if every_expert else None,
+        [row[2 + GUARD :] for row in received] if replica_key is not None else None,
     )
+
+
+def _check_replica_keys(keys_W: list[int], where: str) -> None:
+    """``ValueError`` (on every rank: they all received the same keys) where the ranks' replica plans
+    would differ."""
+    if len(set(keys_W)) > 1:
+        raise ValueError(
+            f"epmoe: the EP ranks would plan expert replicas differently at {where}: their fewest slots worth "
+            f"moving an expert are {keys_W} by rank (-1: none; the cost model, epmoe.ep.replicas, reads each "
+            f"rank's device and the experts' dtype: every rank must run the same device type and dtype)"
+        )

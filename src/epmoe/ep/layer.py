@@ -86,11 +86,11 @@ def _call(
     guard = _guard_values(state, hidden_TH.device)
     counts = plan = None
     if transport.needs_counts:  # 2
-        every_expert = state.model.config.replicas > 0
-        counts = exchange_layer_counts(channel, position, shard, hidden_TH, top_k_index_TK, guard, every_expert)
+        key = _replica_key(state, hidden_TH.shape[1]) if state.model.config.replicas else None
+        counts = exchange_layer_counts(channel, position, shard, hidden_TH, top_k_index_TK, guard, key)
         guard = None  # it travelled with the counts
-        if every_expert and channel is not None:  # 3
-            plan = _replica_plan(state, counts, hidden_TH.shape[1])
+        if key is not None and channel is not None:  # 3
+            plan = _replica_plan(state, counts, key)
     hook = _weights_hook(state)
     projections, backend = _projections(state, transport, hook)
     link = Link(
@@ -124,10 +124,18 @@ _call_eagerly = torch.compiler.disable(
 )
 
 
-def _replica_plan(state: ExpertParallelState, counts: LayerCounts, hidden: int) -> ReplicaPlan | None:
-    """The call's expert replicas (:func:`~epmoe.ep.replicas.plan_replicas` on the slot matrix every
-    rank got in the counts exchange; the same on every rank), ``None`` where it moves nothing."""
+def _replica_key(state: ExpertParallelState, hidden: int) -> int:
+    """What the call's replica plan takes besides the counts: the fewest slots worth moving one of its
+    experts (the cost model, :func:`~epmoe.ep.replicas.min_rows`; ``-1``: none), which the counts
+    exchange checks is the same on every rank."""
     least = state.experts.replica_min_rows(hidden, torch.is_grad_enabled())
+    return -1 if math.isinf(least) else math.ceil(least)
+
+
+def _replica_plan(state: ExpertParallelState, counts: LayerCounts, key: int) -> ReplicaPlan | None:
+    """The call's expert replicas (:func:`~epmoe.ep.replicas.plan_replicas` on the slot matrix every
+    rank got in the counts exchange, and ``key``: the same on every rank), ``None`` where it moves nothing."""
+    least = math.inf if key < 0 else key
     plan = plan_replicas(counts.slots_WE, state.shard.num_local_experts, state.model.config.replicas, least)
     return plan if plan.moves else None
 
