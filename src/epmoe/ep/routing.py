@@ -273,7 +273,8 @@ def redirected_slots(
     this rank's slots of that expert (in slot order ``t*K + k``) go to ``helper``, which runs them as its
     local expert ``replica``. ``moved_TK``: bool, the slots that go to a helper; ``slot_X``: them, by
     helper, then slot (``num_redirected`` of them, known on the host); ``helper_X``, ``replica_X``:
-    each one's helper and ``replica``. Built by one stable sort and a comparison with every move, nothing read to the host."""
+    each one's helper and ``replica``. Built by one stable sort and a comparison with every move,
+    nothing read to the host."""
     expert_S = top_k_index_TK.reshape(-1)
     S, device = expert_S.numel(), expert_S.device
     order_S = torch.sort(expert_S, stable=True).indices
@@ -301,9 +302,9 @@ def replica_token_rows(
 ) -> tuple[TokenRows, torch.Tensor]:
     """``(rows, local_RK)``: the sender's rows with expert replicas (:mod:`epmoe.ep.replicas`):
     ``rows`` (each token once per rank holding one of its experts) and one row of its own per
-    redirected slot (:func:`redirected_slots`), destination-major,
-    each destination's own rows first; ``local_RK``: each row's choices as its destination's local
-    experts (``-1``: not computed there: another rank's expert, or a slot moved to a helper)::
+    redirected slot (:func:`redirected_slots`), destination-major, each destination's own rows first;
+    ``local_RK``: each row's choices as its destination's local experts (``-1``: not computed there:
+    another rank's expert, or a slot moved to a helper)::
 
         token t0 -> experts 0 (rank 0) and 3 (rank 1); expert 0's slot of t0 moved to rank 1 as replica 2
         rows [t0 -> rank 0: (-1, -1) | t0 -> rank 1: (-1, 1) | t0 -> rank 1: (2, -1)]"""
@@ -311,9 +312,8 @@ def replica_token_rows(
     device, e = top_k_index_TK.device, experts_per_rank
     moved_TK, slot_X, helper_X, replica_X = redirected
     R = rows.token_R.numel()
-    dest_R = torch.repeat_interleave(
-        torch.arange(len(send_rows_W), device=device), torch.tensor(send_rows_W, device=device), output_size=R
-    )
+    rows_W = platform.host_to_device(torch.tensor(send_rows_W, dtype=torch.int64), device)
+    dest_R = torch.repeat_interleave(torch.arange(len(send_rows_W), device=device), rows_W, output_size=R)
     local_RK = top_k_index_TK[rows.token_R] - dest_R[:, None] * e
     own_RK = (local_RK >= 0) & (local_RK < e) & ~moved_TK[rows.token_R]
     local_RK = torch.where(own_RK, local_RK, -1)
@@ -322,9 +322,8 @@ def replica_token_rows(
     local_XK[torch.arange(X, device=device), slot_X % K] = replica_X
     order = torch.sort(torch.cat([dest_R * 2, helper_X * 2 + 1]), stable=True).indices
     token_R = torch.cat([rows.token_R, slot_X // K])[order]
-    return TokenRows(token_R, rows_by_token(token_R, T, min(K, len(send_rows_W)) + min(K, X))), torch.cat(
-        [local_RK, local_XK]
-    )[order]
+    per_token = min(K, len(send_rows_W)) + min(K, X)  # a token's own rows, then its redirected slots'
+    return TokenRows(token_R, rows_by_token(token_R, T, per_token)), torch.cat([local_RK, local_XK])[order]
 
 
 def rows_by_token(token_R: torch.Tensor, num_tokens: int, per_token: int) -> torch.Tensor:
