@@ -58,6 +58,9 @@ def make_inputs(case_seed: int, src: int, T: int, K: int, kind: str, arg, ep_siz
     if kind == "avoid_rank":  # only experts not owned by ep rank ``arg``
         local = E // ep_size
         pool = torch.tensor([e for e in range(E) if not arg * local <= e < (arg + 1) * local])
+    elif kind == "avoid_ranks":  # only experts not owned by the EP ranks in ``arg``
+        local = E // ep_size
+        pool = torch.tensor([e for e in range(E) if e // local not in arg])
     elif kind == "skip_expert":
         pool = torch.tensor([e for e in range(E) if e != arg])
     else:

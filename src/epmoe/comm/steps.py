@@ -197,6 +197,30 @@ def step_group(group: dist.ProcessGroup | None, timeout_s: float) -> dist.Proces
     )
 
 
+def step_subgroups(
+    group: dist.ProcessGroup | None, parts: list[list[int]], timeout_s: float
+) -> list[dist.ProcessGroup]:
+    """New process groups over ``parts`` (lists of ``group``'s group ranks, each holding this rank),
+    with ``group``'s backend and a ``timeout_s`` timeout, each created by its ranks alone, in order:
+    every rank of ``group`` must call it with as many parts (one agreement step on ``group`` first, as
+    :func:`step_group`, so that the groups' names depend on their ranks alone)."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    known = len(dist.distributed_c10d._world.pg_names)
+    channel = StepChannel(group, 1, timeout_s=timeout_s)
+    rows = channel.agree(Position(MODEL_WIDE, AGREE, 0), platform.group_device(group), [], [known])
+    for _ in range(max(row[0] for row in rows) - known):
+        dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)
+    return [
+        dist.new_group(
+            [ranks[r] for r in part],
+            timeout=datetime.timedelta(seconds=timeout_s),
+            backend=dist.get_backend(group),
+            use_local_synchronization=True,
+        )
+        for part in parts
+    ]
+
+
 class StepChannel:
     """One group's header exchanges (see the module docstring). ``width``: payload values per row,
     fixed for the group; ``layer_names``: the model's experts modules, for error messages;

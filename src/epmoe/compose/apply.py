@@ -53,11 +53,21 @@ from torch import nn
 from epmoe import platform
 from epmoe.checkpoint.save import GatherExperts, SavePretrained
 from epmoe.checkpoint.state_dict_warning import warn_on_bare_state_dict
-from epmoe.comm.steps import AGREE, StepChannel, dtype_code, dtype_name, step_group, step_timeout_s, value_code
+from epmoe.comm.steps import (
+    AGREE,
+    StepChannel,
+    dtype_code,
+    dtype_name,
+    step_group,
+    step_subgroups,
+    step_timeout_s,
+    value_code,
+)
 from epmoe.ep.adopt import find_experts_modules
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import unfaithful_experts
 from epmoe.ep.counts import GUARD
+from epmoe.ep.dispatch import NodeGroups
 from epmoe.ep.expert_weights import family_compute_dtype
 from epmoe.ep.experts import LocalExperts, experts_gmm_backends
 from epmoe.ep.layer import expert_parallel_forward
@@ -77,6 +87,7 @@ from epmoe.ep.recognize import (
     zero_experts,
 )
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
+from epmoe.ep.topology import NodeLayout, node_layout
 from epmoe.ep.transports import make_dispatcher, static_ineligible_reason
 from epmoe.gmm import choose_backend
 from epmoe.integrations.blocks import (
@@ -162,9 +173,10 @@ def apply_expert_parallel(
     except (ValueError, TypeError) as exc:
         checked, error = None, exc
     _check_ranks_agree(group, ep_size, config, found, error)
+    nodes = _two_level(group, ep_rank, ep_size, config, checked, found)
 
     modules = dict(model.named_modules())
-    ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, checked.shards)
+    ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, checked.shards, nodes)
     ep_model = EPModel(
         model,
         config,
@@ -175,7 +187,7 @@ def apply_expert_parallel(
         dp_size,
         [_ancestors(modules, name) for name, _, _ in found],
     )
-    _swap_forwards(modules, found, checked, ep_model, config)
+    _swap_forwards(modules, found, checked, ep_model, config, nodes)
     if ep_model.sharded:
         _attach_to_model(model)
     _log_applied(checked, len(found), ep_size, config)
@@ -232,7 +244,12 @@ def _shards_applied_before(found: list, ep_size: int) -> list[ExpertShard] | Non
 
 
 def _swap_forwards(
-    modules: dict[str, nn.Module], found: list, checked: _Checked, ep_model: EPModel, config: ExpertParallelConfig
+    modules: dict[str, nn.Module],
+    found: list,
+    checked: _Checked,
+    ep_model: EPModel,
+    config: ExpertParallelConfig,
+    nodes: tuple[NodeLayout, NodeGroups] | None,
 ) -> None:
     """Shard each experts module, keep its record (its dispatcher built here, once) and swap the
     forwards that run it: the packed module's, a ``ModuleList``'s block's, a fused shared-expert block's.
@@ -244,7 +261,7 @@ def _swap_forwards(
         shared = [p for _, p in shared_parameters(module)]  # found on all E experts, before sharding
         if isinstance(module, nn.ModuleList):
             local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend, shared)
-            dispatcher = make_dispatcher(transport, shard, local, config)
+            dispatcher = make_dispatcher(transport, shard, local, config, nodes)
             attach_state(
                 owner,
                 ExpertParallelState(
@@ -260,7 +277,7 @@ def _swap_forwards(
         else:
             sharded, unread = _shard_parameters(module, shard, tied)
             local = LocalExperts(module, config.gmm_backend, shared, post=per_expert_post(module))
-            dispatcher = make_dispatcher(transport, shard, local, config)
+            dispatcher = make_dispatcher(transport, shard, local, config, nodes)
             attach_state(
                 module,
                 ExpertParallelState(
@@ -304,7 +321,13 @@ def _attach_to_model(model: nn.Module) -> None:
 
 
 def _step_channels(
-    group, ep_size: int, dp_group, dp_size: int, config: ExpertParallelConfig, shards: list[ExpertShard]
+    group,
+    ep_size: int,
+    dp_group,
+    dp_size: int,
+    config: ExpertParallelConfig,
+    shards: list[ExpertShard],
+    nodes: tuple[NodeLayout, NodeGroups] | None,
 ) -> tuple[StepChannel | None, StepChannel | None]:
     """The model's EP and ``"dp"`` step channels, each on a group created for it with
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
@@ -314,6 +337,8 @@ def _step_channels(
     width = max(shard.num_local_experts for shard in shards) + 3 + GUARD
     if config.replicas:  # and the replica plan's key (epmoe.ep.counts)
         width += max(shard.num_experts for shard in shards) + 1
+    if nodes is not None:  # the two-level exchange's splits (epmoe.ep.counts.NodeSplits)
+        width += 1 + nodes[0].ranks_per_node
     timeout = step_timeout_s(config.timeout, group)
     ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
     dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None
@@ -391,6 +416,34 @@ def _validate(
     checked.backend = choose_backend(statuses, backend=config.gmm_backend)  # a named backend that declines raises here
     checked.declined_backends = [f"{s.name}: {s.reason}" for s in statuses if not s.eligible]
     return checked
+
+
+def _two_level(
+    group, ep_rank: int, ep_size: int, config: ExpertParallelConfig, checked: _Checked, found: list
+) -> tuple[NodeLayout, NodeGroups] | None:
+    """The EP group's node layout and this rank's groups of the two-level exchange, where its modules
+    run it (``dispatch="nodes"``, or ``"auto"`` over more than one node with more than one EP rank on
+    each), their transports set to ``"nodes"``; ``None`` elsewhere. Collective over the EP group
+    (every rank decides alike: the config, the modules and the layout are agreed)."""
+    if ep_size == 1 or config.dispatch not in ("auto", "nodes"):
+        return None
+    timeout = step_timeout_s(config.timeout, group)
+    layout = node_layout(group, ep_rank, ep_size, config.ranks_per_node, timeout)
+    spans = layout.nodes > 1 and layout.ranks_per_node > 1 and not config.replicas and config.capacity_factor is None
+    if config.dispatch == "auto" and not spans:
+        return None
+    for i, (name, module, _) in enumerate(found):
+        reason = static_ineligible_reason(module)  # both need the routed MLP op and no per-source split
+        if reason is not None and config.dispatch == "nodes":
+            raise ValueError(
+                f"apply_expert_parallel: dispatch='nodes' cannot run {type(module).__name__} at {name}: {reason}"
+            )
+        if reason is None:
+            checked.transport[i] = "nodes"
+    if "nodes" not in checked.transport:
+        return None
+    parts = [layout.rail_ranks(ep_rank), layout.node_ranks(ep_rank)]
+    return layout, NodeGroups(*step_subgroups(group, parts, timeout))
 
 
 def _check_replicas(name: str, experts: nn.Module) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 from epmoe.gmm import gmm_backends
 
-DISPATCH_MODES = ("auto", "alltoallv", "fused", "static")
+DISPATCH_MODES = ("auto", "alltoallv", "fused", "static", "nodes")
 EXPERT_GRAD_MODES = ("auto", "sum", "mean")
 TELEMETRY_COUNTER = "telemetry"  # ExpertParallelState.loads key of the routed slots epmoe.expert_load reports
 DROPPED_COUNTER = "dropped"  # ExpertParallelState.loads key of the slots capacity dropped
@@ -25,8 +25,11 @@ class ExpertParallelConfig:
             layout, overlapping rounds of communication with compute and the shared expert),
             ``"static"`` (fixed-size buffers of ``B`` rows per rank pair, ``B`` at least every rank's
             tokens: no counts exchange, no host read, traced whole by ``torch.compile``; see
-            :mod:`epmoe.ep.dispatch.static`), or ``"auto"`` (``"alltoallv"``, and the static exchange
-            at the decode steps of epmoe's ``generate``: :meth:`decodes_static`).
+            :mod:`epmoe.ep.dispatch.static`), ``"nodes"`` (two levels: each token once to each node
+            holding one of its experts, then inside the node to the ranks holding them:
+            :mod:`epmoe.ep.dispatch.nodes`), or ``"auto"`` (``"nodes"`` where the EP group spans
+            more than one node with more than one of its ranks on each, else ``"alltoallv"``, and the
+            static exchange at the decode steps of epmoe's ``generate``: :meth:`decodes_static`).
         num_chunks: pipelining rounds of the fused path (int >= 1, or ``"auto"``).
         expert_grad: what expert gradients are once backward ends: ``"sum"`` over every rank's
             tokens (the unsharded model on the concatenated batch), ``"mean"`` (divided by the
@@ -60,6 +63,10 @@ class ExpertParallelConfig:
             weights travelling for the call (:mod:`epmoe.ep.replicas`): the same outputs and
             gradients, fewer rows on the most loaded rank. Runs the all-to-all-v dispatch (the
             static exchange at ``generate``'s decode steps runs without replicas).
+        ranks_per_node: ``None`` (the launcher says which EP ranks share a node: torchrun's
+            ``LOCAL_WORLD_SIZE`` and node rank; none: one node) or an int >= 1, the EP ranks per
+            node, consecutive (to override the launcher, or to emulate nodes on one machine):
+            :mod:`epmoe.ep.topology`. Read by ``dispatch="nodes"`` and ``"auto"``.
     """
 
     gmm_backend: str = "auto"
@@ -71,6 +78,7 @@ class ExpertParallelConfig:
     capacity_factor: float | None = None
     static_tokens: int | None = None
     replicas: int = 0
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         names = ["auto"] + [status.name for status in gmm_backends()]
@@ -110,6 +118,26 @@ class ExpertParallelConfig:
             )
         self._check_static()
         self._check_replicas()
+        self._check_nodes()
+
+    def _check_nodes(self) -> None:
+        """What the two-level exchange cannot serve (:mod:`epmoe.ep.dispatch.nodes`)."""
+        size = self.ranks_per_node
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"ExpertParallelConfig(ranks_per_node): expected None or an int >= 1, got {size!r}")
+        if size is not None and self.dispatch in ("fused", "static", "alltoallv"):
+            raise ValueError(
+                f"ExpertParallelConfig(ranks_per_node): says which ranks share a node, for dispatch='nodes' or "
+                f"'auto'; dispatch={self.dispatch!r} sends every row rank to rank"
+            )
+        if self.dispatch != "nodes":
+            return
+        for option, value in (("capacity_factor", self.capacity_factor), ("replicas", self.replicas)):
+            if value:
+                raise ValueError(
+                    f"ExpertParallelConfig({option}): not served by dispatch='nodes' yet (the two-level exchange "
+                    f"runs dropless and without replicas); use dispatch='alltoallv' with {option}"
+                )
 
     def _check_replicas(self) -> None:
         """What expert replicas cannot serve (:mod:`epmoe.ep.replicas`)."""

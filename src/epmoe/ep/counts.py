@@ -32,6 +32,17 @@ GUARD = 4  # the step guard's values in each row (epmoe.ep.guard: verdict, facto
 
 
 @dataclass(frozen=True)
+class NodeSplits:
+    """The two-level exchange's rows (:mod:`epmoe.ep.dispatch.nodes`), on the host: to and from each
+    node (over this rank's rail group, by node), then to and from each rank of this rank's node."""
+
+    send_nodes_N: list[int]  # (N,) rows this rank sends each node (its tokens with an expert there)
+    recv_nodes_N: list[int]  # (N,) rows this rank receives from its rail peer on each node
+    send_ranks_P: list[int]  # (P,) rows this rank forwards to each rank of its node
+    recv_ranks_P: list[int]  # (P,) rows this rank receives from each rank of its node
+
+
+@dataclass(frozen=True)
 class LayerCounts:
     """What one layer forward's counts exchange told this rank, on the host (see the module docstring)."""
 
@@ -43,7 +54,8 @@ class LayerCounts:
     send_rows_W: list[int]  # (W,) rows this rank sends to each rank (empty on a single rank)
     recv_rows_W: list[int]  # (W,) rows this rank receives from each rank (empty on a single rank)
     peer_guards: list[list[int]] | None  # (W, GUARD) the step guard's values by source, where they travelled
-    slots_WE: list[list[int]] | None = None  # (W, E) every rank's slots per global expert (every_expert)
+    slots_WE: list[list[int]] | None = None  # (W, E) every rank's slots per global expert (with replicas)
+    nodes: NodeSplits | None = None  # the two-level exchange's rows (ranks_per_node)
 
 
 def exchange_layer_counts(
@@ -54,6 +66,7 @@ def exchange_layer_counts(
     top_k_index_TK: torch.Tensor,
     guard: torch.Tensor | None = None,
     replica_key: int | None = None,
+    ranks_per_node: int | None = None,
 ) -> LayerCounts:
     """The counts exchange of a layer forward at ``position`` (see the module docstring): this rank's
     slots per global expert from ``top_k_index_TK`` and its rows per rank, with the EP group on
@@ -62,7 +75,8 @@ def exchange_layer_counts(
     ``(GUARD,)`` values to send, where it runs; ``replica_key`` (with expert replicas: what the
     replica plan takes besides the counts, its fewest slots worth a move, which must be the same on
     every rank): every rank also learns the whole slot matrix (``slots_WE``), and the ranks raise,
-    every one, where their keys differ (their plans would)."""
+    every one, where their keys differ (their plans would); ``ranks_per_node`` (the two-level
+    exchange's ``P``): each rank also learns its :class:`NodeSplits` (:func:`_node_columns`)."""
     expert_S = top_k_index_TK.reshape(-1)
     slots_E = torch.zeros(shard.num_experts, dtype=torch.int64, device=expert_S.device)
     slots_E.scatter_add_(0, expert_S, torch.ones_like(expert_S))
@@ -71,11 +85,14 @@ def exchange_layer_counts(
         every = [slots] if replica_key is not None else None
         return LayerCounts(slots, slots, slots, None, sum(slots), [], [], None, every)
     W, e = channel.size, shard.num_local_experts
-    rows_W = destinations_TW(top_k_index_TK, e, W).sum(0)
+    dest_TW = destinations_TW(top_k_index_TK, e, W)
+    rows_W = dest_TW.sum(0)
     guard_values = slots_E.new_zeros(GUARD) if guard is None else guard
     columns = [rows_W.view(W, 1), guard_values.view(1, -1).expand(W, -1)]
     if replica_key is not None:
         columns.append(torch.cat([slots_E.new_tensor([replica_key]), slots_E]).view(1, -1).expand(W, -1))
+    if ranks_per_node is not None:
+        columns.append(_node_columns(dest_TW, channel.rank, ranks_per_node))
     exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, torch.cat(columns, dim=1))
     received = exchanged.extras_received
     if replica_key is not None:
@@ -90,7 +107,35 @@ def exchange_layer_counts(
         [row[0] for row in exchanged.extras_sent],
         [row[0] for row in received],
         [row[1 : 1 + GUARD] for row in received] if guard is not None else None,
-        [row[2 + GUARD :] for row in received] if replica_key is not None else None,
+        [row[2 + GUARD : 2 + GUARD + shard.num_experts] for row in received] if replica_key is not None else None,
+        None if ranks_per_node is None else _node_splits(exchanged, channel.rank, ranks_per_node),
+    )
+
+
+def _node_columns(dest_TW: torch.Tensor, rank: int, P: int) -> torch.Tensor:
+    """``(W, 1 + P)``: what this rank tells each peer of its two-level exchange (the last columns of
+    its rows): a peer at this rank's local index on node ``n`` (its rail peer there) gets the rows this
+    rank sends node ``n`` (its tokens with an expert there) and, per rank ``j`` of node ``n``, its
+    tokens with an expert on ``j`` (what the rail peer forwards to ``j``); the others get zeros."""
+    T, W = dest_TW.shape
+    rows_NP = dest_TW.sum(0).view(W // P, P)
+    nodes_N = dest_TW.view(T, W // P, P).amax(2).sum(0)
+    rail_W = (torch.arange(W, device=dest_TW.device) % P == rank % P).to(torch.int64)
+    per_peer = torch.cat([nodes_N.view(-1, 1), rows_NP], dim=1).repeat_interleave(P, dim=0)
+    return per_peer * rail_W.view(W, 1)
+
+
+def _node_splits(exchanged, rank: int, P: int) -> NodeSplits:
+    """This rank's :class:`NodeSplits`, from what the counts exchange carried (:func:`_node_columns`)."""
+    W = len(exchanged.extras_sent)
+    sent = [row[-(1 + P) :] for row in exchanged.extras_sent]
+    received = [row[-(1 + P) :] for row in exchanged.extras_received]
+    rail = range(rank % P, W, P)  # this rank's rail peers, by node
+    return NodeSplits(
+        [sent[r][0] for r in rail],
+        [received[r][0] for r in rail],
+        [sum(received[r][1 + j] for r in rail) for j in range(P)],
+        [sum(exchanged.extras_received[s][0] for s in range(W) if s % P == j) for j in range(P)],
     )
 
 

@@ -87,7 +87,9 @@ def _call(
     counts = plan = None
     if transport.needs_counts:  # 2
         key = _replica_key(state, hidden_TH.shape[1]) if state.model.config.replicas else None
-        counts = exchange_layer_counts(channel, position, shard, hidden_TH, top_k_index_TK, guard, key)
+        counts = exchange_layer_counts(
+            channel, position, shard, hidden_TH, top_k_index_TK, guard, key, transport.ranks_per_node
+        )
         guard = None  # it travelled with the counts
         if key is not None and channel is not None:  # 3
             plan = _replica_plan(state, counts, key)

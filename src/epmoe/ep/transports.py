@@ -15,18 +15,28 @@ from epmoe.ep.dispatch import (
     DecodeDispatcher,
     Dispatcher,
     FusedDispatcher,
+    NodeGroups,
+    NodesDispatcher,
     StaticDispatcher,
 )
 from epmoe.ep.expert_weights import packed_weight_names
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.recognize import linear_triples, per_expert_post, shared_parameters, weights_transposed
+from epmoe.ep.topology import NodeLayout
 
-TRANSPORTS = ("alltoallv", "fused", "static")  # the ExpertParallelConfig.dispatch values a layer runs
+TRANSPORTS = ("alltoallv", "fused", "static", "nodes")  # the ExpertParallelConfig.dispatch values a layer runs
 
 
-def make_dispatcher(name: str, shard: ExpertShard, local: LocalExperts, config: ExpertParallelConfig) -> Dispatcher:
+def make_dispatcher(
+    name: str,
+    shard: ExpertShard,
+    local: LocalExperts,
+    config: ExpertParallelConfig,
+    nodes: tuple[NodeLayout, NodeGroups] | None = None,
+) -> Dispatcher:
     """The dispatcher of transport ``name`` (one of :data:`TRANSPORTS`) for the local experts
-    ``local`` of the slice ``shard``, built once per layer."""
+    ``local`` of the slice ``shard``, built once per layer; ``nodes``: the EP group's node layout and
+    this rank's groups of the two-level exchange (``"nodes"``)."""
     if name == "alltoallv":
         on_device = shard.ep_size == 1 and config.capacity_factor is None and local.weights.grouped
         return AllToAllVDispatcher(on_device=on_device)
@@ -36,6 +46,8 @@ def make_dispatcher(name: str, shard: ExpertShard, local: LocalExperts, config: 
         return FusedDispatcher(names, trans_weight=not weights_transposed(local.module), num_chunks=config.num_chunks)
     if name == "static":
         return StaticDispatcher(config.static_tokens)
+    if name == "nodes":
+        return NodesDispatcher(*nodes)
     raise ValueError(f"make_dispatcher(name): {name!r} is not one of {list(TRANSPORTS)}")
 
 

@@ -15,6 +15,9 @@ one module per transport, each dispatcher built once per layer when EP is applie
   experts, all-to-all-v around ``epmoe::routed_mlp``; a group of one moves nothing.
 * :mod:`~epmoe.ep.dispatch.fused` (``"fused"``): the vendor ops' per-slot layout, the MLP split
   across ``alltoallv_gmm`` / ``gmm_alltoallv``, a block's shared expert in their gaps.
+* :mod:`~epmoe.ep.dispatch.nodes` (``"nodes"``): two levels, each token once to each node holding
+  one of its experts (to the rank at the sender's local index there), then inside the node to the
+  ranks holding them; the combine sums inside the node first.
 * :mod:`~epmoe.ep.dispatch.static` (``"static"``): fixed-size buffers of ``B >= T`` rows per rank
   pair, padded: no counts exchange and no host read, traced whole by ``torch.compile``.
 * :mod:`~epmoe.ep.dispatch.shared`: an EP group whose ranks hold the same batch (transformers' EP
@@ -22,7 +25,8 @@ one module per transport, each dispatcher built once per layer when EP is applie
   nothing moves, the ranks' partial outputs are summed.
 
 ``"auto"`` is resolved when EP is applied (:func:`epmoe.compose.apply.apply_expert_parallel`): to
-``"alltoallv"`` on every device, which sends each token once per rank holding its experts, where the
+``"nodes"`` where the EP group spans more than one node with more than one of its ranks on each
+(:mod:`epmoe.ep.topology`), else to ``"alltoallv"`` on every device, which sends each token once per rank holding its experts, where the
 fused ops' per-slot layout sends it once per expert; on CPU ``benchmarks/fused_cpu.md`` also measured
 no gain from the fused ops' rounds (not measured on an accelerator). It takes ``"static"`` only at
 the decode steps of epmoe's ``generate``, where the ranks run in lockstep
@@ -36,6 +40,7 @@ from __future__ import annotations
 from epmoe.ep.dispatch.alltoallv import AllToAllVDispatcher
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows, SharedExpert
 from epmoe.ep.dispatch.fused import FusedDispatcher
+from epmoe.ep.dispatch.nodes import NodeGroups, NodesDispatcher
 from epmoe.ep.dispatch.shared import SharedBatchDispatcher
 from epmoe.ep.dispatch.static import DecodeDispatcher, StaticDispatcher
 
@@ -46,6 +51,8 @@ __all__ = [
     "Dispatcher",
     "FusedDispatcher",
     "Link",
+    "NodeGroups",
+    "NodesDispatcher",
     "RoutedRows",
     "SharedBatchDispatcher",
     "SharedExpert",

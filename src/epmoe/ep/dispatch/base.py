@@ -95,6 +95,7 @@ class Dispatcher(ABC):
 
     name: ClassVar[str]
     needs_counts: bool = True
+    ranks_per_node: int | None = None  # the two-level exchange's P: the counts exchange carries its splits
     carries_shared: ClassVar[bool] = False
     projection_names: tuple[str, ...] = ()
 

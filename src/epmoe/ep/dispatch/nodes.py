@@ -1,0 +1,106 @@
+"""The two-level exchange: each token crosses to each node holding one of its experts once, then fans out inside it.
+
+Over ``N`` nodes of ``P`` EP ranks (:mod:`epmoe.ep.topology`), a token goes first to each node
+holding one of its experts, to the rank there at the sender's own local index (its *rail peer*: the
+rail groups are the ranks of one local index, one per node), once per node however many of its
+experts the node holds; that rank then forwards it inside the node to each rank holding one of its
+experts. The combine mirrors it: each forwarder sums the outputs its node's ranks sent back for a
+row (in rank order), one row per node goes back, and the sender sums its nodes' rows::
+
+    sender (node 0, local 1), token t -> experts on ranks 2 and 3 (node 1) and 0 (node 0)
+      hop 1 (rail group, by node): t once to rank 1 (itself, node 0) and once to rank 3 (node 1)
+      hop 2 (node groups): rank 1 forwards t to rank 0; rank 3 forwards t to ranks 2 and 3
+      experts: the routed MLP on each rank's rows
+      back, hop 2: ranks 2, 3 -> rank 3 sums them into one row; rank 0 -> rank 1
+      back, hop 1: rank 3 -> rank 1 (one row from node 1); rank 1 sums its nodes' rows: out[t]
+
+The rows cross between nodes once per (token, node) where the per-rank exchange sends them once per
+(token, rank). Every count comes from the layer's one counts exchange (its :class:`~epmoe.ep.counts.NodeSplits`:
+each sender tells its rail peers what it sends each node and what they forward to each rank there),
+so the call reads the host once, as the per-rank exchange does. The route (each row's K expert ids
+and weights) rides in the row through both hops, as in :mod:`epmoe.ep.dispatch.alltoallv`; a
+forwarder gathers the packed rows as they arrived. Every gather's backward is a fixed-order sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from epmoe.comm import all_to_all_v
+from epmoe.ep.counts import NodeSplits
+from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
+from epmoe.ep.routing import GatherRows, SumRows, TokenRows, UnpackRoute, pair_rows, token_rows
+from epmoe.ep.topology import NodeLayout
+
+
+class NodeGroups:
+    """The process groups of one EP rank's two hops: its ``rail`` (its local index on every node, by
+    node) and its ``node`` (its node's ranks); shared by a deep copy of the model (one group per set
+    of ranks)."""
+
+    def __init__(self, rail: dist.ProcessGroup, node: dist.ProcessGroup):
+        self.rail, self.node = rail, node
+
+    def __deepcopy__(self, memo: dict) -> NodeGroups:
+        return self
+
+
+@dataclass(frozen=True)
+class NodesMeta:
+    """One call of :class:`NodesDispatcher`: what :meth:`~NodesDispatcher.combine` reads."""
+
+    arrived: Arrived
+    splits: NodeSplits
+    rows_nodes: TokenRows  # hop 1: the sender's rows, one per (token, node), node-major
+    rows_ranks: TokenRows  # hop 2: the forwarder's rows, one per (received row, rank of its node), rank-major
+
+
+class NodesDispatcher(Dispatcher):
+    """The two-level exchange (see the module docstring) over ``layout``'s nodes, on ``groups``."""
+
+    name = "nodes"
+
+    def __init__(self, layout: NodeLayout, groups: NodeGroups):
+        self.layout, self.groups = layout, groups
+        self.ranks_per_node = layout.ranks_per_node
+
+    def dispatch(
+        self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, link: Link
+    ) -> tuple[torch.Tensor, NodesMeta]:
+        """``(x_RH, meta)``: the rows this rank's local experts run, by forwarder."""
+        shard, counts = link.shard, link.counts
+        splits: NodeSplits = counts.nodes
+        P, N, e = self.layout.ranks_per_node, self.layout.nodes, shard.num_local_experts
+        K, H = top_k_index_TK.shape[1], hidden_TH.shape[1]
+        route_dtype = torch.float64 if top_k_weights_TK.dtype == torch.float64 else torch.float32
+        route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
+        rows_nodes = token_rows(top_k_index_TK, P * e, N, sum(splits.send_nodes_N))
+        sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows_nodes)
+        arrived_RX = all_to_all_v(sent_RX, splits.recv_nodes_N, splits.send_nodes_N, self.groups.rail)  # hop 1
+        # each arrived row's choices as ranks of this node (P: another node's expert, sent nowhere)
+        ids_RK = arrived_RX[:, H:].clone(memory_format=torch.contiguous_format).view(route_dtype)[:, :K].long()
+        on_node_RK = ids_RK - (shard.ep_rank // P) * P * e
+        on_node_RK = on_node_RK.masked_fill((on_node_RK < 0) | (on_node_RK >= P * e), P * e)
+        rows_ranks = token_rows(on_node_RK, e, P + 1, sum(splits.send_ranks_P))
+        forwarded_RX = GatherRows.apply(arrived_RX, None, *rows_ranks)
+        received_RX = all_to_all_v(forwarded_RX, splits.recv_ranks_P, splits.send_ranks_P, self.groups.node)  # hop 2
+        x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, route_dtype)
+        local_RK = route_RK2[:, :K].long() - shard.local_start
+        local_RK = local_RK.masked_fill((local_RK < 0) | (local_RK >= e), e)
+        host_counts = counts.local_counts_e
+        pairs = pair_rows(local_RK, e, sum(host_counts), host_counts)
+        weights_RK = route_RK2[:, K:].to(top_k_weights_TK.dtype)
+        arrived = Arrived(RoutedRows(weights_RK, pairs), host_counts, None, counts.peer_guards)
+        return x_RH, NodesMeta(arrived, splits, rows_nodes, rows_ranks)
+
+    def combine(self, y_RH: torch.Tensor, meta: NodesMeta) -> torch.Tensor:
+        """``(T, H)``: each row's outputs summed at its forwarder (in rank order), one row per node
+        back to the sender, summed per token in node order."""
+        splits = meta.splits
+        back_RH = all_to_all_v(y_RH, splits.send_ranks_P, splits.recv_ranks_P, self.groups.node)
+        per_node_RH = SumRows.apply(back_RH, *meta.rows_ranks)
+        home_RH = all_to_all_v(per_node_RH, splits.send_nodes_N, splits.recv_nodes_N, self.groups.rail)
+        return SumRows.apply(home_RH, *meta.rows_nodes)
