@@ -60,4 +60,96 @@ def module_cases(rank, world, ranks_per_node, cases=CASES_4):
 
 
 def four_rank_run(rank, world):
-    return {"module_2x2": module_cases(rank, world, 2), "module_1x4": module_cases(rank, world, 4)}
+    """Everything the 4-rank tests ask, in one spawn."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    results = {"module_2x2": module_cases(rank, world, 2), "module_1x4": module_cases(rank, world, 4)}
+    nodes = {"dispatch": "nodes", "ranks_per_node": 2}
+    results["ddp"] = train_arms(rank, world, nodes)
+    results["fsdp2"] = train_arms(rank, world, nodes, recipe="fsdp2")
+    results["checkpointing"] = train_arms(
+        rank, world, nodes, prepare=lambda m: m.gradient_checkpointing_enable({"use_reentrant": False})
+    )
+    results["auto"] = train_arms(rank, world, {"ranks_per_node": 2})  # "auto" over 2 nodes takes it
+    # EP x DP meshes: the EP group inside one node ([0, 1], [2, 3]), and across nodes ([0, 2], [1, 3])
+    inside = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    results["mesh_inside"] = train_arms(rank, world, {"dispatch": "nodes", "ranks_per_node": 2}, group=inside)
+    across = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
+    results["mesh_across"] = train_arms(rank, world, {"dispatch": "nodes", "ranks_per_node": 1}, group=across)
+    results["scattered_nodes"] = scattered_nodes(rank)
+    return results
+
+
+def eight_rank_run(rank, world):
+    """2 nodes x 4 ranks: the module cases and the DDP recipe."""
+    cases = {
+        "random_k4": (4, [5, 3, 8, 6, 0, 7, 4, 2], "random", None),
+        "random_k2": (2, [6, 2, 5, 4, 3, 7, 1, 5], "random", None),
+    }
+    return {
+        "module_2x4": module_cases(rank, world, 4, cases),
+        "ddp": train_arms(rank, world, {"dispatch": "nodes", "ranks_per_node": 4}, sizes=((2, 6), (1, 9), (2, 4))),
+    }
+
+
+def scattered_nodes(rank):
+    """A launcher whose nodes are not consecutive blocks of the EP group (ranks 0, 2 on node 0; 1, 3 on
+    node 1): ``dispatch="auto"`` raises at apply on every rank, naming each rank's node."""
+    import os
+
+    os.environ["GROUP_RANK"] = str(rank % 2)
+    try:
+        epmoe.apply_expert_parallel(build_model("qwen3_moe"))
+    except ValueError as exc:
+        return str(exc)
+    finally:
+        del os.environ["GROUP_RANK"]
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# the whole model: the two-level exchange against the per-rank exchange and the unsharded model
+
+
+def train_arms(
+    rank, world, config, recipe="ddp", steps=3, sizes=((2, 8), (1, 11), (3, 5), (2, 6)), prepare=None, group=None
+):
+    """``steps`` clipped AdamW steps under ``recipe`` (replica_workers.wrap): unsharded, EP with
+    ``dispatch="alltoallv"``, EP with ``config`` (the two-level exchange); errors of the last against
+    each other arm (losses, step 0's logits and gradients, parameters after the steps)."""
+    from replica_workers import compare_arms, full, tokens, wrap
+
+    base = build_model("qwen3_moe", dtype=torch.float64)
+    arms, shards = {}, {}
+    configs = {"unsharded": None, "ep": {"dispatch": "alltoallv"}, "replicas": config}  # compare_arms' names
+    for arm, options in configs.items():
+        model = copy.deepcopy(base)
+        if options is not None:
+            shards[arm] = epmoe.apply_expert_parallel(model, group, config=options)
+        if prepare is not None:
+            prepare(model)
+        wrapped = wrap(recipe, model, world)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        record = {"loss": [], "moves": 0}
+        for step in range(steps):
+            ids = tokens(step, rank, sizes)
+            out = wrapped(ids, labels=ids)
+            out.loss.backward()
+            record["loss"].append(out.loss.item())
+            if step == 0:
+                record["logits"] = out.logits.detach().clone()
+                record["grads"] = {n: full(p.grad).detach().clone() for n, p in model.named_parameters()}
+            record.setdefault("norms", []).append(epmoe.clip_grad_norm_(wrapped, 0.05).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        record["params"] = {n: full(p).detach().clone() for n, p in model.named_parameters()}
+        record["model"] = model
+        arms[arm] = record
+    out = compare_arms(arms, shards["replicas"])
+    nodes_model = arms["replicas"]["model"]
+    out["transports"] = sorted({s.transport.name for _, _, s in epmoe.ep.state.ep_states(nodes_model)})
+    out["load_equal"] = all(
+        torch.equal(a, b)
+        for a, b in zip(epmoe.expert_load(nodes_model).values(), epmoe.expert_load(arms["ep"]["model"]).values())
+    )
+    return out

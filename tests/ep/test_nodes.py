@@ -1,0 +1,126 @@
+"""The two-level exchange (``dispatch="nodes"``): its topology, its config, and (multirank) exactness
+against the per-rank exchange and the unsharded model on emulated nodes (node_workers)."""
+
+import pytest
+import torch
+
+import epmoe
+from epmoe.ep.counts import _node_columns
+from epmoe.ep.routing import destinations_TW
+from epmoe.ep.topology import NodeLayout, node_layout
+
+TOL = 1e-10
+
+
+def test_layout_groups():
+    layout = NodeLayout(ranks_per_node=4, nodes=2)
+    assert layout.node_ranks(6) == [4, 5, 6, 7] and layout.rail_ranks(6) == [2, 6]
+    assert NodeLayout(2, 3).rail_ranks(1) == [1, 3, 5]
+
+
+def test_ranks_per_node_must_divide_the_ep_size():
+    with pytest.raises(ValueError, match=r"ExpertParallelConfig\(ranks_per_node\): 3 does not divide the EP size 4"):
+        node_layout(None, 0, 4, 3, 10.0)
+    assert node_layout(None, 0, 4, 2, 10.0) == NodeLayout(2, 2)
+    assert node_layout(None, 0, 1, None, 10.0) == NodeLayout(1, 1)
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "2"])
+def test_ranks_per_node_is_validated(value):
+    with pytest.raises(ValueError, match=r"ExpertParallelConfig\(ranks_per_node\)"):
+        epmoe.ExpertParallelConfig(ranks_per_node=value)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"dispatch": "alltoallv", "ranks_per_node": 2},
+        {"dispatch": "static", "ranks_per_node": 2},
+        {"dispatch": "nodes", "capacity_factor": 1.0},
+        {"dispatch": "nodes", "replicas": 1},
+    ],
+    ids=["alltoallv", "static", "capacity", "replicas"],
+)
+def test_what_the_two_level_exchange_cannot_serve_is_refused(options):
+    with pytest.raises(ValueError, match=r"ExpertParallelConfig\((ranks_per_node|capacity_factor|replicas)\)"):
+        epmoe.ExpertParallelConfig(**options)
+
+
+def test_node_columns_tell_each_rail_peer_its_rows():
+    """A sender's columns: to its rail peer on each node, its rows for that node and for each rank
+    there; zeros to the others (EP 4 = 2 nodes x 2; sender = EP rank 1, local index 1)."""
+    index = torch.tensor([[0, 3], [1, 2], [4, 5], [6, 7], [0, 1]])  # e = 2 experts per rank
+    dest_TW = destinations_TW(index, 2, 4)  # ranks: t0 -> 0, 1; t1 -> 0, 1; t2 -> 2; t3 -> 3; t4 -> 0
+    columns = _node_columns(dest_TW, rank=1, P=2)
+    assert columns[0].tolist() == [0, 0, 0]  # rank 0: another local index
+    assert columns[2].tolist() == [0, 0, 0]
+    assert columns[1].tolist() == [3, 3, 2]  # its own node: 3 tokens; 3 rows for rank 0, 2 for rank 1
+    assert columns[3].tolist() == [2, 1, 1]  # node 1: 2 tokens (t2, t3); 1 row for rank 2, 1 for rank 3
+
+
+# --------------------------------------------------------------------------------------------
+# multirank: exactness (node_workers), two spawns
+
+
+@pytest.fixture
+def four_ranks():
+    from node_workers import four_rank_run
+    from ranks import start_ranks
+
+    return start_ranks(four_rank_run, 4, timeout=600, once=True)
+
+
+@pytest.fixture
+def eight_ranks():
+    from node_workers import eight_rank_run
+    from ranks import start_ranks
+
+    return start_ranks(eight_rank_run, 8, timeout=900, once=True)
+
+
+def assert_module(results, key):
+    for rank, result in enumerate(results):
+        for name, case in result[key].items():
+            assert case["transport"] == "nodes", case["transport"]
+            for k, err in {**case["errors"], **{f"alltoallv/{k}": v for k, v in case["plain"].items()}}.items():
+                assert err <= 1e-12, f"rank {rank} {key}/{name}: {k} relative error {err:.3g}"
+            for k, nonzero in case["exact_zero"].items():
+                assert nonzero == 0, f"rank {rank} {key}/{name}: an expert without tokens has a nonzero gradient ({k})"
+
+
+def assert_exact(results, key):
+    for rank, result in enumerate(results):
+        res = result[key]
+        worst = max(res["errors"], key=res["errors"].get)
+        assert res["errors"][worst] <= TOL, f"rank {rank} {key}: {worst} relative error {res['errors'][worst]:.3g}"
+        assert res["transports"] == ["nodes"] and res["load_equal"], res
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", ["module_2x2", "module_1x4"])
+def test_experts_module_at_2x2_and_on_one_node(four_ranks, key):
+    """Random top-2 and top-4, a rank with no tokens, an expert with none, a node that receives
+    nothing, every slot on one expert; fp64, against the unsharded module and the per-rank exchange."""
+    assert_module(four_ranks, key)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("key", ["ddp", "fsdp2", "checkpointing", "auto", "mesh_inside", "mesh_across"])
+def test_training_over_two_nodes_equals_per_rank_and_unsharded(four_ranks, key):
+    """3 clipped AdamW steps, ranks of different batch sizes: DDP, FSDP2, gradient checkpointing,
+    dispatch="auto" told only the node size, EP x DP meshes whose EP group sits inside one node or
+    spans two; losses, logits, every gradient, clip norms, parameters; expert_load the same."""
+    assert_exact(four_ranks, key)
+
+
+@pytest.mark.multirank
+def test_ranks_whose_nodes_are_not_blocks_raise_on_every_rank(four_ranks):
+    for result in four_ranks:
+        message = result["scattered_nodes"]
+        assert message is not None and "[0, 1, 0, 1]" in message and "consecutive" in message, message
+
+
+@pytest.mark.multirank
+def test_two_nodes_of_four(eight_ranks):
+    assert_module(eight_ranks, "module_2x4")
+    assert_exact(eight_ranks, "ddp")
