@@ -124,3 +124,59 @@ def test_ranks_whose_nodes_are_not_blocks_raise_on_every_rank(four_ranks):
 def test_two_nodes_of_four(eight_ranks):
     assert_module(eight_ranks, "module_2x4")
     assert_exact(eight_ranks, "ddp")
+
+
+# --------------------------------------------------------------------------------------------
+# a real two-node launch on one machine: the docs' script and commands, on loopback
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def _docs_multinode():
+    """``(script, commands)``: the multi-node script of docs/training.md and its two torchrun lines."""
+    import re
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    found = re.search(r"<!-- multinode: (\S+) -->\n```python\n(.*?)```\n\n```bash\n(.*?)```", text, re.S)
+    assert found, "docs/training.md: the multi-node recipe (a script and its torchrun commands) is gone"
+    name, script, commands = found.groups()
+    return name, script, [line.split("  #")[0].split() for line in commands.strip().splitlines()]
+
+
+@pytest.mark.multirank
+def test_the_docs_two_node_launch_runs_the_two_level_exchange(tmp_path):
+    """Two ``torchrun --nnodes 2 --nproc-per-node 2 --node-rank K`` on loopback, ``dispatch="auto"``
+    told nothing: every rank runs the two-level exchange and its losses equal the per-rank exchange's."""
+    import os
+    import socket
+    import subprocess
+
+    name, script, commands = _docs_multinode()
+    (tmp_path / name).write_text(script)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    torchrun = (
+        str(ROOT / ".venv" / "bin" / "torchrun") if (ROOT / ".venv" / "bin" / "torchrun").exists() else "torchrun"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    procs = []
+    for command in commands:
+        argv = [torchrun if arg == "torchrun" else arg for arg in command]
+        argv = ["127.0.0.1" if arg == "$HEAD" else port if arg == "29500" else arg for arg in argv]
+        procs.append(
+            subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        )
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+    assert all(proc.returncode == 0 for proc in procs), "\n".join(out[-3000:] for out in outs)
+    text = "".join(outs)
+    assert text.count("dispatch='auto' ran ['nodes']") == 4, text[-3000:]
+    differences = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if "largest loss difference" in line]
+    assert len(differences) == 4 and max(differences) < 1e-10, differences
