@@ -232,3 +232,42 @@ def test_bench_versus_quick(tmp_path, capsys):
     for feature in ("families", "routing replay (RL), load telemetry", "TP mesh (`tp_size > 1`)"):
         assert feature in rows
     assert "epmoe bench versus --quick" in out.read_text()
+
+
+@pytest.mark.multirank
+def test_bench_balance_quick(tmp_path, capsys):
+    """``epmoe bench balance --quick``: every workload and arm measured on 2 ranks (rows per rank,
+    dropped share, bytes, exactness, the step), the breakdown and the link, written with the command."""
+    out = tmp_path / "balance.md"
+    assert main(["bench", "balance", "--quick", "--warmup", "0", "--repeats", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines() if line.startswith("| ")]
+    arms = {(r[0], r[1]): r for r in rows if len(r) == 11}
+    for workload in ("uniform", "zipf", "hot expert", "hot rank", "recorded"):
+        for arm in ("without", "replicas", "LoadBalancer", "capacity 1.0"):
+            row = arms[(workload, arm)]
+            assert float(row[2]) >= 1.0 and float(row[7]) > 0, row
+        assert float(arms[(workload, "replicas")][6]) < 1e-4  # exact to float32 rounding
+        assert arms[(workload, "without")][3] == "0.0%"
+    assert "flops per link byte" in printed and "epmoe bench balance --quick" in out.read_text()
+
+
+@pytest.mark.multirank
+def test_bench_nodes_quick(tmp_path, capsys):
+    """``epmoe bench nodes --quick``: both arms at 2 x 2 and 2 x 4, the bytes between nodes at the
+    routing's floor (counts of this routing, true by construction)."""
+    out = tmp_path / "nodes.md"
+    assert main(["bench", "nodes", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in printed.splitlines() if line.startswith("| 2")]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("2 x 2", "per-rank"),
+        ("2 x 2", "two-level"),
+        ("2 x 4", "per-rank"),
+        ("2 x 4", "two-level"),
+    ]
+    for row in rows:
+        if row[1] == "two-level":
+            assert abs(float(row[5]) - float(row[6])) <= 0.08 and float(row[5]) < 1.0, row
+            assert float(row[4]) > 0
+    assert "epmoe bench nodes --quick" in out.read_text()

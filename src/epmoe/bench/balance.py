@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         threads_per_rank=1,
         timeout=3600,
     )
-    command = " ".join(["epmoe bench balance", *sys.argv[3:]])
+    command = f"epmoe bench balance {settings.options()}"
     text = markdown(shape, results[0], settings, command, common.load_average())
     if settings.out:
         Path(settings.out).write_text(text)
@@ -433,7 +432,7 @@ def markdown(shape: Shape, result: dict, settings: common.Settings, command: str
         [
             "# Expert replicas on skewed routing (`epmoe bench balance`)",
             "",
-            f"Command: `{command}` ({settings.options()})",
+            f"Command: `{command}`",
             "",
             f"Machine: {common.machine_description(settings.device)}; {RANKS} gloo ranks, 1 thread each"
             + (f"; load average at the end {load:.2f}" if load is not None else ""),

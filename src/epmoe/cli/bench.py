@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from epmoe.bench import balance, checkpoint, common, experts, fused, gmm, layer, versus
+from epmoe.bench import balance, checkpoint, common, experts, fused, gmm, layer, nodes, versus
 
 BENCHMARKS = {
     "gmm": gmm,
@@ -21,6 +21,7 @@ BENCHMARKS = {
     "versus": versus,
     "experts": experts,
     "balance": balance,
+    "nodes": nodes,
 }
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,7 @@ class Traffic:
     bytes_to_peers: int = 0
     exchanges: int = 0
     replica_weight_bytes: int = 0  # of bytes_to_peers: expert replicas' weights and their gradients (comm.replicas)
+    bytes_by_peer: dict[int, int] = field(default_factory=dict)  # global rank -> bytes all_to_all_v handed it
 
 
 _RECORDERS: list[Traffic] = []
@@ -75,11 +76,22 @@ def _all_to_all_v_op(
     it as one call, its output rows ``sum(output_splits)``); counted by :func:`count_traffic`."""
     group = _GROUPS[group_name]
     if _RECORDERS:
-        rows_to_peers = sum(input_splits) - input_splits[dist.get_rank(group)]
-        record_traffic(rows_to_peers * math.prod(x.shape[1:]) * x.element_size())
+        _record_splits(group, input_splits, math.prod(x.shape[1:]) * x.element_size())
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
     return out
+
+
+def _record_splits(group: dist.ProcessGroup, input_splits: list[int], row_bytes: int) -> None:
+    """One exchange of ``input_splits`` rows of ``row_bytes`` each, to every open :func:`count_traffic`:
+    in total and by destination (global rank), this rank's own rows left out."""
+    me = dist.get_rank(group)
+    record_traffic((sum(input_splits) - input_splits[me]) * row_bytes)
+    for peer, rows in enumerate(input_splits):
+        if peer != me and rows:
+            destination = dist.get_global_rank(group, peer)
+            for traffic in _RECORDERS:
+                traffic.bytes_by_peer[destination] = traffic.bytes_by_peer.get(destination, 0) + rows * row_bytes
 
 
 @_all_to_all_v_op.register_fake
