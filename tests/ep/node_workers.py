@@ -59,7 +59,7 @@ def module_cases(rank, world, ranks_per_node, cases=CASES_4):
     return out
 
 
-def four_rank_run(rank, world):
+def four_rank_run(rank, world, out_dir):
     """Everything the 4-rank tests ask, in one spawn."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -77,7 +77,56 @@ def four_rank_run(rank, world):
     across = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
     results["mesh_across"] = train_arms(rank, world, {"dispatch": "nodes", "ranks_per_node": 1}, group=across)
     results["scattered_nodes"] = scattered_nodes(rank)
+    results["replay_and_save"] = replay_and_save(rank, world, out_dir)
     return results
+
+
+def replay_and_save(rank, world, out_dir):
+    """Routing replay (routes recorded on the per-rank exchange's model, the routers then moved,
+    replayed on both) and ``save_pretrained`` after a step of the experts (at EP 4, 2 nodes of 2; the file is the
+    unsharded model's, read back by plain transformers at world size 1): the two-level exchange's
+    losses, gradients and saved tensors equal the per-rank exchange's."""
+    from replica_workers import rel, tokens
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base = build_model("qwen3_moe", dtype=torch.float64)
+    models = {}
+    for arm, config in (
+        ("alltoallv", {"dispatch": "alltoallv"}),
+        ("nodes", {"dispatch": "nodes", "ranks_per_node": 2}),
+    ):
+        models[arm] = copy.deepcopy(base)
+        epmoe.apply_expert_parallel(models[arm], config=config)
+    ids = tokens(0, rank, ((2, 8), (1, 11), (3, 5), (2, 6)))
+    with epmoe.record_routing(models["alltoallv"]) as recorded, torch.no_grad():
+        models["alltoallv"](ids)
+    out, errors = {}, {}
+    for arm, model in models.items():
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.mul_(-1.0)
+        with epmoe.replay_routing(model, recorded):
+            loss = model(ids, labels=ids).loss
+        loss.backward()
+        out[arm] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        # the experts only: without a data-parallel wrapper the other gradients are each rank's own
+        opt = torch.optim.AdamW(epmoe.expert_parameters(model), lr=1e-2)
+        opt.step()
+        model.save_pretrained(f"{out_dir}/{arm}")
+        torch.distributed.barrier()
+    errors["replay/loss"] = rel(out["nodes"][0], out["alltoallv"][0])
+    for name, grad in out["nodes"][1].items():
+        errors[f"replay/{name}"] = rel(grad, out["alltoallv"][1][name])
+    saved = {arm: load_file(f"{out_dir}/{arm}/model.safetensors") for arm in models}
+    for key, tensor in saved["nodes"].items():
+        errors[f"saved/{key}"] = rel(tensor, saved["alltoallv"][key])
+    reloaded = AutoModelForCausalLM.from_pretrained(
+        f"{out_dir}/nodes", dtype=torch.float64, experts_implementation="eager"
+    )
+    with torch.no_grad():
+        errors["reloaded/logits"] = rel(reloaded(ids).logits, models["nodes"](ids).logits)
+    return {"errors": errors, "same_keys": sorted(saved["nodes"]) == sorted(saved["alltoallv"])}
 
 
 def eight_rank_run(rank, world):

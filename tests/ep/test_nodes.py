@@ -35,7 +35,7 @@ def test_ranks_per_node_is_validated(value):
     "options",
     [
         {"dispatch": "alltoallv", "ranks_per_node": 2},
-        {"dispatch": "static", "ranks_per_node": 2},
+        {"dispatch": "static", "ranks_per_node": 2},  # sync-free across nodes: not served, by name
         {"dispatch": "nodes", "capacity_factor": 1.0},
         {"dispatch": "nodes", "replicas": 1},
     ],
@@ -63,11 +63,11 @@ def test_node_columns_tell_each_rail_peer_its_rows():
 
 
 @pytest.fixture
-def four_ranks():
+def four_ranks(tmp_path_factory):
     from node_workers import four_rank_run
     from ranks import start_ranks
 
-    return start_ranks(four_rank_run, 4, timeout=600, once=True)
+    return start_ranks(four_rank_run, 4, str(tmp_path_factory.getbasetemp() / "nodes"), timeout=600, once=True)
 
 
 @pytest.fixture
@@ -118,6 +118,17 @@ def test_ranks_whose_nodes_are_not_blocks_raise_on_every_rank(four_ranks):
     for result in four_ranks:
         message = result["scattered_nodes"]
         assert message is not None and "[0, 1, 0, 1]" in message and "consecutive" in message, message
+
+
+@pytest.mark.multirank
+def test_routing_replay_and_save_pretrained_over_two_nodes(four_ranks):
+    """Replayed routes give the per-rank exchange's loss and gradients; save_pretrained after a step
+    writes the same tensors, which plain transformers reads back at world size 1 to the same logits."""
+    for rank, result in enumerate(four_ranks):
+        seen = result["replay_and_save"]
+        worst = max(seen["errors"], key=seen["errors"].get)
+        assert seen["errors"][worst] <= TOL, f"rank {rank}: {worst} {seen['errors'][worst]:.3g}"
+        assert seen["same_keys"]
 
 
 @pytest.mark.multirank

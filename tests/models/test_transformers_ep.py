@@ -173,6 +173,8 @@ def test_what_epmoe_cannot_serve_is_named():
         (ExpertParallelConfig(dispatch="fused", num_chunks=2), "dispatch='fused'"),
         (ExpertParallelConfig(expert_grad="mean"), "expert_grad='mean'"),
         (ExpertParallelConfig(replicas=2), "replicas=2"),
+        (ExpertParallelConfig(dispatch="nodes"), "dispatch='nodes'"),
+        (ExpertParallelConfig(ranks_per_node=2), "ranks_per_node=2"),
     ):
         assert named in why_not_served(experts, config)
 

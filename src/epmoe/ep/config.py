@@ -125,7 +125,13 @@ class ExpertParallelConfig:
         size = self.ranks_per_node
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"ExpertParallelConfig(ranks_per_node): expected None or an int >= 1, got {size!r}")
-        if size is not None and self.dispatch in ("fused", "static", "alltoallv"):
+        if size is not None and self.dispatch == "static":
+            raise ValueError(
+                "ExpertParallelConfig(ranks_per_node): the static exchange has no two-level form (fixed-size "
+                "buffers across nodes are not served yet: the two-level exchange reads its counts to the host "
+                "once per layer); use dispatch='nodes' or 'auto', or dispatch='static' without ranks_per_node"
+            )
+        if size is not None and self.dispatch in ("fused", "alltoallv"):
             raise ValueError(
                 f"ExpertParallelConfig(ranks_per_node): says which ranks share a node, for dispatch='nodes' or "
                 f"'auto'; dispatch={self.dispatch!r} sends every row rank to rank"

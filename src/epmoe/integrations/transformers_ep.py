@@ -55,7 +55,9 @@ always, ``"static"`` always), ``static_tokens``, ``gmm_backend``, ``check_steps`
 epmoe cannot serve raises ``ValueError`` when transformers builds the implementation (at load, on
 every rank: every rank builds the same modules' implementations), naming it, never falling back to
 another path: ``capacity_factor``, expert ``replicas`` (their weights would travel as transformers'
-FSDP2 shards, whose gradients transformers reduces), the fused ops (``dispatch="fused"``, ``num_chunks``), an
+FSDP2 shards, whose gradients transformers reduces), the fused ops (``dispatch="fused"``, ``num_chunks``),
+the two-level exchange across nodes (``dispatch="nodes"``, ``ranks_per_node``: transformers' EP mesh
+runs the per-rank exchange, whether or not it spans nodes), an
 ``expert_grad`` other than ``"auto"`` (the expert gradients are transformers' FSDP2's), experts that
 are not transformers' packed experts, and experts whose class departs from the
 decorated contract or holds what the routed MLP op does not run (a norm after the down projection,
@@ -100,7 +102,8 @@ def why_not_served(experts: nn.Module, config: ExpertParallelConfig | None = Non
     config = config or ExpertParallelConfig()
     refused = {
         "capacity_factor": config.capacity_factor is not None,
-        "dispatch": config.dispatch == "fused",
+        "dispatch": config.dispatch in ("fused", "nodes"),
+        "ranks_per_node": config.ranks_per_node is not None,
         "num_chunks": config.num_chunks != "auto",
         "expert_grad": config.expert_grad != "auto",
         "replicas": config.replicas > 0,
