@@ -202,3 +202,44 @@ def train_arms(
         for a, b in zip(epmoe.expert_load(nodes_model).values(), epmoe.expert_load(arms["ep"]["model"]).values())
     )
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# a rank that dies or hangs between the hops: the survivors raise, naming the hop
+
+
+def failing_run(rank, world, how, tmp):
+    """At 2 nodes x 2, EP rank 3 dies (``how="dies"``: SIGKILL) or hangs alive (``"hangs"``: sleeps past
+    the timeout, in no collective) once its hop 1 is done; every other rank records what it raised, and when."""
+    import json
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    import epmoe.ep.dispatch.nodes as nodes
+
+    timeout = 4.0
+    model = base_model()
+    epmoe.apply_expert_parallel(model, config={"dispatch": "nodes", "ranks_per_node": 2, "timeout": timeout})
+    if rank == 3:
+        rows, calls = nodes.token_rows, []
+
+        def fail_before_hop_2(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:  # the forwarder's rows: hop 1 done
+                Path(tmp, "failed.json").write_text(json.dumps({"time": time.time()}))
+                if how == "dies":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(timeout + 6)
+            return rows(*args, **kwargs)
+
+        nodes.token_rows = fail_before_hop_2
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(rank))
+    try:
+        model(ids).logits.sum().backward()
+    except Exception as exc:
+        Path(tmp, f"rank{rank}.json").write_text(
+            json.dumps({"type": type(exc).__name__, "message": str(exc), "time": time.time()})
+        )
+        raise

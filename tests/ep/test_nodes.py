@@ -191,3 +191,27 @@ def test_the_docs_two_node_launch_runs_the_two_level_exchange(tmp_path):
     assert text.count("dispatch='auto' ran ['nodes']") == 4, text[-3000:]
     differences = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if "largest loss difference" in line]
     assert len(differences) == 4 and max(differences) < 1e-10, differences
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("how", ["dies", "hangs"])
+def test_a_rank_that_dies_or_hangs_between_the_hops_ends_the_others_wait(how, tmp_path):
+    """EP rank 3 of 2 nodes x 2 dies (SIGKILL) or hangs alive after hop 1: the launcher names it and
+    every other rank raises within the timeout (4 s), naming the hop and its ranks, never a hang."""
+    import json
+
+    from node_workers import failing_run
+    from ranks import start_ranks
+
+    from epmoe.launch import RankError
+
+    with pytest.raises(RankError) as info:
+        start_ranks(failing_run, 4, how, str(tmp_path), timeout=120)
+    if how == "dies":
+        assert str(info.value).startswith("rank 3 died, killed by SIGKILL"), str(info.value)
+    failed = json.loads((tmp_path / "failed.json").read_text())["time"]
+    survivors = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    for seen in survivors:
+        assert seen["type"] == "RuntimeError" and seen["time"] - failed < 15, seen
+    messages = " ".join(seen["message"] for seen in survivors)
+    assert "the two-level exchange's hop 2, inside the node (EP ranks [2, 3])" in messages, messages

@@ -443,7 +443,7 @@ def _two_level(
     if "nodes" not in checked.transport:
         return None
     parts = [layout.rail_ranks(ep_rank), layout.node_ranks(ep_rank)]
-    return layout, NodeGroups(*step_subgroups(group, parts, timeout))
+    return layout, NodeGroups(*step_subgroups(group, parts, timeout), dict(zip((1, 2), parts)))
 
 
 def _check_replicas(name: str, experts: nn.Module) -> None:

@@ -41,8 +41,9 @@ class NodeGroups:
     node) and its ``node`` (its node's ranks); shared by a deep copy of the model (one group per set
     of ranks)."""
 
-    def __init__(self, rail: dist.ProcessGroup, node: dist.ProcessGroup):
+    def __init__(self, rail: dist.ProcessGroup, node: dist.ProcessGroup, ranks: dict[int, list[int]]):
         self.rail, self.node = rail, node
+        self.ranks = ranks  # hop -> the EP ranks of its group (1: rail, 2: node)
 
     def __deepcopy__(self, memo: dict) -> NodeGroups:
         return self
@@ -56,6 +57,7 @@ class NodesMeta:
     splits: NodeSplits
     rows_nodes: TokenRows  # hop 1: the sender's rows, one per (token, node), node-major
     rows_ranks: TokenRows  # hop 2: the forwarder's rows, one per (received row, rank of its node), rank-major
+    where: str  # the layer call, for errors
 
 
 class NodesDispatcher(Dispatcher):
@@ -79,14 +81,15 @@ class NodesDispatcher(Dispatcher):
         route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
         rows_nodes = token_rows(top_k_index_TK, P * e, N, sum(splits.send_nodes_N))
         sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows_nodes)
-        arrived_RX = all_to_all_v(sent_RX, splits.recv_nodes_N, splits.send_nodes_N, self.groups.rail)  # hop 1
+        where = link.position.describe(link.channel.layer_names)
+        arrived_RX = self._hop(1, where, sent_RX, splits.recv_nodes_N, splits.send_nodes_N)
         # each arrived row's choices as ranks of this node (P: another node's expert, sent nowhere)
         ids_RK = arrived_RX[:, H:].clone(memory_format=torch.contiguous_format).view(route_dtype)[:, :K].long()
         on_node_RK = ids_RK - (shard.ep_rank // P) * P * e
         on_node_RK = on_node_RK.masked_fill((on_node_RK < 0) | (on_node_RK >= P * e), P * e)
         rows_ranks = token_rows(on_node_RK, e, P + 1, sum(splits.send_ranks_P))
         forwarded_RX = GatherRows.apply(arrived_RX, None, *rows_ranks)
-        received_RX = all_to_all_v(forwarded_RX, splits.recv_ranks_P, splits.send_ranks_P, self.groups.node)  # hop 2
+        received_RX = self._hop(2, where, forwarded_RX, splits.recv_ranks_P, splits.send_ranks_P)
         x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, route_dtype)
         local_RK = route_RK2[:, :K].long() - shard.local_start
         local_RK = local_RK.masked_fill((local_RK < 0) | (local_RK >= e), e)
@@ -94,13 +97,29 @@ class NodesDispatcher(Dispatcher):
         pairs = pair_rows(local_RK, e, sum(host_counts), host_counts)
         weights_RK = route_RK2[:, K:].to(top_k_weights_TK.dtype)
         arrived = Arrived(RoutedRows(weights_RK, pairs), host_counts, None, counts.peer_guards)
-        return x_RH, NodesMeta(arrived, splits, rows_nodes, rows_ranks)
+        return x_RH, NodesMeta(arrived, splits, rows_nodes, rows_ranks, where)
 
     def combine(self, y_RH: torch.Tensor, meta: NodesMeta) -> torch.Tensor:
         """``(T, H)``: each row's outputs summed at its forwarder (in rank order), one row per node
         back to the sender, summed per token in node order."""
-        splits = meta.splits
-        back_RH = all_to_all_v(y_RH, splits.send_ranks_P, splits.recv_ranks_P, self.groups.node)
+        splits, where = meta.splits, f"{meta.where}, back"
+        back_RH = self._hop(2, where, y_RH, splits.send_ranks_P, splits.recv_ranks_P)
         per_node_RH = SumRows.apply(back_RH, *meta.rows_ranks)
-        home_RH = all_to_all_v(per_node_RH, splits.send_nodes_N, splits.recv_nodes_N, self.groups.rail)
+        home_RH = self._hop(1, where, per_node_RH, splits.send_nodes_N, splits.recv_nodes_N)
         return SumRows.apply(home_RH, *meta.rows_nodes)
+
+    def _hop(self, level: int, where: str, x: torch.Tensor, output_splits: list[int], input_splits: list[int]):
+        """One hop's all-to-all-v (1: over the rail group, between nodes; 2: inside the node); a
+        failure (a peer that died, or did not come within the group's timeout) raises naming the
+        hop, its ranks and the layer call."""
+        group = self.groups.rail if level == 1 else self.groups.node
+        try:
+            return all_to_all_v(x, output_splits, input_splits, group)
+        except RuntimeError as exc:
+            ranks = self.groups.ranks[level]
+            what = (
+                f"hop 1, between nodes (the rail group: EP ranks {ranks})"
+                if level == 1
+                else (f"hop 2, inside the node (EP ranks {ranks})")
+            )
+            raise RuntimeError(f"epmoe: the two-level exchange's {what} failed at {where}: {exc}") from exc
