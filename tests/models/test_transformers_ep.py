@@ -72,6 +72,8 @@ def four_rank_runs(saved) -> dict:
         "tp sliced generate": ("generated", (qwen3, 4, 4, "epmoe", 2)),
         # ep_size=2, tp_size=2, fsdp_size=2: each EP group shares one batch
         "tp shared": ("compared", (qwen3, torch.float64, 2, 4, "plain", "epmoe", 2)),
+        # ep_size=4 over 2 nodes of 2 (ranks_per_node, dispatch "auto"): the two-level exchange in training
+        "two nodes": ("compared", (qwen3, torch.float64, 4, 4, "plain", "epmoe-two-nodes")),
     }
 
 
@@ -128,13 +130,16 @@ def test_inference_runs_the_static_exchange_sync_free_with_static_tokens(saved):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("label", ["mesh", "tp sliced", "tp shared"])
+@pytest.mark.parametrize("label", ["mesh", "tp sliced", "tp shared", "two nodes"])
 def test_exact_on_four_rank_meshes(saved, label):
     """``ep_size=2, fsdp_size=4`` (each expert on two ranks); ``ep_size=4, tp_size=2`` (each TP group's
     batch sliced over its ranks before the exchange, gathered after); ``ep_size=2, tp_size=2,
-    fsdp_size=2`` (each EP group shares one batch)."""
+    fsdp_size=2`` (each EP group shares one batch); ``ep_size=4`` over two nodes of two (the two-level
+    exchange, ``"auto"`` told the node size)."""
     for result in results(saved, 4, four_rank_runs(saved), label):
         assert result["loss"] <= EXACT and result["grads"] <= EXACT, result
+        if label == "two nodes":
+            assert result["transports"] == ["nodes"], result
 
 
 @pytest.mark.multirank
@@ -173,8 +178,6 @@ def test_what_epmoe_cannot_serve_is_named():
         (ExpertParallelConfig(dispatch="fused", num_chunks=2), "dispatch='fused'"),
         (ExpertParallelConfig(expert_grad="mean"), "expert_grad='mean'"),
         (ExpertParallelConfig(replicas=2), "replicas=2"),
-        (ExpertParallelConfig(dispatch="nodes"), "dispatch='nodes'"),
-        (ExpertParallelConfig(ranks_per_node=2), "ranks_per_node=2"),
     ):
         assert named in why_not_served(experts, config)
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import epmoe  # registers ep_implementation="epmoe"
 from epmoe.bench.versus import _rel, _train
+from epmoe.ep.counters import counted_modules
 from epmoe.integrations import transformers_ep
 
 # configured registrations the cases load with (registered on each rank, as a user would)
@@ -19,6 +20,7 @@ CONFIGURED = {
     "epmoe-replicas": {"replicas": 2},
     "epmoe-fused": {"dispatch": "fused"},
     "epmoe-unchecked": {"check_steps": False},  # what accelerators default to
+    "epmoe-two-nodes": {"ranks_per_node": 2},  # EP 4 over 2 emulated nodes: "auto" takes the two-level exchange
 }
 
 
@@ -82,6 +84,7 @@ def compared(
         "loss": max(map(_rel, got["loss"], ref["loss"])),
         "grads": max(_rel(s[n], r[n]) for s, r in zip(got["grads"], ref["grads"]) for n in r),
         "compared": len(ref["grads"][0]),
+        "transports": sorted({layer.training.name for _, layer in counted_modules(model)}),
     }
 
 

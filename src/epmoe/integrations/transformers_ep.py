@@ -56,8 +56,7 @@ epmoe cannot serve raises ``ValueError`` when transformers builds the implementa
 every rank: every rank builds the same modules' implementations), naming it, never falling back to
 another path: ``capacity_factor``, expert ``replicas`` (their weights would travel as transformers'
 FSDP2 shards, whose gradients transformers reduces), the fused ops (``dispatch="fused"``, ``num_chunks``),
-the two-level exchange across nodes (``dispatch="nodes"``, ``ranks_per_node``: transformers' EP mesh
-runs the per-rank exchange, whether or not it spans nodes), an
+an
 ``expert_grad`` other than ``"auto"`` (the expert gradients are transformers' FSDP2's), experts that
 are not transformers' packed experts, and experts whose class departs from the
 decorated contract or holds what the routed MLP op does not run (a norm after the down projection,
@@ -74,15 +73,24 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from epmoe.comm.steps import DEFAULT_TIMEOUT_S, StepChannel, checks_on
+from epmoe.comm.steps import DEFAULT_TIMEOUT_S, StepChannel, checks_on, step_subgroups
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import departures
 from epmoe.ep.counters import LoadCounters, attach_counted
 from epmoe.ep.counts import GUARD, exchange_layer_counts
-from epmoe.ep.dispatch import AllToAllVDispatcher, Dispatcher, Link, SharedBatchDispatcher, StaticDispatcher
+from epmoe.ep.dispatch import (
+    AllToAllVDispatcher,
+    Dispatcher,
+    Link,
+    NodeGroups,
+    NodesDispatcher,
+    SharedBatchDispatcher,
+    StaticDispatcher,
+)
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.position import LayerPosition
 from epmoe.ep.recognize import is_packed_experts
+from epmoe.ep.topology import node_layout
 from epmoe.ep.transports import static_ineligible_reason
 
 try:
@@ -95,6 +103,7 @@ _ORDINALS = itertools.count()  # experts modules in the order transformers build
 # (id(model config), id(EP group)) -> the static exchange of that model's first experts module on that
 # group: the layer whose forward reads the route headers for the later ones (weak: gone with the model)
 _LEADERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NODE_GROUPS: dict = {}  # (id(EP group), node layout) -> its two-level exchange's groups, made once
 
 
 def why_not_served(experts: nn.Module, config: ExpertParallelConfig | None = None) -> str | None:
@@ -102,8 +111,7 @@ def why_not_served(experts: nn.Module, config: ExpertParallelConfig | None = Non
     config = config or ExpertParallelConfig()
     refused = {
         "capacity_factor": config.capacity_factor is not None,
-        "dispatch": config.dispatch in ("fused", "nodes"),
-        "ranks_per_node": config.ranks_per_node is not None,
+        "dispatch": config.dispatch == "fused",
         "num_chunks": config.num_chunks != "auto",
         "expert_grad": config.expert_grad != "auto",
         "replicas": config.replicas > 0,
@@ -151,12 +159,17 @@ class EpmoeEP(_Base):
         ordinal = next(_ORDINALS)
         self.shard = ExpertShard(f"{type(experts).__name__} #{ordinal}", e * W, e, rank * e, (rank + 1) * e, rank, W)
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
-        self.channel = StepChannel(ep_mesh.get_group(), e + 3 + GUARD, timeout_s=timeout) if W > 1 else None
+        nodes = _two_level(self.config, ep_mesh.get_group(), rank, W, self.shares_batch, timeout)
+        width = e + 3 + GUARD + (1 + nodes.ranks_per_node if nodes is not None else 0)
+        self.channel = StepChannel(ep_mesh.get_group(), width, timeout_s=timeout) if W > 1 else None
         self.steps = LayerPosition(ordinal)
         # transformers' own reading of its meshes: the EP group is the TP group, every rank holds the same batch
         # the model's first experts module on this group leads its forwards' static buffer
         model_on_group = (id(getattr(experts, "config", experts)), id(ep_mesh.get_group()))
         self.training, self.inference = _transports(self.config, self.shares_batch, _LEADERS.get(model_on_group))
+        if nodes is not None:  # across nodes: the two-level exchange in training (and at inference, if asked)
+            self.training = nodes
+            self.inference = nodes if self.config.dispatch == "nodes" else self.inference
         if isinstance(self.inference, StaticDispatcher):
             _LEADERS.setdefault(model_on_group, self.inference)
         # a TP group shares a batch that the per-rank exchange must see once: each TP rank sends its slice
@@ -181,6 +194,22 @@ class EpmoeEP(_Base):
             return call(self, local, transport, checks, hidden_states, top_k_index.long(), top_k_weights)
         route = (_tp_slice(t, self.tp_mesh) for t in (hidden_states, top_k_index.long(), top_k_weights))
         return _tp_gathered(call(self, local, transport, checks, *route), self.tp_mesh, hidden_states.shape[0])
+
+
+def _two_level(config: ExpertParallelConfig, group, rank: int, W: int, shares_batch: bool, timeout: float):
+    """The two-level exchange (:mod:`epmoe.ep.dispatch.nodes`) of an EP group that spans nodes (or where
+    ``dispatch="nodes"`` asks for it), its node layout agreed and its groups made once per EP group;
+    ``None`` elsewhere. Collective over the EP group (every rank builds the same implementations)."""
+    if W == 1 or shares_batch or config.dispatch not in ("auto", "nodes"):
+        return None
+    layout = node_layout(group, rank, W, config.ranks_per_node, timeout)
+    if config.dispatch == "auto" and (layout.nodes == 1 or layout.ranks_per_node == 1):
+        return None
+    key = (id(group), layout)
+    if key not in _NODE_GROUPS:
+        parts = [layout.rail_ranks(rank), layout.node_ranks(rank)]
+        _NODE_GROUPS[key] = NodeGroups(*step_subgroups(group, parts, timeout), dict(zip((1, 2), parts)))
+    return NodesDispatcher(layout, _NODE_GROUPS[key])
 
 
 def _transports(
@@ -234,7 +263,9 @@ def _call(
     position = implementation.steps.next_call()
     counts = None
     if transport.needs_counts:
-        counts = exchange_layer_counts(channel, position, shard, hidden_TH, top_k_index_TK)
+        counts = exchange_layer_counts(
+            channel, position, shard, hidden_TH, top_k_index_TK, None, None, transport.ranks_per_node
+        )
     link = Link(channel, shard, position, checks, counts)
     rows, meta = transport.dispatch(hidden_TH, top_k_index_TK, top_k_weights_TK, link)
     routed = meta.arrived.routed
