@@ -35,7 +35,10 @@ buffers. Only the model's first experts module reads them (one host read per for
 layer): the later layers of the forward hold the same tokens and take its buffer, reading nothing
 (where ``check_steps`` runs, the CPU default, every layer reads its headers to check them). With
 ``ExpertParallelConfig(dispatch="static", static_tokens=N)`` the buffer is ``N`` and nothing is read
-to the host (sync-free, training included).
+to the host (sync-free, training included). Where the EP group spans nodes (:mod:`epmoe.ep.topology`:
+torchrun's environment, or ``ranks_per_node``), training steps take the two-level exchange
+(:mod:`epmoe.ep.dispatch.nodes`; with ``dispatch="nodes"`` inference too), its groups made once per
+EP group.
 
 With a TP mesh (``tp_size > 1``) the ranks of a TP group hold the same batch. Where the EP group is
 the TP group (``ep_size == tp_size``: transformers' ``shares_batch``), nothing needs to move: the
