@@ -37,9 +37,8 @@ def test_ranks_per_node_is_validated(value):
         {"dispatch": "alltoallv", "ranks_per_node": 2},
         {"dispatch": "static", "ranks_per_node": 2},  # sync-free across nodes: not served, by name
         {"dispatch": "nodes", "capacity_factor": 1.0},
-        {"dispatch": "nodes", "replicas": 1},
     ],
-    ids=["alltoallv", "static", "capacity", "replicas"],
+    ids=["alltoallv", "static", "capacity"],
 )
 def test_what_the_two_level_exchange_cannot_serve_is_refused(options):
     with pytest.raises(ValueError, match=r"ExpertParallelConfig\((ranks_per_node|capacity_factor|replicas)\)"):
@@ -97,20 +96,26 @@ def assert_exact(results, key):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("key", ["module_2x2", "module_1x4"])
+@pytest.mark.parametrize("key", ["module_2x2", "module_1x4", "module_2x2_replicas"])
 def test_experts_module_at_2x2_and_on_one_node(four_ranks, key):
     """Random top-2 and top-4, a rank with no tokens, an expert with none, a node that receives
-    nothing, every slot on one expert; fp64, against the unsharded module and the per-rank exchange."""
+    nothing, every slot on one expert; fp64, against the unsharded module and the per-rank exchange;
+    with expert replicas too (their moved slots through both hops, their weights lent)."""
     assert_module(four_ranks, key)
+    if key.endswith("replicas"):
+        assert all(case["moves"] > 0 for result in four_ranks for case in result[key].values())
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("key", ["ddp", "fsdp2", "checkpointing", "auto", "mesh_inside", "mesh_across"])
+@pytest.mark.parametrize("key", ["ddp", "fsdp2", "checkpointing", "auto", "mesh_inside", "mesh_across", "replicas_ddp"])
 def test_training_over_two_nodes_equals_per_rank_and_unsharded(four_ranks, key):
     """3 clipped AdamW steps, ranks of different batch sizes: DDP, FSDP2, gradient checkpointing,
     dispatch="auto" told only the node size, EP x DP meshes whose EP group sits inside one node or
-    spans two; losses, logits, every gradient, clip norms, parameters; expert_load the same."""
+    spans two, expert replicas on; losses, logits, every gradient, clip norms, parameters;
+    expert_load the same."""
     assert_exact(four_ranks, key)
+    if key == "replicas_ddp":
+        assert all(result[key]["moves"] > 0 for result in four_ranks)
 
 
 @pytest.mark.multirank

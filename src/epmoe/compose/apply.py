@@ -429,7 +429,7 @@ def _two_level(
         return None
     timeout = step_timeout_s(config.timeout, group)
     layout = node_layout(group, ep_rank, ep_size, config.ranks_per_node, timeout)
-    spans = layout.nodes > 1 and layout.ranks_per_node > 1 and not config.replicas and config.capacity_factor is None
+    spans = layout.nodes > 1 and layout.ranks_per_node > 1 and config.capacity_factor is None
     if config.dispatch == "auto" and not spans:
         return None
     for i, (name, module, _) in enumerate(found):

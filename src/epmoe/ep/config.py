@@ -61,8 +61,8 @@ class ExpertParallelConfig:
         replicas: an int >= 0, the experts it does not own a rank may compute rows of in one layer
             call (default 0: none). Hot experts' slots then move to ranks below the mean load, the
             weights travelling for the call (:mod:`epmoe.ep.replicas`): the same outputs and
-            gradients, fewer rows on the most loaded rank. Runs the all-to-all-v dispatch (the
-            static exchange at ``generate``'s decode steps runs without replicas).
+            gradients, fewer rows on the most loaded rank. Runs the all-to-all-v or the two-level
+            dispatch (the static exchange at ``generate``'s decode steps runs without replicas).
         ranks_per_node: ``None`` (the launcher says which EP ranks share a node: torchrun's
             ``LOCAL_WORLD_SIZE`` and node rank; none: one node) or an int >= 1, the EP ranks per
             node, consecutive (to override the launcher, or to emulate nodes on one machine):
@@ -138,19 +138,18 @@ class ExpertParallelConfig:
             )
         if self.dispatch != "nodes":
             return
-        for option, value in (("capacity_factor", self.capacity_factor), ("replicas", self.replicas)):
-            if value:
-                raise ValueError(
-                    f"ExpertParallelConfig({option}): not served by dispatch='nodes' yet (the two-level exchange "
-                    f"runs dropless and without replicas); use dispatch='alltoallv' with {option}"
-                )
+        if self.capacity_factor is not None:
+            raise ValueError(
+                "ExpertParallelConfig(capacity_factor): not served by dispatch='nodes' yet (the two-level exchange "
+                "runs dropless); use dispatch='alltoallv' with capacity_factor"
+            )
 
     def _check_replicas(self) -> None:
         """What expert replicas cannot serve (:mod:`epmoe.ep.replicas`)."""
         n = self.replicas
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"ExpertParallelConfig(replicas): expected an int >= 0, got {n!r}")
-        if n and self.dispatch in ("fused", "static"):
+        if n and self.dispatch in ("fused", "static"):  # "nodes" moves them through both hops
             raise ValueError(
                 f"ExpertParallelConfig(replicas): moves slots between ranks by the counts exchange's plan, "
                 f"which dispatch={self.dispatch!r} does not run ("

@@ -302,28 +302,39 @@ def replica_token_rows(
 ) -> tuple[TokenRows, torch.Tensor]:
     """``(rows, local_RK)``: the sender's rows with expert replicas (:mod:`epmoe.ep.replicas`):
     ``rows`` (each token once per rank holding one of its experts) and one row of its own per
-    redirected slot (:func:`redirected_slots`), destination-major, each destination's own rows first;
-    ``local_RK``: each row's choices as its destination's local experts (``-1``: not computed there:
-    another rank's expert, or a slot moved to a helper)::
+    redirected slot (:func:`redirected_slots`), destination-major, each destination's own rows first
+    (:func:`merged_rows`); ``local_RK``: each row's choices as its destination's local experts (``-1``:
+    not computed there: another rank's expert, or a slot moved to a helper)::
 
         token t0 -> experts 0 (rank 0) and 3 (rank 1); expert 0's slot of t0 moved to rank 1 as replica 2
         rows [t0 -> rank 0: (-1, -1) | t0 -> rank 1: (-1, 1) | t0 -> rank 1: (2, -1)]"""
-    T, K = top_k_index_TK.shape
-    device, e = top_k_index_TK.device, experts_per_rank
+    K, e = top_k_index_TK.shape[1], experts_per_rank
     moved_TK, slot_X, helper_X, replica_X = redirected
-    R = rows.token_R.numel()
-    rows_W = platform.host_to_device(torch.tensor(send_rows_W, dtype=torch.int64), device)
-    dest_R = torch.repeat_interleave(torch.arange(len(send_rows_W), device=device), rows_W, output_size=R)
+    merged, dest_R, order = merged_rows(rows, send_rows_W, slot_X, helper_X, top_k_index_TK.shape)
     local_RK = top_k_index_TK[rows.token_R] - dest_R[:, None] * e
     own_RK = (local_RK >= 0) & (local_RK < e) & ~moved_TK[rows.token_R]
     local_RK = torch.where(own_RK, local_RK, -1)
-    X = slot_X.numel()
-    local_XK = torch.full((X, K), -1, dtype=torch.int64, device=device)
-    local_XK[torch.arange(X, device=device), slot_X % K] = replica_X
-    order = torch.sort(torch.cat([dest_R * 2, helper_X * 2 + 1]), stable=True).indices
+    local_XK = torch.full((slot_X.numel(), K), -1, dtype=torch.int64, device=local_RK.device)
+    local_XK[torch.arange(slot_X.numel(), device=local_RK.device), slot_X % K] = replica_X
+    return merged, torch.cat([local_RK, local_XK])[order]
+
+
+def merged_rows(
+    rows: TokenRows, send_rows_W: list[int], slot_X: torch.Tensor, dest_X: torch.Tensor, shape_TK: torch.Size
+) -> tuple[TokenRows, torch.Tensor, torch.Tensor]:
+    """``(merged, dest_R, order)``: ``rows`` (destination-major, ``send_rows_W[d]`` to destination ``d``)
+    and one more row per slot ``slot_X`` (``t*K + k``, to destination ``dest_X``), merged destination-major,
+    each destination's ``rows`` first; ``dest_R``: the destination of each of ``rows``; ``order``: the
+    merged rows as positions in ``rows`` then the extra rows (what reorders anything per row alike)."""
+    T, K = shape_TK
+    device = rows.token_R.device
+    R, X = rows.token_R.numel(), slot_X.numel()
+    rows_W = platform.host_to_device(torch.tensor(send_rows_W, dtype=torch.int64), device)
+    dest_R = torch.repeat_interleave(torch.arange(len(send_rows_W), device=device), rows_W, output_size=R)
+    order = torch.sort(torch.cat([dest_R * 2, dest_X * 2 + 1]), stable=True).indices
     token_R = torch.cat([rows.token_R, slot_X // K])[order]
     per_token = min(K, len(send_rows_W)) + min(K, X)  # a token's own rows, then its redirected slots'
-    return TokenRows(token_R, rows_by_token(token_R, T, per_token)), torch.cat([local_RK, local_XK])[order]
+    return TokenRows(token_R, rows_by_token(token_R, T, per_token)), dest_R, order
 
 
 def rows_by_token(token_R: torch.Tensor, num_tokens: int, per_token: int) -> torch.Tensor:

@@ -29,10 +29,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from epmoe import platform
 from epmoe.comm import all_to_all_v
 from epmoe.ep.counts import NodeSplits
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
-from epmoe.ep.routing import GatherRows, SumRows, TokenRows, UnpackRoute, pair_rows, token_rows
+from epmoe.ep.routing import (
+    GatherRows,
+    SumRows,
+    TokenRows,
+    UnpackRoute,
+    merged_rows,
+    pair_rows,
+    redirected_slots,
+    token_rows,
+)
 from epmoe.ep.topology import NodeLayout
 
 
@@ -73,6 +83,8 @@ class NodesDispatcher(Dispatcher):
         self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, link: Link
     ) -> tuple[torch.Tensor, NodesMeta]:
         """``(x_RH, meta)``: the rows this rank's local experts run, by forwarder."""
+        if link.plan is not None:
+            return self._with_replicas(hidden_TH, top_k_index_TK, top_k_weights_TK, link)
         shard, counts = link.shard, link.counts
         splits: NodeSplits = counts.nodes
         P, N, e = self.layout.ranks_per_node, self.layout.nodes, shard.num_local_experts
@@ -99,6 +111,55 @@ class NodesDispatcher(Dispatcher):
         arrived = Arrived(RoutedRows(weights_RK, pairs), host_counts, None, counts.peer_guards)
         return x_RH, NodesMeta(arrived, splits, rows_nodes, rows_ranks, where)
 
+    def _with_replicas(
+        self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, link: Link
+    ) -> tuple[torch.Tensor, NodesMeta]:
+        """:meth:`dispatch` under a replica plan (:mod:`epmoe.ep.replicas`): each moved slot also
+        travels as a row of its own, through its helper's node to the helper, and the rows' ids say
+        where each choice is computed (:func:`_replica_route`); every split follows from the counts
+        exchange and the plan (:func:`_replica_splits`)."""
+        shard, counts, plan = link.shard, link.counts, link.plan
+        P, N, e, E = self.layout.ranks_per_node, self.layout.nodes, shard.num_local_experts, shard.num_experts
+        (T, K), H = top_k_index_TK.shape, hidden_TH.shape[1]
+        splits = _replica_splits(counts.nodes, plan, shard.ep_rank, P)
+        redirected = _redirected(plan, shard.ep_rank, top_k_index_TK, P * N)
+        moved_TK, slot_X, helper_X, replica_X = redirected
+        rows = token_rows(top_k_index_TK, P * e, N, sum(counts.nodes.send_nodes_N))
+        rows_nodes, _, order = merged_rows(rows, counts.nodes.send_nodes_N, slot_X, helper_X // P, (T, K))
+        ids_RK = _replica_route(top_k_index_TK, rows.token_R, redirected, e, E)[order]
+        wide = torch.float64 in (hidden_TH.dtype, top_k_weights_TK.dtype)
+        route_dtype = torch.float64 if wide else torch.float32  # its K ids fill whole columns of the rows
+        route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
+        sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows_nodes)
+        ids_columns = K * route_dtype.itemsize // hidden_TH.dtype.itemsize
+        sent_RX[:, H : H + ids_columns] = ids_RK.to(route_dtype).view(hidden_TH.dtype)  # each row's own ids
+        where = link.position.describe(link.channel.layer_names)
+        arrived_RX = self._hop(1, where, sent_RX, splits.recv_nodes_N, splits.send_nodes_N)
+        ids_RK = arrived_RX[:, H:].clone(memory_format=torch.contiguous_format).view(route_dtype)[:, :K].long()
+        rank_RK = torch.where(ids_RK >= 2 * E, (ids_RK - 2 * E) // E, (ids_RK % E) // e)  # computed on
+        on_node_RK = (rank_RK - (shard.ep_rank // P) * P).masked_fill(ids_RK < 0, P)
+        on_node_RK = on_node_RK.masked_fill((on_node_RK < 0) | (on_node_RK > P), P) * e
+        rows_ranks = token_rows(on_node_RK, e, P + 1, sum(splits.send_ranks_P))
+        forwarded_RX = GatherRows.apply(arrived_RX, None, *rows_ranks)
+        received_RX = self._hop(2, where, forwarded_RX, splits.recv_ranks_P, splits.send_ranks_P)
+        x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, route_dtype)
+        ids_RK = route_RK2[:, :K].long()
+        computed = plan.local_counts(shard.ep_rank)  # the local experts' slots, then the lent experts'
+        own, lent = computed[:e], computed[e:]
+        own_RK = ids_RK - shard.local_start
+        own_RK = own_RK.masked_fill((ids_RK >= E) | (own_RK < 0) | (own_RK >= e), e)
+        lent_RK = ((ids_RK - 2 * E) % E).masked_fill(
+            (ids_RK < 2 * E) | ((ids_RK - 2 * E) // E != shard.ep_rank), len(lent)
+        )
+        routed = RoutedRows(
+            route_RK2[:, K:].to(top_k_weights_TK.dtype),
+            pair_rows(own_RK, e, sum(own), own),
+            None,
+            pair_rows(lent_RK, len(lent), sum(lent), lent),
+        )
+        arrived = Arrived(routed, counts.local_counts_e, None, counts.peer_guards)
+        return x_RH, NodesMeta(arrived, splits, rows_nodes, rows_ranks, where)
+
     def combine(self, y_RH: torch.Tensor, meta: NodesMeta) -> torch.Tensor:
         """``(T, H)``: each row's outputs summed at its forwarder (in rank order), one row per node
         back to the sender, summed per token in node order."""
@@ -123,3 +184,45 @@ class NodesDispatcher(Dispatcher):
                 else (f"hop 2, inside the node (EP ranks {ranks})")
             )
             raise RuntimeError(f"epmoe: the two-level exchange's {what} failed at {where}: {exc}") from exc
+
+
+def _redirected(plan, rank: int, top_k_index_TK: torch.Tensor, ep_size: int):
+    """``(moved_TK, slot_X, helper_X, lent_X)``: this rank's slots the plan moves
+    (:func:`~epmoe.ep.routing.redirected_slots`), ``lent_X`` each one's index among its helper's lent experts."""
+    e = plan.experts_per_rank
+    moves = [(m, *plan.redirected(rank, m)) for m in plan.moves]
+    moves_M5 = [[m.expert, lo, hi, m.helper, plan.replica_index(m) - e] for m, lo, hi in moves if lo < hi]
+    device = top_k_index_TK.device
+    if not moves_M5:
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        return torch.zeros(top_k_index_TK.shape, dtype=torch.bool, device=device), none, none, none
+    moves_M5 = platform.host_to_device(torch.tensor(moves_M5, dtype=torch.int64), device)
+    return redirected_slots(top_k_index_TK, moves_M5, ep_size, sum(plan.redirected_rows_W(rank)))
+
+
+def _replica_route(top_k_index_TK: torch.Tensor, token_R: torch.Tensor, redirected, e: int, E: int) -> torch.Tensor:
+    """``(R + X, K)`` int64: the ids the rows of :func:`~epmoe.ep.routing.merged_rows` carry (before its
+    ``order``): a token's rows its global ids, ``+ E`` for a slot moved to a helper (the row still goes
+    to the owner, which leaves it out); a moved slot's own row ``2E + helper * E + lent index`` at its
+    ``k``, ``-1`` elsewhere (computed nowhere)."""
+    moved_TK, slot_X, helper_X, lent_X = redirected
+    K = top_k_index_TK.shape[1]
+    own_RK = (top_k_index_TK + E * moved_TK.long())[token_R]
+    lent_XK = torch.full((slot_X.numel(), K), -1, dtype=torch.int64, device=own_RK.device)
+    lent_XK[torch.arange(slot_X.numel(), device=own_RK.device), slot_X % K] = 2 * E + helper_X * E + lent_X
+    return torch.cat([own_RK, lent_XK])
+
+
+def _replica_splits(splits: NodeSplits, plan, rank: int, P: int) -> NodeSplits:
+    """The two hops' rows with the plan's moved slots added to the counts exchange's (each a row of its
+    own, from its source through its helper's node to the helper)."""
+    W = plan.ep_size
+    rail = range(rank % P, W, P)
+    node = rank // P
+    moved = {s: plan.redirected_rows_W(s) for s in range(W)}  # source -> rows to each helper
+    return NodeSplits(
+        [a + sum(moved[rank][n * P : (n + 1) * P]) for n, a in enumerate(splits.send_nodes_N)],
+        [a + sum(moved[src][node * P : (node + 1) * P]) for src, a in zip(rail, splits.recv_nodes_N)],
+        [a + sum(moved[src][node * P + j] for src in rail) for j, a in enumerate(splits.send_ranks_P)],
+        [a + sum(moved[s][rank] for s in range(W) if s % P == j) for j, a in enumerate(splits.recv_ranks_P)],
+    )
