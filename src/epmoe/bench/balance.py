@@ -392,7 +392,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # the report
 
 
-def markdown(shape: Shape, result: dict, settings: common.Settings, command: str, load: float | None) -> str:
+def _table(result: dict) -> list[tuple]:
+    """The results table's rows: per workload and arm, the figures of the module docstring."""
     rows = []
     for workload in WORKLOADS:
         figures = result[workload]
@@ -412,6 +413,11 @@ def markdown(shape: Shape, result: dict, settings: common.Settings, command: str
                     f"{f['ms'] / figures['without']['ms']:.2f}",
                 )
             )
+    return rows
+
+
+def markdown(shape: Shape, result: dict, settings: common.Settings, command: str, load: float | None) -> str:
+    rows = _table(result)
     hot, uniform = result["hot rank"], result["uniform"]
     summary = (
         f"Under the hot-rank skew ({hot['without']['rows']:.2f}x the mean rows on one rank without replicas), "

@@ -173,10 +173,10 @@ def apply_expert_parallel(
     except (ValueError, TypeError) as exc:
         checked, error = None, exc
     _check_ranks_agree(group, ep_size, config, found, error)
-    nodes = _two_level(group, ep_rank, ep_size, config, checked, found)
+    checked.nodes = _two_level(group, ep_rank, ep_size, config, checked, found)
 
     modules = dict(model.named_modules())
-    ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, checked.shards, nodes)
+    ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, checked)
     ep_model = EPModel(
         model,
         config,
@@ -187,7 +187,7 @@ def apply_expert_parallel(
         dp_size,
         [_ancestors(modules, name) for name, _, _ in found],
     )
-    _swap_forwards(modules, found, checked, ep_model, config, nodes)
+    _swap_forwards(modules, found, checked, ep_model, config)
     if ep_model.sharded:
         _attach_to_model(model)
     _log_applied(checked, len(found), ep_size, config)
@@ -244,12 +244,7 @@ def _shards_applied_before(found: list, ep_size: int) -> list[ExpertShard] | Non
 
 
 def _swap_forwards(
-    modules: dict[str, nn.Module],
-    found: list,
-    checked: _Checked,
-    ep_model: EPModel,
-    config: ExpertParallelConfig,
-    nodes: tuple[NodeLayout, NodeGroups] | None,
+    modules: dict[str, nn.Module], found: list, checked: _Checked, ep_model: EPModel, config: ExpertParallelConfig
 ) -> None:
     """Shard each experts module, keep its record (its dispatcher built here, once) and swap the
     forwards that run it: the packed module's, a ``ModuleList``'s block's, a fused shared-expert block's.
@@ -261,7 +256,7 @@ def _swap_forwards(
         shared = [p for _, p in shared_parameters(module)]  # found on all E experts, before sharding
         if isinstance(module, nn.ModuleList):
             local = LocalExperts(_shard_module_list(module, shard), config.gmm_backend, shared)
-            dispatcher = make_dispatcher(transport, shard, local, config, nodes)
+            dispatcher = make_dispatcher(transport, shard, local, config, checked.nodes)
             attach_state(
                 owner,
                 ExpertParallelState(
@@ -277,7 +272,7 @@ def _swap_forwards(
         else:
             sharded, unread = _shard_parameters(module, shard, tied)
             local = LocalExperts(module, config.gmm_backend, shared, post=per_expert_post(module))
-            dispatcher = make_dispatcher(transport, shard, local, config, nodes)
+            dispatcher = make_dispatcher(transport, shard, local, config, checked.nodes)
             attach_state(
                 module,
                 ExpertParallelState(
@@ -321,16 +316,11 @@ def _attach_to_model(model: nn.Module) -> None:
 
 
 def _step_channels(
-    group,
-    ep_size: int,
-    dp_group,
-    dp_size: int,
-    config: ExpertParallelConfig,
-    shards: list[ExpertShard],
-    nodes: tuple[NodeLayout, NodeGroups] | None,
+    group, ep_size: int, dp_group, dp_size: int, config: ExpertParallelConfig, checked: _Checked
 ) -> tuple[StepChannel | None, StepChannel | None]:
     """The model's EP and ``"dp"`` step channels, each on a group created for it with
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
+    shards, nodes = checked.shards, checked.nodes
     names = tuple(shard.module_name for shard in shards)
     # a row: the counts, the slot total, the dtype, the rows, the step guard's values (with replicas:
     # the sender's whole histogram, epmoe.ep.counts)
@@ -355,6 +345,7 @@ class _Checked:
     backend: Any  # the grouped-matmul backend the experts run (None for meta weights: chosen per forward)
     declined_backends: list[str]
     declined_fused: dict[str, str]  # module name -> why a requested fused path is declined
+    nodes: tuple[NodeLayout, NodeGroups] | None = None  # the two-level exchange's layout and groups, where run
 
 
 def _validate(
