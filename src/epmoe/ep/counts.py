@@ -13,7 +13,9 @@ A rank sends a token once to each rank holding one of its experts: its rows per 
 (:func:`~epmoe.ep.routing.destinations_TW`) travel in the same exchange. With expert replicas
 (``replica_key``) each rank also sends every peer its whole histogram, so every rank learns the
 call's slot matrix ``slots_WE`` (rank s, global expert g), which :mod:`epmoe.ep.replicas` plans from,
-and the rest of what the plan takes, which the ranks check is the same.
+and the rest of what the plan takes, which the ranks check is the same. With the two-level exchange
+(``ranks_per_node``) each sender also tells its rail peers the rows it sends their node and what they
+forward to each rank there (:class:`NodeSplits`, :mod:`epmoe.ep.dispatch.nodes`).
 """
 
 from __future__ import annotations
