@@ -12,9 +12,10 @@ gradient are those of the model without replicas (sums in another order).
 
 The plan (:func:`plan_replicas`) is a function of the call's slot matrix ``slots_WE`` (the slots
 each rank sends each global expert), which the counts exchange hands every rank alike when replicas
-are on (:func:`epmoe.ep.counts.exchange_layer_counts`, ``every_expert``), and of the config, which
-the ranks agreed on when EP was applied: every rank computes the same plan, with no extra host read
-and no extra collective. Greedy and deterministic (ties to the lowest rank, then the lowest expert):
+are on (:func:`epmoe.ep.counts.exchange_layer_counts`, ``replica_key``), of the config, which the
+ranks agreed on when EP was applied, and of the cost model's key (:func:`min_rows`), which rides in
+the same exchange and which the ranks check is the same: every rank computes the same plan, with no
+extra host read and no extra collective. Greedy and deterministic (ties to the lowest rank, then the lowest expert):
 while the most loaded rank is above the mean, its hottest expert's slots move to the least loaded
 rank with room (below the mean, fewer than ``N`` replicas), as many as bring either to the mean::
 
