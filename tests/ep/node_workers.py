@@ -11,12 +11,11 @@ import copy
 import zlib
 
 import torch
+from ep_layer_workers import base_model as layer_base_model
 from ep_layer_workers import compare_case, experts_of
 
 import epmoe
 from epmoe.models import build_model
-
-NUM_EXPERTS = 8
 
 # routing cases at EP 4: name -> (top_k, tokens per rank, kind, argument)
 CASES_4 = {
@@ -30,13 +29,8 @@ CASES_4 = {
 
 
 def base_model():
-    model = build_model("qwen3_moe", num_experts=NUM_EXPERTS, dtype=torch.float64)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for param in layer.mlp.experts.parameters():
-                param.copy_(torch.randn(param.shape, generator=g, dtype=torch.float64) * 0.1)
-    return model
+    """The small Qwen3-MoE in float64 with O(0.1) expert weights (ep_layer_workers')."""
+    return layer_base_model("qwen3_moe")
 
 
 def module_cases(rank, world, ranks_per_node, cases=CASES_4, replicas=0):

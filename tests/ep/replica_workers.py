@@ -15,15 +15,13 @@ import zlib
 
 import torch
 import torch.distributed as dist
-from ep_layer_workers import CASES_2, compare_case, experts_of, make_inputs
+from ep_layer_workers import base_model as layer_base_model
+from ep_layer_workers import compare_case, experts_of
 
 import epmoe
 from epmoe import platform
 from epmoe.ep import layer as layer_module
 from epmoe.models import build_model
-
-NUM_EXPERTS = 8
-HIDDEN = 64
 
 # routing cases: name -> (top_k, tokens per rank, kind, argument); "zipf": expert g drawn with weight 1/(g+1)^arg
 SKEWED = {
@@ -66,13 +64,8 @@ def recorded_plans():
 
 
 def base_model():
-    model = build_model("qwen3_moe", num_experts=NUM_EXPERTS, dtype=torch.float64)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            for param in layer.mlp.experts.parameters():
-                param.copy_(torch.randn(param.shape, generator=g, dtype=torch.float64) * 0.1)
-    return model
+    """The small Qwen3-MoE in float64 with O(0.1) expert weights (ep_layer_workers')."""
+    return layer_base_model("qwen3_moe")
 
 
 def module_cases(rank, world, cases, replicas=2):
@@ -95,9 +88,6 @@ def module_cases(rank, world, cases, replicas=2):
         )
         out[name] = {"errors": errors, "exact_zero": zeros, "plain": plain_errors, "moves": len(plans[0])}
     return out
-
-
-__all__ = ["CASES_2", "make_inputs"]
 
 
 # --------------------------------------------------------------------------------------------

@@ -102,6 +102,14 @@ class ReplicaPlan:
         lo, hi = max(move.start - before, 0), min(move.stop - before, mine)
         return (lo, hi) if lo < hi else (0, 0)
 
+    def moves_from(self, source: int, first: int) -> list[list[int]]:
+        """``[expert, lo, hi, helper, lent]`` per move that takes slots of ``source``
+        (:meth:`redirected`), ``lent`` the number the helper runs the expert as (its place in
+        :meth:`received`, counted from ``first``): what :func:`epmoe.ep.routing.redirected_slots` reads."""
+        moves = [(m, *self.redirected(source, m)) for m in self.moves]
+        lent = first - self.experts_per_rank
+        return [[m.expert, lo, hi, m.helper, lent + self.replica_index(m)] for m, lo, hi in moves if lo < hi]
+
     def redirected_rows_W(self, source: int) -> list[int]:
         """``(W,)`` rows of their own ``source`` sends each helper (its redirected slots)."""
         rows_W = [0] * self.ep_size

@@ -265,11 +265,12 @@ def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
 
 
 def redirected_slots(
-    top_k_index_TK: torch.Tensor, moves_M5: torch.Tensor, ep_size: int, num_redirected: int
+    top_k_index_TK: torch.Tensor, moves_M5: list[list[int]] | torch.Tensor, ep_size: int, num_redirected: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(moved_TK, slot_X, helper_X, replica_X)`` of the slots expert replicas take from this rank
-    (:mod:`epmoe.ep.replicas`); ``moves_M5``: ``(M, 5)`` int64 on the device, per move touching this
-    rank ``(expert, lo, hi, helper, replica)``: its slots of ``expert`` at positions ``[lo, hi)`` among
+    (:mod:`epmoe.ep.replicas`); ``moves_M5``: ``(M, 5)`` ints (a host list, or int64 on the device), per
+    move touching this rank ``(expert, lo, hi, helper, replica)``
+    (:meth:`~epmoe.ep.replicas.ReplicaPlan.moves_from`): its slots of ``expert`` at positions ``[lo, hi)`` among
     this rank's slots of that expert (in slot order ``t*K + k``) go to ``helper``, which runs them as its
     local expert ``replica``. ``moved_TK``: bool, the slots that go to a helper; ``slot_X``: them, by
     helper, then slot (``num_redirected`` of them, known on the host); ``helper_X``, ``replica_X``:
@@ -277,6 +278,11 @@ def redirected_slots(
     nothing read to the host."""
     expert_S = top_k_index_TK.reshape(-1)
     S, device = expert_S.numel(), expert_S.device
+    if len(moves_M5) == 0:  # none of this rank's slots move
+        none = torch.zeros(0, dtype=torch.int64, device=device)
+        return torch.zeros(top_k_index_TK.shape, dtype=torch.bool, device=device), none, none, none
+    if not isinstance(moves_M5, torch.Tensor):
+        moves_M5 = platform.host_to_device(torch.tensor(moves_M5, dtype=torch.int64), device)
     order_S = torch.sort(expert_S, stable=True).indices
     counts_E = torch.bincount(expert_S)
     starts_E = counts_E.cumsum(0) - counts_E

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from epmoe import platform
 from epmoe.comm import all_to_all_v
 from epmoe.ep.counts import LayerCounts
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
@@ -108,18 +107,12 @@ class AllToAllVDispatcher(Dispatcher):
         pairs off the rows. Every count follows from the counts exchange and the plan."""
         shard, counts, plan, group = link.shard, link.counts, link.plan, link.counts.group
         me, W, e = shard.ep_rank, len(counts.send_rows_W), shard.num_local_experts
-        (T, K), H, device = top_k_index_TK.shape, hidden_TH.shape[1], hidden_TH.device
+        K, H = top_k_index_TK.shape[1], hidden_TH.shape[1]
         redirected_W = plan.redirected_rows_W(me)
         send_W = [a + b for a, b in zip(counts.send_rows_W, redirected_W)]
         recv_W = [counts.recv_rows_W[s] + plan.redirected_rows_W(s)[me] for s in range(W)]
-        moves = [(m, *plan.redirected(me, m)) for m in plan.moves]
-        moves_M5 = [[m.expert, lo, hi, m.helper, plan.replica_index(m)] for m, lo, hi in moves if lo < hi]
-        if moves_M5:
-            moves_M5 = platform.host_to_device(torch.tensor(moves_M5, dtype=torch.int64), device)
-            redirected = redirected_slots(top_k_index_TK, moves_M5, W, sum(redirected_W))
-        else:
-            none = torch.zeros(0, dtype=torch.int64, device=device)
-            redirected = (torch.zeros(T, K, dtype=torch.bool, device=device), none, none, none)
+        # the helper runs a lent expert as its local expert e, e + 1, ... (after its own)
+        redirected = redirected_slots(top_k_index_TK, plan.moves_from(me, e), W, sum(redirected_W))
         rows = token_rows(top_k_index_TK, e, W, sum(counts.send_rows_W))
         rows, local_RK = replica_token_rows(top_k_index_TK, rows, counts.send_rows_W, redirected, e)
         wide = torch.float64 in (hidden_TH.dtype, top_k_weights_TK.dtype)

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from epmoe import platform
 from epmoe.comm import all_to_all_v
 from epmoe.ep.counts import NodeSplits
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
@@ -94,15 +93,9 @@ class NodesDispatcher(Dispatcher):
         rows_nodes = token_rows(top_k_index_TK, P * e, N, sum(splits.send_nodes_N))
         sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows_nodes)
         where = link.position.describe(link.channel.layer_names)
-        arrived_RX = self._hop(1, where, sent_RX, splits.recv_nodes_N, splits.send_nodes_N)
-        # each arrived row's choices as ranks of this node (P: another node's expert, sent nowhere)
-        ids_RK = arrived_RX[:, H:].clone(memory_format=torch.contiguous_format).view(route_dtype)[:, :K].long()
-        on_node_RK = ids_RK - (shard.ep_rank // P) * P * e
-        on_node_RK = on_node_RK.masked_fill((on_node_RK < 0) | (on_node_RK >= P * e), P * e)
-        rows_ranks = token_rows(on_node_RK, e, P + 1, sum(splits.send_ranks_P))
-        forwarded_RX = GatherRows.apply(arrived_RX, None, *rows_ranks)
-        received_RX = self._hop(2, where, forwarded_RX, splits.recv_ranks_P, splits.send_ranks_P)
-        x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, route_dtype)
+        x_RH, route_RK2, rows_ranks = self._both_hops(
+            sent_RX, H, route_dtype, K, splits, shard, where, lambda ids: ids // e
+        )
         local_RK = route_RK2[:, :K].long() - shard.local_start
         local_RK = local_RK.masked_fill((local_RK < 0) | (local_RK >= e), e)
         host_counts = counts.local_counts_e
@@ -122,7 +115,10 @@ class NodesDispatcher(Dispatcher):
         P, N, e, E = self.layout.ranks_per_node, self.layout.nodes, shard.num_local_experts, shard.num_experts
         (T, K), H = top_k_index_TK.shape, hidden_TH.shape[1]
         splits = _replica_splits(counts.nodes, plan, shard.ep_rank, P)
-        redirected = _redirected(plan, shard.ep_rank, top_k_index_TK, P * N)
+        # the helper runs a lent expert as its lent expert 0, 1, ... (the ids say which: _replica_route)
+        redirected = redirected_slots(
+            top_k_index_TK, plan.moves_from(shard.ep_rank, 0), P * N, sum(plan.redirected_rows_W(shard.ep_rank))
+        )
         moved_TK, slot_X, helper_X, replica_X = redirected
         rows = token_rows(top_k_index_TK, P * e, N, sum(counts.nodes.send_nodes_N))
         rows_nodes, _, order = merged_rows(rows, counts.nodes.send_nodes_N, slot_X, helper_X // P, (T, K))
@@ -134,15 +130,12 @@ class NodesDispatcher(Dispatcher):
         ids_columns = K * route_dtype.itemsize // hidden_TH.dtype.itemsize
         sent_RX[:, H : H + ids_columns] = ids_RK.to(route_dtype).view(hidden_TH.dtype)  # each row's own ids
         where = link.position.describe(link.channel.layer_names)
-        arrived_RX = self._hop(1, where, sent_RX, splits.recv_nodes_N, splits.send_nodes_N)
-        ids_RK = arrived_RX[:, H:].clone(memory_format=torch.contiguous_format).view(route_dtype)[:, :K].long()
-        rank_RK = torch.where(ids_RK >= 2 * E, (ids_RK - 2 * E) // E, (ids_RK % E) // e)  # computed on
-        on_node_RK = (rank_RK - (shard.ep_rank // P) * P).masked_fill(ids_RK < 0, P)
-        on_node_RK = on_node_RK.masked_fill((on_node_RK < 0) | (on_node_RK > P), P) * e
-        rows_ranks = token_rows(on_node_RK, e, P + 1, sum(splits.send_ranks_P))
-        forwarded_RX = GatherRows.apply(arrived_RX, None, *rows_ranks)
-        received_RX = self._hop(2, where, forwarded_RX, splits.recv_ranks_P, splits.send_ranks_P)
-        x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, route_dtype)
+
+        def rank_of(ids_RK: torch.Tensor) -> torch.Tensor:  # where each choice is computed (-1: nowhere)
+            rank_RK = torch.where(ids_RK >= 2 * E, (ids_RK - 2 * E) // E, (ids_RK % E) // e)
+            return rank_RK.masked_fill(ids_RK < 0, -1)
+
+        x_RH, route_RK2, rows_ranks = self._both_hops(sent_RX, H, route_dtype, K, splits, shard, where, rank_of)
         ids_RK = route_RK2[:, :K].long()
         computed = plan.local_counts(shard.ep_rank)  # the local experts' slots, then the lent experts'
         own, lent = computed[:e], computed[e:]
@@ -159,6 +152,22 @@ class NodesDispatcher(Dispatcher):
         )
         arrived = Arrived(routed, counts.local_counts_e, None, counts.peer_guards)
         return x_RH, NodesMeta(arrived, splits, rows_nodes, rows_ranks, where)
+
+    def _both_hops(self, sent_RX, H: int, route_dtype, K: int, splits: NodeSplits, shard, where: str, rank_of):
+        """``(x_RH, route_RK2, rows_ranks)``: the packed rows ``sent_RX`` (``H`` hidden columns, then the
+        route: K ids in ``route_dtype``, K weights) through hop 1, forwarded by the ranks
+        ``rank_of(ids)`` of each choice (``-1`` or another node's: sent nowhere) through hop 2,
+        unpacked on arrival."""
+        P, e = self.layout.ranks_per_node, shard.num_local_experts
+        arrived_RX = self._hop(1, where, sent_RX, splits.recv_nodes_N, splits.send_nodes_N)
+        ids_RK = arrived_RX[:, H:].clone(memory_format=torch.contiguous_format).view(route_dtype)[:, :K].long()
+        rank_RK = rank_of(ids_RK)
+        on_node_RK = rank_RK - (shard.ep_rank // P) * P  # each choice's rank in this node; P: none here
+        on_node_RK = on_node_RK.masked_fill((rank_RK < 0) | (on_node_RK < 0) | (on_node_RK >= P), P)
+        rows_ranks = token_rows(on_node_RK * e, e, P + 1, sum(splits.send_ranks_P))
+        forwarded_RX = GatherRows.apply(arrived_RX, None, *rows_ranks)
+        received_RX = self._hop(2, where, forwarded_RX, splits.recv_ranks_P, splits.send_ranks_P)
+        return (*UnpackRoute.apply(received_RX, H, route_dtype), rows_ranks)
 
     def combine(self, y_RH: torch.Tensor, meta: NodesMeta) -> torch.Tensor:
         """``(T, H)``: each row's outputs summed at its forwarder (in rank order), one row per node
@@ -184,20 +193,6 @@ class NodesDispatcher(Dispatcher):
                 else (f"hop 2, inside the node (EP ranks {ranks})")
             )
             raise RuntimeError(f"epmoe: the two-level exchange's {what} failed at {where}: {exc}") from exc
-
-
-def _redirected(plan, rank: int, top_k_index_TK: torch.Tensor, ep_size: int):
-    """``(moved_TK, slot_X, helper_X, lent_X)``: this rank's slots the plan moves
-    (:func:`~epmoe.ep.routing.redirected_slots`), ``lent_X`` each one's index among its helper's lent experts."""
-    e = plan.experts_per_rank
-    moves = [(m, *plan.redirected(rank, m)) for m in plan.moves]
-    moves_M5 = [[m.expert, lo, hi, m.helper, plan.replica_index(m) - e] for m, lo, hi in moves if lo < hi]
-    device = top_k_index_TK.device
-    if not moves_M5:
-        none = torch.zeros(0, dtype=torch.int64, device=device)
-        return torch.zeros(top_k_index_TK.shape, dtype=torch.bool, device=device), none, none, none
-    moves_M5 = platform.host_to_device(torch.tensor(moves_M5, dtype=torch.int64), device)
-    return redirected_slots(top_k_index_TK, moves_M5, ep_size, sum(plan.redirected_rows_W(rank)))
 
 
 def _replica_route(top_k_index_TK: torch.Tensor, token_R: torch.Tensor, redirected, e: int, E: int) -> torch.Tensor:
