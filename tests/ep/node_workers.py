@@ -7,7 +7,10 @@ routing, and the whole model's training steps.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+import os
 import zlib
 
 import torch
@@ -89,7 +92,8 @@ def four_rank_run(rank, world, out_dir):
     results["mesh_inside"] = train_arms(rank, world, {"dispatch": "nodes", "ranks_per_node": 2}, group=inside)
     across = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
     results["mesh_across"] = train_arms(rank, world, {"dispatch": "nodes", "ranks_per_node": 1}, group=across)
-    results["scattered_nodes"] = scattered_nodes(rank)
+    results["launcher_layouts"] = launcher_layouts(rank, world)
+    results["node_groups_freed"] = node_groups_freed(rank)
     results["replay_and_save"] = replay_and_save(rank, world, out_dir)
     return results
 
@@ -151,22 +155,98 @@ def eight_rank_run(rank, world):
     return {
         "module_2x4": module_cases(rank, world, 4, cases),
         "ddp": train_arms(rank, world, {"dispatch": "nodes", "ranks_per_node": 4}, sizes=((2, 6), (1, 9), (2, 4))),
+        "groups_of_two_layouts": eight_rank_groups(rank, world),
     }
 
 
-def scattered_nodes(rank):
-    """A launcher whose nodes are not consecutive blocks of the EP group (ranks 0, 2 on node 0; 1, 3 on
-    node 1): ``dispatch="auto"`` raises at apply on every rank, naming each rank's node."""
-    import os
-
-    os.environ["GROUP_RANK"] = str(rank % 2)
+@contextlib.contextmanager
+def launcher_says(node):
+    """This process on launcher node ``node`` (torchrun's ``GROUP_RANK``), for the block."""
+    os.environ["GROUP_RANK"] = str(node)
     try:
-        epmoe.apply_expert_parallel(build_model("qwen3_moe"))
-    except ValueError as exc:
-        return str(exc)
+        yield
     finally:
         del os.environ["GROUP_RANK"]
-    return None
+
+
+@contextlib.contextmanager
+def logged(name="epmoe"):
+    """The messages logged at WARNING or above under ``name`` in the block (a list, filled as they come)."""
+    messages = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger(name).addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logging.getLogger(name).removeHandler(handler)
+
+
+LAYOUTS_4 = {"uneven_1_3": [0, 1, 1, 1], "uneven_3_1": [0, 0, 0, 1], "scattered": [0, 1, 0, 1], "blocks": [0, 0, 1, 1]}
+
+
+def launcher_layouts(rank, world):
+    """Each launcher layout of :data:`LAYOUTS_4` (nodes by rank, told by ``GROUP_RANK`` alone): the
+    transport ``dispatch="auto"`` took, what it logged, and the error ``dispatch="nodes"`` raised
+    (``None``: none); on the first uneven layout, 3 training steps under "auto" against the unsharded model."""
+    out = {}
+    for name, nodes in LAYOUTS_4.items():
+        seen = {}
+        with launcher_says(nodes[rank]):
+            with logged() as messages:
+                model = build_model("qwen3_moe")
+                epmoe.apply_expert_parallel(model)
+            seen["auto"] = sorted({s.transport.name for _, _, s in epmoe.ep.state.ep_states(model)})
+            seen["logged"] = messages
+            try:
+                epmoe.apply_expert_parallel(build_model("qwen3_moe"), config={"dispatch": "nodes"})
+                seen["nodes"] = None
+            except ValueError as exc:
+                seen["nodes"] = str(exc)
+            if name == "uneven_1_3":
+                seen["training"] = train_arms(rank, world, {})
+        out[name] = seen
+    return out
+
+
+def node_groups_freed(rank):
+    """transformers' EP keeps an EP group's two-level groups while the group lives: a group destroyed
+    and collected leaves nothing behind, and a new group (whatever its ``id``) gets groups of its own,
+    over its own ranks. Returns what went wrong (empty: nothing)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from epmoe.ep.topology import NodeLayout
+    from epmoe.integrations import transformers_ep
+
+    wrong, layout = [], NodeLayout(2, 2)
+    first = dist.new_group([0, 1, 2, 3])
+    made = transformers_ep.node_groups(first, layout, rank, 30.0)
+    if transformers_ep.node_groups(first, layout, rank, 30.0) is not made:
+        wrong.append("made twice for one group")
+    dist.destroy_process_group(first)
+    del first
+    gc.collect()
+    if len(transformers_ep._NODE_GROUPS):
+        wrong.append("a destroyed group's entry is kept")
+    second = dist.new_group([0, 1, 2, 3])
+    again = transformers_ep.node_groups(second, layout, rank, 30.0)
+    if again is made or again.ranks != {1: layout.rail_ranks(rank), 2: layout.node_ranks(rank)}:
+        wrong.append("a new group got a dead group's groups")
+    return wrong
+
+
+def eight_rank_groups(rank, world):
+    """Two EP groups of 4 in one world of 8 (a ``("dp", "ep")`` mesh of 2 x 4), the launcher's nodes
+    ``[0, 0, 1, 1 | 1, 1, 1, 2]``: ``dispatch="auto"`` runs the two-level exchange in the first group
+    and the per-rank one in the second, neither waiting on the other; DDP training over the mesh
+    equals the unsharded model's."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "ep"))
+    with launcher_says([0, 0, 1, 1, 1, 1, 1, 2][rank]):
+        return train_arms(rank, world, {}, group=mesh, sizes=((2, 6), (1, 9), (2, 4)))
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 import epmoe
 from epmoe.ep.counts import _node_columns
 from epmoe.ep.routing import destinations_TW
-from epmoe.ep.topology import NodeLayout, node_layout
+from epmoe.ep.topology import NodeLayout, layout_of, two_level_layout
 
 TOL = 1e-10
 
@@ -19,10 +19,50 @@ def test_layout_groups():
 
 
 def test_ranks_per_node_must_divide_the_ep_size():
+    config = epmoe.ExpertParallelConfig(ranks_per_node=3)
     with pytest.raises(ValueError, match=r"ExpertParallelConfig\(ranks_per_node\): 3 does not divide the EP size 4"):
-        node_layout(None, 0, 4, 3, 10.0)
-    assert node_layout(None, 0, 4, 2, 10.0) == NodeLayout(2, 2)
-    assert node_layout(None, 0, 1, None, 10.0) == NodeLayout(1, 1)
+        two_level_layout(config, None, 0, 4, 10.0)
+    told = epmoe.ExpertParallelConfig(ranks_per_node=2)
+    assert two_level_layout(told, None, 0, 4, 10.0) == NodeLayout(2, 2)
+    assert two_level_layout(told, None, 0, 1, 10.0) is None  # a group of one exchanges nothing
+
+
+@pytest.mark.parametrize(
+    ("nodes_by_rank", "layout"),
+    [
+        ([0, 0, 1, 1], NodeLayout(2, 2)),
+        ([5, 5, 5, 5], NodeLayout(4, 1)),
+        ([0, 1, 2, 3], NodeLayout(1, 4)),
+        ([0, 0, 0, 1], None),  # uneven blocks
+        ([0, 1, 1, 1], None),
+        ([0, 1, 0, 1], None),  # not consecutive
+        ([1, 1, 1, 1, 2, 2], None),  # 3 nodes of 8, EP 6: the group [12-17]
+        ([0, 0, 1, 1, 1, 1], None),  # the group [6-11]
+    ],
+)
+def test_layout_of_the_launchers_nodes(nodes_by_rank, layout):
+    assert layout_of(nodes_by_rank) == layout
+
+
+@pytest.mark.parametrize(
+    ("options", "told"),
+    [
+        ({}, 2),  # "auto" over 2 nodes of 2
+        ({"capacity_factor": 1.0}, None),  # capacity's global order: the per-rank exchange
+        ({}, 4),  # one node
+        ({}, 1),  # one rank per node: nothing to gather per node
+        ({"dispatch": "nodes"}, 1),  # asked for: run as told
+        ({"dispatch": "alltoallv"}, None),
+    ],
+)
+def test_auto_takes_the_two_level_exchange_over_nodes_of_several_ranks(options, told):
+    config = epmoe.ExpertParallelConfig(**options, ranks_per_node=told)
+    expected = {
+        (2, False): NodeLayout(2, 2),
+        (1, True): NodeLayout(1, 4),
+    }.get((told, options.get("dispatch") == "nodes"))
+    assert two_level_layout(config, None, 0, 4, 10.0) == expected
+    assert two_level_layout(config, None, 0, 4, 10.0, shares_batch=True) is None
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "2"])
@@ -119,10 +159,32 @@ def test_training_over_two_nodes_equals_per_rank_and_unsharded(four_ranks, key):
 
 
 @pytest.mark.multirank
-def test_ranks_whose_nodes_are_not_blocks_raise_on_every_rank(four_ranks):
-    for result in four_ranks:
-        message = result["scattered_nodes"]
-        assert message is not None and "[0, 1, 0, 1]" in message and "consecutive" in message, message
+def test_auto_takes_the_per_rank_exchange_where_the_nodes_are_not_blocks(four_ranks):
+    """Launcher nodes [0, 1, 1, 1], [0, 0, 0, 1], [0, 1, 0, 1] (uneven or scattered blocks): under
+    ``"auto"`` every rank takes the per-rank exchange (EP rank 0 logs why once) and trains exactly;
+    ``dispatch="nodes"`` raises ValueError on every rank naming each rank's node; [0, 0, 1, 1] takes
+    the two-level exchange."""
+    from node_workers import LAYOUTS_4
+
+    for rank, result in enumerate(four_ranks):
+        for name, nodes in LAYOUTS_4.items():
+            seen = result["launcher_layouts"][name]
+            if name == "blocks":
+                assert seen["auto"] == ["nodes"] and seen["nodes"] is None and not seen["logged"], seen
+                continue
+            assert seen["auto"] == ["alltoallv"], (rank, name, seen)
+            assert str(nodes) in (seen["nodes"] or ""), (rank, name, seen)
+            assert "ExpertParallelConfig(dispatch='nodes')" in seen["nodes"], seen["nodes"]
+            said = [m for m in seen["logged"] if "takes the per-rank exchange" in m and str(nodes) in m]
+            assert len(said) == (1 if rank == 0 else 0), (rank, name, seen["logged"])
+        training = result["launcher_layouts"]["uneven_1_3"]["training"]
+        worst = max(training["errors"], key=training["errors"].get)
+        assert training["errors"][worst] <= TOL and training["transports"] == ["alltoallv"], (worst, training)
+
+
+@pytest.mark.multirank
+def test_transformers_ep_keeps_node_groups_only_while_their_ep_group_lives(four_ranks):
+    assert all(result["node_groups_freed"] == [] for result in four_ranks), [r["node_groups_freed"] for r in four_ranks]
 
 
 @pytest.mark.multirank
@@ -140,6 +202,18 @@ def test_routing_replay_and_save_pretrained_over_two_nodes(four_ranks):
 def test_two_nodes_of_four(eight_ranks):
     assert_module(eight_ranks, "module_2x4")
     assert_exact(eight_ranks, "ddp")
+
+
+@pytest.mark.multirank
+def test_two_ep_groups_of_different_layouts_in_one_world(eight_ranks):
+    """A ("dp", "ep") mesh of 2 x 4 over launcher nodes [0, 0, 1, 1 | 1, 1, 1, 2]: the first EP group
+    runs the two-level exchange, the second (uneven) the per-rank one, and DDP training over the mesh
+    equals the unsharded model's on every rank (no group waits on the other)."""
+    for rank, result in enumerate(eight_ranks):
+        seen = result["groups_of_two_layouts"]
+        worst = max(seen["errors"], key=seen["errors"].get)
+        assert seen["errors"][worst] <= TOL, f"rank {rank}: {worst} {seen['errors'][worst]:.3g}"
+        assert seen["transports"] == (["nodes"] if rank < 4 else ["alltoallv"]), (rank, seen["transports"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -222,3 +296,18 @@ def test_a_rank_that_dies_or_hangs_between_the_hops_ends_the_others_wait(how, tm
         assert seen["type"] == "RuntimeError" and seen["time"] - failed < 15, seen
     messages = " ".join(seen["message"] for seen in survivors)
     assert "the two-level exchange's hop 2, inside the node (EP ranks [2, 3])" in messages, messages
+
+
+def test_the_counts_rows_columns_and_width():
+    """One object says where each extra column of a counts row sits and how wide the row is: e counts,
+    total, dtype, then rows, the guard, (with replicas) the key and E slots, (two-level) 1 + P splits."""
+    from epmoe.ep.config import ExpertShard
+    from epmoe.ep.counts import GUARD, CountsRow
+
+    plain, both = CountsRow(2), CountsRow(2, experts=8, ranks_per_node=2)
+    assert plain.width == 2 + 3 + GUARD and plain.nodes == slice(5, 5)
+    assert both.guard == slice(1, 1 + GUARD) and both.key == 1 + GUARD
+    assert both.slots == slice(6, 14) and both.nodes == slice(14, 17) and both.width == 2 + 2 + 17
+    assert CountsRow(2, ranks_per_node=4).nodes == slice(5, 10)
+    shards = [ExpertShard("a", 8, 2, 0, 2, 0, 4), ExpertShard("b", 16, 4, 0, 4, 0, 4)]
+    assert CountsRow.widest(shards, True, 2) == CountsRow(4, 16, 2).width

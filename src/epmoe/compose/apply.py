@@ -59,14 +59,13 @@ from epmoe.comm.steps import (
     dtype_code,
     dtype_name,
     step_group,
-    step_subgroups,
     step_timeout_s,
     value_code,
 )
 from epmoe.ep.adopt import find_experts_modules
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import unfaithful_experts
-from epmoe.ep.counts import GUARD
+from epmoe.ep.counts import CountsRow
 from epmoe.ep.dispatch import NodeGroups
 from epmoe.ep.expert_weights import family_compute_dtype
 from epmoe.ep.experts import LocalExperts, experts_gmm_backends
@@ -87,7 +86,7 @@ from epmoe.ep.recognize import (
     zero_experts,
 )
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
-from epmoe.ep.topology import NodeLayout, node_layout
+from epmoe.ep.topology import NodeLayout, two_level_layout
 from epmoe.ep.transports import make_dispatcher, static_ineligible_reason
 from epmoe.gmm import choose_backend
 from epmoe.integrations.blocks import (
@@ -322,13 +321,7 @@ def _step_channels(
     ``config.timeout`` (see :mod:`epmoe.comm.steps`); ``None`` for a group of one."""
     shards, nodes = checked.shards, checked.nodes
     names = tuple(shard.module_name for shard in shards)
-    # a row: the counts, the slot total, the dtype, the rows, the step guard's values (with replicas:
-    # the sender's whole histogram, epmoe.ep.counts)
-    width = max(shard.num_local_experts for shard in shards) + 3 + GUARD
-    if config.replicas:  # and the replica plan's key (epmoe.ep.counts)
-        width += max(shard.num_experts for shard in shards) + 1
-    if nodes is not None:  # the two-level exchange's splits (epmoe.ep.counts.NodeSplits)
-        width += 1 + nodes[0].ranks_per_node
+    width = CountsRow.widest(shards, bool(config.replicas), nodes[0].ranks_per_node if nodes is not None else None)
     timeout = step_timeout_s(config.timeout, group)
     ep = StepChannel(step_group(group, timeout), width, names, timeout) if ep_size > 1 else None
     dp = StepChannel(step_group(dp_group, timeout), 1, names, timeout, what="dp") if dp_size > 1 else None
@@ -412,16 +405,13 @@ def _validate(
 def _two_level(
     group, ep_rank: int, ep_size: int, config: ExpertParallelConfig, checked: _Checked, found: list
 ) -> tuple[NodeLayout, NodeGroups] | None:
-    """The EP group's node layout and this rank's groups of the two-level exchange, where its modules
-    run it (``dispatch="nodes"``, or ``"auto"`` over more than one node with more than one EP rank on
-    each), their transports set to ``"nodes"``; ``None`` elsewhere. Collective over the EP group
-    (every rank decides alike: the config, the modules and the layout are agreed)."""
-    if ep_size == 1 or config.dispatch not in ("auto", "nodes"):
-        return None
+    """The EP group's node layout and this rank's groups of the two-level exchange, where the one
+    decision (:func:`~epmoe.ep.topology.two_level_layout`) has the group run it and its modules can,
+    their transports set to ``"nodes"``; ``None`` elsewhere. Collective over the EP group (every rank
+    decides alike: the config, the modules and the layout are agreed)."""
     timeout = step_timeout_s(config.timeout, group)
-    layout = node_layout(group, ep_rank, ep_size, config.ranks_per_node, timeout)
-    spans = layout.nodes > 1 and layout.ranks_per_node > 1 and config.capacity_factor is None
-    if config.dispatch == "auto" and not spans:
+    layout = two_level_layout(config, group, ep_rank, ep_size, timeout)
+    if layout is None:
         return None
     for i, (name, module, _) in enumerate(found):
         reason = static_ineligible_reason(module)  # both need the routed MLP op and no per-source split
@@ -433,8 +423,7 @@ def _two_level(
             checked.transport[i] = "nodes"
     if "nodes" not in checked.transport:
         return None
-    parts = [layout.rail_ranks(ep_rank), layout.node_ranks(ep_rank)]
-    return layout, NodeGroups(*step_subgroups(group, parts, timeout), dict(zip((1, 2), parts)))
+    return layout, NodeGroups.make(group, layout, ep_rank, timeout)
 
 
 def _check_replicas(name: str, experts: nn.Module) -> None:

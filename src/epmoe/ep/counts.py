@@ -15,7 +15,8 @@ A rank sends a token once to each rank holding one of its experts: its rows per 
 call's slot matrix ``slots_WE`` (rank s, global expert g), which :mod:`epmoe.ep.replicas` plans from,
 and the rest of what the plan takes, which the ranks check is the same. With the two-level exchange
 (``ranks_per_node``) each sender also tells its rail peers the rows it sends their node and what they
-forward to each rank there (:class:`NodeSplits`, :mod:`epmoe.ep.dispatch.nodes`).
+forward to each rank there (:class:`NodeSplits`, :mod:`epmoe.ep.dispatch.nodes`). What a row holds,
+column by column, is :class:`CountsRow`'s: the one place that knows the columns and the width.
 """
 
 from __future__ import annotations
@@ -34,6 +35,53 @@ GUARD = 4  # the step guard's values in each row (epmoe.ep.guard: verdict, facto
 
 
 @dataclass(frozen=True)
+class CountsRow:
+    """The columns of one sender's row to one peer in a layer's counts exchange::
+
+        counts     e        its slots per expert of the peer     (epmoe.comm.counts: with the two below)
+        total      1        its slots in all
+        dtype      1        the dtype of the rows about to travel
+        rows       1        its rows for the peer                (the extra columns start here)
+        guard      GUARD    the step guard's values              (epmoe.ep.guard; zeros where it does not run)
+        key        1        the replica plan's key               (with expert replicas: experts > 0)
+        slots      E        its slots per global expert          (with expert replicas)
+        nodes      1 + P    the two-level exchange's splits      (with ranks_per_node > 0: _node_columns)
+
+    ``local_experts`` = e; ``experts`` = E where replicas ride (else 0); ``ranks_per_node`` = P where
+    the two-level exchange's splits ride (else 0). The extra columns' slices index what
+    :func:`~epmoe.comm.counts.exchange_counts_on` returns of them."""
+
+    local_experts: int
+    experts: int = 0
+    ranks_per_node: int = 0
+
+    @property
+    def width(self) -> int:
+        """The row's values: what the step channel must carry."""
+        return self.local_experts + 2 + self.nodes.stop
+
+    rows = 0
+    guard = slice(1, 1 + GUARD)
+    key = 1 + GUARD
+
+    @property
+    def slots(self) -> slice:
+        return slice(self.key + 1, self.key + 1 + self.experts)
+
+    @property
+    def nodes(self) -> slice:
+        start = self.slots.stop if self.experts else self.key
+        return slice(start, start + (1 + self.ranks_per_node if self.ranks_per_node else 0))
+
+    @staticmethod
+    def widest(shards: list[ExpertShard], replicas: bool, ranks_per_node: int | None) -> int:
+        """The widest row of any of ``shards``' layers: the width of the channel they share."""
+        return max(
+            CountsRow(s.num_local_experts, s.num_experts if replicas else 0, ranks_per_node or 0).width for s in shards
+        )
+
+
+@dataclass(frozen=True)
 class NodeSplits:
     """The two-level exchange's rows (:mod:`epmoe.ep.dispatch.nodes`), on the host: to and from each
     node (over this rank's rail group, by node), then to and from each rank of this rank's node."""
@@ -44,7 +92,7 @@ class NodeSplits:
     recv_ranks_P: list[int]  # (P,) rows this rank receives from each rank of its node
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LayerCounts:
     """What one layer forward's counts exchange told this rank, on the host (see the module docstring)."""
 
@@ -84,9 +132,19 @@ def exchange_layer_counts(
     slots_E.scatter_add_(0, expert_S, torch.ones_like(expert_S))
     if channel is None:
         slots = slots_E.tolist()
-        every = [slots] if replica_key is not None else None
-        return LayerCounts(slots, slots, slots, None, sum(slots), [], [], None, every)
+        return LayerCounts(
+            send_counts_WE=slots,
+            recv_counts_WE=slots,
+            local_counts_e=slots,
+            group=None,
+            global_slots=sum(slots),
+            send_rows_W=[],
+            recv_rows_W=[],
+            peer_guards=None,
+            slots_WE=[slots] if replica_key is not None else None,
+        )
     W, e = channel.size, shard.num_local_experts
+    row = CountsRow(e, shard.num_experts if replica_key is not None else 0, ranks_per_node or 0)
     dest_TW = destinations_TW(top_k_index_TK, e, W)
     rows_W = dest_TW.sum(0)
     guard_values = slots_E.new_zeros(GUARD) if guard is None else guard
@@ -98,19 +156,19 @@ def exchange_layer_counts(
     exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, torch.cat(columns, dim=1))
     received = exchanged.extras_received
     if replica_key is not None:
-        _check_replica_keys([row[1 + GUARD] for row in received], position.describe(channel.layer_names))
+        _check_replica_keys([peer[row.key] for peer in received], position.describe(channel.layer_names))
     recv = exchanged.recv_counts
     return LayerCounts(
-        exchanged.send_counts,
-        recv,
-        [sum(recv[s * e + j] for s in range(W)) for j in range(e)],
-        channel.group,
-        sum(exchanged.slots_by_rank),
-        [row[0] for row in exchanged.extras_sent],
-        [row[0] for row in received],
-        [row[1 : 1 + GUARD] for row in received] if guard is not None else None,
-        [row[2 + GUARD : 2 + GUARD + shard.num_experts] for row in received] if replica_key is not None else None,
-        None if ranks_per_node is None else _node_splits(exchanged, channel.rank, ranks_per_node),
+        send_counts_WE=exchanged.send_counts,
+        recv_counts_WE=recv,
+        local_counts_e=[sum(recv[s * e + j] for s in range(W)) for j in range(e)],
+        group=channel.group,
+        global_slots=sum(exchanged.slots_by_rank),
+        send_rows_W=[peer[row.rows] for peer in exchanged.extras_sent],
+        recv_rows_W=[peer[row.rows] for peer in received],
+        peer_guards=[peer[row.guard] for peer in received] if guard is not None else None,
+        slots_WE=[peer[row.slots] for peer in received] if replica_key is not None else None,
+        nodes=None if ranks_per_node is None else _node_splits(exchanged, row.nodes, channel.rank, ranks_per_node),
     )
 
 
@@ -127,17 +185,20 @@ def _node_columns(dest_TW: torch.Tensor, rank: int, P: int) -> torch.Tensor:
     return per_peer * rail_W.view(W, 1)
 
 
-def _node_splits(exchanged, rank: int, P: int) -> NodeSplits:
-    """This rank's :class:`NodeSplits`, from what the counts exchange carried (:func:`_node_columns`)."""
+def _node_splits(exchanged, columns: slice, rank: int, P: int) -> NodeSplits:
+    """This rank's :class:`NodeSplits`, from what the counts exchange carried in the row's node
+    ``columns`` (:func:`_node_columns`) and its rows column."""
     W = len(exchanged.extras_sent)
-    sent = [row[-(1 + P) :] for row in exchanged.extras_sent]
-    received = [row[-(1 + P) :] for row in exchanged.extras_received]
+    sent = [peer[columns] for peer in exchanged.extras_sent]
+    received = [peer[columns] for peer in exchanged.extras_received]
     rail = range(rank % P, W, P)  # this rank's rail peers, by node
     return NodeSplits(
-        [sent[r][0] for r in rail],
-        [received[r][0] for r in rail],
-        [sum(received[r][1 + j] for r in rail) for j in range(P)],
-        [sum(exchanged.extras_received[s][0] for s in range(W) if s % P == j) for j in range(P)],
+        send_nodes_N=[sent[r][0] for r in rail],
+        recv_nodes_N=[received[r][0] for r in rail],
+        send_ranks_P=[sum(received[r][1 + j] for r in rail) for j in range(P)],
+        recv_ranks_P=[
+            sum(exchanged.extras_received[s][CountsRow.rows] for s in range(W) if s % P == j) for j in range(P)
+        ],
     )
 
 

@@ -1,4 +1,4 @@
-"""Which EP ranks share a node: the layout the two-level exchange (:mod:`epmoe.ep.dispatch.nodes`) follows.
+"""Which EP ranks share a node, and the one decision whether an EP group runs the two-level exchange.
 
 A node's ranks are consecutive in the EP group, ``P`` of them on each of ``N`` nodes (EP rank
 ``r`` on node ``r // P``, at local index ``r % P``)::
@@ -7,15 +7,27 @@ A node's ranks are consecutive in the EP group, ``P`` of them on each of ``N`` n
     node           0 |   1      node group of rank 2: [2, 3]     rail group of rank 2: [0, 2]
 
 ``P`` comes from ``ExpertParallelConfig(ranks_per_node=P)`` (to override the launcher, or to emulate
-nodes on one machine), else from the launcher: torchrun's ``LOCAL_WORLD_SIZE`` and node rank
-(``GROUP_RANK``, else the global rank over ``LOCAL_WORLD_SIZE``), else one node. The EP ranks agree
-on it in one header exchange of each rank's node when EP is applied; a group whose ranks' nodes are
-not consecutive blocks of one size, or that the size does not divide, raises on every rank naming
-each rank's node.
+nodes on one machine), else from the launcher: torchrun's node rank (``GROUP_RANK``, else the global
+rank over ``LOCAL_WORLD_SIZE``), else one node. The EP ranks agree on each rank's node in one header
+exchange when EP is applied, so every rank of the group decides alike (:func:`two_level_layout`, the
+one decision, for :func:`epmoe.apply_expert_parallel` and for transformers' EP alike). An EP group
+whose ranks do not sit on nodes as consecutive blocks of one size cannot run the two-level exchange::
+
+    nodes by EP rank   [0, 0, 1, 1]   two nodes of 2: the two-level exchange
+                       [0, 1, 1, 1]   uneven blocks      "auto": the per-rank exchange, one log line
+                       [0, 0, 0, 1]   uneven blocks      says why; "nodes": ValueError on every rank
+                       [0, 1, 0, 1]   not consecutive    naming each rank's node
+
+Under ``dispatch="auto"`` such a group takes the per-rank exchange, as does a group on one node or
+with one rank per node: ``"auto"`` never raises on a layout, so an EP group never leaves another
+waiting (each group decides from its own ranks' nodes: groups of one world may take different
+transports, each exact).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -23,6 +35,9 @@ import torch.distributed as dist
 
 from epmoe import platform
 from epmoe.comm.steps import AGREE, MODEL_WIDE, Position, StepChannel
+from epmoe.ep.config import ExpertParallelConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -42,29 +57,65 @@ class NodeLayout:
         return list(range(ep_rank % self.ranks_per_node, self.nodes * self.ranks_per_node, self.ranks_per_node))
 
 
-def node_layout(group, ep_rank: int, ep_size: int, ranks_per_node: int | None, timeout_s: float) -> NodeLayout:
-    """The EP group's :class:`NodeLayout` (see the module docstring), agreed on by its ranks."""
-    if ranks_per_node is not None:
-        if ep_size % ranks_per_node:
+def two_level_layout(
+    config: ExpertParallelConfig, group, ep_rank: int, ep_size: int, timeout_s: float, *, shares_batch: bool = False
+) -> NodeLayout | None:
+    """The :class:`NodeLayout` the EP group's two-level exchange follows where ``config`` has it run
+    (``dispatch="nodes"``; ``"auto"`` over more than one node with more than one EP rank on each,
+    dropless), ``None`` where the group takes the per-rank exchange (see the module docstring);
+    ``shares_batch``: the group's ranks hold one batch (transformers' TP group), nothing to exchange.
+    Collective over the EP group where the launcher says the nodes (one header exchange; every rank
+    decides alike); ``ValueError`` on every rank for ``dispatch="nodes"`` on a layout it cannot serve."""
+    if ep_size == 1 or shares_batch or config.dispatch not in ("auto", "nodes"):
+        return None
+    if config.dispatch == "auto" and config.capacity_factor is not None:  # capacity's order: the per-rank exchange
+        return None
+    if config.ranks_per_node is not None:
+        if ep_size % config.ranks_per_node:
             raise ValueError(
-                f"ExpertParallelConfig(ranks_per_node): {ranks_per_node} does not divide the EP size {ep_size}"
+                f"ExpertParallelConfig(ranks_per_node): {config.ranks_per_node} does not divide the EP size {ep_size}"
             )
-        return NodeLayout(ranks_per_node, ep_size // ranks_per_node)
+        layout = NodeLayout(config.ranks_per_node, ep_size // config.ranks_per_node)
+    else:
+        nodes_by_rank = launcher_nodes(group, ep_size, timeout_s)
+        layout = layout_of(nodes_by_rank)
+        if layout is None:
+            why = (
+                f"the EP ranks' nodes (by EP rank, from the launcher) are {nodes_by_rank}, not consecutive blocks "
+                f"of one size"
+            )
+            if config.dispatch == "nodes":
+                raise ValueError(
+                    f"ExpertParallelConfig(dispatch='nodes'): {why}: the two-level exchange needs a node's ranks "
+                    f"consecutive in the EP group, as many on every node; make EP groups of whole nodes (or of "
+                    f"equal consecutive parts of them), set ranks_per_node, or use dispatch='auto'"
+                )
+            if ep_rank == 0:
+                logger.warning("epmoe: dispatch='auto' takes the per-rank exchange: %s", why)
+            return None
+    if config.dispatch == "auto" and (layout.nodes == 1 or layout.ranks_per_node == 1):
+        return None
+    return layout
+
+
+def layout_of(nodes_by_rank: list[int]) -> NodeLayout | None:
+    """The :class:`NodeLayout` of EP ranks on nodes ``nodes_by_rank`` (a node id per EP rank), or
+    ``None`` where a node's ranks are not consecutive or the nodes hold different numbers of them."""
+    runs = [(node, len(list(ranks))) for node, ranks in itertools.groupby(nodes_by_rank)]
+    sizes = {size for _, size in runs}
+    if len(sizes) != 1 or len({node for node, _ in runs}) != len(runs):
+        return None
+    return NodeLayout(sizes.pop(), len(runs))
+
+
+def launcher_nodes(group, ep_size: int, timeout_s: float) -> list[int]:
+    """Each EP rank's node as its launcher says (:func:`launcher_node`), by EP rank, the same list on
+    every rank of the group (one header exchange)."""
     if ep_size == 1:
-        return NodeLayout(1, 1)
+        return [launcher_node()]
     channel = StepChannel(group, 1, timeout_s=timeout_s, what="EP")
     rows = channel.agree(Position(MODEL_WIDE, AGREE, 0), platform.group_device(group), [], [launcher_node()])
-    nodes_by_rank = [row[0] for row in rows]
-    firsts = sorted(set(nodes_by_rank))
-    size = nodes_by_rank.count(nodes_by_rank[0])
-    expected = [firsts[r // size] for r in range(ep_size)] if ep_size % size == 0 else None
-    if expected != nodes_by_rank or len(firsts) * size != ep_size:
-        raise ValueError(
-            f"apply_expert_parallel: the EP ranks' nodes (by EP rank, from the launcher) are {nodes_by_rank}: "
-            f"a node's ranks must be consecutive in the EP group, as many on every node; set "
-            f"ExpertParallelConfig(ranks_per_node=...) or launch ranks of a node consecutively (torchrun does)"
-        )
-    return NodeLayout(size, ep_size // size)
+    return [row[0] for row in rows]
 
 
 def launcher_node() -> int:

@@ -76,11 +76,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from epmoe.comm.steps import DEFAULT_TIMEOUT_S, StepChannel, checks_on, step_subgroups
+from epmoe.comm.steps import DEFAULT_TIMEOUT_S, StepChannel, checks_on
 from epmoe.ep.config import ExpertParallelConfig, ExpertShard
 from epmoe.ep.contract import departures
 from epmoe.ep.counters import LoadCounters, attach_counted
-from epmoe.ep.counts import GUARD, exchange_layer_counts
+from epmoe.ep.counts import CountsRow, exchange_layer_counts
 from epmoe.ep.dispatch import (
     AllToAllVDispatcher,
     Dispatcher,
@@ -93,7 +93,7 @@ from epmoe.ep.dispatch import (
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.position import LayerPosition
 from epmoe.ep.recognize import is_packed_experts
-from epmoe.ep.topology import node_layout
+from epmoe.ep.topology import NodeLayout, two_level_layout
 from epmoe.ep.transports import static_ineligible_reason
 
 try:
@@ -106,7 +106,9 @@ _ORDINALS = itertools.count()  # experts modules in the order transformers build
 # (id(model config), id(EP group)) -> the static exchange of that model's first experts module on that
 # group: the layer whose forward reads the route headers for the later ones (weak: gone with the model)
 _LEADERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_NODE_GROUPS: dict = {}  # (id(EP group), node layout) -> its two-level exchange's groups, made once
+# EP group -> {node layout: its two-level exchange's groups}, made once (weak: gone with the group, so a
+# later group never finds a dead one's subgroups)
+_NODE_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def why_not_served(experts: nn.Module, config: ExpertParallelConfig | None = None) -> str | None:
@@ -163,7 +165,7 @@ class EpmoeEP(_Base):
         self.shard = ExpertShard(f"{type(experts).__name__} #{ordinal}", e * W, e, rank * e, (rank + 1) * e, rank, W)
         timeout = self.config.timeout or DEFAULT_TIMEOUT_S
         nodes = _two_level(self.config, ep_mesh.get_group(), rank, W, self.shares_batch, timeout)
-        width = e + 3 + GUARD + (1 + nodes.ranks_per_node if nodes is not None else 0)
+        width = CountsRow(e, ranks_per_node=nodes.ranks_per_node if nodes is not None else 0).width
         self.channel = StepChannel(ep_mesh.get_group(), width, timeout_s=timeout) if W > 1 else None
         self.steps = LayerPosition(ordinal)
         # transformers' own reading of its meshes: the EP group is the TP group, every rank holds the same batch
@@ -200,19 +202,21 @@ class EpmoeEP(_Base):
 
 
 def _two_level(config: ExpertParallelConfig, group, rank: int, W: int, shares_batch: bool, timeout: float):
-    """The two-level exchange (:mod:`epmoe.ep.dispatch.nodes`) of an EP group that spans nodes (or where
-    ``dispatch="nodes"`` asks for it), its node layout agreed and its groups made once per EP group;
-    ``None`` elsewhere. Collective over the EP group (every rank builds the same implementations)."""
-    if W == 1 or shares_batch or config.dispatch not in ("auto", "nodes"):
-        return None
-    layout = node_layout(group, rank, W, config.ranks_per_node, timeout)
-    if config.dispatch == "auto" and (layout.nodes == 1 or layout.ranks_per_node == 1):
-        return None
-    key = (id(group), layout)
-    if key not in _NODE_GROUPS:
-        parts = [layout.rail_ranks(rank), layout.node_ranks(rank)]
-        _NODE_GROUPS[key] = NodeGroups(*step_subgroups(group, parts, timeout), dict(zip((1, 2), parts)))
-    return NodesDispatcher(layout, _NODE_GROUPS[key])
+    """The two-level exchange (:mod:`epmoe.ep.dispatch.nodes`) where the one decision
+    (:func:`~epmoe.ep.topology.two_level_layout`) has the EP group run it, its groups made once per EP
+    group; ``None`` elsewhere. Collective over the EP group (every rank builds the same implementations)."""
+    layout = two_level_layout(config, group, rank, W, timeout, shares_batch=shares_batch)
+    return NodesDispatcher(layout, node_groups(group, layout, rank, timeout)) if layout is not None else None
+
+
+def node_groups(group, layout: NodeLayout, rank: int, timeout: float) -> NodeGroups:
+    """This rank's groups of the two-level exchange over ``layout`` of the EP ``group``, made at the
+    first call for that group and layout (collective over ``group`` then), the same object after; held
+    as long as ``group`` lives (a group made later never finds a dead group's subgroups)."""
+    made = _NODE_GROUPS.setdefault(group, {})
+    if layout not in made:
+        made[layout] = NodeGroups.make(group, layout, rank, timeout)
+    return made[layout]
 
 
 def _transports(

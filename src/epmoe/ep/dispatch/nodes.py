@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from epmoe.comm import all_to_all_v
+from epmoe.comm.steps import step_subgroups
 from epmoe.ep.counts import NodeSplits
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
 from epmoe.ep.routing import (
@@ -53,6 +54,13 @@ class NodeGroups:
     def __init__(self, rail: dist.ProcessGroup, node: dist.ProcessGroup, ranks: dict[int, list[int]]):
         self.rail, self.node = rail, node
         self.ranks = ranks  # hop -> the EP ranks of its group (1: rail, 2: node)
+
+    @classmethod
+    def make(cls, group: dist.ProcessGroup | None, layout: NodeLayout, ep_rank: int, timeout_s: float) -> NodeGroups:
+        """EP rank ``ep_rank``'s groups over ``layout`` of ``group`` (None: the default group), with a
+        ``timeout_s`` timeout. Collective over ``group``: every rank calls it."""
+        parts = [layout.rail_ranks(ep_rank), layout.node_ranks(ep_rank)]
+        return cls(*step_subgroups(group, parts, timeout_s), dict(zip((1, 2), parts)))
 
     def __deepcopy__(self, memo: dict) -> NodeGroups:
         return self
