@@ -7,7 +7,7 @@ import torch
 import epmoe
 from epmoe.ep.counts import _node_columns
 from epmoe.ep.routing import destinations_TW
-from epmoe.ep.topology import NodeLayout, layout_of, two_level_layout
+from epmoe.ep.topology import NodeLayout, layout_of, nodes_of_ranks, two_level_layout
 
 TOL = 1e-10
 
@@ -21,10 +21,11 @@ def test_layout_groups():
 def test_ranks_per_node_must_divide_the_ep_size():
     config = epmoe.ExpertParallelConfig(ranks_per_node=3)
     with pytest.raises(ValueError, match=r"ExpertParallelConfig\(ranks_per_node\): 3 does not divide the EP size 4"):
-        two_level_layout(config, None, 0, 4, 10.0)
+        nodes_of_ranks(config, None, 4, 10.0)
     told = epmoe.ExpertParallelConfig(ranks_per_node=2)
-    assert two_level_layout(told, None, 0, 4, 10.0) == NodeLayout(2, 2)
-    assert two_level_layout(told, None, 0, 1, 10.0) is None  # a group of one exchanges nothing
+    assert nodes_of_ranks(told, None, 4, 10.0) == [0, 0, 1, 1]
+    assert two_level_layout(told, [0, 0, 1, 1], 0) == NodeLayout(2, 2)
+    assert two_level_layout(told, [0], 0) is None  # a group of one exchanges nothing
 
 
 @pytest.mark.parametrize(
@@ -61,8 +62,16 @@ def test_auto_takes_the_two_level_exchange_over_nodes_of_several_ranks(options, 
         (2, False): NodeLayout(2, 2),
         (1, True): NodeLayout(1, 4),
     }.get((told, options.get("dispatch") == "nodes"))
-    assert two_level_layout(config, None, 0, 4, 10.0) == expected
-    assert two_level_layout(config, None, 0, 4, 10.0, shares_batch=True) is None
+    nodes_by_rank = [r // (told or 2) for r in range(4)]
+    assert two_level_layout(config, nodes_by_rank, 0) == expected
+    assert two_level_layout(config, nodes_by_rank, 0, shares_batch=True) is None
+
+
+def test_nodes_refuses_a_layout_it_cannot_serve_naming_each_ranks_node():
+    config = epmoe.ExpertParallelConfig(dispatch="nodes")
+    with pytest.raises(ValueError, match=r"dispatch='nodes'\).*\[0, 1, 1, 1\]"):
+        two_level_layout(config, [0, 1, 1, 1], 2)
+    assert two_level_layout(epmoe.ExpertParallelConfig(), [0, 1, 1, 1], 2) is None
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "2"])

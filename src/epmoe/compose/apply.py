@@ -86,7 +86,7 @@ from epmoe.ep.recognize import (
     zero_experts,
 )
 from epmoe.ep.state import ExpertParallelState, attach_state, state_of
-from epmoe.ep.topology import NodeLayout, two_level_layout
+from epmoe.ep.topology import NodeLayout, nodes_of_ranks, two_level_layout
 from epmoe.ep.transports import make_dispatcher, static_ineligible_reason
 from epmoe.gmm import choose_backend
 from epmoe.integrations.blocks import (
@@ -172,7 +172,11 @@ def apply_expert_parallel(
     except (ValueError, TypeError) as exc:
         checked, error = None, exc
     _check_ranks_agree(group, ep_size, config, found, error)
-    checked.nodes = _two_level(group, ep_rank, ep_size, config, checked, found)
+    # each EP rank's node, where the two-level exchange or the replicas' link costs read it
+    nodes_by_rank = None
+    if ep_size > 1 and (config.dispatch in ("auto", "nodes") or config.replicas):
+        nodes_by_rank = nodes_of_ranks(config, group, ep_size, step_timeout_s(config.timeout, group))
+    checked.nodes = _two_level(group, ep_rank, nodes_by_rank, config, checked, found) if nodes_by_rank else None
 
     modules = dict(model.named_modules())
     ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, checked)
@@ -403,14 +407,13 @@ def _validate(
 
 
 def _two_level(
-    group, ep_rank: int, ep_size: int, config: ExpertParallelConfig, checked: _Checked, found: list
+    group, ep_rank: int, nodes_by_rank: list[int], config: ExpertParallelConfig, checked: _Checked, found: list
 ) -> tuple[NodeLayout, NodeGroups] | None:
     """The EP group's node layout and this rank's groups of the two-level exchange, where the one
     decision (:func:`~epmoe.ep.topology.two_level_layout`) has the group run it and its modules can,
     their transports set to ``"nodes"``; ``None`` elsewhere. Collective over the EP group (every rank
     decides alike: the config, the modules and the layout are agreed)."""
-    timeout = step_timeout_s(config.timeout, group)
-    layout = two_level_layout(config, group, ep_rank, ep_size, timeout)
+    layout = two_level_layout(config, nodes_by_rank, ep_rank)
     if layout is None:
         return None
     for i, (name, module, _) in enumerate(found):
@@ -423,7 +426,7 @@ def _two_level(
             checked.transport[i] = "nodes"
     if "nodes" not in checked.transport:
         return None
-    return layout, NodeGroups.make(group, layout, ep_rank, timeout)
+    return layout, NodeGroups.make(group, layout, ep_rank, step_timeout_s(config.timeout, group))
 
 
 def _check_replicas(name: str, experts: nn.Module) -> None:

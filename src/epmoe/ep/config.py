@@ -66,7 +66,13 @@ class ExpertParallelConfig:
         ranks_per_node: ``None`` (the launcher says which EP ranks share a node: torchrun's
             ``LOCAL_WORLD_SIZE`` and node rank; none: one node) or an int >= 1, the EP ranks per
             node, consecutive (to override the launcher, or to emulate nodes on one machine):
-            :mod:`epmoe.ep.topology`. Read by ``dispatch="nodes"`` and ``"auto"``.
+            :mod:`epmoe.ep.topology`. Read by ``dispatch="nodes"`` and ``"auto"``, and by expert
+            replicas' link costs (a link inside a node or between nodes).
+        flops_per_link_byte: what a byte on a link costs expert replicas' plan, in matmul flops
+            (:mod:`epmoe.ep.links`): ``None`` (measured when EP is applied with replicas on: a timed
+            matmul and one short timed exchange per link class, agreed across ranks), a number >= 0
+            for every link, or ``{"inside": x, "between": y}`` for links inside a node and between
+            nodes (``float("inf")``: never move an expert over that link).
     """
 
     gmm_backend: str = "auto"
@@ -79,6 +85,7 @@ class ExpertParallelConfig:
     static_tokens: int | None = None
     replicas: int = 0
     ranks_per_node: int | None = None
+    flops_per_link_byte: float | dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         names = ["auto"] + [status.name for status in gmm_backends()]
@@ -119,6 +126,28 @@ class ExpertParallelConfig:
         self._check_static()
         self._check_replicas()
         self._check_nodes()
+        self._check_links()
+
+    def _check_links(self) -> None:
+        """``flops_per_link_byte``: ``None``, a number >= 0, or one per link class (:mod:`epmoe.ep.links`)."""
+        given = self.flops_per_link_byte
+        if given is None:
+            return
+        classes = ("inside", "between")
+        costs = given if isinstance(given, dict) else dict.fromkeys(classes, given)
+        if isinstance(given, dict) and sorted(given) != sorted(classes):
+            raise ValueError(
+                f"ExpertParallelConfig(flops_per_link_byte): a dict needs exactly the keys {list(classes)}, "
+                f"got {sorted(given)}"
+            )
+        for value in costs.values():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(
+                    f"ExpertParallelConfig(flops_per_link_byte): expected None, a number >= 0 or "
+                    f"{{'inside': x, 'between': y}} of such numbers, got {given!r}"
+                )
+        if isinstance(given, dict):  # one order, so that equal configs have equal codes on every rank
+            self.flops_per_link_byte = {name: given[name] for name in classes}
 
     def _check_nodes(self) -> None:
         """What the two-level exchange cannot serve (:mod:`epmoe.ep.dispatch.nodes`)."""

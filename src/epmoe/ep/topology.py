@@ -57,42 +57,43 @@ class NodeLayout:
         return list(range(ep_rank % self.ranks_per_node, self.nodes * self.ranks_per_node, self.ranks_per_node))
 
 
+def nodes_of_ranks(config: ExpertParallelConfig, group, ep_size: int, timeout_s: float) -> list[int]:
+    """Each EP rank's node, by EP rank, the same list on every rank of the group: from
+    ``config.ranks_per_node`` (``P``: EP rank ``r`` on node ``r // P``), else as the launcher says
+    (one header exchange over the group, :func:`launcher_nodes`)."""
+    size = config.ranks_per_node
+    if size is None:
+        return launcher_nodes(group, ep_size, timeout_s)
+    if ep_size % size:
+        raise ValueError(f"ExpertParallelConfig(ranks_per_node): {size} does not divide the EP size {ep_size}")
+    return [r // size for r in range(ep_size)]
+
+
 def two_level_layout(
-    config: ExpertParallelConfig, group, ep_rank: int, ep_size: int, timeout_s: float, *, shares_batch: bool = False
+    config: ExpertParallelConfig, nodes_by_rank: list[int], ep_rank: int, *, shares_batch: bool = False
 ) -> NodeLayout | None:
     """The :class:`NodeLayout` the EP group's two-level exchange follows where ``config`` has it run
     (``dispatch="nodes"``; ``"auto"`` over more than one node with more than one EP rank on each,
     dropless), ``None`` where the group takes the per-rank exchange (see the module docstring);
+    ``nodes_by_rank``: :func:`nodes_of_ranks`, the same on every rank, so every rank decides alike;
     ``shares_batch``: the group's ranks hold one batch (transformers' TP group), nothing to exchange.
-    Collective over the EP group where the launcher says the nodes (one header exchange; every rank
-    decides alike); ``ValueError`` on every rank for ``dispatch="nodes"`` on a layout it cannot serve."""
-    if ep_size == 1 or shares_batch or config.dispatch not in ("auto", "nodes"):
+    ``ValueError`` (on every rank) for ``dispatch="nodes"`` on a layout it cannot serve."""
+    if len(nodes_by_rank) == 1 or shares_batch or config.dispatch not in ("auto", "nodes"):
         return None
     if config.dispatch == "auto" and config.capacity_factor is not None:  # capacity's order: the per-rank exchange
         return None
-    if config.ranks_per_node is not None:
-        if ep_size % config.ranks_per_node:
+    layout = layout_of(nodes_by_rank)
+    if layout is None:
+        why = f"the EP ranks' nodes (by EP rank, from the launcher) are {nodes_by_rank}, not consecutive blocks of one size"
+        if config.dispatch == "nodes":
             raise ValueError(
-                f"ExpertParallelConfig(ranks_per_node): {config.ranks_per_node} does not divide the EP size {ep_size}"
+                f"ExpertParallelConfig(dispatch='nodes'): {why}: the two-level exchange needs a node's ranks "
+                f"consecutive in the EP group, as many on every node; make EP groups of whole nodes (or of "
+                f"equal consecutive parts of them), set ranks_per_node, or use dispatch='auto'"
             )
-        layout = NodeLayout(config.ranks_per_node, ep_size // config.ranks_per_node)
-    else:
-        nodes_by_rank = launcher_nodes(group, ep_size, timeout_s)
-        layout = layout_of(nodes_by_rank)
-        if layout is None:
-            why = (
-                f"the EP ranks' nodes (by EP rank, from the launcher) are {nodes_by_rank}, not consecutive blocks "
-                f"of one size"
-            )
-            if config.dispatch == "nodes":
-                raise ValueError(
-                    f"ExpertParallelConfig(dispatch='nodes'): {why}: the two-level exchange needs a node's ranks "
-                    f"consecutive in the EP group, as many on every node; make EP groups of whole nodes (or of "
-                    f"equal consecutive parts of them), set ranks_per_node, or use dispatch='auto'"
-                )
-            if ep_rank == 0:
-                logger.warning("epmoe: dispatch='auto' takes the per-rank exchange: %s", why)
-            return None
+        if ep_rank == 0:
+            logger.warning("epmoe: dispatch='auto' takes the per-rank exchange: %s", why)
+        return None
     if config.dispatch == "auto" and (layout.nodes == 1 or layout.ranks_per_node == 1):
         return None
     return layout

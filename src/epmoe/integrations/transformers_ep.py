@@ -93,7 +93,7 @@ from epmoe.ep.dispatch import (
 from epmoe.ep.experts import LocalExperts
 from epmoe.ep.position import LayerPosition
 from epmoe.ep.recognize import is_packed_experts
-from epmoe.ep.topology import NodeLayout, two_level_layout
+from epmoe.ep.topology import NodeLayout, nodes_of_ranks, two_level_layout
 from epmoe.ep.transports import static_ineligible_reason
 
 try:
@@ -205,7 +205,9 @@ def _two_level(config: ExpertParallelConfig, group, rank: int, W: int, shares_ba
     """The two-level exchange (:mod:`epmoe.ep.dispatch.nodes`) where the one decision
     (:func:`~epmoe.ep.topology.two_level_layout`) has the EP group run it, its groups made once per EP
     group; ``None`` elsewhere. Collective over the EP group (every rank builds the same implementations)."""
-    layout = two_level_layout(config, group, rank, W, timeout, shares_batch=shares_batch)
+    if W == 1 or shares_batch or config.dispatch not in ("auto", "nodes"):
+        return None
+    layout = two_level_layout(config, nodes_of_ranks(config, group, W, timeout), rank)
     return NodesDispatcher(layout, node_groups(group, layout, rank, timeout)) if layout is not None else None
 
 
