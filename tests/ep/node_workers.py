@@ -94,6 +94,7 @@ def four_rank_run(rank, world, out_dir):
     results["mesh_across"] = train_arms(rank, world, {"dispatch": "nodes", "ranks_per_node": 1}, group=across)
     results["launcher_layouts"] = launcher_layouts(rank, world)
     results["node_groups_freed"] = node_groups_freed(rank)
+    results["link_costs"] = link_costs_at_apply()
     results["replay_and_save"] = replay_and_save(rank, world, out_dir)
     return results
 
@@ -235,6 +236,18 @@ def node_groups_freed(rank):
     if again is made or again.ranks != {1: layout.rail_ranks(rank), 2: layout.node_ranks(rank)}:
         wrong.append("a new group got a dead group's groups")
     return wrong
+
+
+def link_costs_at_apply():
+    """The link costs of EP models with replicas over 2 emulated nodes of 2: measured (each class's
+    flops per byte, whether measured, nodes by rank) and set by the config."""
+    seen = {}
+    for name, given in (("measured", None), ("set", {"between": 900.0, "inside": 80.0})):
+        model = build_model("qwen3_moe")
+        epmoe.apply_expert_parallel(model, config={"replicas": 2, "ranks_per_node": 2, "flops_per_link_byte": given})
+        links = epmoe.ep_model(model).links
+        seen[name] = (links.inside, links.between, links.measured, list(links.nodes_by_rank))
+    return seen
 
 
 def eight_rank_groups(rank, world):

@@ -197,6 +197,17 @@ def test_transformers_ep_keeps_node_groups_only_while_their_ep_group_lives(four_
 
 
 @pytest.mark.multirank
+def test_link_costs_are_measured_per_class_and_agreed_or_set(four_ranks):
+    """With replicas on, apply measures flops per byte inside a node and between nodes (2 x 2 emulated:
+    both loopback here), the same figures on every rank; a config's figures are taken as they are."""
+    measured = [result["link_costs"]["measured"] for result in four_ranks]
+    assert all(seen == measured[0] for seen in measured), measured
+    inside, between, was_measured, nodes = measured[0]
+    assert was_measured and nodes == [0, 0, 1, 1] and 0 < inside < 1e6 and 0 < between < 1e6, measured[0]
+    assert all(r["link_costs"]["set"] == (80.0, 900.0, False, [0, 0, 1, 1]) for r in four_ranks)
+
+
+@pytest.mark.multirank
 def test_routing_replay_and_save_pretrained_over_two_nodes(four_ranks):
     """Replayed routes give the per-rank exchange's loss and gradients; save_pretrained after a step
     writes the same tensors, which plain transformers reads back at world size 1 to the same logits."""
@@ -320,3 +331,21 @@ def test_the_counts_rows_columns_and_width():
     assert CountsRow(2, ranks_per_node=4).nodes == slice(5, 10)
     shards = [ExpertShard("a", 8, 2, 0, 2, 0, 4), ExpertShard("b", 16, 4, 0, 4, 0, 4)]
     assert CountsRow.widest(shards, True, 2) == CountsRow(4, 16, 2).width
+
+
+@pytest.mark.parametrize(
+    "given", [-1.0, float("nan"), True, "10", {"inside": 1.0}, {"inside": 1.0, "between": 2.0, "rail": 3.0}]
+)
+def test_flops_per_link_byte_is_validated(given):
+    with pytest.raises(ValueError, match=r"ExpertParallelConfig\(flops_per_link_byte\)"):
+        epmoe.ExpertParallelConfig(flops_per_link_byte=given)
+
+
+def test_link_costs_price_a_link_by_its_class():
+    from epmoe.ep.links import LinkCosts
+
+    links = LinkCosts((0, 0, 1, 1), inside=50.0, between=600.0)
+    assert links.flops_per_byte(0, 1) == 50.0 and links.flops_per_byte(1, 2) == 600.0
+    a = epmoe.ExpertParallelConfig(flops_per_link_byte={"between": 2, "inside": 1})
+    assert a == epmoe.ExpertParallelConfig(flops_per_link_byte={"inside": 1, "between": 2})
+    assert repr(a.flops_per_link_byte) == "{'inside': 1, 'between': 2}"  # one order: one code on every rank

@@ -70,6 +70,7 @@ from epmoe.ep.dispatch import NodeGroups
 from epmoe.ep.expert_weights import family_compute_dtype
 from epmoe.ep.experts import LocalExperts, experts_gmm_backends
 from epmoe.ep.layer import expert_parallel_forward
+from epmoe.ep.links import link_costs
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
 from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
@@ -180,6 +181,9 @@ def apply_expert_parallel(
 
     modules = dict(model.named_modules())
     ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, checked)
+    links = None
+    if config.replicas and ep_channel is not None:  # what the replica plans pay per byte, per link
+        links = link_costs(config, ep_channel, nodes_by_rank, _probe_weight(found[0][1]))
     ep_model = EPModel(
         model,
         config,
@@ -189,6 +193,7 @@ def apply_expert_parallel(
         dp_channel,
         dp_size,
         [_ancestors(modules, name) for name, _, _ in found],
+        links,
     )
     _swap_forwards(modules, found, checked, ep_model, config)
     if ep_model.sharded:
@@ -427,6 +432,16 @@ def _two_level(
     if "nodes" not in checked.transport:
         return None
     return layout, NodeGroups.make(group, layout, ep_rank, step_timeout_s(config.timeout, group))
+
+
+def _probe_weight(experts: nn.Module) -> torch.Tensor:
+    """One expert's first projection, ``(out, in)`` or ``(in, out)`` (on the meta device too): the
+    shape and dtype the link costs' timed matmul takes (:func:`~epmoe.ep.links.link_costs`)."""
+    if isinstance(experts, nn.ModuleList):
+        return next(p for p in experts[0].parameters() if p.dim() == 2)
+    name, rows = expert_rows(experts)[0]
+    weight = experts.get_parameter(name)
+    return weight[0] if rows == 1 else weight[:rows]
 
 
 def _check_replicas(name: str, experts: nn.Module) -> None:

@@ -9,6 +9,7 @@ model, shared by the per-layer records of its experts modules (:mod:`epmoe.ep.st
       config                             ExpertParallelConfig
       group, channel                     the EP process group and its step channel (None on one rank)
       dp_channel                         the "dp" replicas' step channel (None without an EP x DP mesh)
+      links                              LinkCosts: a byte's price on each link (with replicas; epmoe.ep.links)
       policy                             ExpertGradPolicy: sum / mean, the "dp" reduction (epmoe.ep.grads)
       guard                              StepGuard: a clip epmoe did not do, drifted replicas (epmoe.ep.guard)
     ExpertParallelState (one per layer)  shard, compute, transport, load counters -> its EPModel
@@ -51,6 +52,7 @@ from epmoe.comm.steps import Position, StepChannel, StepChecks
 from epmoe.ep.config import ExpertParallelConfig
 from epmoe.ep.grads import ExpertGradPolicy, finish_weights, register_param_hooks
 from epmoe.ep.guard import StepGuard
+from epmoe.ep.links import LinkCosts
 
 _MARK = "_epmoe_expert"  # on an expert parameter: the EPModel whose expert it is (read it through expert_owner)
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # every EPModel alive (EPModel.holding)
@@ -64,7 +66,8 @@ class EPModel:
     / ``ep_size``: the EP process group (``None``: the default group) and its size; ``channel``: its
     step channel (``None`` on a single rank); ``dp_channel`` / ``dp_size``: those of the ``"dp"``
     replicas of this rank's experts (``None`` / 1 without an EP x DP mesh); ``paths``: per experts
-    module, in ``named_modules()`` order, the modules from ``root`` down to it.
+    module, in ``named_modules()`` order, the modules from ``root`` down to it; ``links``: the EP
+    group's :class:`~epmoe.ep.links.LinkCosts` (with expert replicas over more than one rank).
     """
 
     def __init__(
@@ -77,8 +80,10 @@ class EPModel:
         dp_channel: StepChannel | None,
         dp_size: int,
         paths: Sequence[tuple[nn.Module, ...]],
+        links: LinkCosts | None = None,
     ):
         self.root, self.config, self.group = root, config, group
+        self.links = links  # what expert replicas' plan pays per byte on each link (None: no replicas)
         self.channel, self.dp_channel = channel, dp_channel
         self.paths = list(paths)
         self.policy = ExpertGradPolicy(config.expert_grad, ep_size, dp_channel, dp_size, config.check_steps)
