@@ -15,7 +15,9 @@ Slot matrices: ``W`` ranks of ``1024`` tokens, top-8 (distinct experts per token
 experts, drawn uniformly or Zipf-like (expert ``g`` with weight ``1 / (g + 1)``, relabelled at
 random), ``N = 2`` replicas per helper, every imbalance worth a move (the cost model's ``least`` at
 0: the most moves). Each time is the slowest of three ranks (the most loaded, the one that helps
-most, rank 0), each the median of ``--repeats`` interleaved rounds (``epmoe.bench.common.measure``).
+most, rank 0), each the median of ``--repeats`` rounds (``epmoe.bench.common.measure``), the old
+side's calls interleaved among themselves, then the new side's (apart: neither runs amid the other's
+memory traffic, the slot matrix warm as a layer call finds it, just read from the counts exchange).
 """
 
 from __future__ import annotations
@@ -107,11 +109,11 @@ def _old_two_level(old, old_splits, counts: LayerCounts, rank: int, e: int) -> N
 
 def load_old(ref: str):
     """``(replicas module, the two-level exchange's _replica_splits)`` as they were at ``ref``."""
-    show = lambda path: (
-        subprocess.run(  # noqa: E731
-            ["git", "show", f"{ref}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True
-        ).stdout
-    )
+
+    def show(path: str) -> str:
+        git = ["git", "show", f"{ref}:{path}"]
+        return subprocess.run(git, cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
     spec = importlib.util.spec_from_loader("old_replicas", loader=None)
     old = importlib.util.module_from_spec(spec)
     sys.modules["old_replicas"] = old  # dataclasses look their module up
@@ -143,17 +145,23 @@ def run(ref: str, repeats: int) -> list[list[object]]:
             worst: dict[str, float] = {}
             for rank in ranks:
                 counts = layer_counts(slots_WE, rank, RANKS_PER_NODE)
-                fns = {
-                    "plan old": lambda: old.plan_replicas(slots_WE, e, REPLICAS, 0),
-                    "plan new": lambda: plan_replicas(slots_WE, e, REPLICAS, 0),
-                    "per-rank old": lambda: _old_per_rank(old, counts, rank, e),
-                    "per-rank new": lambda: _new_per_rank(counts, rank, e),
-                    "two-level old": lambda: _old_two_level(old, old_splits, counts, rank, e),
-                    "two-level new": lambda: _new_two_level(counts, rank, e),
+                sides = {
+                    "old": {
+                        "plan old": lambda: old.plan_replicas(slots_WE, e, REPLICAS, 0),
+                        "per-rank old": lambda: _old_per_rank(old, counts, rank, e),
+                        "two-level old": lambda: _old_two_level(old, old_splits, counts, rank, e),
+                    },
+                    "new": {
+                        "plan new": lambda: plan_replicas(slots_WE, e, REPLICAS, 0),
+                        "per-rank new": lambda: _new_per_rank(counts, rank, e),
+                        "two-level new": lambda: _new_two_level(counts, rank, e),
+                    },
                 }
-                for name, timing in measure(fns, warmup=1, repeats=repeats).items():
-                    worst[name] = max(worst.get(name, 0.0), timing.median_s * 1e3)
-            rows.append([W, load, len(plan.moves), *(f"{worst[name]:.3f}" for name in fns)])
+                for fns in sides.values():  # apart: neither side runs amid the other's memory traffic
+                    for name, timing in measure(fns, warmup=1, repeats=repeats).items():
+                        worst[name] = max(worst.get(name, 0.0), timing.median_s * 1e3)
+            names = ("plan old", "plan new", "per-rank old", "per-rank new", "two-level old", "two-level new")
+            rows.append([W, load, len(plan.moves), *(f"{worst[name]:.3f}" for name in names)])
             print(rows[-1], flush=True)
     return rows
 
@@ -177,7 +185,8 @@ def main() -> None:
         f"a move; old: the implementation at `{args.old}`, new: this tree's (the same moves, checked).\n"
         f"- `plan`: `plan_replicas` alone; `per-rank` / `two-level`: the plan and everything the layer and that "
         f"transport compute from it on the host for one rank (see the script's docstring); each the slowest of "
-        f"three ranks' medians of {args.repeats} interleaved rounds, one thread.\n\n{table}\n"
+        f"three ranks' medians of {args.repeats} rounds, one thread; the old side's calls interleaved among "
+        f"themselves, then the new side's.\n\n{table}\n"
     )
     print(text)
     if args.out:

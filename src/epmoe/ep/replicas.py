@@ -51,7 +51,9 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_right
-from dataclasses import InitVar, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import NamedTuple
 
 
@@ -75,18 +77,16 @@ class ReplicaPlan:
     """One layer call's replicas (see the module docstring): its ``moves`` (in the order made) over
     ``W`` ranks of ``e`` experts each, and the slot matrix it was planned from.
 
-    Every table a query reads is made once, with the plan (``columns_EW`` and ``load_E``: the slot
-    matrix's columns and their sums, where the planner has them already): each expert's slots
-    (``load_E``); for each moved expert, the prefix sums over source ranks of its column from the first
+    Every table a query reads is made once, with the plan: each expert's slots (``load_E``, given by
+    the planner, which has them already); for each moved expert, the prefix sums over source ranks of its column from the first
     source its moves take slots of (the sources before keep all theirs), summed back from the last
     source, so ``O(the sources its moves touch)``; each rank's sent and received moves and each move's
     replica index. A query about one source then costs ``O(moves)``, one about a helper's sources
     ``O(its moves x the sources they take slots of)``; none ``O(W x moves)``."""
 
     moves: tuple[Move, ...]
-    slots_WE: tuple[tuple[int, ...], ...]  # (W, E) slots rank s sends global expert g
+    slots_WE: Sequence[Sequence[int]]  # (W, E) slots rank s sends global expert g, as given (not copied)
     experts_per_rank: int
-    columns_EW: InitVar[list[tuple[int, ...]] | None] = None  # (E, W): slots_WE's columns
     load_E: list[int] | None = field(default=None, repr=False, compare=False)  # (E,) slots of each expert
     _tails: dict[int, tuple[int, list[int]]] = field(init=False, repr=False, compare=False)  # see _tail
     _sent: dict[int, list[Move]] = field(init=False, repr=False, compare=False)  # owner -> its moves, sent() order
@@ -94,28 +94,27 @@ class ReplicaPlan:
     _replica: dict[Move, int] = field(init=False, repr=False, compare=False)  # move -> its helper's local expert
     _moved_W: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self, columns_EW: list[tuple[int, ...]] | None) -> None:
-        columns_EW = list(zip(*self.slots_WE)) if columns_EW is None else columns_EW
+    def __post_init__(self) -> None:
         e, W = self.experts_per_rank, len(self.slots_WE)
         sent, received, moved_W = {}, {}, [0] * W
         for move in self.moves:
             sent.setdefault(move.owner, []).append(move)
             received.setdefault(move.helper, []).append(move)
-            moved_W[move.owner] -= move.slots
-            moved_W[move.helper] += move.slots
+            moved_W[move.owner] -= move.stop - move.start
+            moved_W[move.helper] += move.stop - move.start
         for moves in sent.values():
-            moves.sort(key=lambda m: (m.helper, m.expert))
+            moves.sort(key=itemgetter(2, 0))  # helper, expert
         replica = {}
         for moves in received.values():
-            moves.sort(key=lambda m: (m.owner, m.expert))
+            moves.sort(key=itemgetter(1, 0))  # owner, expert
             replica.update((m, e + i) for i, m in enumerate(moves))
-        load_E = list(map(sum, columns_EW)) if self.load_E is None else self.load_E
+        load_E = list(map(sum, zip(*self.slots_WE))) if self.load_E is None else self.load_E
         first_E = {}  # moved expert -> the first of its slots a move takes (global order)
         for move in self.moves:
             first_E[move.expert] = min(move.start, first_E.get(move.expert, move.start))
         tables = {
             "load_E": load_E,
-            "_tails": {g: _tail(columns_EW[g], load_E[g], first) for g, first in first_E.items()},
+            "_tails": {g: _tail(self.slots_WE, g, load_E[g], first) for g, first in first_E.items()},
             "_sent": sent,
             "_received": received,
             "_replica": replica,
@@ -217,15 +216,15 @@ class ReplicaPlan:
         return counts + [move.slots for move in self._received.get(rank, ())]
 
 
-def _tail(column_W: tuple[int, ...], load: int, first: int) -> tuple[int, list[int]]:
-    """``(s0, before)``: the first source ``s0`` holding an expert's slots from ``first`` on (in the
-    global order; its column ``column_W`` sums to ``load``), and ``before[i]``: the expert's slots of
-    the sources before ``s0 + i``, for ``i`` up to ``W - s0`` (``before[-1] = load``). Summed back from
-    the last source: ``O(W - s0)``."""
-    source, before, out = len(column_W), load, [load]
+def _tail(slots_WE, expert: int, load: int, first: int) -> tuple[int, list[int]]:
+    """``(s0, before)``: the first source ``s0`` holding ``expert``'s slots from ``first`` on (in the
+    global order; its column of ``slots_WE`` sums to ``load``), and ``before[i]``: the expert's slots
+    of the sources before ``s0 + i``, for ``i`` up to ``W - s0`` (``before[-1] = load``). Summed back
+    from the last source: ``O(W - s0)``."""
+    source, before, out = len(slots_WE), load, [load]
     while before > first:
         source -= 1
-        before -= column_W[source]
+        before -= slots_WE[source][expert]
         out.append(before)
     out.reverse()
     return source, out
@@ -250,11 +249,10 @@ def plan_replicas(slots_WE: list[list[int]], experts_per_rank: int, replicas: in
 
     ``O(W x E + moves x (log W + e))``: the ranks above the mean wait in a heap by load (most loaded,
     then lowest rank, first), those with room in another (least loaded, then lowest rank, first); a
-    move changes only its owner's and its helper's loads, which go back in where they still belong
-    (an owner never drops below the mean, a helper never rises above it)."""
+    move changes only its owner's and its helper's loads, the two heaps' tops, which go back in where
+    they still belong (an owner never drops below the mean, a helper never rises above it)."""
     W, e = len(slots_WE), experts_per_rank
-    columns_EW = list(zip(*slots_WE))
-    load_E = list(map(sum, columns_EW))
+    load_E = list(map(sum, zip(*slots_WE)))  # zip's tuples reused: no (E, W) copy
     keep_E = list(load_E)  # slots each expert's owner still computes
     load_W = [sum(load_E[r * e : (r + 1) * e]) for r in range(W)]
     target = math.ceil(sum(load_W) / W)
@@ -265,10 +263,7 @@ def plan_replicas(slots_WE: list[list[int]], experts_per_rank: int, replicas: in
     heapq.heapify(above)
     heapq.heapify(room)
     moves = []
-    while above and room:
-        if -above[0][0] != load_W[above[0][1]]:  # a load since changed
-            heapq.heappop(above)
-            continue
+    while above and room:  # each heap's top: the owner and the helper of the next move
         owner, helper = above[0][1], room[0][1]
         expert = None
         for g in range(owner * e, (owner + 1) * e):  # the hottest (then lowest) the helper lacks
@@ -285,9 +280,12 @@ def plan_replicas(slots_WE: list[list[int]], experts_per_rank: int, replicas: in
         load_W[helper] += slots
         helped_W[helper] += 1
         lent.add((expert, helper))
-        heapq.heappop(room)
-        if load_W[owner] > target:
-            heapq.heappush(above, (-load_W[owner], owner))
+        if load_W[owner] > target:  # back in at its new load, else out
+            heapq.heapreplace(above, (-load_W[owner], owner))
+        else:
+            heapq.heappop(above)
         if load_W[helper] < target and helped_W[helper] < replicas:
-            heapq.heappush(room, (load_W[helper], helper))
-    return ReplicaPlan(tuple(moves), tuple(map(tuple, slots_WE)), e, columns_EW, load_E)
+            heapq.heapreplace(room, (load_W[helper], helper))
+        else:
+            heapq.heappop(room)
+    return ReplicaPlan(tuple(moves), slots_WE, e, load_E)
