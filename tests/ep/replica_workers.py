@@ -417,7 +417,7 @@ def checkpoint_kinds(rank, world, sizes=((4, 32), (4, 28))):
             "loss": loss.detach(),
             "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
             "plans": [tuple(tuple(m) for m in moves) for moves in plans],
-            "moved": [layer.loads.moved_W for layer in epmoe.ep.state.ep_states(model)],
+            "moved": [state.loads.moved_W for _, _, state in epmoe.ep.state.ep_states(model)],
             "computed": {n: t.tolist() for n, t in epmoe.expert_load(model, computed=True).items()},
         }
         plain = plain or record

@@ -392,6 +392,25 @@ def test_save_pretrained_optimizer_and_dcp_state_with_replicas_equal_without(two
 
 
 @pytest.mark.multirank
+def test_checkpointing_of_either_kind_plans_as_the_plain_step(two_ranks):
+    """``torch.utils.checkpoint`` reentrant (its forward without gradients) and not: the forward's and
+    the recompute's plans move what the plain step's do, the telemetry's moved slots and rows are the
+    plain step's, and the loss and every gradient are the plain step's; at this link rate a forward
+    without gradients in eval mode (the forward-only cost model) moves nothing."""
+    for rank, result in enumerate(two_ranks):
+        seen = result["checkpoint_kinds"]
+        training, forward_only = seen["keys"]
+        assert training < forward_only, seen["keys"]
+        plain = seen["plain"]
+        assert any(plain["plans"]) and not any(seen["eval_plans"]), (plain["plans"], seen["eval_plans"])
+        for kind in ("reentrant", "non_reentrant"):
+            case = seen[kind]
+            assert sorted(case["plans"]) == sorted(plain["plans"] * 2), (kind, case["plans"], plain["plans"])
+            assert case["moved"] == plain["moved"] and case["computed"] == plain["computed"], kind
+            assert_exact(case, f"rank {rank} {kind}")
+
+
+@pytest.mark.multirank
 def test_the_cost_model_moves_nothing_at_small_shapes(two_ranks):
     for result in two_ranks:
         seen = result["cost_model"]

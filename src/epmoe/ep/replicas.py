@@ -35,8 +35,10 @@ gradient back (``2 F b`` bytes) and each moved slot one extra row each way, forw
 
     m * 6F / flops  >  (2 F b + m * 4 H b) / link     =>     m  >  2 F b rho / (6 F - 4 H b rho)
 
-(a forward without gradients: ``F b rho / (2 F - 2 H b rho)``). Moves of fewer slots are not made;
-where the denominator is not positive, nothing is ever moved.
+(a forward whose experts get no gradient: ``F b rho / (2 F - 2 H b rho)``; which one a call takes
+follows the experts, not grad mode: :meth:`epmoe.ep.experts.LocalExperts.weights_trained`, so a
+forward checkpointed without gradients plans as its recompute does). Moves of fewer slots are not
+made; where the denominator is not positive, nothing is ever moved.
 
 What a rank does with the plan: a source sends each redirected slot as a row of its own to the
 helper (its token's row to the owner still travels, for the owner's other experts), so every rank's
