@@ -35,15 +35,20 @@ SKEWED = {
 
 
 @contextlib.contextmanager
-def free_link():
-    """The CPU's flops per link byte at zero: every imbalance is worth a move (see the module docstring)."""
+def link_rate(rate: float):
+    """The CPU's flops per link byte (the replica cost model's exchange rate) at ``rate`` inside the block."""
     rates = platform._FLOPS_PER_LINK_BYTE
     saved = rates["cpu"]
-    rates["cpu"] = 0.0
+    rates["cpu"] = rate
     try:
         yield
     finally:
         rates["cpu"] = saved
+
+
+def free_link():
+    """The CPU's flops per link byte at zero: every imbalance is worth a move (see the module docstring)."""
+    return link_rate(0.0)
 
 
 @contextlib.contextmanager
@@ -382,6 +387,53 @@ def generate_run(rank, world):
     }
 
 
+# a rate where the test model's (fp64, H 64, I 32) forward-only cost model asks 144 slots of a move and a
+# training step's 48: only a plan keyed on whether gradients will flow moves the same under every checkpointing
+CHECKPOINT_RATE = 9.0
+
+
+def checkpoint_kinds(rank, world, sizes=((4, 32), (4, 28))):
+    """One training step of the skewed model with replicas at :data:`CHECKPOINT_RATE`: plain, and under
+    ``torch.utils.checkpoint`` reentrant and not (the checkpointed forward runs without gradients
+    there, or with them, and is recomputed in backward). Per kind the moves of every plan its layers
+    made (forward and recompute), the telemetry's moved slots and computed rows, and the loss's and
+    every gradient's errors against the plain step; and the moves of an eval forward without
+    gradients (the forward-only cost model's: none at this rate), and both cost models' keys."""
+    from epmoe.ep.replicas import min_rows
+
+    base = skewed_model()
+    ids = tokens(0, rank, sizes)
+    out, plain = {}, None
+    for kind in ("plain", "reentrant", "non_reentrant"):
+        model = copy.deepcopy(base)
+        epmoe.apply_expert_parallel(model, config={"replicas": 2})
+        if kind != "plain":
+            model.gradient_checkpointing_enable({"use_reentrant": kind == "reentrant"})
+        model.train()
+        with link_rate(CHECKPOINT_RATE), recorded_plans() as plans:
+            loss = model(ids, labels=ids).loss
+            loss.backward()
+        record = {
+            "loss": loss.detach(),
+            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            "plans": [tuple(tuple(m) for m in moves) for moves in plans],
+            "moved": [state.loads.moved_W for _, _, state in epmoe.ep.state.ep_states(model)],
+            "computed": {n: t.tolist() for n, t in epmoe.expert_load(model, computed=True).items()},
+        }
+        plain = plain or record
+        errors = {"loss": rel(record["loss"], plain["loss"])}
+        errors.update({f"grads/{n}": rel(g, plain["grads"][n]) for n, g in record["grads"].items()})
+        out[kind] = {"errors": errors, **{k: record[k] for k in ("plans", "moved", "computed")}}
+        if kind == "plain":
+            model.eval()
+            with link_rate(CHECKPOINT_RATE), recorded_plans() as plans, torch.no_grad():
+                model(ids)
+            out["eval_plans"] = [tuple(moves) for moves in plans]
+    F, H = 3 * 64 * 32, 64
+    out["keys"] = [min_rows(F, H, 8, CHECKPOINT_RATE, backward) for backward in (True, False)]
+    return out
+
+
 def two_rank_run(rank, world, out_dir):
     """Everything the 2-rank tests ask, in one spawn."""
     results = {"module": module_cases(rank, world, SKEWED)}
@@ -396,6 +448,7 @@ def two_rank_run(rank, world, out_dir):
     results["lora"] = lora_arms(rank, world)
     results["replay"] = replay_arms(rank, world)
     results["save"] = save_arms(rank, world, out_dir)
+    results["checkpoint_kinds"] = checkpoint_kinds(rank, world)
     results["cost_model"] = cost_model_run(rank, world)
     results["disagreement"] = disagreement(rank, world)
     results["key_mismatch"] = key_mismatch(rank, world)

@@ -156,6 +156,112 @@ def test_sources_find_their_redirected_slots_and_rows():
         assert got == mine_rows
 
 
+def reference_plan(slots_WE, e, replicas, least):
+    """The greedy of the module docstring written straightforwardly (every rank scanned each step):
+    ``[(expert, owner, helper, start, stop)]`` in the order made."""
+    W = len(slots_WE)
+    load_E = [sum(column) for column in zip(*slots_WE)]
+    keep_E = list(load_E)
+    load_W = [sum(load_E[r * e : (r + 1) * e]) for r in range(W)]
+    target = math.ceil(sum(load_W) / W)
+    helped_W, helpers, moves = [0] * W, {g: set() for g in range(len(load_E))}, []
+    while True:
+        owner = max(range(W), key=lambda r: (load_W[r], -r))
+        room = [h for h in range(W) if h != owner and load_W[h] < target and helped_W[h] < replicas]
+        if load_W[owner] <= target or not room:
+            return moves
+        helper = min(room, key=lambda h: (load_W[h], h))
+        candidates = [g for g in range(owner * e, (owner + 1) * e) if keep_E[g] > 0 and helper not in helpers[g]]
+        if not candidates:
+            return moves
+        expert = max(candidates, key=lambda g: (keep_E[g], -g))
+        slots = min(load_W[owner] - target, target - load_W[helper], keep_E[expert])
+        if slots < least:
+            return moves
+        keep_E[expert] -= slots
+        moves.append((expert, owner, helper, keep_E[expert], keep_E[expert] + slots))
+        load_W[owner] -= slots
+        load_W[helper] += slots
+        helped_W[helper] += 1
+        helpers[expert].add(helper)
+
+
+def reference_rows_WW(slots_WE, moves):
+    """``rows[s][h]``: the rows of their own source ``s`` sends helper ``h`` (its slots of each move's
+    range in the global order, from every source's place in it)."""
+    W = len(slots_WE)
+    rows = [[0] * W for _ in range(W)]
+    for g, _, h, start, stop in moves:
+        before = 0
+        for s in range(W):
+            mine = slots_WE[s][g]
+            rows[s][h] += max(0, min(stop, before + mine) - max(start, before))
+            before += mine
+    return rows
+
+
+def random_matrices(rng, cases):
+    """``(slots_WE, e, replicas, least)``: Zipf-skewed (and uniform) slot matrices up to 64 ranks."""
+    for _ in range(cases):
+        W, e = rng.choice([1, 2, 3, 4, 8, 16, 32, 64]), rng.choice([1, 2, 3])
+        skew = rng.choice([0.0, 0.5, 1.0, 2.0])
+        slots_WE = zipf_matrix(rng, W, e, rng.randint(0, 40), min(rng.choice([1, 2, 4]), W * e), skew)
+        yield slots_WE, e, rng.choice([0, 1, 2, 3]), rng.choice([0, 0, 1, 4, 20])
+
+
+def test_the_plan_makes_the_straightforward_greedys_moves_and_tables():
+    """Ties, order and every query against the straightforward greedy and a loop over every source."""
+    rng = random.Random(5)
+    moved = 0
+    for slots_WE, e, replicas, least in random_matrices(rng, 400):
+        plan = plan_replicas(slots_WE, e, replicas, least)
+        want = reference_plan(slots_WE, e, replicas, least)
+        assert [tuple(m) for m in plan.moves] == want, (slots_WE, e, replicas, least)
+        moved += len(want)
+        W, rows_WW = len(slots_WE), reference_rows_WW(slots_WE, want)
+        for r in range(W):
+            assert plan.redirected_rows_W(r) == rows_WW[r]
+            into_W = [0] * W
+            for source, rows in plan.rows_into(r):
+                into_W[source] += rows
+            assert into_W == [rows_WW[s][r] for s in range(W)]
+            assert sum(hi - lo for _, lo, hi, _, _ in plan.moves_from(r, e)) == sum(rows_WW[r])
+            sent, received = plan.sent(r), plan.received(r)
+            index, send_W, recv_W = plan.lending(r)
+            assert index == [m.expert - r * e for m in sent]
+            assert send_W == [sum(m.helper == h for m in sent) for h in range(W)]
+            assert recv_W == [sum(m.owner == s for m in received) for s in range(W)]
+            assert [plan.replica_index(m) for m in received] == list(range(e, e + len(received)))
+    assert moved > 500
+
+
+def test_the_transports_splits_equal_a_loop_over_every_source():
+    """The per-rank and the two-level exchange's splits with a plan against each source's rows to each
+    helper summed as the hops route them."""
+    from epmoe.ep.counts import LayerCounts, NodeSplits
+    from epmoe.ep.dispatch import alltoallv, nodes
+
+    rng = random.Random(6)
+    for slots_WE, e, replicas, least in random_matrices(rng, 150):
+        W = len(slots_WE)
+        plan = plan_replicas(slots_WE, e, replicas, least)
+        rows_WW = reference_rows_WW(slots_WE, [tuple(m) for m in plan.moves])
+        for P in [p for p in (1, 2, 4) if W % p == 0]:
+            for rank in range(W):
+                base = [rng.randint(0, 9) for _ in range(2 * W)]
+                counts = LayerCounts([], [], [], None, 0, base[:W], base[W:], None, slots_WE, None)
+                send_W, recv_W = alltoallv._replica_splits(counts, plan, rank)
+                assert send_W == [a + b for a, b in zip(base[:W], rows_WW[rank])]
+                assert recv_W == [base[W + s] + rows_WW[s][rank] for s in range(W)]
+                N, node, rail = W // P, rank // P, range(rank % P, W, P)
+                splits = NodeSplits([1] * N, [2] * N, [3] * P, [4] * P)
+                got = nodes._replica_splits(splits, plan, rank, P)
+                assert got.send_nodes_N == [1 + sum(rows_WW[rank][n * P : (n + 1) * P]) for n in range(N)]
+                assert got.recv_nodes_N == [2 + sum(rows_WW[s][node * P : (node + 1) * P]) for s in rail]
+                assert got.send_ranks_P == [3 + sum(rows_WW[s][node * P + j] for s in rail) for j in range(P)]
+                assert got.recv_ranks_P == [4 + sum(rows_WW[s][rank] for s in range(j, W, P)) for j in range(P)]
+
+
 @pytest.mark.parametrize("value", [-1, 1.5, True, "2", None])
 def test_replicas_must_be_an_int_at_least_zero(value):
     with pytest.raises(ValueError, match=r"ExpertParallelConfig\(replicas\)"):
@@ -283,6 +389,25 @@ def test_save_pretrained_optimizer_and_dcp_state_with_replicas_equal_without(two
         assert_exact(save, "save_pretrained")
         assert save["same_keys"] and save["same_optimizer_state"] and save["experts_whole"], save
         assert save["same_dcp_state"], save
+
+
+@pytest.mark.multirank
+def test_checkpointing_of_either_kind_plans_as_the_plain_step(two_ranks):
+    """``torch.utils.checkpoint`` reentrant (its forward without gradients) and not: the forward's and
+    the recompute's plans move what the plain step's do, the telemetry's moved slots and rows are the
+    plain step's, and the loss and every gradient are the plain step's; at this link rate a forward
+    without gradients in eval mode (the forward-only cost model) moves nothing."""
+    for rank, result in enumerate(two_ranks):
+        seen = result["checkpoint_kinds"]
+        training, forward_only = seen["keys"]
+        assert training < forward_only, seen["keys"]
+        plain = seen["plain"]
+        assert any(plain["plans"]) and not any(seen["eval_plans"]), (plain["plans"], seen["eval_plans"])
+        for kind in ("reentrant", "non_reentrant"):
+            case = seen[kind]
+            assert sorted(case["plans"]) == sorted(plain["plans"] * 2), (kind, case["plans"], plain["plans"])
+            assert case["moved"] == plain["moved"] and case["computed"] == plain["computed"], kind
+            assert_exact(case, f"rank {rank} {kind}")
 
 
 @pytest.mark.multirank

@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 
 from epmoe import platform
 from epmoe.ep.expert_weights import ExpertWeights, WeightsHook, as_is, gmm_probes
@@ -268,10 +269,22 @@ class LocalExperts(AutogradPaths):
             out_RH = out_RH + lent_RH
         return out_RH
 
-    def replica_min_rows(self, hidden: int, backward: bool) -> float:
+    def replica_min_rows(self, hidden: int) -> float:
         """The fewest slots worth moving one of these experts to another rank for
-        (:func:`epmoe.ep.replicas.min_rows`, on the device of their weights)."""
+        (:func:`epmoe.ep.replicas.min_rows`, on the device of their weights), a training step's where
+        :meth:`weights_trained`."""
         params = self.weights.expert_parameters()
         elements = sum(p.numel() for p in params) // num_experts_of(self.module)
         rho = platform.flops_per_link_byte(params[0])
-        return min_rows(elements, hidden, params[0].element_size(), rho, backward)
+        return min_rows(elements, hidden, params[0].element_size(), rho, self.weights_trained())
+
+    def weights_trained(self) -> bool:
+        """Whether gradients will flow to these experts' weights: the module in training mode, with a
+        per-expert parameter that requires grad or weights a parametrization makes from others (peft's
+        LoRA on them). Not grad mode: under reentrant gradient checkpointing the forward runs without
+        gradients and its recompute with them, and both must make the same replica plan."""
+        if not self.module.training:
+            return False
+        return parametrize.is_parametrized(self.module) or any(
+            p.requires_grad for p in self.weights.expert_parameters()
+        )

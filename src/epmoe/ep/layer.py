@@ -129,8 +129,10 @@ _call_eagerly = torch.compiler.disable(
 def _replica_key(state: ExpertParallelState, hidden: int) -> int:
     """What the call's replica plan takes besides the counts: the fewest slots worth moving one of its
     experts (the cost model, :func:`~epmoe.ep.replicas.min_rows`; ``-1``: none), which the counts
-    exchange checks is the same on every rank."""
-    least = state.experts.replica_min_rows(hidden, torch.is_grad_enabled())
+    exchange checks is the same on every rank. A training step's cost model wherever gradients will
+    flow to the experts' weights (:meth:`~epmoe.ep.experts.LocalExperts.weights_trained`), grad mode
+    or not: a forward checkpointed without gradients plans as its recompute does."""
+    least = state.experts.replica_min_rows(hidden)
     return -1 if math.isinf(least) else math.ceil(least)
 
 
@@ -148,11 +150,7 @@ def _lend(
     """The plan's weight exchange (:func:`~epmoe.comm.replicas.lend_expert_weights`) of the local
     experts' weights as the forward uses them: ``(own, copies)``, the copies in the order of the
     helper's replicas (:meth:`~epmoe.ep.replicas.ReplicaPlan.received`)."""
-    e, W = plan.experts_per_rank, plan.ep_size
-    sent, received = plan.sent(rank), plan.received(rank)
-    send_W = [sum(m.helper == r for m in sent) for r in range(W)]
-    recv_W = [sum(m.owner == s for m in received) for s in range(W)]
-    return lend_expert_weights(weights, [m.expert - rank * e for m in sent], send_W, recv_W, group)
+    return lend_expert_weights(weights, *plan.lending(rank), group)
 
 
 def _guard_values(state: ExpertParallelState, device: torch.device) -> torch.Tensor | None:

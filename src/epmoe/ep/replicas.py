@@ -35,8 +35,10 @@ gradient back (``2 F b`` bytes) and each moved slot one extra row each way, forw
 
     m * 6F / flops  >  (2 F b + m * 4 H b) / link     =>     m  >  2 F b rho / (6 F - 4 H b rho)
 
-(a forward without gradients: ``F b rho / (2 F - 2 H b rho)``). Moves of fewer slots are not made;
-where the denominator is not positive, nothing is ever moved.
+(a forward whose experts get no gradient: ``F b rho / (2 F - 2 H b rho)``; which one a call takes
+follows the experts, not grad mode: :meth:`epmoe.ep.experts.LocalExperts.weights_trained`, so a
+forward checkpointed without gradients plans as its recompute does). Moves of fewer slots are not
+made; where the denominator is not positive, nothing is ever moved.
 
 What a rank does with the plan: a source sends each redirected slot as a row of its own to the
 helper (its token's row to the owner still travels, for the owner's other experts), so every rank's
@@ -48,14 +50,18 @@ which), in the order of :meth:`ReplicaPlan.received`, which the owners' sends fo
 
 from __future__ import annotations
 
+import heapq
 import math
-from dataclasses import dataclass
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Move:
+class Move(NamedTuple):
     """Slots ``[start, stop)`` of global expert ``expert``, in the global order (source rank, token,
-    k), computed by rank ``helper`` instead of ``owner``."""
+    k), computed by rank ``helper`` instead of ``owner`` (a tuple: made in the planner's loop)."""
 
     expert: int
     owner: int
@@ -71,11 +77,53 @@ class Move:
 @dataclass(frozen=True)
 class ReplicaPlan:
     """One layer call's replicas (see the module docstring): its ``moves`` (in the order made) over
-    ``W`` ranks of ``e`` experts each, and the slot matrix it was planned from."""
+    ``W`` ranks of ``e`` experts each, and the slot matrix it was planned from.
+
+    Every table a query reads is made once, with the plan: each expert's slots (``load_E``, given by
+    the planner, which has them already); for each moved expert, the prefix sums over source ranks of its column from the first
+    source its moves take slots of (the sources before keep all theirs), summed back from the last
+    source, so ``O(the sources its moves touch)``; each rank's sent and received moves and each move's
+    replica index. A query about one source then costs ``O(moves)``, one about a helper's sources
+    ``O(its moves x the sources they take slots of)``; none ``O(W x moves)``."""
 
     moves: tuple[Move, ...]
-    slots_WE: tuple[tuple[int, ...], ...]  # (W, E) slots rank s sends global expert g
+    slots_WE: Sequence[Sequence[int]]  # (W, E) slots rank s sends global expert g, as given (not copied)
     experts_per_rank: int
+    load_E: list[int] | None = field(default=None, repr=False, compare=False)  # (E,) slots of each expert
+    _tails: dict[int, tuple[int, list[int]]] = field(init=False, repr=False, compare=False)  # see _tail
+    _sent: dict[int, list[Move]] = field(init=False, repr=False, compare=False)  # owner -> its moves, sent() order
+    _received: dict[int, list[Move]] = field(init=False, repr=False, compare=False)  # helper -> received() order
+    _replica: dict[Move, int] = field(init=False, repr=False, compare=False)  # move -> its helper's local expert
+    _moved_W: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        e, W = self.experts_per_rank, len(self.slots_WE)
+        sent, received, moved_W = {}, {}, [0] * W
+        for move in self.moves:
+            sent.setdefault(move.owner, []).append(move)
+            received.setdefault(move.helper, []).append(move)
+            moved_W[move.owner] -= move.stop - move.start
+            moved_W[move.helper] += move.stop - move.start
+        for moves in sent.values():
+            moves.sort(key=itemgetter(2, 0))  # helper, expert
+        replica = {}
+        for moves in received.values():
+            moves.sort(key=itemgetter(1, 0))  # owner, expert
+            replica.update((m, e + i) for i, m in enumerate(moves))
+        load_E = list(map(sum, zip(*self.slots_WE))) if self.load_E is None else self.load_E
+        first_E = {}  # moved expert -> the first of its slots a move takes (global order)
+        for move in self.moves:
+            first_E[move.expert] = min(move.start, first_E.get(move.expert, move.start))
+        tables = {
+            "load_E": load_E,
+            "_tails": {g: _tail(self.slots_WE, g, load_E[g], first) for g, first in first_E.items()},
+            "_sent": sent,
+            "_received": received,
+            "_replica": replica,
+            "_moved_W": tuple(moved_W),
+        }
+        for name, table in tables.items():  # frozen: set once, here
+            object.__setattr__(self, name, table)
 
     @property
     def ep_size(self) -> int:
@@ -83,32 +131,39 @@ class ReplicaPlan:
 
     def sent(self, rank: int) -> list[Move]:
         """The moves whose expert ``rank`` owns, in the order its weights are sent: by helper, then expert."""
-        return sorted((m for m in self.moves if m.owner == rank), key=lambda m: (m.helper, m.expert))
+        return list(self._sent.get(rank, ()))
 
     def received(self, rank: int) -> list[Move]:
         """The moves ``rank`` helps with, in the order its replicas run (local experts ``e, e+1, ...``):
         by owner, then expert (the order of the owners' sends, source-major)."""
-        return sorted((m for m in self.moves if m.helper == rank), key=lambda m: (m.owner, m.expert))
+        return list(self._received.get(rank, ()))
 
     def replica_index(self, move: Move) -> int:
         """The local expert the helper runs ``move``'s rows as (``e`` + its place in :meth:`received`)."""
-        return self.experts_per_rank + self.received(move.helper).index(move)
+        return self._replica[move]
 
     def redirected(self, source: int, move: Move) -> tuple[int, int]:
         """``[lo, hi)``: the positions among ``source``'s own slots of ``move.expert`` (in token, k
         order) that ``move`` takes; ``hi - lo`` slots travel from ``source`` to the helper as rows of their own."""
-        before = sum(self.slots_WE[s][move.expert] for s in range(source))
-        mine = self.slots_WE[source][move.expert]
-        lo, hi = max(move.start - before, 0), min(move.stop - before, mine)
+        first_source, before = self._tails[move.expert]
+        if source < first_source:  # it keeps all its slots of the expert
+            return (0, 0)
+        first, last = before[source - first_source], before[source - first_source + 1]
+        lo, hi = max(move.start - first, 0), min(move.stop - first, last - first)
         return (lo, hi) if lo < hi else (0, 0)
 
     def moves_from(self, source: int, first: int) -> list[list[int]]:
         """``[expert, lo, hi, helper, lent]`` per move that takes slots of ``source``
         (:meth:`redirected`), ``lent`` the number the helper runs the expert as (its place in
-        :meth:`received`, counted from ``first``): what :func:`epmoe.ep.routing.redirected_slots` reads."""
-        moves = [(m, *self.redirected(source, m)) for m in self.moves]
+        :meth:`received`, counted from ``first``), in the order the moves were made: what
+        :func:`epmoe.ep.routing.redirected_slots` reads."""
         lent = first - self.experts_per_rank
-        return [[m.expert, lo, hi, m.helper, lent + self.replica_index(m)] for m, lo, hi in moves if lo < hi]
+        out = []
+        for move in self.moves:
+            lo, hi = self.redirected(source, move)
+            if lo < hi:
+                out.append([move.expert, lo, hi, move.helper, lent + self._replica[move]])
+        return out
 
     def redirected_rows_W(self, source: int) -> list[int]:
         """``(W,)`` rows of their own ``source`` sends each helper (its redirected slots)."""
@@ -118,28 +173,63 @@ class ReplicaPlan:
             rows_W[move.helper] += hi - lo
         return rows_W
 
+    def rows_into(self, helper: int) -> list[tuple[int, int]]:
+        """``(source, rows)`` per source and move that sends ``helper`` redirected slots (``rows > 0``),
+        by move (:meth:`received` order), then source: the rows of their own each source sends it."""
+        out = []
+        for move in self._received.get(helper, ()):
+            first_source, before = self._tails[move.expert]
+            i = bisect_right(before, move.start) - 1  # the source holding the move's first slot
+            while i + 1 < len(before) and before[i] < move.stop:
+                rows = min(move.stop, before[i + 1]) - max(move.start, before[i])
+                if rows > 0:
+                    out.append((first_source + i, rows))
+                i += 1
+        return out
+
+    def lending(self, rank: int) -> tuple[list[int], list[int], list[int]]:
+        """``(send_index, send_W, recv_W)``: the weight exchange's
+        (:func:`epmoe.comm.replicas.lend_expert_weights`) for ``rank``: the local experts it lends, in
+        :meth:`sent` order, how many to each helper and how many each owner lends it."""
+        e, W = self.experts_per_rank, self.ep_size
+        send_W, recv_W = [0] * W, [0] * W
+        sent = self._sent.get(rank, ())
+        for move in sent:
+            send_W[move.helper] += 1
+        for move in self._received.get(rank, ()):
+            recv_W[move.owner] += 1
+        return [m.expert - rank * e for m in sent], send_W, recv_W
+
     def moved_W(self) -> list[int]:
         """``(W,)`` slots the plan moves onto (+) and off (-) each rank."""
-        moved_W = [0] * self.ep_size
-        for move in self.moves:
-            moved_W[move.owner] -= move.slots
-            moved_W[move.helper] += move.slots
-        return moved_W
+        return list(self._moved_W)
 
     def computed_rows_W(self) -> list[int]:
         """``(W,)`` slots each rank computes under the plan (its replicas' included)."""
         e = self.experts_per_rank
-        routed_W = [sum(sum(row[r * e : (r + 1) * e]) for row in self.slots_WE) for r in range(self.ep_size)]
-        return [a + b for a, b in zip(routed_W, self.moved_W())]
+        return [sum(self.load_E[r * e : (r + 1) * e]) + moved for r, moved in enumerate(self._moved_W)]
 
     def local_counts(self, rank: int) -> list[int]:
         """``(e + n,)`` slots each of ``rank``'s local experts computes, then each of its ``n`` replicas."""
         e = self.experts_per_rank
-        counts = [sum(row[rank * e + j] for row in self.slots_WE) for j in range(e)]
-        for move in self.moves:
-            if move.owner == rank:
-                counts[move.expert - rank * e] -= move.slots
-        return counts + [move.slots for move in self.received(rank)]
+        counts = list(self.load_E[rank * e : (rank + 1) * e])
+        for move in self._sent.get(rank, ()):
+            counts[move.expert - rank * e] -= move.slots
+        return counts + [move.slots for move in self._received.get(rank, ())]
+
+
+def _tail(slots_WE, expert: int, load: int, first: int) -> tuple[int, list[int]]:
+    """``(s0, before)``: the first source ``s0`` holding ``expert``'s slots from ``first`` on (in the
+    global order; its column of ``slots_WE`` sums to ``load``), and ``before[i]``: the expert's slots
+    of the sources before ``s0 + i``, for ``i`` up to ``W - s0`` (``before[-1] = load``). Summed back
+    from the last source: ``O(W - s0)``."""
+    source, before, out = len(slots_WE), load, [load]
+    while before > first:
+        source -= 1
+        before -= slots_WE[source][expert]
+        out.append(before)
+    out.reverse()
+    return source, out
 
 
 def min_rows(weight_elements: int, hidden: int, element_size: int, flops_per_byte: float, backward: bool) -> float:
@@ -157,25 +247,32 @@ def min_rows(weight_elements: int, hidden: int, element_size: int, flops_per_byt
 def plan_replicas(slots_WE: list[list[int]], experts_per_rank: int, replicas: int, least: float) -> ReplicaPlan:
     """The call's plan (see the module docstring) for the slot matrix ``slots_WE`` (``W`` lists of
     ``E`` ints, identical on every rank), ``replicas`` experts per helper at most, moves of fewer
-    than ``least`` slots not made (:func:`min_rows`)."""
+    than ``least`` slots not made (:func:`min_rows`).
+
+    ``O(W x E + moves x (log W + e))``: the ranks above the mean wait in a heap by load (most loaded,
+    then lowest rank, first), those with room in another (least loaded, then lowest rank, first); a
+    move changes only its owner's and its helper's loads, the two heaps' tops, which go back in where
+    they still belong (an owner never drops below the mean, a helper never rises above it)."""
     W, e = len(slots_WE), experts_per_rank
-    load_E = [sum(column) for column in zip(*slots_WE)]
+    load_E = list(map(sum, zip(*slots_WE)))  # zip's tuples reused: no (E, W) copy
     keep_E = list(load_E)  # slots each expert's owner still computes
     load_W = [sum(load_E[r * e : (r + 1) * e]) for r in range(W)]
     target = math.ceil(sum(load_W) / W)
     helped_W = [0] * W  # replicas each rank computes
-    helpers = {g: set() for g in range(len(load_E))}
+    lent = set()  # (expert, helper) of each move made
+    above = [(-load, r) for r, load in enumerate(load_W) if load > target]  # by -load, then rank
+    room = [(load, h) for h, load in enumerate(load_W) if load < target and replicas > 0]  # by load, then rank
+    heapq.heapify(above)
+    heapq.heapify(room)
     moves = []
-    while True:
-        owner = max(range(W), key=lambda r: (load_W[r], -r))
-        room = [h for h in range(W) if h != owner and load_W[h] < target and helped_W[h] < replicas]
-        if load_W[owner] <= target or not room:
+    while above and room:  # each heap's top: the owner and the helper of the next move
+        owner, helper = above[0][1], room[0][1]
+        expert = None
+        for g in range(owner * e, (owner + 1) * e):  # the hottest (then lowest) the helper lacks
+            if keep_E[g] > 0 and (g, helper) not in lent and (expert is None or keep_E[g] > keep_E[expert]):
+                expert = g
+        if expert is None:
             break
-        helper = min(room, key=lambda h: (load_W[h], h))
-        candidates = [g for g in range(owner * e, (owner + 1) * e) if keep_E[g] > 0 and helper not in helpers[g]]
-        if not candidates:
-            break
-        expert = max(candidates, key=lambda g: (keep_E[g], -g))
         slots = min(load_W[owner] - target, target - load_W[helper], keep_E[expert])
         if slots < least:
             break
@@ -184,5 +281,13 @@ def plan_replicas(slots_WE: list[list[int]], experts_per_rank: int, replicas: in
         load_W[owner] -= slots
         load_W[helper] += slots
         helped_W[helper] += 1
-        helpers[expert].add(helper)
-    return ReplicaPlan(tuple(moves), tuple(tuple(row) for row in slots_WE), e)
+        lent.add((expert, helper))
+        if load_W[owner] > target:  # back in at its new load, else out
+            heapq.heapreplace(above, (-load_W[owner], owner))
+        else:
+            heapq.heappop(above)
+        if load_W[helper] < target and helped_W[helper] < replicas:
+            heapq.heapreplace(room, (load_W[helper], helper))
+        else:
+            heapq.heappop(room)
+    return ReplicaPlan(tuple(moves), slots_WE, e, load_E)

@@ -27,6 +27,7 @@ import torch
 from epmoe.comm import all_to_all_v
 from epmoe.ep.counts import LayerCounts
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
+from epmoe.ep.replicas import ReplicaPlan
 from epmoe.ep.routing import (
     GatherRows,
     RowSources,
@@ -108,11 +109,9 @@ class AllToAllVDispatcher(Dispatcher):
         shard, counts, plan, group = link.shard, link.counts, link.plan, link.counts.group
         me, W, e = shard.ep_rank, len(counts.send_rows_W), shard.num_local_experts
         K, H = top_k_index_TK.shape[1], hidden_TH.shape[1]
-        redirected_W = plan.redirected_rows_W(me)
-        send_W = [a + b for a, b in zip(counts.send_rows_W, redirected_W)]
-        recv_W = [counts.recv_rows_W[s] + plan.redirected_rows_W(s)[me] for s in range(W)]
+        send_W, recv_W = _replica_splits(counts, plan, me)
         # the helper runs a lent expert as its local expert e, e + 1, ... (after its own)
-        redirected = redirected_slots(top_k_index_TK, plan.moves_from(me, e), W, sum(redirected_W))
+        redirected = redirected_slots(top_k_index_TK, plan.moves_from(me, e), W, sum(send_W) - sum(counts.send_rows_W))
         rows = token_rows(top_k_index_TK, e, W, sum(counts.send_rows_W))
         rows, local_RK = replica_token_rows(top_k_index_TK, rows, counts.send_rows_W, redirected, e)
         wide = torch.float64 in (hidden_TH.dtype, top_k_weights_TK.dtype)
@@ -144,3 +143,15 @@ class AllToAllVDispatcher(Dispatcher):
         send_W, recv_W = meta.splits or (meta.counts.send_rows_W, meta.counts.recv_rows_W)
         back_RH = all_to_all_v(y_RH, send_W, recv_W, meta.counts.group)
         return SumRows.apply(back_RH, *meta.rows)
+
+
+def _replica_splits(counts: LayerCounts, plan: ReplicaPlan, rank: int) -> tuple[list[int], list[int]]:
+    """``(send_W, recv_W)``: the rows ``rank`` sends each rank and receives from each, the counts
+    exchange's and a row of its own per moved slot: its own redirected slots
+    (:meth:`~epmoe.ep.replicas.ReplicaPlan.redirected_rows_W`) and those it helps with
+    (:meth:`~epmoe.ep.replicas.ReplicaPlan.rows_into`), no loop over every source's moves."""
+    send_W = [a + b for a, b in zip(counts.send_rows_W, plan.redirected_rows_W(rank))]
+    recv_W = list(counts.recv_rows_W)
+    for source, rows in plan.rows_into(rank):
+        recv_W[source] += rows
+    return send_W, recv_W

@@ -33,6 +33,7 @@ from epmoe.comm import all_to_all_v
 from epmoe.comm.steps import step_subgroups
 from epmoe.ep.counts import NodeSplits
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
+from epmoe.ep.replicas import ReplicaPlan
 from epmoe.ep.routing import (
     GatherRows,
     SumRows,
@@ -124,9 +125,8 @@ class NodesDispatcher(Dispatcher):
         (T, K), H = top_k_index_TK.shape, hidden_TH.shape[1]
         splits = _replica_splits(counts.nodes, plan, shard.ep_rank, P)
         # the helper runs a lent expert as its lent expert 0, 1, ... (the ids say which: _replica_route)
-        redirected = redirected_slots(
-            top_k_index_TK, plan.moves_from(shard.ep_rank, 0), P * N, sum(plan.redirected_rows_W(shard.ep_rank))
-        )
+        num_redirected = sum(splits.send_nodes_N) - sum(counts.nodes.send_nodes_N)
+        redirected = redirected_slots(top_k_index_TK, plan.moves_from(shard.ep_rank, 0), P * N, num_redirected)
         moved_TK, slot_X, helper_X, replica_X = redirected
         rows = token_rows(top_k_index_TK, P * e, N, sum(counts.nodes.send_nodes_N))
         rows_nodes, _, order = merged_rows(rows, counts.nodes.send_nodes_N, slot_X, helper_X // P, (T, K))
@@ -216,16 +216,25 @@ def _replica_route(top_k_index_TK: torch.Tensor, token_R: torch.Tensor, redirect
     return torch.cat([own_RK, lent_XK])
 
 
-def _replica_splits(splits: NodeSplits, plan, rank: int, P: int) -> NodeSplits:
+def _replica_splits(splits: NodeSplits, plan: ReplicaPlan, rank: int, P: int) -> NodeSplits:
     """The two hops' rows with the plan's moved slots added to the counts exchange's (each a row of its
-    own, from its source through its helper's node to the helper)."""
-    W = plan.ep_size
-    rail = range(rank % P, W, P)
-    node = rank // P
-    moved = {s: plan.redirected_rows_W(s) for s in range(W)}  # source -> rows to each helper
-    return NodeSplits(
-        [a + sum(moved[rank][n * P : (n + 1) * P]) for n, a in enumerate(splits.send_nodes_N)],
-        [a + sum(moved[src][node * P : (node + 1) * P]) for src, a in zip(rail, splits.recv_nodes_N)],
-        [a + sum(moved[src][node * P + j] for src in rail) for j, a in enumerate(splits.send_ranks_P)],
-        [a + sum(moved[s][rank] for s in range(W) if s % P == j) for j, a in enumerate(splits.recv_ranks_P)],
+    own, from its source through its helper's node to the helper): this rank's own redirected slots
+    (:meth:`~epmoe.ep.replicas.ReplicaPlan.redirected_rows_W`) and those its node's helpers get
+    (:meth:`~epmoe.ep.replicas.ReplicaPlan.rows_into`): a rail peer's pass through this rank, its own
+    arrive from its sources' rail peers in this node; no loop over every source's moves."""
+    node, local = divmod(rank, P)
+    sent_W = plan.redirected_rows_W(rank)
+    send_nodes_N = [a + sum(sent_W[n * P : (n + 1) * P]) for n, a in enumerate(splits.send_nodes_N)]
+    recv_nodes_N, send_ranks_P, recv_ranks_P = (
+        list(splits.recv_nodes_N),
+        list(splits.send_ranks_P),
+        list(splits.recv_ranks_P),
     )
+    for j in range(P):  # the helpers of this rank's node
+        for source, rows in plan.rows_into(node * P + j):
+            if source % P == local:  # hop 1 from the source's node to this rank, hop 2 on to the helper
+                recv_nodes_N[source // P] += rows
+                send_ranks_P[j] += rows
+            if j == local:  # this rank's own: hop 2 from the source's rail peer in this node
+                recv_ranks_P[source % P] += rows
+    return NodeSplits(send_nodes_N, recv_nodes_N, send_ranks_P, recv_ranks_P)
