@@ -249,7 +249,17 @@ def test_the_transports_splits_equal_a_loop_over_every_source():
         for P in [p for p in (1, 2, 4) if W % p == 0]:
             for rank in range(W):
                 base = [rng.randint(0, 9) for _ in range(2 * W)]
-                counts = LayerCounts([], [], [], None, 0, base[:W], base[W:], None, slots_WE, None)
+                counts = LayerCounts(
+                    send_counts_WE=[],
+                    recv_counts_WE=[],
+                    local_counts_e=[],
+                    group=None,
+                    global_slots=0,
+                    send_rows_W=base[:W],
+                    recv_rows_W=base[W:],
+                    peer_guards=None,
+                    slots_WE=slots_WE,
+                )
                 send_W, recv_W = alltoallv._replica_splits(counts, plan, rank)
                 assert send_W == [a + b for a, b in zip(base[:W], rows_WW[rank])]
                 assert recv_W == [base[W + s] + rows_WW[s][rank] for s in range(W)]
