@@ -32,7 +32,6 @@ __all__ = [
     "device_capability",
     "device_module",
     "device_type",
-    "flops_per_link_byte",
     "host_to_device",
     "is_available",
     "new_stream",
@@ -46,12 +45,6 @@ __all__ = [
 
 _ACCELERATORS = ("npu", "cuda", "xpu", "mps")
 _COMM_BACKENDS = {"cuda": "nccl", "npu": "hccl", "xpu": "xccl", "cpu": "gloo", "mps": "gloo"}
-# a device's matmul flops per byte its EP link moves in the same time, what expert replicas weigh
-# (epmoe.ep.replicas): the CPU with gloo on loopback as measured by `epmoe bench balance` (its
-# "link" table); accelerators: dense 16-bit matmul peak over one direction of the chip-to-chip link
-# (H100: ~990 TFLOP/s over ~450 GB/s NVLink; Ascend 910B: ~310 TFLOP/s over ~196 GB/s HCCS -> ~1600)
-_FLOPS_PER_LINK_BYTE = {"cpu": 35.0, "cuda": 2200.0, "npu": 1600.0}
-_DEFAULT_FLOPS_PER_LINK_BYTE = 2000.0
 
 
 @functools.cache
@@ -163,12 +156,6 @@ def host_to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if tensor.device.type != "cpu":  # already on a device (built from device counts)
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
-
-
-def flops_per_link_byte(device: Any = None) -> float:
-    """An estimate of how many matmul flops ``device`` computes in the time its EP link moves one
-    byte (see ``_FLOPS_PER_LINK_BYTE``): the exchange rate of expert replicas' cost model."""
-    return _FLOPS_PER_LINK_BYTE.get(device_type(device), _DEFAULT_FLOPS_PER_LINK_BYTE)
 
 
 def comm_backend(device_type: str | None = None) -> str:

@@ -37,15 +37,15 @@ def base_model():
 
 
 def module_cases(rank, world, ranks_per_node, cases=CASES_4, replicas=0):
-    """Each routing case on the experts module with the two-level exchange (and ``replicas``, the CPU's
+    """Each routing case on the experts module with the two-level exchange (and ``replicas``, every
     link free so that the plans move slots), against the unsharded module and the per-rank exchange:
     relative errors, the transport that ran and the moves its plans made."""
-    from replica_workers import free_link, recorded_plans
+    from replica_workers import recorded_plans, with_replicas
 
     model = base_model()
     ref = copy.deepcopy(experts_of(model))
     plain = copy.deepcopy(model)
-    config = {"dispatch": "nodes", "ranks_per_node": ranks_per_node, "replicas": replicas}
+    config = with_replicas(replicas, dispatch="nodes", ranks_per_node=ranks_per_node)
     epmoe.apply_expert_parallel(model, config=config)
     epmoe.apply_expert_parallel(plain, config={"dispatch": "alltoallv"})
     transport = experts_of(model)._epmoe.transport.name
@@ -53,7 +53,7 @@ def module_cases(rank, world, ranks_per_node, cases=CASES_4, replicas=0):
     out = {}
     for name, case in cases.items():
         seed = zlib.crc32(name.encode())
-        with free_link(), recorded_plans() as plans:
+        with recorded_plans() as plans:
             errors, zeros = compare_case(name, case, ref, experts_of(model), peers, rank, torch.float64, seed)
         plain_errors, _ = compare_case(name, case, ref, experts_of(plain), peers, rank, torch.float64, seed)
         moves = sum(len(p) for p in plans)
@@ -75,10 +75,10 @@ def four_rank_run(rank, world, out_dir):
     skewed = {name: CASES_4[name] for name in ("random_k2", "all_on_one_expert", "node_receives_nothing")}
     skewed["zipf_k2"] = (2, [9, 4, 12, 6], "zipf", 1.5)
     results["module_2x2_replicas"] = module_cases(rank, world, 2, skewed, replicas=2)
-    from replica_workers import free_link, recorded_plans
+    from replica_workers import recorded_plans, with_replicas
 
-    with free_link(), recorded_plans() as plans:
-        results["replicas_ddp"] = train_arms(rank, world, {"dispatch": "nodes", "ranks_per_node": 2, "replicas": 2})
+    with recorded_plans() as plans:
+        results["replicas_ddp"] = train_arms(rank, world, with_replicas(2, dispatch="nodes", ranks_per_node=2))
     results["replicas_ddp"]["moves"] = sum(len(p) for p in plans)
     nodes = {"dispatch": "nodes", "ranks_per_node": 2}
     results["ddp"] = train_arms(rank, world, nodes)

@@ -3,8 +3,8 @@
 Expert replicas (``ExpertParallelConfig(replicas=N)``) against the same EP model without them and
 the unsharded one, experts module and whole model. The cost model would move nothing at these small
 test shapes on a CPU (the weights cost more to send than their rows to compute), so the exactness
-runs set the CPU's exchange rate to zero (``free_link``): every imbalance then moves; one run keeps
-the real rate and checks that nothing moves.
+runs set every link's price to zero (:data:`FREE_LINK`): every imbalance then moves; one run keeps
+the link costs measured at apply and checks that nothing moves.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from ep_layer_workers import base_model as layer_base_model
 from ep_layer_workers import compare_case, experts_of
 
 import epmoe
-from epmoe import platform
 from epmoe.ep import layer as layer_module
 from epmoe.models import build_model
 
@@ -34,21 +33,12 @@ SKEWED = {
 }
 
 
-@contextlib.contextmanager
-def link_rate(rate: float):
-    """The CPU's flops per link byte (the replica cost model's exchange rate) at ``rate`` inside the block."""
-    rates = platform._FLOPS_PER_LINK_BYTE
-    saved = rates["cpu"]
-    rates["cpu"] = rate
-    try:
-        yield
-    finally:
-        rates["cpu"] = saved
+FREE_LINK = {"flops_per_link_byte": 0.0}  # a byte costs nothing on any link: every imbalance is worth a move
 
 
-def free_link():
-    """The CPU's flops per link byte at zero: every imbalance is worth a move (see the module docstring)."""
-    return link_rate(0.0)
+def with_replicas(replicas: int = 2, **options) -> dict:
+    """The replicas arms' config: ``replicas`` at a free link (:data:`FREE_LINK`), ``options`` added."""
+    return {"replicas": replicas, **FREE_LINK, **options} if replicas else options
 
 
 @contextlib.contextmanager
@@ -79,12 +69,12 @@ def module_cases(rank, world, cases, replicas=2):
     model = base_model()
     ref = copy.deepcopy(experts_of(model))
     plain = copy.deepcopy(model)
-    epmoe.apply_expert_parallel(model, config={"replicas": replicas})
+    epmoe.apply_expert_parallel(model, config=with_replicas(replicas))
     epmoe.apply_expert_parallel(plain)
     out = {}
     for name, case in cases.items():
         seed = zlib.crc32(name.encode())
-        with free_link(), recorded_plans() as plans:
+        with recorded_plans() as plans:
             errors, zeros = compare_case(
                 name, case, ref, experts_of(model), list(range(world)), rank, torch.float64, seed
             )
@@ -165,14 +155,14 @@ def train_arms(rank, world, recipe="ddp", steps=3, sizes=((2, 12), (3, 7)), conf
     for arm in ("ep", "replicas") if recipe == "plain" else ("unsharded", "ep", "replicas"):
         model = copy.deepcopy(base)
         if arm != "unsharded":
-            options = dict(config or {}, replicas=2) if arm == "replicas" else dict(config or {})
+            options = with_replicas(**(config or {})) if arm == "replicas" else dict(config or {})
             shards[arm] = epmoe.apply_expert_parallel(model, group, config=options)
         if prepare is not None:
             prepare(model)
         wrapped = wrap(recipe, model, world)
         opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
         record = {"loss": [], "moves": 0}
-        with free_link(), recorded_plans() as plans:
+        with recorded_plans() as plans:
             for step in range(steps):
                 ids = tokens(step, rank, sizes)
                 out = wrapped(ids, labels=ids)
@@ -228,11 +218,11 @@ def lora_arms(rank, world, steps=2):
     arms = {}
     for arm in ("ep", "replicas"):
         model = copy.deepcopy(base)
-        epmoe.apply_expert_parallel(model, config={"replicas": 2 if arm == "replicas" else 0})
+        epmoe.apply_expert_parallel(model, config=with_replicas(2 if arm == "replicas" else 0))
         torch.manual_seed(0)
         peft_model = get_peft_model(model, lora_config(experts=True))
         opt = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=1e-2)
-        with free_link(), recorded_plans() as plans:
+        with recorded_plans() as plans:
             for step in range(steps):
                 ids = tokens(step, rank, ((2, 12), (3, 7)))
                 peft_model(ids, labels=ids).loss.backward()
@@ -257,7 +247,7 @@ def replay_arms(rank, world):
     models = {}
     for arm in ("ep", "replicas"):
         models[arm] = copy.deepcopy(base)
-        epmoe.apply_expert_parallel(models[arm], config={"replicas": 2 if arm == "replicas" else 0})
+        epmoe.apply_expert_parallel(models[arm], config=with_replicas(2 if arm == "replicas" else 0))
     ids = tokens(0, rank, ((2, 12), (3, 7)))
     with epmoe.record_routing(models["ep"]) as recorded, torch.no_grad():
         models["ep"](ids)
@@ -266,7 +256,7 @@ def replay_arms(rank, world):
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.mlp.gate.weight.mul_(-1.0)  # different routes unless replayed
-        with free_link(), recorded_plans() as plans, epmoe.replay_routing(model, recorded):
+        with recorded_plans() as plans, epmoe.replay_routing(model, recorded):
             loss = model(ids, labels=ids).loss
         loss.backward()
         out[arm] = {"loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
@@ -287,14 +277,13 @@ def save_arms(rank, world, out_dir):
     saved, states, dcp_states = {}, {}, {}
     for arm in ("ep", "replicas"):
         model = copy.deepcopy(base)
-        epmoe.apply_expert_parallel(model, config={"replicas": 2 if arm == "replicas" else 0})
+        epmoe.apply_expert_parallel(model, config=with_replicas(2 if arm == "replicas" else 0))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        with free_link():
-            for step in range(2):
-                ids = tokens(step, rank, ((2, 12), (3, 7)))
-                model(ids, labels=ids).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+        for step in range(2):
+            ids = tokens(step, rank, ((2, 12), (3, 7)))
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         path = f"{out_dir}/{arm}"
         model.save_pretrained(path)
         dist.barrier()
@@ -351,18 +340,15 @@ def disagreement(rank, world):
 
 
 def key_mismatch(rank, world):
-    """Ranks whose cost models disagree (their plans would differ): the counts exchange raises on every rank."""
+    """Ranks whose cost models disagree (rank 0 in eval mode, the others training: their plans would
+    differ): the counts exchange raises on every rank."""
     model = skewed_model()
-    epmoe.apply_expert_parallel(model, config={"replicas": 2})
-    rates = platform._FLOPS_PER_LINK_BYTE
-    saved = rates["cpu"]
-    rates["cpu"] = 0.0 if rank == 0 else saved
+    epmoe.apply_expert_parallel(model, config={"replicas": 2, "flops_per_link_byte": CHECKPOINT_RATE})
+    model.train(rank != 0)
     try:
         model(tokens(0, rank, ((2, 12), (3, 7))))
     except ValueError as exc:
         return str(exc)
-    finally:
-        rates["cpu"] = saved
     return None
 
 
@@ -374,8 +360,8 @@ def generate_run(rank, world):
     outs = {}
     for arm in ("ep", "replicas"):
         model = copy.deepcopy(base)
-        epmoe.apply_expert_parallel(model, config={"replicas": 2 if arm == "replicas" else 0})
-        with free_link(), recorded_plans() as plans:
+        epmoe.apply_expert_parallel(model, config=with_replicas(2 if arm == "replicas" else 0))
+        with recorded_plans() as plans:
             sequences = model.generate(prompt, max_new_tokens=4 + rank, min_new_tokens=4 + rank, do_sample=False)
             with torch.no_grad():
                 logits = model(prompt).logits
@@ -406,11 +392,11 @@ def checkpoint_kinds(rank, world, sizes=((4, 32), (4, 28))):
     out, plain = {}, None
     for kind in ("plain", "reentrant", "non_reentrant"):
         model = copy.deepcopy(base)
-        epmoe.apply_expert_parallel(model, config={"replicas": 2})
+        epmoe.apply_expert_parallel(model, config={"replicas": 2, "flops_per_link_byte": CHECKPOINT_RATE})
         if kind != "plain":
             model.gradient_checkpointing_enable({"use_reentrant": kind == "reentrant"})
         model.train()
-        with link_rate(CHECKPOINT_RATE), recorded_plans() as plans:
+        with recorded_plans() as plans:
             loss = model(ids, labels=ids).loss
             loss.backward()
         record = {
@@ -426,7 +412,7 @@ def checkpoint_kinds(rank, world, sizes=((4, 32), (4, 28))):
         out[kind] = {"errors": errors, **{k: record[k] for k in ("plans", "moved", "computed")}}
         if kind == "plain":
             model.eval()
-            with link_rate(CHECKPOINT_RATE), recorded_plans() as plans, torch.no_grad():
+            with recorded_plans() as plans, torch.no_grad():
                 model(ids)
             out["eval_plans"] = [tuple(moves) for moves in plans]
     F, H = 3 * 64 * 32, 64
@@ -479,9 +465,8 @@ def bf16_case(rank, world):
     arms = {}
     for arm in ("ep", "replicas"):
         copy_ = copy.deepcopy(model).to(torch.bfloat16)
-        epmoe.apply_expert_parallel(copy_, config={"replicas": 2 if arm == "replicas" else 0})
-        with free_link():
-            arms[arm], _ = compare_case(
-                "hot", SKEWED["hot_expert_k2"], ref, experts_of(copy_), list(range(world)), rank, torch.bfloat16, 11
-            )
+        epmoe.apply_expert_parallel(copy_, config=with_replicas(2 if arm == "replicas" else 0))
+        arms[arm], _ = compare_case(
+            "hot", SKEWED["hot_expert_k2"], ref, experts_of(copy_), list(range(world)), rank, torch.bfloat16, 11
+        )
     return arms

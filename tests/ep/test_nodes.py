@@ -320,14 +320,15 @@ def test_a_rank_that_dies_or_hangs_between_the_hops_ends_the_others_wait(how, tm
 
 def test_the_counts_rows_columns_and_width():
     """One object says where each extra column of a counts row sits and how wide the row is: e counts,
-    total, dtype, then rows, the guard, (with replicas) the key and E slots, (two-level) 1 + P splits."""
+    total, dtype, then rows, the guard, (with replicas) the key (inside, between) and E slots,
+    (two-level) 1 + P splits."""
     from epmoe.ep.config import ExpertShard
     from epmoe.ep.counts import GUARD, CountsRow
 
     plain, both = CountsRow(2), CountsRow(2, experts=8, ranks_per_node=2)
     assert plain.width == 2 + 3 + GUARD and plain.nodes == slice(5, 5)
-    assert both.guard == slice(1, 1 + GUARD) and both.key == 1 + GUARD
-    assert both.slots == slice(6, 14) and both.nodes == slice(14, 17) and both.width == 2 + 2 + 17
+    assert both.guard == slice(1, 1 + GUARD) and both.key == slice(1 + GUARD, 3 + GUARD)
+    assert both.slots == slice(7, 15) and both.nodes == slice(15, 18) and both.width == 2 + 2 + 18
     assert CountsRow(2, ranks_per_node=4).nodes == slice(5, 10)
     shards = [ExpertShard("a", 8, 2, 0, 2, 0, 4), ExpertShard("b", 16, 4, 0, 4, 0, 4)]
     assert CountsRow.widest(shards, True, 2) == CountsRow(4, 16, 2).width

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import epmoe
-from epmoe import platform
 from epmoe.ep.replicas import Move, ReplicaPlan, min_rows, plan_replicas
 from epmoe.ep.routing import redirected_slots, replica_token_rows, token_rows
 from epmoe.models import build_model
@@ -100,12 +99,34 @@ def test_the_cost_model():
     assert min_rows(1000, 10, 4, 5.0, backward=False) == pytest.approx(1000 * 4 * 5 / (2000 - 2 * 10 * 4 * 5))
     assert min_rows(1000, 100, 4, 50.0, backward=True) == math.inf  # a row costs more to send than to compute
     assert min_rows(1000, 10, 4, 0.0, backward=True) == 0.0  # a free link: any imbalance
-    # the benchmark's shape (H 512, I 1024, fp32) on this CPU's rate: a few dozen slots
+    # the benchmark's shape (H 512, I 1024, fp32) at this CPU's loopback rate (~35 flops per byte): a few dozen slots
     F = 3 * 512 * 1024
-    least = min_rows(F, 512, 4, platform.flops_per_link_byte("cpu"), backward=True)
+    least = min_rows(F, 512, 4, 35.0, backward=True)
     assert 10 < least < 200
     assert plan_replicas([[900, 205, 200, 200, 150, 130, 130, 133], [0] * 8], 4, 1, least).moves
     assert plan_replicas([[300 + least // 4, 205, 200, 200, 250, 230, 230, 233], [0] * 8], 4, 1, least).moves == ()
+
+
+def test_a_helper_on_the_owners_node_is_taken_at_equal_load():
+    """Ranks 0, 1 on node 0, ranks 2, 3 on node 1 (e = 2): rank 2 is hot, ranks 0, 1, 3 equally idle.
+    Without nodes the lowest rank helps; with them rank 3, on the owner's node."""
+    slots_WE = [[60, 40, 70, 30, 300, 100, 50, 50]] + [[0] * 8] * 3  # rank 0 sends them all
+    assert plan_replicas(slots_WE, 2, 1, 0).moves[0][:3] == (4, 2, 0)
+    plan = plan_replicas(slots_WE, 2, 1, 0, between=0, nodes_W=[0, 0, 1, 1])
+    assert plan.moves[0][:3] == (4, 2, 3)
+    assert sum(m.slots for m in plan.moves) == sum(m.slots for m in plan_replicas(slots_WE, 2, 1, 0).moves)
+
+
+def test_each_move_is_priced_by_the_link_it_crosses():
+    """A move that pays inside a node (10 slots) but not between nodes (1000): the least loaded helper,
+    on the other node, is passed over for one on the owner's node; with no helper left on the owner's
+    node the plan stops. At one price for every link the least loaded helper takes it."""
+    slots_WE = [[25, 25, 100, 50, 300, 100, 50, 50]] + [[0] * 8] * 3  # loads [50, 150, 400, 100], target 175
+    plan = plan_replicas(slots_WE, 2, 2, 10, between=1000, nodes_W=[0, 0, 1, 1])
+    assert [m[:3] for m in plan.moves] == [(4, 2, 3)] and plan.moves[0].slots == 75
+    cheap = plan_replicas(slots_WE, 2, 2, 10, between=10, nodes_W=[0, 0, 1, 1])
+    assert cheap.moves[0][:3] == (4, 2, 0) and cheap.moves[0].slots == 125
+    assert plan_replicas(slots_WE, 2, 2, 10, between=1000, nodes_W=[0, 1, 2, 3]).moves == ()
 
 
 def test_sources_find_their_redirected_slots_and_rows():
@@ -455,7 +476,7 @@ def test_ranks_that_disagree_on_replicas_raise_on_every_rank(two_ranks):
         assert result["disagreement"] is not None and "config.replicas" in result["disagreement"], result
         mismatch = result["key_mismatch"]
         assert mismatch is not None and "differently at forward of model.layers.0.mlp.experts" in mismatch, mismatch
-        assert "[0, -1] by rank" in mismatch, mismatch
+        assert "[(144, 144), (48, 48)] by rank" in mismatch, mismatch  # eval's cost model, then training's
 
 
 @pytest.mark.multirank

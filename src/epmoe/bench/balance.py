@@ -255,6 +255,8 @@ def _rank(rank: int, world: int, shape: Shape, routers: dict, warmup: int, repea
         if workload == BREAKDOWN:
             out["breakdown"] = {arm: _breakdown(arms[arm], steps[arm], world) for arm in ("without", "replicas")}
     out["link"] = _link(shape, world)
+    # what the replicas arms' cost model took: the flops per byte apply measured (one node: inside)
+    out["link"]["applied"] = epmoe.ep_model(arms["replicas"]).links.inside
     return out
 
 
@@ -446,7 +448,7 @@ def markdown(shape: Shape, result: dict, settings: common.Settings, command: str
             f"Model: a one-layer Qwen3-MoE, float32, H {shape.hidden}, I {shape.intermediate}, {shape.experts} "
             f"experts, top-{shape.top_k}, {shape.tokens} tokens per rank, EP {RANKS}; replicas={REPLICAS}; "
             f"LoadBalancer update_rate={BALANCE_RATE} for {BALANCE_STEPS} steps first; the cost model's "
-            f"{epmoe.platform.flops_per_link_byte(settings.device):g} flops per link byte.",
+            f"{link['applied']:g} flops per link byte (measured when EP was applied).",
             "",
             summary,
             f"The replicas arm's largest error against the unsharded model, median over workloads: {median_error:.1e} "
@@ -463,8 +465,8 @@ def markdown(shape: Shape, result: dict, settings: common.Settings, command: str
             "",
             f"The link, measured on these ranks: a matmul at the experts' shape runs {link['gflops']:.0f} GFLOP/s "
             f"per rank, an all-to-all-v moving one expert's weights {link['gb_s']:.2f} GB/s: "
-            f"{link['rho']:.0f} flops per link byte (the cost model takes "
-            f"{epmoe.platform.flops_per_link_byte(settings.device):g}).",
+            f"{link['rho']:.0f} flops per link byte (the cost model took {link['applied']:g}, measured when "
+            f"EP was applied: epmoe.ep.links).",
             "",
             "Rows: the routed pairs each rank computed (replicas included) over the mean of the ranks. "
             "Token MiB: what the exchanges of both ranks handed the other per step (forward and backward: "

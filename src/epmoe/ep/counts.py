@@ -43,7 +43,7 @@ class CountsRow:
         dtype      1        the dtype of the rows about to travel
         rows       1        its rows for the peer                (the extra columns start here)
         guard      GUARD    the step guard's values              (epmoe.ep.guard; zeros where it does not run)
-        key        1        the replica plan's key               (with expert replicas: experts > 0)
+        key        2        the replica plan's key               (with expert replicas: experts > 0)
         slots      E        its slots per global expert          (with expert replicas)
         nodes      1 + P    the two-level exchange's splits      (with ranks_per_node > 0: _node_columns)
 
@@ -62,15 +62,15 @@ class CountsRow:
 
     rows = 0
     guard = slice(1, 1 + GUARD)
-    key = 1 + GUARD
+    key = slice(1 + GUARD, 3 + GUARD)  # the fewest slots worth a move inside a node, between nodes
 
     @property
     def slots(self) -> slice:
-        return slice(self.key + 1, self.key + 1 + self.experts)
+        return slice(self.key.stop, self.key.stop + self.experts)
 
     @property
     def nodes(self) -> slice:
-        start = self.slots.stop if self.experts else self.key
+        start = self.slots.stop if self.experts else self.key.start
         return slice(start, start + (1 + self.ranks_per_node if self.ranks_per_node else 0))
 
     @staticmethod
@@ -115,7 +115,7 @@ def exchange_layer_counts(
     hidden_TH: torch.Tensor,
     top_k_index_TK: torch.Tensor,
     guard: torch.Tensor | None = None,
-    replica_key: int | None = None,
+    replica_key: tuple[int, int] | None = None,
     ranks_per_node: int | None = None,
 ) -> LayerCounts:
     """The counts exchange of a layer forward at ``position`` (see the module docstring): this rank's
@@ -123,8 +123,8 @@ def exchange_layer_counts(
     ``channel`` (``None``: a group of one, nothing exchanged; one host read either way). The ranks
     also agree that their rows travel in ``hidden_TH``'s dtype; ``guard``: the step guard's
     ``(GUARD,)`` values to send, where it runs; ``replica_key`` (with expert replicas: what the
-    replica plan takes besides the counts, its fewest slots worth a move, which must be the same on
-    every rank): every rank also learns the whole slot matrix (``slots_WE``), and the ranks raise,
+    replica plan takes besides the counts, its fewest slots worth a move inside a node and between
+    nodes, which must be the same on every rank): every rank also learns the whole slot matrix (``slots_WE``), and the ranks raise,
     every one, where their keys differ (their plans would); ``ranks_per_node`` (the two-level
     exchange's ``P``): each rank also learns its :class:`NodeSplits` (:func:`_node_columns`)."""
     expert_S = top_k_index_TK.reshape(-1)
@@ -150,13 +150,13 @@ def exchange_layer_counts(
     guard_values = slots_E.new_zeros(GUARD) if guard is None else guard
     columns = [rows_W.view(W, 1), guard_values.view(1, -1).expand(W, -1)]
     if replica_key is not None:
-        columns.append(torch.cat([slots_E.new_tensor([replica_key]), slots_E]).view(1, -1).expand(W, -1))
+        columns.append(torch.cat([slots_E.new_tensor(replica_key), slots_E]).view(1, -1).expand(W, -1))
     if ranks_per_node is not None:
         columns.append(_node_columns(dest_TW, channel.rank, ranks_per_node))
     exchanged = exchange_counts_on(channel, position, slots_E, hidden_TH.dtype, torch.cat(columns, dim=1))
     received = exchanged.extras_received
     if replica_key is not None:
-        _check_replica_keys([peer[row.key] for peer in received], position.describe(channel.layer_names))
+        _check_replica_keys([tuple(peer[row.key]) for peer in received], position.describe(channel.layer_names))
     recv = exchanged.recv_counts
     return LayerCounts(
         send_counts_WE=exchanged.send_counts,
@@ -202,12 +202,13 @@ def _node_splits(exchanged, columns: slice, rank: int, P: int) -> NodeSplits:
     )
 
 
-def _check_replica_keys(keys_W: list[int], where: str) -> None:
+def _check_replica_keys(keys_W: list[tuple[int, int]], where: str) -> None:
     """``ValueError`` (on every rank: they all received the same keys) where the ranks' replica plans
     would differ."""
     if len(set(keys_W)) > 1:
         raise ValueError(
             f"epmoe: the EP ranks would plan expert replicas differently at {where}: their fewest slots worth "
-            f"moving an expert are {keys_W} by rank (-1: none; the cost model, epmoe.ep.replicas, reads each "
-            f"rank's device and the experts' dtype: every rank must run the same device type and dtype)"
+            f"moving an expert (inside a node, between nodes) are {keys_W} by rank (-1: none; the cost model, "
+            f"epmoe.ep.replicas, reads the experts' dtype and whether they train: every rank must run the model "
+            f"in the same dtype and the same mode, train() or eval())"
         )

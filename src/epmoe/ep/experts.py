@@ -269,14 +269,13 @@ class LocalExperts(AutogradPaths):
             out_RH = out_RH + lent_RH
         return out_RH
 
-    def replica_min_rows(self, hidden: int) -> float:
-        """The fewest slots worth moving one of these experts to another rank for
-        (:func:`epmoe.ep.replicas.min_rows`, on the device of their weights), a training step's where
-        :meth:`weights_trained`."""
+    def replica_min_rows(self, hidden: int, flops_per_byte: float) -> float:
+        """The fewest slots worth moving one of these experts to another rank over a link where a byte
+        costs ``flops_per_byte`` (:func:`epmoe.ep.replicas.min_rows`; :mod:`epmoe.ep.links`), a
+        training step's where :meth:`weights_trained`."""
         params = self.weights.expert_parameters()
         elements = sum(p.numel() for p in params) // num_experts_of(self.module)
-        rho = platform.flops_per_link_byte(params[0])
-        return min_rows(elements, hidden, params[0].element_size(), rho, self.weights_trained())
+        return min_rows(elements, hidden, params[0].element_size(), flops_per_byte, self.weights_trained())
 
     def weights_trained(self) -> bool:
         """Whether gradients will flow to these experts' weights: the module in training mode, with a

@@ -86,7 +86,7 @@ def _call(
     guard = _guard_values(state, hidden_TH.device)
     counts = plan = None
     if transport.needs_counts:  # 2
-        key = _replica_key(state, hidden_TH.shape[1]) if state.model.config.replicas else None
+        key = _replica_key(state, hidden_TH.shape[1]) if state.model.links is not None else None
         counts = exchange_layer_counts(
             channel, position, shard, hidden_TH, top_k_index_TK, guard, key, transport.ranks_per_node
         )
@@ -126,21 +126,33 @@ _call_eagerly = torch.compiler.disable(
 )
 
 
-def _replica_key(state: ExpertParallelState, hidden: int) -> int:
+def _replica_key(state: ExpertParallelState, hidden: int) -> tuple[int, int]:
     """What the call's replica plan takes besides the counts: the fewest slots worth moving one of its
-    experts (the cost model, :func:`~epmoe.ep.replicas.min_rows`; ``-1``: none), which the counts
-    exchange checks is the same on every rank. A training step's cost model wherever gradients will
-    flow to the experts' weights (:meth:`~epmoe.ep.experts.LocalExperts.weights_trained`), grad mode
-    or not: a forward checkpointed without gradients plans as its recompute does."""
-    least = state.experts.replica_min_rows(hidden)
-    return -1 if math.isinf(least) else math.ceil(least)
+    experts over a link inside a node and between nodes (the cost model,
+    :func:`~epmoe.ep.replicas.min_rows`, at the model's :class:`~epmoe.ep.links.LinkCosts`; ``-1``:
+    none), which the counts exchange checks is the same on every rank. A training step's cost model
+    wherever gradients will flow to the experts' weights
+    (:meth:`~epmoe.ep.experts.LocalExperts.weights_trained`), grad mode or not: a forward checkpointed
+    without gradients plans as its recompute does."""
+    links = state.model.links
+    least = (state.experts.replica_min_rows(hidden, rho) for rho in (links.inside, links.between))
+    return tuple(-1 if math.isinf(m) else math.ceil(m) for m in least)
 
 
-def _replica_plan(state: ExpertParallelState, counts: LayerCounts, key: int) -> ReplicaPlan | None:
+def _replica_plan(state: ExpertParallelState, counts: LayerCounts, key: tuple[int, int]) -> ReplicaPlan | None:
     """The call's expert replicas (:func:`~epmoe.ep.replicas.plan_replicas` on the slot matrix every
-    rank got in the counts exchange, and ``key``: the same on every rank), ``None`` where it moves nothing."""
-    least = math.inf if key < 0 else key
-    plan = plan_replicas(counts.slots_WE, state.shard.num_local_experts, state.model.config.replicas, least)
+    rank got in the counts exchange, ``key``, the same on every rank, and the EP ranks' nodes), ``None``
+    where it moves nothing."""
+    inside, between = (math.inf if k < 0 else k for k in key)
+    config, links = state.model.config, state.model.links
+    plan = plan_replicas(
+        counts.slots_WE,
+        state.shard.num_local_experts,
+        config.replicas,
+        inside,
+        between=between,
+        nodes_W=links.nodes_by_rank,
+    )
     return plan if plan.moves else None
 
 

@@ -17,10 +17,15 @@ ranks agreed on when EP was applied, and of the cost model's key (:func:`min_row
 the same exchange and which the ranks check is the same: every rank computes the same plan, with no
 extra host read and no extra collective. Greedy and deterministic (ties to the lowest rank, then the lowest expert):
 while the most loaded rank is above the mean, its hottest expert's slots move to the least loaded
-rank with room (below the mean, fewer than ``N`` replicas), as many as bring either to the mean::
+rank with room (below the mean, fewer than ``N`` replicas; at equal load one on the owner's node
+first), as many as bring either to the mean::
 
     slots per rank [1505 543]  (mean 1024)   rank 0 owns experts 0-3, expert 0 the hottest
     move: expert 0, owner 0 -> helper 1, its last 481 slots in the global order   ->  [1024 1024]
+
+Each move is priced by the link it crosses (:mod:`epmoe.ep.links`: inside a node or between nodes):
+where the least loaded helper is on another node and the move would not pay there, a helper on the
+owner's node is tried before the plan stops.
 
 An expert's slots are taken in the *global order* (source rank, then token, then k): the owner keeps
 the first, each move takes the next consecutive range (:class:`Move` ``start``, ``stop``), so each
@@ -28,8 +33,9 @@ source finds which of its slots go to a helper from the slot matrix alone (:meth
 
 **The cost model** (:func:`min_rows`): a move is worth making only if the rows it takes off the hot
 rank save more compute time than the bytes it adds cost on the link. With ``F`` weight elements per
-expert, hidden size ``H``, ``b`` bytes per element and ``rho`` the device's flops per link byte
-(:func:`epmoe.platform.flops_per_link_byte`; :meth:`epmoe.ep.experts.LocalExperts.replica_min_rows`), a training step moves the weights there and their
+expert, hidden size ``H``, ``b`` bytes per element and ``rho`` the flops per byte of the link the move
+crosses, inside a node or between nodes (:mod:`epmoe.ep.links`, measured when EP is applied or set by
+the config; :meth:`epmoe.ep.experts.LocalExperts.replica_min_rows`), a training step moves the weights there and their
 gradient back (``2 F b`` bytes) and each moved slot one extra row each way, forward and backward
 (``4 H b``), and saves ``6 F`` flops per slot (forward and backward of both projections)::
 
@@ -244,16 +250,29 @@ def min_rows(weight_elements: int, hidden: int, element_size: int, flops_per_byt
     return weight_bytes * flops_per_byte / net if net > 0 else math.inf
 
 
-def plan_replicas(slots_WE: list[list[int]], experts_per_rank: int, replicas: int, least: float) -> ReplicaPlan:
+def plan_replicas(
+    slots_WE: list[list[int]],
+    experts_per_rank: int,
+    replicas: int,
+    least: float,
+    *,
+    between: float | None = None,
+    nodes_W: Sequence[int] | None = None,
+) -> ReplicaPlan:
     """The call's plan (see the module docstring) for the slot matrix ``slots_WE`` (``W`` lists of
     ``E`` ints, identical on every rank), ``replicas`` experts per helper at most, moves of fewer
-    than ``least`` slots not made (:func:`min_rows`).
+    than ``least`` slots not made (:func:`min_rows`); with ``nodes_W`` (each rank's node), a move
+    between nodes needs ``between`` slots instead, and a helper on the owner's node is taken before
+    one elsewhere at equal load (then before a less loaded one elsewhere whose move would not pay).
 
     ``O(W x E + moves x (log W + e))``: the ranks above the mean wait in a heap by load (most loaded,
-    then lowest rank, first), those with room in another (least loaded, then lowest rank, first); a
-    move changes only its owner's and its helper's loads, the two heaps' tops, which go back in where
-    they still belong (an owner never drops below the mean, a helper never rises above it)."""
+    then lowest rank, first), those with room in another (least loaded, then lowest rank, first) and
+    in one per node; a move changes only its owner's and its helper's loads: the owner goes back in
+    where it still belongs (an owner never drops below the mean), the helper is pushed at its new
+    load (a helper never rises above the mean) and its older entries are dropped when they surface."""
     W, e = len(slots_WE), experts_per_rank
+    node_W = nodes_W if nodes_W is not None else [0] * W
+    least_between = least if between is None else between
     load_E = list(map(sum, zip(*slots_WE)))  # zip's tuples reused: no (E, W) copy
     keep_E = list(load_E)  # slots each expert's owner still computes
     load_W = [sum(load_E[r * e : (r + 1) * e]) for r in range(W)]
@@ -262,20 +281,38 @@ def plan_replicas(slots_WE: list[list[int]], experts_per_rank: int, replicas: in
     lent = set()  # (expert, helper) of each move made
     above = [(-load, r) for r, load in enumerate(load_W) if load > target]  # by -load, then rank
     room = [(load, h) for h, load in enumerate(load_W) if load < target and replicas > 0]  # by load, then rank
-    heapq.heapify(above)
-    heapq.heapify(room)
-    moves = []
-    while above and room:  # each heap's top: the owner and the helper of the next move
-        owner, helper = above[0][1], room[0][1]
+    room_by_node = {}
+    for entry in room:
+        room_by_node.setdefault(node_W[entry[1]], []).append(entry)
+    for heap in (above, room, *room_by_node.values()):
+        heapq.heapify(heap)
+
+    def top(heap: list) -> int | None:  # its least loaded rank with room (entries at an older load dropped)
+        while heap and heap[0][0] != load_W[heap[0][1]]:
+            heapq.heappop(heap)
+        return heap[0][1] if heap else None
+
+    def move_to(owner: int, helper: int) -> tuple[int, int] | None:  # (expert, slots) of a move that pays
         expert = None
         for g in range(owner * e, (owner + 1) * e):  # the hottest (then lowest) the helper lacks
             if keep_E[g] > 0 and (g, helper) not in lent and (expert is None or keep_E[g] > keep_E[expert]):
                 expert = g
         if expert is None:
-            break
+            return None
         slots = min(load_W[owner] - target, target - load_W[helper], keep_E[expert])
-        if slots < least:
+        return (expert, slots) if slots >= (least if node_W[helper] == node_W[owner] else least_between) else None
+
+    moves = []
+    while above:
+        owner = above[0][1]
+        anywhere, near = top(room), top(room_by_node.get(node_W[owner], []))
+        if anywhere is None:
             break
+        helpers = [near] if near is not None and load_W[near] == load_W[anywhere] else [anywhere, near]
+        made = next(((h, m) for h in helpers if h is not None and (m := move_to(owner, h)) is not None), None)
+        if made is None:
+            break
+        helper, (expert, slots) = made
         keep_E[expert] -= slots  # the owner keeps the first slots; this move takes the ones just after
         moves.append(Move(expert, owner, helper, keep_E[expert], keep_E[expert] + slots))
         load_W[owner] -= slots
@@ -286,8 +323,8 @@ def plan_replicas(slots_WE: list[list[int]], experts_per_rank: int, replicas: in
             heapq.heapreplace(above, (-load_W[owner], owner))
         else:
             heapq.heappop(above)
-        if load_W[helper] < target and helped_W[helper] < replicas:
-            heapq.heapreplace(room, (load_W[helper], helper))
-        else:
-            heapq.heappop(room)
+        if load_W[helper] < target and helped_W[helper] < replicas:  # in again at its new load
+            heapq.heappush(room, (load_W[helper], helper))
+            heapq.heappush(room_by_node[node_W[helper]], (load_W[helper], helper))
+        # else no room left: its entries, at older loads, never surface again
     return ReplicaPlan(tuple(moves), slots_WE, e, load_E)
