@@ -111,11 +111,100 @@ def family_parity(rank: int, world: int, family: Family) -> dict:
         errors["expert_grads"] = max(errors["expert_grads"], err)
         compared["expert_grads"] += 1
     narrowest = min(rounds_to, key=lambda d: torch.finfo(d).bits, default=None)
+    try:
+        marks = joined_by_marks(rank, ref, model, shards)
+    except BaseException:  # noqa: BLE001 - the marks test reports it; the verdict stands
+        marks = {"error": traceback.format_exc()}
     return {
         "errors": errors,
         "compared": compared,
         "rounds_to": str(narrowest).removeprefix("torch.") if narrowest else None,
+        "marks": marks,
     }
+
+
+def joined_by_marks(rank: int, ref: torch.nn.Module, model: torch.nn.Module, shards: list) -> dict:
+    """What a framework that gathers by ``epmoe_shard`` gets from ``model`` (``ref`` made expert-parallel
+    over every rank), then from both with PEFT LoRA on every per-expert tensor (the same seed): for the
+    base weights as ``"base"`` and the LoRA factors as ``"lora"``, ``{"marked": expert tensors (factors)
+    that carry a ShardMark, "unmarked": expert tensors without one, "joined_wrong": names whose
+    ``mark.join`` of every rank's tensor is not ``ref``'s, "whole_wrong": keys of ``whole_state_dict``
+    (on the writer) missing or unlike ``ref.state_dict()``'s, and extra ones}``; ``"lora"`` is
+    ``{"without_ep": error}`` where peft cannot add it to ``ref``, ``{"refused": message}`` where
+    epmoe refuses it by name. Both models are changed (peft wraps them in place)."""
+    from peft import LoraConfig, get_peft_model
+
+    out = {"base": _joined(rank, ref, model, epmoe.expert_parameters(model))}
+    config = LoraConfig(
+        r=2, init_lora_weights=False, target_modules=[], target_parameters=expert_targets(model, shards)
+    )
+    torch.manual_seed(1)
+    try:
+        ref = get_peft_model(ref, config)
+    except Exception as error:  # noqa: BLE001 - peft's own limit, whatever it raises
+        out["lora"] = {"without_ep": f"{type(error).__name__}: {error}"}
+        return out
+    torch.manual_seed(1)
+    model = get_peft_model(model, config)
+    try:
+        experts = epmoe.expert_parameters(model)  # settles the factors to this rank's experts
+    except ValueError as error:
+        out["lora"] = {"refused": str(error)}
+        return out
+    factors = {id(p) for n, p in model.named_parameters() if "lora_" in n}
+    out["lora"] = _joined(rank, ref, model, [p for p in experts if id(p) in factors])
+    return out
+
+
+def _joined(rank: int, ref: torch.nn.Module, model: torch.nn.Module, experts: list) -> dict:
+    """:func:`joined_by_marks`' counts and names for the expert tensors ``experts`` of ``model``, against
+    ``ref``'s state dict with the rows no expert reads (zero-computation experts', which EP does not
+    keep) zeros, as saving writes them."""
+    from epmoe.checkpoint.save import whole_state_dict
+    from epmoe.ep.shard_mark import mark_of
+    from epmoe.ep.state import ep_states
+
+    unread = {f"{name}.{key}": rows for name, _, state in ep_states(model) for key, rows in state.unread_rows.items()}
+    expected = ref.state_dict()
+    for key, rows in unread.items():
+        expected[key] = torch.cat([expected[key][:-rows], expected[key].new_zeros(rows, *expected[key].shape[1:])])
+    names = {id(p): n for n, p in model.named_parameters()}
+    joined_wrong, unmarked, marked = [], [], 0
+    for param in experts:
+        shard_mark = mark_of(param)
+        if shard_mark is None:
+            unmarked.append(names[id(param)])
+            continue
+        marked += 1
+        parts = [torch.empty_like(param) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, param.detach().contiguous())
+        if not torch.equal(shard_mark.join(parts), expected[names[id(param)]]):
+            joined_wrong.append(names[id(param)])
+    whole = whole_state_dict(model)
+    whole_wrong = []
+    if rank == 0:
+        whole_wrong = sorted(
+            [k for k, v in expected.items() if k not in whole or not torch.equal(whole[k], v)]
+            + [k for k in whole if k not in expected]
+        )
+    return {"marked": marked, "unmarked": unmarked, "joined_wrong": joined_wrong, "whole_wrong": whole_wrong}
+
+
+def expert_targets(model: torch.nn.Module, shards: list, only: str | None = None) -> list[str]:
+    """peft's ``target_parameters`` for every per-expert tensor of ``model``'s experts modules (their
+    names inside the experts module); ``only``: ``"projections"`` (the experts module's own tensors)
+    or ``"post"`` (a per-expert post module's, Ergo's ``post_expert_norm``)."""
+    inside = {s.module_name + ".": len(s.module_name) + 1 for s in shards}  # names inside the experts module
+    targets = sorted(
+        {
+            n[next(inside[m] for m in inside if n.startswith(m)) :]
+            for n, p in model.named_parameters()
+            if epmoe.is_expert_parameter(p)
+        }
+    )
+    if only is not None:  # a dotted name lives in a module inside the experts module
+        targets = [t for t in targets if ("." in t) == (only == "post")]
+    return targets
 
 
 def gathered(obj) -> list:
@@ -205,16 +294,7 @@ def lora_parity(rank: int, world: int, family: Family, only: str | None = None) 
     ref = build(family)
     model = copy.deepcopy(ref)
     shards = epmoe.apply_expert_parallel(model)
-    inside = {s.module_name + ".": len(s.module_name) + 1 for s in shards}  # names inside the experts module
-    targets = sorted(
-        {
-            n[next(inside[m] for m in inside if n.startswith(m)) :]
-            for n, p in model.named_parameters()
-            if epmoe.is_expert_parameter(p)
-        }
-    )
-    if only is not None:  # a dotted name lives in a module inside the experts module
-        targets = [t for t in targets if ("." in t) == (only == "post")]
+    targets = expert_targets(model, shards, only)
     config = LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, target_modules=[], target_parameters=targets)
     torch.manual_seed(1)
     try:
@@ -259,16 +339,22 @@ def lora_parity(rank: int, world: int, family: Family, only: str | None = None) 
 
 
 def check_families(rank: int, world: int, families: list[Family]) -> dict[str, dict]:
-    """:func:`family_parity` (and, where it runs, :func:`bf16_distances` as ``"bf16"`` and, on 2 ranks,
-    :func:`lora_parity` as ``"lora"``) of every family on this process group, by ``Family.key``; a family whose
-    check raised gets ``{"error": traceback}`` (the others still run). A barrier after each keeps
-    the ranks in step."""
+    """:func:`family_parity` (with :func:`joined_by_marks` as ``"marks"``; and, where it runs,
+    :func:`bf16_distances` as ``"bf16"`` and, on 2 ranks, :func:`lora_parity` as ``"lora"`` and, for DBRX,
+    :func:`wrong_mark_refused` as ``"wrong_mark"``) of every family on this process group, by
+    ``Family.key``; a family whose check raised gets ``{"error": traceback}`` (the others still run).
+    A barrier after each keeps the ranks in step."""
     out = {}
     for family in families:
         try:
             out[family.key] = family_parity(rank, world, family)
             if "refused" not in out[family.key]:
                 out[family.key]["bf16"] = bf16_distances(rank, world, family)
+                if world == 2 and family.name == "dbrx":
+                    try:
+                        out[family.key]["wrong_mark"] = wrong_mark_refused(family)
+                    except BaseException:  # noqa: BLE001 - the marks test reports it; the verdict stands
+                        out[family.key]["wrong_mark"] = traceback.format_exc()
                 if world == 2:
                     try:
                         out[family.key]["lora"] = lora_parity(rank, world, family)
@@ -281,6 +367,25 @@ def check_families(rank: int, world: int, families: list[Family]) -> dict[str, d
             out[family.key] = {"error": traceback.format_exc()}
         dist.barrier()
     return out
+
+
+def wrong_mark_refused(family: Family) -> str | None:
+    """``apply_expert_parallel`` on ``family``'s stacked-rows experts with their marks read as one row
+    per expert (what every mark said before; DBRX's ``w1`` is ``(E*I, H)``): the ``ValueError`` it
+    raises on every rank (``None``: it did not)."""
+    from unittest import mock
+
+    from epmoe.ep.recognize import expert_rows
+
+    def one_row_each(module):
+        return [(name, 1) for name, _ in expert_rows(module)]
+
+    with mock.patch("epmoe.ep.lora.expert_rows", one_row_each):
+        try:
+            epmoe.apply_expert_parallel(build(family))
+        except ValueError as error:
+            return str(error)
+    return None
 
 
 def verdict(family: Family, results: list[dict]) -> str:

@@ -9,7 +9,6 @@ output (tests/models/families_table.py --write) and is checked against it.
 
 from __future__ import annotations
 
-import functools
 import re
 
 import experts_variants
@@ -33,10 +32,10 @@ def checked() -> list[families.Family]:
     return [f for f in families.families() if not isinstance(f, str)] + families.variants()
 
 
-@functools.cache
 def results(world: int = 2) -> dict[str, list[dict]]:
-    """Every checked family's per-rank result from one spawned run of ``world`` ranks, by ``Family.key``."""
-    out = start_ranks(check_families, world, checked(), timeout=900)
+    """Every checked family's per-rank result from one spawned run of ``world`` ranks per session, by
+    ``Family.key``."""
+    out = start_ranks(check_families, world, checked(), timeout=900, once=True)
     return {f.key: [r[f.key] for r in out] for f in checked()}
 
 
@@ -166,6 +165,51 @@ def test_lora_on_every_familys_experts_is_exact_or_refused():
         "qwen3_moe+undecorated": "ran",
     }
     assert {name: outcomes.get(name) for name in expected} == expected, outcomes
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(900)
+def test_shard_marks_rebuild_every_familys_unsharded_tensors():
+    """What a framework that gathers by ``epmoe_shard`` gets, for every family epmoe runs, at EP 2 and EP 4
+    (the families' spawns, fp64): every sharded expert tensor carries a ShardMark whose ``join`` of every
+    rank's tensor is the unsharded model's (stacked rows: all ``E*I`` rows; zero-computation experts'
+    never-read rows, which EP does not keep, as zeros), and ``whole_state_dict`` is the unsharded model's
+    state dict on the writer; the same for PEFT LoRA on every per-expert tensor where it runs under EP
+    (``lora_parity``: where it ran at EP 2, its factors join too; where epmoe refuses it, it is refused
+    here by name). Before, DBRX's marks said ``(E, H)`` and the join raised on the writer only, and the
+    zero-computation experts' said ``(E, 2I, H)``: ``whole_state_dict`` returned an incomplete tensor.
+    A mark that does not give the unsharded shape (DBRX's read as one row per expert) raises at
+    ``apply_expert_parallel`` on every rank, naming the module path, the parameter and both shapes."""
+    joined = {}
+    for world in (2, 4):
+        for family in checked():
+            per_rank = results(world)[family.key]
+            if any("refused" in r or "error" in r for r in per_rank):
+                continue  # EP itself refused (or failed: test_family_exact_or_refused_by_name says so)
+            for rank, marks in enumerate(r["marks"] for r in per_rank):
+                assert "error" not in marks, (world, family.key, rank, marks["error"])
+                base, lora = marks["base"], marks["lora"]
+                assert base["marked"] > 0 and not base["unmarked"], (world, family.key, rank, base)
+                assert not base["joined_wrong"] and not base["whole_wrong"], (world, family.key, rank, base)
+                kind = next(iter({"refused", "without_ep"} & set(lora)), "ran")
+                joined.setdefault((world, family.key), set()).add(kind)
+                if kind == "ran":
+                    assert lora["marked"] > 0 and not lora["unmarked"], (world, family.key, rank, lora)
+                    assert not lora["joined_wrong"] and not lora["whole_wrong"], (world, family.key, rank, lora)
+                elif kind == "refused":
+                    assert "PEFT LoRA on" in lora["refused"], (world, family.key, rank, lora)
+            if world == 2 and "lora" in per_rank[0]:
+                ran = next(iter({"refused", "without_ep"} & set(per_rank[0]["lora"])), "ran")
+                if ran != "without_ep":  # peft's own limit may show at the forward only
+                    assert joined[(world, family.key)] == {ran}, (family.key, ran, joined[(world, family.key)])
+    assert {"dbrx", "longcat_flash+zero_experts", "qwen3_moe", "gpt_oss"} <= {key for _, key in joined}
+    assert joined[(4, "qwen3_moe")] == {"ran"} and joined[(4, "longcat_flash+zero_experts")] == {"refused"}
+    for wrong in (r["wrong_mark"] for r in results()["dbrx"]):
+        assert re.search(
+            r"^apply_expert_parallel: transformer\.blocks\.\d\.ffn\.experts\.mlp: the ShardMark of w1 says its "
+            r"unsharded tensor is \(4, \d+\), but it was \(\d+, \d+\) before sharding$",
+            wrong or "",
+        ), wrong
 
 
 @pytest.mark.multirank

@@ -64,7 +64,7 @@ from epmoe.checkpoint.state_dict_warning import own_state_dict
 from epmoe.comm.steps import SAVE, OutOfStepError, Position, StepChannel
 from epmoe.ep.model import expert_owner
 from epmoe.ep.params import expert_parameters
-from epmoe.ep.shard_mark import mark_of
+from epmoe.ep.shard_mark import ShardMark, mark_of
 from epmoe.ep.state import ExpertParallelState, sharded_experts
 from epmoe.integrations.peft import cat_factor, expert_lora_wrappers, factor_weights
 
@@ -624,9 +624,11 @@ def adapter_state_dict(peft_model: nn.Module) -> dict[str, torch.Tensor]:
 def whole_state_dict(model: nn.Module, keep: Callable[[str], bool] = lambda key: True) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` (the keys ``keep`` keeps) as the unsharded model's, on the writer (global
     rank 0): FSDP2's DTensors whole, and every expert-sharded tensor, base experts and the LoRA
-    factors on them, joined from every EP rank by its :class:`~epmoe.ep.shard_mark.ShardMark`. Other
-    ranks get their own tensors. For a framework's save that writes a state dict itself (twinkle's
-    adapter saves). Collective: every rank calls it, with the same ``keep``."""
+    factors on them, joined from every EP rank by its :class:`~epmoe.ep.shard_mark.ShardMark` (the
+    rows no expert reads, zero-computation experts', as zeros, as ``save_pretrained`` writes them;
+    ``ValueError`` on the writer where a join is not of the mark's shape). Other ranks get their own
+    tensors. For a framework's save that writes a state dict itself (twinkle's adapter saves).
+    Collective: every rank calls it, with the same ``keep``."""
     expert_parameters(model)  # settles LoRA factors and marks every expert parameter's owner
     with own_state_dict():
         local = model.state_dict(keep_vars=True)
@@ -640,8 +642,20 @@ def whole_state_dict(model: nn.Module, keep: Callable[[str], bool] = lambda key:
             continue
         channel = expert_owner(tensor).channel if shard_mark is not None else None
         parts = gathers.gather(channel, value.contiguous()) if gathers.joins(channel) else None
-        out[key] = shard_mark.join(parts) if parts is not None else value
+        out[key] = value if parts is None else _joined(key, shard_mark, parts)
     return out
+
+
+def _joined(key: str, shard_mark: ShardMark, parts: list[torch.Tensor]) -> torch.Tensor:
+    """``shard_mark.join(parts)``; ``ValueError`` naming ``key`` and both shapes unless it is of the
+    mark's ``global_shape`` (never a tensor of another shape in the state dict)."""
+    whole = shard_mark.join(parts)
+    if tuple(whole.shape) != tuple(shard_mark.global_shape):
+        raise ValueError(
+            f"whole_state_dict(model): {key} joined from every EP rank is {tuple(whole.shape)}, its ShardMark "
+            f"says the unsharded tensor is {tuple(shard_mark.global_shape)}"
+        )
+    return whole
 
 
 class _WriterGathers:

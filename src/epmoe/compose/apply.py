@@ -32,11 +32,12 @@ With experts sharded (EP size > 1) the model also gets, as instance attributes: 
 ignore (:mod:`epmoe.ep.params`), a ``generate`` that keeps every rank stepping
 (:mod:`epmoe.training.generate`), on transformers models a ``save_pretrained`` that writes every
 expert (:mod:`epmoe.checkpoint.save`) and a ``num_parameters`` that counts every expert, and a
-warning on a bare ``state_dict()`` of sharded experts (:mod:`epmoe.checkpoint.state_dict_warning`). Sharded 3-D
-packed experts tensors carry their whole shape as ``ds_shape`` and their block a forward pre-hook,
-so that PEFT LoRA added afterwards starts from the unsharded model's factors (:mod:`epmoe.ep.lora`). Its experts
-then communicate on groups created for EP with ``config.timeout``, every collective behind a step
-header (:mod:`epmoe.comm.steps`).
+warning on a bare ``state_dict()`` of sharded experts (:mod:`epmoe.checkpoint.state_dict_warning`). Sharded
+packed experts tensors carry their :class:`~epmoe.ep.shard_mark.ShardMark` (checked here, on every
+rank, against the unsharded tensor's shape), the 3-D ones their whole shape as ``ds_shape`` and their
+block a forward pre-hook, so that PEFT LoRA added afterwards starts from the unsharded model's factors
+(:mod:`epmoe.ep.lora`). Its experts then communicate on groups created for EP with ``config.timeout``,
+every collective behind a step header (:mod:`epmoe.comm.steps`).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ from epmoe.ep.recognize import (
     unsupported_experts,
     zero_experts,
 )
-from epmoe.ep.state import ExpertParallelState, attach_state, state_of
+from epmoe.ep.shard_mark import mark_of
+from epmoe.ep.state import ExpertParallelState, attach_state, sharded_experts, state_of
 from epmoe.ep.topology import NodeLayout, nodes_of_ranks, two_level_layout
 from epmoe.ep.transports import make_dispatcher, static_ineligible_reason
 from epmoe.gmm import choose_backend
@@ -195,9 +197,10 @@ def apply_expert_parallel(
         [_ancestors(modules, name) for name, _, _ in found],
         links,
     )
+    unsharded = _unsharded_shapes(found)  # before sharding: what each ShardMark must say
     _swap_forwards(modules, found, checked, ep_model, config)
     if ep_model.sharded:
-        _attach_to_model(model)
+        _attach_to_model(model, unsharded)
     _log_applied(checked, len(found), ep_size, config)
     return checked.shards
 
@@ -309,10 +312,12 @@ def _swap_forwards(
                 block.forward = types.MethodType(shared_block_forward, block)
 
 
-def _attach_to_model(model: nn.Module) -> None:
-    """What a model with sharded experts gets as instance attributes (see the module docstring)."""
+def _attach_to_model(model: nn.Module, unsharded: dict[tuple[str, str], tuple[int, ...]]) -> None:
+    """What a model with sharded experts gets as instance attributes (see the module docstring);
+    ``unsharded``: :func:`_unsharded_shapes`, which every sharded parameter's mark is checked against."""
     expert_parameters(model)  # marks them
     mark_full_shapes(model)  # peft's LoRA factors start as the unsharded model's (epmoe.ep.lora)
+    _check_shard_marks(model, unsharded)
     # what DistributedDataParallel._set_params_and_buffers_to_ignore_for_model sets, named when DDP reads it
     model._ddp_params_and_buffers_to_ignore = ExpertParameterNames(model)
     if SyncedGenerate.applies_to(model):
@@ -626,6 +631,34 @@ def _shard_parameters(
         set_parameter(module, name, tied[id(param)])
         names.append(name)
     return tuple(names), unread
+
+
+def _unsharded_shapes(found: list[tuple[str, nn.Module, nn.Module]]) -> dict[tuple[str, str], tuple[int, ...]]:
+    """``(experts module name, parameter name) -> shape`` of every per-expert parameter of packed
+    experts (:func:`~epmoe.ep.recognize.expert_rows`), read before sharding."""
+    return {
+        (name, param): tuple(module.get_parameter(param).shape)
+        for name, module, _ in found
+        if not isinstance(module, nn.ModuleList)
+        for param, _ in expert_rows(module)
+    }
+
+
+def _check_shard_marks(model: nn.Module, unsharded: dict[tuple[str, str], tuple[int, ...]]) -> None:
+    """``ValueError`` naming the module path, the parameter and both shapes where a sharded
+    parameter's :class:`~epmoe.ep.shard_mark.ShardMark` (read from the experts' row layout) does not
+    give the unsharded parameter's shape (``unsharded``, read before sharding), so that nothing that
+    joins by the mark (:func:`epmoe.checkpoint.save.whole_state_dict`, a framework that gathers)
+    rebuilds another tensor. Local: every rank reads the same from its own model, no collective."""
+    for _, module, state in sharded_experts(model, packed_only=True):
+        for name in state.sharded_names:
+            marked = tuple(mark_of(module.get_parameter(name)).global_shape)
+            before = unsharded[(state.shard.module_name, name)]
+            if marked != before:
+                raise ValueError(
+                    f"apply_expert_parallel: {state.shard.module_name}: the ShardMark of {name} says its unsharded "
+                    f"tensor is {marked}, but it was {before} before sharding"
+                )
 
 
 def _ancestors(modules: dict[str, nn.Module], name: str) -> tuple[nn.Module, ...]:

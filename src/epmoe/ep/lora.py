@@ -4,9 +4,10 @@ peft's ``ParamWrapper`` (``LoraConfig(target_parameters=[...])``) sizes its fact
 parameter's shape. peft >= 0.21 reads it as ``getattr(param, "ds_shape", param.shape)``: ``ds_shape``
 is DeepSpeed ZeRO-3's "whole shape of a partitioned parameter", and an EP shard is exactly that, a
 partition of the ``(E, ...)`` experts tensor. :func:`mark_full_shapes` gives every 3-D packed experts
-parameter EP sharded its ``ds_shape = (E, ...)``, so ``get_peft_model`` builds and initialises the
-factors of all ``E`` experts on every rank, drawing from the RNG exactly what it draws for the
-unsharded model: with the same seed every rank holds the unsharded model's factors, and every LoRA
+parameter EP sharded its unsharded shape as ``ds_shape`` (its :class:`~epmoe.ep.shard_mark.ShardMark`'s
+``global_shape``: ``(E, ...)``, or ``(E+Z, ...)`` with ``Z`` zero-computation experts' never-read
+rows), so ``get_peft_model`` builds and initialises the factors of all ``E`` experts on every rank,
+drawing from the RNG exactly what it draws for the unsharded model: with the same seed every rank holds the unsharded model's factors, and every LoRA
 factor drawn after them (later layers' experts, anything drawn after ``get_peft_model``) is the
 unsharded model's too. Older peft (0.17 - 0.20) reads ``param.shape`` only: inside
 :func:`whole_experts_for_peft` each such parameter stands in as a tensor of all ``E`` experts (a
@@ -31,7 +32,7 @@ LoRA factors (:func:`epmoe.expert_parameters`, and through it DDP's start-up, ``
 wrapper holds all ``E`` experts' factors (peft's ``print_trainable_parameters`` counts them). An
 adapter loaded with ``PeftModel.from_pretrained`` before that point is the unsharded adapter, read
 whole and then narrowed the same way. Each settled factor carries the mark of what it is
-(:mod:`epmoe.ep.params`: ``SHARD_MARK``).
+(:mod:`epmoe.ep.shard_mark`).
 
 Not covered: LoRA on ``nn.ModuleList`` experts' Linears (only the local experts have Linears to wrap),
 and a ``copy.deepcopy`` of an EP model (``nn.Parameter`` copies drop attributes, ``ds_shape`` included).
@@ -50,8 +51,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from epmoe.ep.recognize import peft_base, stacked_rows, zero_experts
-from epmoe.ep.shard_mark import ShardMark, mark
+from epmoe.ep.recognize import expert_rows, peft_base, stacked_rows, zero_experts
+from epmoe.ep.shard_mark import ShardMark, mark, mark_of
 from epmoe.ep.state import ExpertParallelState, sharded_experts, state_of
 
 FULL_SHAPE = "ds_shape"  # the attribute peft >= 0.21 reads for a partitioned parameter's whole shape
@@ -59,13 +60,19 @@ SETTLED = "_epmoe_settled"  # on a wrapper: the adapters epmoe narrowed to this 
 
 
 def mark_full_shapes(model: nn.Module) -> None:
-    """Give every 3-D packed experts parameter EP sharded its whole shape ``(E, ...)`` as ``ds_shape``,
-    and every packed experts parameter EP sharded its :class:`~epmoe.ep.shard_mark.ShardMark`."""
+    """Give every packed experts parameter EP sharded its :class:`~epmoe.ep.shard_mark.ShardMark`,
+    read from the experts' row layout: :func:`~epmoe.ep.recognize.expert_rows`' rows per expert, and
+    the rows past all experts' that sharding dropped (``ExpertParallelState.unread_rows``:
+    zero-computation experts', never read); and every 3-D one its mark's whole shape as ``ds_shape``."""
     for _, module, state in sharded_experts(model, packed_only=True):
-        shard = state.shard
-        for param in state.sharded_params(module):
-            whole = (shard.num_experts, *param.shape[1:])
-            mark(param, ShardMark(whole, 0, None, shard.local_start, shard.local_end, shard.num_experts))
+        shard, rows = state.shard, dict(expert_rows(module))
+        for name in state.sharded_names:
+            param, unread = module.get_parameter(name), state.unread_rows.get(name, 0)
+            whole = (shard.num_experts * rows[name] + unread, *param.shape[1:])
+            shard_mark = ShardMark(
+                whole, 0, None, shard.local_start, shard.local_end, shard.num_experts, rows[name], unread
+            )
+            mark(param, shard_mark)
             if param.dim() == 3:
                 setattr(param, FULL_SHAPE, torch.Size(whole))
 
@@ -81,8 +88,8 @@ def clear_full_shapes(model: nn.Module) -> None:
 @contextlib.contextmanager
 def whole_experts_for_peft(model: nn.Module) -> Iterator[None]:
     """While peft builds LoRA wrappers on ``model`` (``get_peft_model``, ``add_adapter``,
-    ``PeftModel.from_pretrained``): every 3-D packed experts parameter EP sharded stands in as a
-    tensor of all ``E`` experts (one element expanded: no memory), so peft of any version sizes and
+    ``PeftModel.from_pretrained``): every 3-D packed experts parameter EP sharded stands in as the
+    unsharded tensor (its mark's global shape; one element expanded: no memory), so peft of any version sizes and
     draws the unsharded model's factors. The parameters are back on exit, with the
     ``requires_grad`` peft gave their stand-ins, and the new wrappers settled. Initialisations that
     read the base weights (PiSSA, OLoRA, CorDA, LoftQ...) would read the stand-in: refused by the caller."""
@@ -91,7 +98,7 @@ def whole_experts_for_peft(model: nn.Module) -> Iterator[None]:
         for name in state.sharded_names:
             param = module._parameters[name]
             if param.dim() == 3:
-                whole = param.detach().reshape(-1)[:1].expand(state.shard.num_experts, *param.shape[1:])
+                whole = param.detach().reshape(-1)[:1].expand(mark_of(param).global_shape)
                 module._parameters[name] = nn.Parameter(whole, requires_grad=param.requires_grad)
                 swapped.append((module, name, param))
     for wrapper in model.modules():  # a wrapper peft adds an adapter to sizes it from its num_experts
@@ -144,9 +151,8 @@ def refuse_unsupported(module: nn.Module) -> None:
     epmoe's forward, not the wrapper, whose LoRA would be left out), sharded per-expert tensors that
     are not 3-D (GPT-OSS's ``(E, out)`` biases: peft lays a 2-D tensor's factors out as one matrix's,
     spanning every expert), and sharded experts beside zero-computation experts (LongCat-Flash's in transformers 5.24: peft
-    sizes the unsharded model's factors over every row of ``gate_up_proj``, the zero experts'
-    never-read rows included, which a shard does not keep, so the factors would be drawn unlike the
-    unsharded model's)."""
+    lays the factors out over every row of ``gate_up_proj``, the zero experts' never-read rows
+    included, which a shard does not keep: epmoe neither narrows nor saves factors laid out so)."""
     base = peft_base(module)
     state = state_of(base) if base is not None else None
     if state is None:
@@ -173,8 +179,8 @@ def refuse_unsupported(module: nn.Module) -> None:
     elif zero_experts(base) and state.shard.ep_size > 1:
         what = "experts beside zero-computation experts"
         why = (
-            "peft sizes the unsharded model's factors over the zero experts' never-read rows too, which a "
-            "shard does not keep, so they would start unlike the unsharded model's"
+            "peft lays the factors out over the zero experts' never-read rows too, which a shard does not "
+            "keep: epmoe neither narrows nor saves factors laid out so"
         )
     else:
         return
@@ -225,16 +231,16 @@ def _narrow(wrapper: nn.Module, state: ExpertParallelState) -> None:
         whole, rows = tuple(weight.shape), weight.shape[0] // E
         _set(weight, lambda t: t.reshape(E, rows, -1)[start:end].reshape(e * rows, -1))
         linear.out_features = e * rows
-        mark(weight, ShardMark(whole, 0, None, start, end, E))
+        mark(weight, ShardMark(whole, 0, None, start, end, E, rows))
     for adapter, linear in wrapper.lora_B.items():  # (out, r*E), expert-minor
         if adapter in done:
             continue
         weight = linear.weight
         _check(wrapper, shard, "lora_B", weight.shape[1], weight.shape)
-        whole, out = tuple(weight.shape), weight.shape[0]
-        _set(weight, lambda t: t.reshape(out, -1, E)[:, :, start:end].reshape(out, -1))
+        whole, out, r = tuple(weight.shape), weight.shape[0], weight.shape[1] // E
+        _set(weight, lambda t: t.reshape(out, r, E)[:, :, start:end].reshape(out, r * e))
         linear.in_features = weight.shape[1]
-        mark(weight, ShardMark(whole, 2, (out, -1, e), start, end, E))
+        mark(weight, ShardMark(whole, 2, (out, r, e), start, end, E))
         if linear.bias is not None:
             raise ValueError(f"epmoe: {shard.module_name}: a LoRA bias on sharded experts is not supported")
     wrapper.num_experts = e
