@@ -51,7 +51,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from epmoe.ep.recognize import expert_rows, peft_base, stacked_rows, zero_experts
+from epmoe.ep.recognize import expert_rows, peft_base, set_parameter, stacked_rows, zero_experts
 from epmoe.ep.shard_mark import ShardMark, mark, mark_of
 from epmoe.ep.state import ExpertParallelState, sharded_experts, state_of
 
@@ -95,11 +95,11 @@ def whole_experts_for_peft(model: nn.Module) -> Iterator[None]:
     read the base weights (PiSSA, OLoRA, CorDA, LoftQ...) would read the stand-in: refused by the caller."""
     swapped, settled = [], []
     for _, module, state in sharded_experts(model, packed_only=True):
-        for name in state.sharded_names:
-            param = module._parameters[name]
+        for name in state.sharded_names:  # dotted where a per-expert post module holds it
+            param = module.get_parameter(name)
             if param.dim() == 3:
                 whole = param.detach().reshape(-1)[:1].expand(mark_of(param).global_shape)
-                module._parameters[name] = nn.Parameter(whole, requires_grad=param.requires_grad)
+                set_parameter(module, name, nn.Parameter(whole, requires_grad=param.requires_grad))
                 swapped.append((module, name, param))
     for wrapper in model.modules():  # a wrapper peft adds an adapter to sizes it from its num_experts
         state = state_of(peft_base(wrapper)) if SETTLED in wrapper.__dict__ else None
@@ -110,8 +110,8 @@ def whole_experts_for_peft(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         for module, name, param in swapped:
-            param.requires_grad_(module._parameters[name].requires_grad)
-            module._parameters[name] = param
+            param.requires_grad_(module.get_parameter(name).requires_grad)
+            set_parameter(module, name, param)
         for wrapper in settled:
             if set(wrapper.lora_A) <= wrapper.__dict__[SETTLED]:  # nothing added: back as it was
                 wrapper.num_experts = state_of(peft_base(wrapper)).shard.num_local_experts
