@@ -206,6 +206,10 @@ def launcher_layouts(rank, world):
                 seen["nodes"] = str(exc)
             if name == "uneven_1_3":
                 seen["training"] = train_arms(rank, world, {})
+                replicas = build_model("qwen3_moe")  # link costs measured over uneven nodes: no rank waits
+                epmoe.apply_expert_parallel(replicas, config={"replicas": 1})
+                links = epmoe.ep_model(replicas).links
+                seen["links"] = (links.inside, links.between, list(links.nodes_by_rank))
         out[name] = seen
     return out
 

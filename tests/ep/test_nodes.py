@@ -186,6 +186,8 @@ def test_auto_takes_the_per_rank_exchange_where_the_nodes_are_not_blocks(four_ra
             assert "ExpertParallelConfig(dispatch='nodes')" in seen["nodes"], seen["nodes"]
             said = [m for m in seen["logged"] if "takes the per-rank exchange" in m and str(nodes) in m]
             assert len(said) == (1 if rank == 0 else 0), (rank, name, seen["logged"])
+        inside, between, nodes = result["launcher_layouts"]["uneven_1_3"]["links"]
+        assert nodes == LAYOUTS_4["uneven_1_3"] and inside > 0 and between > 0, (inside, between, nodes)
         training = result["launcher_layouts"]["uneven_1_3"]["training"]
         worst = max(training["errors"], key=training["errors"].get)
         assert training["errors"][worst] <= TOL and training["transports"] == ["alltoallv"], (worst, training)

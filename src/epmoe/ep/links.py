@@ -12,7 +12,7 @@ moves one byte. Set them with ``ExpertParallelConfig(flops_per_link_byte=...)`` 
 link, or ``{"inside": x, "between": y}``) where you know better, else :func:`link_costs` measures them
 when EP is applied with expert replicas on: a timed matmul in the experts' dtype, then one short timed
 exchange per class the group has (each rank sends ``PROBE_BYTES`` to the next rank of its node, then to
-its rail peer on the next node), each rank's figure rounded up to an integer and the ranks agreeing on
+the next rank of its local index, on another node; uneven nodes included), each rank's figure rounded up to an integer and the ranks agreeing on
 the largest (the slowest link for the fastest compute): the same costs on every rank by construction,
 so every rank plans alike.
 """
@@ -55,9 +55,6 @@ class LinkCosts:
         same = self.nodes_by_rank[source] == self.nodes_by_rank[destination]
         return self.inside if same else self.between
 
-    def same_node(self, a: int, b: int) -> bool:
-        return self.nodes_by_rank[a] == self.nodes_by_rank[b]
-
 
 def link_costs(
     config: ExpertParallelConfig,
@@ -76,13 +73,15 @@ def link_costs(
     device = platform.group_device(channel.group)
     flops_per_s = _matmul_rate(weight, device)
     rank, W = channel.rank, channel.size
-    node = nodes_by_rank[rank]
-    mine = [r for r in range(W) if nodes_by_rank[r] == node]
-    rail = [r for r in range(W) if nodes_by_rank[r] != node and mine.index(rank) == _local_index(nodes_by_rank, r)]
+    index_W = _local_indices(nodes_by_rank)
     figures = []
-    for peers in (mine, sorted(rail + [rank])):
-        seconds = _exchange_time(channel.group, W, rank, peers, device) if len(peers) > 1 else math.nan
-        figures.append(-1 if math.isnan(seconds) else math.ceil(flops_per_s * seconds / PROBE_BYTES))
+    for ring_of in (nodes_by_rank, index_W):  # inside: a node's ranks; between: the ranks of one local index
+        ring = [r for r in range(W) if ring_of[r] == ring_of[rank]]
+        if len(set(ring_of)) == W:  # every ring of one: no link of this class in the group
+            figures.append(-1)
+            continue
+        seconds = _exchange_time(channel.group, W, rank, ring, device)  # every rank joins; alone: sends nothing
+        figures.append(-1 if len(ring) == 1 else math.ceil(flops_per_s * seconds / PROBE_BYTES))
     rows = channel.agree(Position(MODEL_WIDE, AGREE, 0), device, [], figures, caller="epmoe: link costs")
     inside, between = (max(row[i] for row in rows) for i in range(2))
     inside = inside if inside >= 0 else between  # a class the group lacks is never priced: take the other's
@@ -90,9 +89,14 @@ def link_costs(
     return LinkCosts(tuple(nodes_by_rank), float(max(inside, 0)), float(max(between, 0)), measured=True)
 
 
-def _local_index(nodes_by_rank: list[int], rank: int) -> int:
-    """``rank``'s index among its node's ranks."""
-    return [r for r in range(len(nodes_by_rank)) if nodes_by_rank[r] == nodes_by_rank[rank]].index(rank)
+def _local_indices(nodes_by_rank: list[int]) -> list[int]:
+    """Each EP rank's index among its node's ranks (the rank at index ``i`` on every node: a rail)."""
+    seen: dict[int, int] = {}
+    index_W = []
+    for node in nodes_by_rank:
+        index_W.append(seen.get(node, 0))
+        seen[node] = index_W[-1] + 1
+    return index_W
 
 
 def _matmul_rate(weight: torch.Tensor, device: torch.device) -> float:
@@ -112,13 +116,14 @@ def _matmul_rate(weight: torch.Tensor, device: torch.device) -> float:
 def _exchange_time(group, W: int, rank: int, peers: list[int], device: torch.device) -> float:
     """Seconds for ``PROBE_BYTES`` from this rank to the next of ``peers`` (EP ranks, this one among
     them) while the previous sends it as much: a ring over ``peers``, every rank of the group in one
-    such ring; ranks outside ``peers`` exchange with their own rings in the same collective."""
+    such ring (alone in its ring: it sends nothing), all rings in one collective of the group."""
     at = peers.index(rank)
     send_W, recv_W = [0] * W, [0] * W
-    send_W[peers[(at + 1) % len(peers)]] = PROBE_BYTES
-    recv_W[peers[(at - 1) % len(peers)]] = PROBE_BYTES
-    out = torch.ones(PROBE_BYTES, dtype=torch.uint8, device=device)
-    into = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
+    if len(peers) > 1:
+        send_W[peers[(at + 1) % len(peers)]] = PROBE_BYTES
+        recv_W[peers[(at - 1) % len(peers)]] = PROBE_BYTES
+    out = torch.ones(sum(send_W), dtype=torch.uint8, device=device)
+    into = torch.empty(sum(recv_W), dtype=torch.uint8, device=device)
 
     def run() -> None:
         dist.all_to_all_single(into, out, recv_W, send_W, group=group)
