@@ -174,6 +174,15 @@ def static_token_rows(
     return TokenRows(token_R, row_TD, padded=True), dest_TW.sum(0)
 
 
+def route_dtype(hidden_dtype: torch.dtype, weights_dtype: torch.dtype) -> torch.dtype:
+    """The float dtype a row's route (its ``K`` expert ids, then its ``K`` routing weights) rides in
+    after its hidden state (:class:`GatherRows`): ``float64`` where the hidden states or the weights
+    are, else ``float32``. The weights arrive exact; the ids too (integers below ``2**24`` in
+    ``float32``); and the ids fill whole columns of the row (the route's element
+    size a multiple of the hidden dtype's), so a row's own ids can be written over its token's."""
+    return torch.float64 if torch.float64 in (hidden_dtype, weights_dtype) else torch.float32
+
+
 class GatherRows(torch.autograd.Function):
     """``GatherRows.apply(x_TH, route_TC, *rows)`` (``rows``: :class:`TokenRows`): ``(R, H)``, each
     token's hidden state once per destination rank (zero rows for padding); with a ``route_TC``

@@ -38,6 +38,7 @@ from epmoe.ep.routing import (
     pair_rows,
     redirected_slots,
     replica_token_rows,
+    route_dtype,
     token_rows,
 )
 
@@ -82,12 +83,12 @@ class AllToAllVDispatcher(Dispatcher):
         else:
             rows = token_rows(top_k_index_TK, e, link.channel.size, sum(counts.send_rows_W))
             # each row's K expert ids and weights travel in the row, after its hidden state: one
-            # exchange each way (ids exact in the route's float dtype, its bytes carried as they are)
-            route_dtype = torch.float64 if top_k_weights_TK.dtype == torch.float64 else torch.float32
-            route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
+            # exchange each way (exact in the route dtype, its bytes carried as they are)
+            dtype = route_dtype(hidden_TH.dtype, top_k_weights_TK.dtype)
+            route_TK2 = torch.cat([top_k_index_TK.to(dtype), top_k_weights_TK.to(dtype)], dim=1)
             sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows)
             received_RX = all_to_all_v(sent_RX, counts.recv_rows_W, counts.send_rows_W, counts.group)
-            x_RH, route_RK2 = UnpackRoute.apply(received_RX, hidden_TH.shape[1], route_dtype)
+            x_RH, route_RK2 = UnpackRoute.apply(received_RX, hidden_TH.shape[1], dtype)
             local_expert_RK = route_RK2[:, :K].long() - shard.local_start
             local_expert_RK = local_expert_RK.masked_fill((local_expert_RK < 0) | (local_expert_RK >= e), e)
             weights_RK = route_RK2[:, K:].to(top_k_weights_TK.dtype)
@@ -114,14 +115,13 @@ class AllToAllVDispatcher(Dispatcher):
         redirected = redirected_slots(top_k_index_TK, plan.moves_from(me, e), W, sum(send_W) - sum(counts.send_rows_W))
         rows = token_rows(top_k_index_TK, e, W, sum(counts.send_rows_W))
         rows, local_RK = replica_token_rows(top_k_index_TK, rows, counts.send_rows_W, redirected, e)
-        wide = torch.float64 in (hidden_TH.dtype, top_k_weights_TK.dtype)
-        route_dtype = torch.float64 if wide else torch.float32  # its K ids fill whole columns of the rows
-        weights_TK = top_k_weights_TK.to(route_dtype)
+        dtype = route_dtype(hidden_TH.dtype, top_k_weights_TK.dtype)
+        weights_TK = top_k_weights_TK.to(dtype)
         sent_RX = GatherRows.apply(hidden_TH, torch.cat([torch.zeros_like(weights_TK), weights_TK], dim=1), *rows)
-        ids_columns = K * route_dtype.itemsize // hidden_TH.dtype.itemsize
-        sent_RX[:, H : H + ids_columns] = local_RK.to(route_dtype).view(hidden_TH.dtype)  # each row's own ids
+        ids_columns = K * dtype.itemsize // hidden_TH.dtype.itemsize  # whole columns: route_dtype
+        sent_RX[:, H : H + ids_columns] = local_RK.to(dtype).view(hidden_TH.dtype)  # each row's own ids
         received_RX = all_to_all_v(sent_RX, recv_W, send_W, group)
-        x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, route_dtype)
+        x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, dtype)
         computed = plan.local_counts(me)  # the local experts' slots, then the lent experts'
         own, lent = computed[:e], computed[e:]
         local_RK = route_RK2[:, :K].long()

@@ -42,6 +42,7 @@ from epmoe.ep.routing import (
     merged_rows,
     pair_rows,
     redirected_slots,
+    route_dtype,
     token_rows,
 )
 from epmoe.ep.topology import NodeLayout
@@ -97,14 +98,12 @@ class NodesDispatcher(Dispatcher):
         splits: NodeSplits = counts.nodes
         P, N, e = self.layout.ranks_per_node, self.layout.nodes, shard.num_local_experts
         K, H = top_k_index_TK.shape[1], hidden_TH.shape[1]
-        route_dtype = torch.float64 if top_k_weights_TK.dtype == torch.float64 else torch.float32
-        route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
+        dtype = route_dtype(hidden_TH.dtype, top_k_weights_TK.dtype)
+        route_TK2 = torch.cat([top_k_index_TK.to(dtype), top_k_weights_TK.to(dtype)], dim=1)
         rows_nodes = token_rows(top_k_index_TK, P * e, N, sum(splits.send_nodes_N))
         sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows_nodes)
         where = link.position.describe(link.channel.layer_names)
-        x_RH, route_RK2, rows_ranks = self._both_hops(
-            sent_RX, H, route_dtype, K, splits, shard, where, lambda ids: ids // e
-        )
+        x_RH, route_RK2, rows_ranks = self._both_hops(sent_RX, H, dtype, K, splits, shard, where, lambda ids: ids // e)
         local_RK = route_RK2[:, :K].long() - shard.local_start
         local_RK = local_RK.masked_fill((local_RK < 0) | (local_RK >= e), e)
         host_counts = counts.local_counts_e
@@ -131,19 +130,18 @@ class NodesDispatcher(Dispatcher):
         rows = token_rows(top_k_index_TK, P * e, N, sum(counts.nodes.send_nodes_N))
         rows_nodes, _, order = merged_rows(rows, counts.nodes.send_nodes_N, slot_X, helper_X // P, (T, K))
         ids_RK = _replica_route(top_k_index_TK, rows.token_R, redirected, e, E)[order]
-        wide = torch.float64 in (hidden_TH.dtype, top_k_weights_TK.dtype)
-        route_dtype = torch.float64 if wide else torch.float32  # its K ids fill whole columns of the rows
-        route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
+        dtype = route_dtype(hidden_TH.dtype, top_k_weights_TK.dtype)
+        route_TK2 = torch.cat([top_k_index_TK.to(dtype), top_k_weights_TK.to(dtype)], dim=1)
         sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows_nodes)
-        ids_columns = K * route_dtype.itemsize // hidden_TH.dtype.itemsize
-        sent_RX[:, H : H + ids_columns] = ids_RK.to(route_dtype).view(hidden_TH.dtype)  # each row's own ids
+        ids_columns = K * dtype.itemsize // hidden_TH.dtype.itemsize  # whole columns: route_dtype
+        sent_RX[:, H : H + ids_columns] = ids_RK.to(dtype).view(hidden_TH.dtype)  # each row's own ids
         where = link.position.describe(link.channel.layer_names)
 
         def rank_of(ids_RK: torch.Tensor) -> torch.Tensor:  # where each choice is computed (-1: nowhere)
             rank_RK = torch.where(ids_RK >= 2 * E, (ids_RK - 2 * E) // E, (ids_RK % E) // e)
             return rank_RK.masked_fill(ids_RK < 0, -1)
 
-        x_RH, route_RK2, rows_ranks = self._both_hops(sent_RX, H, route_dtype, K, splits, shard, where, rank_of)
+        x_RH, route_RK2, rows_ranks = self._both_hops(sent_RX, H, dtype, K, splits, shard, where, rank_of)
         ids_RK = route_RK2[:, :K].long()
         computed = plan.local_counts(shard.ep_rank)  # the local experts' slots, then the lent experts'
         own, lent = computed[:e], computed[e:]
