@@ -10,11 +10,6 @@ import torch
 
 import epmoe
 from epmoe import platform
-from epmoe.comm.steps import Position
-from epmoe.ep.config import ExpertShard
-from epmoe.ep.counts import LayerCounts
-from epmoe.ep.dispatch import Link, alltoallv
-from epmoe.ep.dispatch.replica_rows import arrived_with_replicas, send_with_replicas
 from epmoe.ep.replicas import Move, ReplicaPlan, min_rows, plan_replicas
 from epmoe.ep.routing import RouteIds, redirected_slots, replica_rows, token_rows
 from epmoe.models import build_model
@@ -261,6 +256,12 @@ def test_replica_rows_arrive_exact_with_their_pairs(hidden_dtype, weights_dtype)
     """The per-rank exchange's rows under a plan, sent by every rank and read by every rank (the
     all-to-all-v by hand): each slot computed exactly once, by its expert's owner or its helper, on its
     token's hidden state and weight, bit for bit, with K odd."""
+    from epmoe.comm.steps import Position
+    from epmoe.ep.config import ExpertShard
+    from epmoe.ep.counts import LayerCounts
+    from epmoe.ep.dispatch import Link, alltoallv
+    from epmoe.ep.dispatch.replica_rows import arrived_with_replicas, send_with_replicas
+
     W, e, K, T, H = 2, 2, 3, 10, 5
     E, g = W * e, torch.Generator().manual_seed(7)
     # experts 0 and 1 (rank 0) in every token: rank 0 is hot
