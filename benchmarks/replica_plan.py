@@ -72,13 +72,13 @@ def layer_counts(slots_WE: list[list[int]], rank: int, P: int) -> LayerCounts:
 def _new_per_rank(counts: LayerCounts, rank: int, e: int) -> None:
     plan = plan_replicas(counts.slots_WE, e, REPLICAS, 0)
     plan.moved_W(), plan.lending(rank), plan.local_counts(rank)
-    alltoallv._replica_splits(counts, plan, rank), plan.moves_from(rank, e)
+    alltoallv._replica_splits(counts, plan, rank), plan.moves_from(rank)
 
 
 def _new_two_level(counts: LayerCounts, rank: int, e: int) -> None:
     plan = plan_replicas(counts.slots_WE, e, REPLICAS, 0)
     plan.moved_W(), plan.lending(rank), plan.local_counts(rank)
-    nodes._replica_splits(counts.nodes, plan, rank, RANKS_PER_NODE), plan.moves_from(rank, 0)
+    nodes._replica_splits(counts.nodes, plan, rank, RANKS_PER_NODE), plan.moves_from(rank)
 
 
 def _old_per_rank(old, counts: LayerCounts, rank: int, e: int) -> None:

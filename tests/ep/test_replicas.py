@@ -10,7 +10,7 @@ import torch
 
 import epmoe
 from epmoe.ep.replicas import Move, ReplicaPlan, min_rows, plan_replicas
-from epmoe.ep.routing import redirected_slots, replica_token_rows, token_rows
+from epmoe.ep.routing import RouteIds, redirected_slots, replica_rows, token_rows
 from epmoe.models import build_model
 
 
@@ -146,31 +146,36 @@ def test_sources_find_their_redirected_slots_and_rows():
     plan = ReplicaPlan((move,), (tuple(counts), tuple(other)), e)
     lo, hi = plan.redirected(0, move)
     assert (lo, hi) == (half, counts[g0])
-    moves = torch.tensor([[g0, lo, hi, move.helper, plan.replica_index(move)]])
-    moved_TK, slot_X, helper_X, replica_X = redirected_slots(index, moves, W, hi - lo)
+    assert plan.moves_from(0) == [[g0, lo, hi, move.helper, 0]]  # the helper's lent expert 0
+    redirected = redirected_slots(index, plan.moves_from(0), W, hi - lo)
+    moved_TK, slot_X, helper_X, lent_X = redirected
     mine = [t * K + k for t in range(T) for k in range(K) if index[t, k] == g0]
     assert slot_X.tolist() == mine[lo:hi] and helper_X.tolist() == [move.helper] * (hi - lo)
-    assert replica_X.tolist() == [e] * (hi - lo)
+    assert lent_X.tolist() == [0] * (hi - lo)
     assert moved_TK.reshape(-1).nonzero().squeeze(1).tolist() == mine[lo:hi]
     send_rows_W = [sum(any(index[t, k] // e == r for k in range(K)) for t in range(T)) for r in range(W)]
     rows = token_rows(index, e, W, sum(send_rows_W))
-    rows, local_RK = replica_token_rows(index, rows, send_rows_W, (moved_TK, slot_X, helper_X, replica_X), e)
-    want_tokens, want_local = [], []
+    ids = RouteIds(e, W * e)
+    rows, ids_RK = replica_rows(index, rows, send_rows_W, redirected, helper_X, ids)
+    E, want_tokens, want_ids, want_rank = W * e, [], [], []
     for r in range(W):
         for t in range(T):
             if any(index[t, k] // e == r for k in range(K)):
                 want_tokens.append(t)
-                want_local.append(
-                    [
-                        index[t, k].item() - r * e if index[t, k] // e == r and t * K + k not in mine[lo:hi] else -1
-                        for k in range(K)
-                    ]
-                )
+                want_ids.append([index[t, k].item() + E * (t * K + k in mine[lo:hi]) for k in range(K)])
+                want_rank.append([index[t, k].item() // e for k in range(K)])
         for s in mine[lo:hi] if r == move.helper else []:
             want_tokens.append(s // K)
-            want_local.append([e if k == s % K else -1 for k in range(K)])
+            want_ids.append([2 * E + r * E if k == s % K else -1 for k in range(K)])
+            want_rank.append([r if k == s % K else -1 for k in range(K)])
     assert rows.token_R.tolist() == want_tokens
-    assert local_RK.tolist() == want_local
+    assert ids_RK.tolist() == want_ids
+    assert ids.rank_RK(ids_RK).tolist() == want_rank
+    for r in range(W):  # each rank's own choices and lent ones, read off the ids
+        own_RK, lent_RK = ids.local(ids_RK, r, 1)
+        own = [[i - r * e if r * e <= i < (r + 1) * e else e for i in row] for row in want_ids]
+        lent = [[0 if i == 2 * E + r * E else 1 for i in row] for row in want_ids]
+        assert own_RK.tolist() == own and lent_RK.tolist() == lent
     for t in range(T):  # each token's rows, in row order
         mine_rows = [i for i, tok in enumerate(want_tokens) if tok == t]
         got = [i for i in rows.row_TD[t].tolist() if i < len(want_tokens)]
@@ -246,7 +251,7 @@ def test_the_plan_makes_the_straightforward_greedys_moves_and_tables():
             for source, rows in plan.rows_into(r):
                 into_W[source] += rows
             assert into_W == [rows_WW[s][r] for s in range(W)]
-            assert sum(hi - lo for _, lo, hi, _, _ in plan.moves_from(r, e)) == sum(rows_WW[r])
+            assert sum(hi - lo for _, lo, hi, _, _ in plan.moves_from(r)) == sum(rows_WW[r])
             sent, received = plan.sent(r), plan.received(r)
             index, send_W, recv_W = plan.lending(r)
             assert index == [m.expert - r * e for m in sent]
@@ -254,6 +259,81 @@ def test_the_plan_makes_the_straightforward_greedys_moves_and_tables():
             assert recv_W == [sum(m.owner == s for m in received) for s in range(W)]
             assert [plan.replica_index(m) for m in received] == list(range(e, e + len(received)))
     assert moved > 500
+
+
+@pytest.mark.parametrize(
+    "hidden_dtype, weights_dtype",
+    [
+        (torch.float64, torch.float32),  # the route in float64: K = 3 float32 ids would fill no whole column
+        (torch.float64, torch.float64),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.bfloat16, torch.float64),
+    ],
+    ids=str,
+)
+def test_replica_rows_arrive_exact_with_their_pairs(hidden_dtype, weights_dtype):
+    """The per-rank exchange's rows under a plan, sent by every rank and read by every rank (the
+    all-to-all-v by hand): each slot computed exactly once, by its expert's owner or its helper, on its
+    token's hidden state and weight, bit for bit, with K odd."""
+    from epmoe.comm.steps import Position
+    from epmoe.ep.config import ExpertShard
+    from epmoe.ep.counts import LayerCounts
+    from epmoe.ep.dispatch import Link, alltoallv
+    from epmoe.ep.dispatch.replica_rows import arrived_with_replicas, send_with_replicas
+
+    W, e, K, T, H = 2, 2, 3, 10, 5
+    E, g = W * e, torch.Generator().manual_seed(7)
+    # experts 0 and 1 (rank 0) in every token: rank 0 is hot
+    index_W = [
+        torch.stack([torch.cat([torch.tensor([0, 1]), 2 + torch.randperm(2, generator=g)[:1]]) for _ in range(T)])
+    ]
+    index_W.append(torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]))
+    hidden_W = [torch.randn(T, H, generator=g).to(hidden_dtype) for _ in range(W)]
+    weights_W = [torch.rand(T, K, generator=g).to(weights_dtype) for _ in range(W)]
+    slots_WE = [torch.bincount(index.reshape(-1), minlength=E).tolist() for index in index_W]
+    plan = plan_replicas(slots_WE, e, replicas=1, least=0)
+    assert plan.moves
+    rows_WW = [[int(((index // e) == r).any(1).sum()) for r in range(W)] for index in index_W]
+    links, sent_W, tokens_W = [], [], []
+    for s in range(W):
+        counts = LayerCounts(
+            send_counts_WE=[],
+            recv_counts_WE=[],
+            local_counts_e=[sum(row[j] for row in slots_WE) for j in range(s * e, (s + 1) * e)],
+            group=None,
+            global_slots=W * T * K,
+            send_rows_W=rows_WW[s],
+            recv_rows_W=[rows_WW[source][s] for source in range(W)],
+            peer_guards=None,
+            slots_WE=slots_WE,
+        )
+        shard = ExpertShard("experts", E, e, s * e, (s + 1) * e, s, W)
+        links.append(Link(None, shard, Position(0, 0, 0), False, counts, plan=plan))
+        send_W, _ = alltoallv._replica_splits(counts, plan, s)
+        sent_RX, rows = send_with_replicas(
+            hidden_W[s], index_W[s], weights_W[s], links[s], rows_WW[s], 1, sum(send_W) - sum(rows_WW[s])
+        )
+        sent_W.append(sent_RX.split(send_W))
+        tokens_W.append(rows.token_R.split(send_W))
+    computed = {}  # (source, token, k) -> the rank that computed it
+    for r in range(W):
+        x_RH, arrived = arrived_with_replicas(torch.cat([sent[r] for sent in sent_W]), H, weights_dtype, links[r], None)
+        routed, received = arrived.routed, [(s, t) for s in range(W) for t in tokens_W[s][r].tolist()]
+        assert x_RH.dtype == hidden_dtype and routed.weights_RK.dtype == weights_dtype
+        assert torch.equal(x_RH, torch.stack([hidden_W[s][t] for s, t in received]))
+        assert torch.equal(routed.weights_RK, torch.stack([weights_W[s][t] for s, t in received]))
+        experts = [r * e + j for j, n in enumerate(routed.pairs.counts_e.tolist()) for _ in range(n)]
+        experts += [
+            m.expert for m, n in zip(plan.received(r), routed.replica_pairs.counts_e.tolist()) for _ in range(n)
+        ]
+        for slot, expert in zip(torch.cat([routed.pairs.slot_P, routed.replica_pairs.slot_P]).tolist(), experts):
+            (s, t), k = received[slot // K], slot % K
+            assert index_W[s][t, k] == expert and (s, t, k) not in computed
+            computed[s, t, k] = r
+    assert sorted(computed) == [(s, t, k) for s in range(W) for t in range(T) for k in range(K)]
+    assert [list(computed.values()).count(r) for r in range(W)] == plan.computed_rows_W()
 
 
 def test_the_transports_splits_equal_a_loop_over_every_source():

@@ -54,12 +54,16 @@ from epmoe.gmm import BackendChoice, BackendStatus, GmmBackend, choose_backend, 
 
 
 class Replicas(NamedTuple):
-    """The experts other ranks lend a layer call (:mod:`epmoe.ep.replicas`): the ``pairs`` of the rows
-    they run, and ``lend(weights) -> (own, copies)``, the exchange of the weights as the forward uses
-    them, ``[up, down, up_bias, down_bias]`` (:func:`epmoe.comm.replicas.lend_expert_weights`)."""
+    """The experts other ranks lend a layer call (:mod:`epmoe.ep.replicas`), from the layer's lending
+    step (:func:`epmoe.comm.replicas.lend_expert_weights`), each list ``[up, down, up_bias, down_bias]``
+    as the forward uses them (:meth:`~epmoe.ep.expert_weights.ExpertWeights.read`): ``weights``, the
+    local experts' own, through the exchange (its backward adds the copies' gradients into theirs);
+    ``copies``, the lent experts', ``(n, ...)`` each, in the order of the helper's replicas
+    (:meth:`~epmoe.ep.replicas.ReplicaPlan.received`); ``pairs``, the pairs of the rows they run."""
 
+    weights: list[torch.Tensor | None]
+    copies: list[torch.Tensor | None]
     pairs: RowPairs
-    lend: Callable[[list[torch.Tensor | None]], tuple[list[torch.Tensor | None], list[torch.Tensor | None]]]
 
 
 def experts_gmm_backends(module: nn.Module) -> list[BackendStatus]:
@@ -240,8 +244,9 @@ class LocalExperts(AutogradPaths):
         on arrival, the result stays in it: the combine sums it per token before the layer casts back).
         ``sources``: which ranks the rows came from (the all-to-all-v transport's, over more than one
         rank); the parameters shared by the experts then get, on each rank, the gradient of its own
-        rows (:meth:`_by_source`). ``replicas`` (:attr:`lean` experts only): the experts other ranks
-        lend this call, run by a second op on the same rows and added (:class:`Replicas`)."""
+        rows (:meth:`_by_source`). ``replicas`` (:attr:`lean` experts only): the local experts' weights
+        as the layer read and lent them, and the experts other ranks lend this call, run by a second op
+        on the same rows and added (:class:`Replicas`)."""
         sync_weights = sync_weights or as_is
         if not self.lean:
             if self.weights.packed:
@@ -252,19 +257,14 @@ class LocalExperts(AutogradPaths):
                     self._by_source, pairs=pairs, K=weights_RK.shape[1], sources=sources, sync_weights=sync_weights
                 )
             return routed_mlp_autograd(forward, x_RH, weights_RK, pairs)
-        weights = self.weights.read(sync_weights)  # in the compute dtype
+        weights = self.weights.read(sync_weights) if replicas is None else replicas.weights  # in the compute dtype
         x_RH = x_RH.to(weights[0].dtype) if self.weights.packed else x_RH
-        if replicas is None:
-            return routed_mlp_custom_op(
-                self.key, x_RH, weights_RK, pairs, *weights, trans_weight=self.weights.trans_weight
-            )
-        weights, lent = replicas.lend(list(weights))
         out_RH = routed_mlp_custom_op(
             self.key, x_RH, weights_RK, pairs, *weights, trans_weight=self.weights.trans_weight
         )
-        if replicas.pairs.counts_e.numel():  # some experts lent to this rank
+        if replicas is not None and replicas.pairs.counts_e.numel():  # some experts lent to this rank
             lent_RH = routed_mlp_custom_op(
-                self.key, x_RH, weights_RK, replicas.pairs, *lent, trans_weight=self.weights.trans_weight
+                self.key, x_RH, weights_RK, replicas.pairs, *replicas.copies, trans_weight=self.weights.trans_weight
             )
             out_RH = out_RH + lent_RH
         return out_RH

@@ -14,13 +14,16 @@ one call of the layer (:func:`_call`), the same steps for every transport::
                     to ranks below the mean, from the counts every rank has (epmoe.ep.replicas)
       4. dispatch   each token to its experts' ranks (the transport: it only moves tokens)
                                                                            (epmoe.ep.dispatch)
-      5. experts    the local experts' MLP on the rows, weighted; with a plan, the replicas'
-                    weights come from their owners first                  (epmoe.ep.experts, .mlp,
-                                                                            epmoe.comm.replicas)
-      6. combine    back to the sender, summed per token                   (epmoe.ep.dispatch)
-      7. telemetry  the call's slots per local expert, dropped slots, rows computed
+      5. lend       with a plan: the replicas' weights from their owners, the local experts'
+                    weights as the forward uses them (gradient policy, LoRA merged, compute
+                    dtype), by all-to-all-v; their gradients go back in backward
+                                                                           (epmoe.comm.replicas)
+      6. experts    the local experts' MLP on the rows, weighted; with a plan, the lent
+                    experts' on theirs too                                 (epmoe.ep.experts, .mlp)
+      7. combine    back to the sender, summed per token                   (epmoe.ep.dispatch)
+      8. telemetry  the call's slots per local expert, dropped slots, rows computed
                                                                            (epmoe.ep.counters)
-      8. backward   its backward starts with a step-header exchange, where check_steps says so
+      9. backward   its backward starts with a step-header exchange, where check_steps says so
     out_TH
 
 A call that runs on the device alone (the transport's ``traced_whole``: a group of one, dropless,
@@ -34,7 +37,6 @@ tracer.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -48,6 +50,7 @@ from epmoe.ep.expert_weights import WeightsHook
 from epmoe.ep.experts import Replicas
 from epmoe.ep.guard import check as check_guard
 from epmoe.ep.replicas import ReplicaPlan, plan_replicas
+from epmoe.ep.routing import RowPairs
 from epmoe.ep.state import ExpertParallelState, state_of
 from epmoe.gmm import GmmBackend
 
@@ -102,23 +105,21 @@ def _call(
     arrived: Arrived = meta.arrived
     if arrived.peer_guards is not None:
         check_guard(arrived.peer_guards, position.describe(channel.layer_names))
-    if arrived.routed is None:  # 5: up-projected rows (the fused transport): the gate / activation is left
+    routed = arrived.routed
+    replicas = None if plan is None else _lend(state, plan, counts, hook, routed.replica_pairs)  # 5
+    if routed is None:  # 6: up-projected rows (the fused transport): the gate / activation is left
         out_rows = state.experts.gate_activation(rows)
     else:
-        routed = arrived.routed
-        replicas = None
-        if plan is not None:
-            replicas = Replicas(routed.replica_pairs, functools.partial(_lend, plan, shard.ep_rank, counts.group))
         out_rows = state.experts.routed_mlp(
             rows, routed.weights_RK, routed.pairs, sync_weights=hook, sources=routed.sources, replicas=replicas
         )
-    out_TH = transport.combine(out_rows, meta)  # 6
-    state.loads.count(arrived.load_e)  # 7
+    out_TH = transport.combine(out_rows, meta)  # 7
+    state.loads.count(arrived.load_e)  # 8
     if arrived.dropped_e is not None:
         state.loads.count(arrived.dropped_e, (DROPPED_COUNTER,))
     if plan is not None:
         state.loads.count_moved(plan.moved_W())
-    return state.steps.backward_header(out_TH, channel, checks)  # 8
+    return state.steps.backward_header(out_TH, channel, checks)  # 9
 
 
 _call_eagerly = torch.compiler.disable(
@@ -157,12 +158,15 @@ def _replica_plan(state: ExpertParallelState, counts: LayerCounts, key: tuple[in
 
 
 def _lend(
-    plan: ReplicaPlan, rank: int, group, weights: list[torch.Tensor | None]
-) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-    """The plan's weight exchange (:func:`~epmoe.comm.replicas.lend_expert_weights`) of the local
-    experts' weights as the forward uses them: ``(own, copies)``, the copies in the order of the
-    helper's replicas (:meth:`~epmoe.ep.replicas.ReplicaPlan.received`)."""
-    return lend_expert_weights(weights, *plan.lending(rank), group)
+    state: ExpertParallelState, plan: ReplicaPlan, counts: LayerCounts, hook: WeightsHook | None, pairs: RowPairs
+) -> Replicas:
+    """The call's lent experts, for the rows whose ``pairs`` they run: the plan's weight exchange
+    (:func:`~epmoe.comm.replicas.lend_expert_weights`, on every rank of the group) of the local
+    experts' weights as the forward uses them (:meth:`~epmoe.ep.expert_weights.ExpertWeights.read`
+    through the gradient policy's ``hook``: LoRA merged, in the compute dtype)."""
+    weights = list(state.experts.weights.read(hook))
+    own, copies = lend_expert_weights(weights, *plan.lending(state.shard.ep_rank), counts.group)
+    return Replicas(own, copies, pairs)
 
 
 def _guard_values(state: ExpertParallelState, device: torch.device) -> torch.Tensor | None:

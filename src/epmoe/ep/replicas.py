@@ -50,8 +50,8 @@ What a rank does with the plan: a source sends each redirected slot as a row of 
 helper (its token's row to the owner still travels, for the owner's other experts), so every rank's
 send and receive counts follow from the slot matrix and the plan (:meth:`ReplicaPlan.redirected`);
 a helper numbers its replicas ``e, e+1, ...`` after its own ``e`` local experts (its rows' ids say
-which), in the order of :meth:`ReplicaPlan.received`, which the owners' sends follow
-(:meth:`ReplicaPlan.sent`), and runs them by a second routed-MLP op on the same rows.
+which: :class:`epmoe.ep.routing.RouteIds`), in the order of :meth:`ReplicaPlan.received`, which the
+owners' sends follow (:meth:`ReplicaPlan.sent`), and runs them by a second routed-MLP op on the same rows.
 """
 
 from __future__ import annotations
@@ -158,17 +158,16 @@ class ReplicaPlan:
         lo, hi = max(move.start - first, 0), min(move.stop - first, last - first)
         return (lo, hi) if lo < hi else (0, 0)
 
-    def moves_from(self, source: int, first: int) -> list[list[int]]:
+    def moves_from(self, source: int) -> list[list[int]]:
         """``[expert, lo, hi, helper, lent]`` per move that takes slots of ``source``
-        (:meth:`redirected`), ``lent`` the number the helper runs the expert as (its place in
-        :meth:`received`, counted from ``first``), in the order the moves were made: what
+        (:meth:`redirected`), ``lent`` the helper's lent expert it runs them as (its place in
+        :meth:`received`, from 0), in the order the moves were made: what
         :func:`epmoe.ep.routing.redirected_slots` reads."""
-        lent = first - self.experts_per_rank
-        out = []
+        e, out = self.experts_per_rank, []
         for move in self.moves:
             lo, hi = self.redirected(source, move)
             if lo < hi:
-                out.append([move.expert, lo, hi, move.helper, lent + self._replica[move]])
+                out.append([move.expert, lo, hi, move.helper, self._replica[move] - e])
         return out
 
     def redirected_rows_W(self, source: int) -> list[int]:

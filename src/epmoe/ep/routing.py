@@ -174,6 +174,15 @@ def static_token_rows(
     return TokenRows(token_R, row_TD, padded=True), dest_TW.sum(0)
 
 
+def route_dtype(hidden_dtype: torch.dtype, weights_dtype: torch.dtype) -> torch.dtype:
+    """The float dtype a row's route (its ``K`` expert ids, then its ``K`` routing weights) rides in
+    after its hidden state (:class:`GatherRows`): ``float64`` where the hidden states or the weights
+    are, else ``float32``. The weights arrive exact; the ids too (integers below ``2**24`` in
+    ``float32``: :class:`RouteIds`); and the ids fill whole columns of the row (the route's element
+    size a multiple of the hidden dtype's), so a row's own ids can be written over its token's."""
+    return torch.float64 if torch.float64 in (hidden_dtype, weights_dtype) else torch.float32
+
+
 class GatherRows(torch.autograd.Function):
     """``GatherRows.apply(x_TH, route_TC, *rows)`` (``rows``: :class:`TokenRows`): ``(R, H)``, each
     token's hidden state once per destination rank (zero rows for padding); with a ``route_TC``
@@ -267,14 +276,14 @@ def _sum_by_token(y_RH: torch.Tensor, row_TD: torch.Tensor) -> torch.Tensor:
 def redirected_slots(
     top_k_index_TK: torch.Tensor, moves_M5: list[list[int]] | torch.Tensor, ep_size: int, num_redirected: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(moved_TK, slot_X, helper_X, replica_X)`` of the slots expert replicas take from this rank
+    """``(moved_TK, slot_X, helper_X, lent_X)`` of the slots expert replicas take from this rank
     (:mod:`epmoe.ep.replicas`); ``moves_M5``: ``(M, 5)`` ints (a host list, or int64 on the device), per
-    move touching this rank ``(expert, lo, hi, helper, replica)``
+    move touching this rank ``(expert, lo, hi, helper, lent)``
     (:meth:`~epmoe.ep.replicas.ReplicaPlan.moves_from`): its slots of ``expert`` at positions ``[lo, hi)`` among
     this rank's slots of that expert (in slot order ``t*K + k``) go to ``helper``, which runs them as its
-    local expert ``replica``. ``moved_TK``: bool, the slots that go to a helper; ``slot_X``: them, by
-    helper, then slot (``num_redirected`` of them, known on the host); ``helper_X``, ``replica_X``:
-    each one's helper and ``replica``. Built by one stable sort and a comparison with every move,
+    lent expert ``lent``. ``moved_TK``: bool, the slots that go to a helper; ``slot_X``: them, by
+    helper, then slot (``num_redirected`` of them, known on the host); ``helper_X``, ``lent_X``:
+    each one's helper and ``lent``. Built by one stable sort and a comparison with every move,
     nothing read to the host."""
     expert_S = top_k_index_TK.reshape(-1)
     S, device = expert_S.numel(), expert_S.device
@@ -289,58 +298,95 @@ def redirected_slots(
     position_S = torch.empty_like(expert_S).index_copy_(
         0, order_S, torch.arange(S, device=device) - starts_E[expert_S[order_S]]
     )
-    expert_M, lo_M, hi_M, helper_M, replica_M = moves_M5.unbind(1)
+    expert_M, lo_M, hi_M, helper_M, lent_M = moves_M5.unbind(1)
     match_SM = (expert_S[:, None] == expert_M) & (position_S[:, None] >= lo_M) & (position_S[:, None] < hi_M)
     moved_S = match_SM.any(1)
     move_S = match_SM.to(torch.int8).argmax(1)
     helper_S = torch.where(moved_S, helper_M[move_S], ep_size)
     slot_X = torch.sort(helper_S, stable=True).indices[:num_redirected]
     move_X = move_S[slot_X]
-    return moved_S.view(top_k_index_TK.shape), slot_X, helper_M[move_X], replica_M[move_X]
+    return moved_S.view(top_k_index_TK.shape), slot_X, helper_M[move_X], lent_M[move_X]
 
 
-def replica_token_rows(
+@dataclass(frozen=True)
+class RouteIds:
+    """The ids a row's ``K`` choices carry through the all-to-all-v and the two-level exchange (its
+    route's first ``K`` columns, :func:`route_dtype`): one numbering for both, global, so each id says
+    the rank its row goes to, which a forwarder of the two-level exchange routes by. ``E`` experts,
+    ``e`` per rank; without a replica plan (:mod:`epmoe.ep.replicas`) a row carries the first kind only::
+
+        choice k of a row                                  id              goes to  computed there as
+        a slot of global expert g, its owner computes it   g               g // e   local expert g - rank*e
+        a slot moved to helper h (its token's row still    g + E           g // e   nothing (left out)
+          goes to the owner, for its other choices)
+        a moved slot, in its own row: at its k             2E + h*E + i    h        lent expert i of h
+                                      at every other k     -1              nowhere  nothing
+
+    (``i``: the helper's replica, in :meth:`~epmoe.ep.replicas.ReplicaPlan.received` order). Every id
+    is below ``(W + 2) * E``: exact in ``float32`` while that is at most ``2**24`` (1022 ranks of 16384
+    experts)."""
+
+    experts_per_rank: int
+    num_experts: int
+
+    def encode(
+        self,
+        top_k_index_TK: torch.Tensor,
+        token_R: torch.Tensor,
+        redirected: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """``(R + X, K)`` int64: the ids of the rows of tokens ``token_R`` (a slot that goes to a
+        helper ``g + E``), then of one row per slot of ``redirected`` (:func:`redirected_slots`)."""
+        E, K = self.num_experts, top_k_index_TK.shape[1]
+        moved_TK, slot_X, helper_X, lent_X = redirected
+        own_RK = (top_k_index_TK + E * moved_TK.long())[token_R]
+        lent_XK = torch.full((slot_X.numel(), K), -1, dtype=torch.int64, device=own_RK.device)
+        lent_XK[torch.arange(slot_X.numel(), device=own_RK.device), slot_X % K] = (2 + helper_X) * E + lent_X
+        return torch.cat([own_RK, lent_XK])
+
+    def rank_RK(self, ids_RK: torch.Tensor) -> torch.Tensor:
+        """``(R, K)`` int64: the rank each choice's row goes to, ``-1`` nowhere."""
+        E, e = self.num_experts, self.experts_per_rank
+        rank_RK = torch.where(ids_RK >= 2 * E, ids_RK // E - 2, (ids_RK % E) // e)
+        return rank_RK.masked_fill(ids_RK < 0, -1)
+
+    def local(self, ids_RK: torch.Tensor, rank: int, num_lent: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(own_RK, lent_RK)``, ``(R, K)`` int64 each, on ``rank``: each choice as its local expert
+        (``e``: none of its own) and as its lent expert (``num_lent``: none), as :func:`pair_rows` reads them."""
+        E, e = self.num_experts, self.experts_per_rank
+        own_RK = ids_RK - rank * e
+        own_RK = own_RK.masked_fill((ids_RK >= E) | (own_RK < 0) | (own_RK >= e), e)
+        lent_RK = ids_RK - (2 + rank) * E
+        return own_RK, lent_RK.masked_fill((lent_RK < 0) | (lent_RK >= E), num_lent)
+
+
+def replica_rows(
     top_k_index_TK: torch.Tensor,
     rows: TokenRows,
-    send_rows_W: list[int],
+    send_rows_D: list[int],
     redirected: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    experts_per_rank: int,
+    dest_X: torch.Tensor,
+    ids: RouteIds,
 ) -> tuple[TokenRows, torch.Tensor]:
-    """``(rows, local_RK)``: the sender's rows with expert replicas (:mod:`epmoe.ep.replicas`):
-    ``rows`` (each token once per rank holding one of its experts) and one row of its own per
-    redirected slot (:func:`redirected_slots`), destination-major, each destination's own rows first
-    (:func:`merged_rows`); ``local_RK``: each row's choices as its destination's local experts (``-1``:
-    not computed there: another rank's expert, or a slot moved to a helper)::
+    """``(rows, ids_RK)``: the sender's rows under a replica plan (:mod:`epmoe.ep.replicas`): ``rows``
+    (each token once per destination holding one of its experts, destination-major, ``send_rows_D[d]``
+    to destination ``d``: a rank, or the two-level exchange's node) and one row of its own per
+    redirected slot (:func:`redirected_slots`; to destination ``dest_X``), merged destination-major,
+    each destination's token rows first; ``ids_RK``: each row's ids (:class:`RouteIds`)::
 
-        token t0 -> experts 0 (rank 0) and 3 (rank 1); expert 0's slot of t0 moved to rank 1 as replica 2
-        rows [t0 -> rank 0: (-1, -1) | t0 -> rank 1: (-1, 1) | t0 -> rank 1: (2, -1)]"""
-    K, e = top_k_index_TK.shape[1], experts_per_rank
-    moved_TK, slot_X, helper_X, replica_X = redirected
-    merged, dest_R, order = merged_rows(rows, send_rows_W, slot_X, helper_X, top_k_index_TK.shape)
-    local_RK = top_k_index_TK[rows.token_R] - dest_R[:, None] * e
-    own_RK = (local_RK >= 0) & (local_RK < e) & ~moved_TK[rows.token_R]
-    local_RK = torch.where(own_RK, local_RK, -1)
-    local_XK = torch.full((slot_X.numel(), K), -1, dtype=torch.int64, device=local_RK.device)
-    local_XK[torch.arange(slot_X.numel(), device=local_RK.device), slot_X % K] = replica_X
-    return merged, torch.cat([local_RK, local_XK])[order]
-
-
-def merged_rows(
-    rows: TokenRows, send_rows_W: list[int], slot_X: torch.Tensor, dest_X: torch.Tensor, shape_TK: torch.Size
-) -> tuple[TokenRows, torch.Tensor, torch.Tensor]:
-    """``(merged, dest_R, order)``: ``rows`` (destination-major, ``send_rows_W[d]`` to destination ``d``)
-    and one more row per slot ``slot_X`` (``t*K + k``, to destination ``dest_X``), merged destination-major,
-    each destination's ``rows`` first; ``dest_R``: the destination of each of ``rows``; ``order``: the
-    merged rows as positions in ``rows`` then the extra rows (what reorders anything per row alike)."""
-    T, K = shape_TK
+        W = 2, e = 2 (E = 4): token t0 -> experts 0 and 3, its slot of expert 0 moved to rank 1 (its lent expert 0)
+        rows [t0 -> rank 0: (4, 3) | t0 -> rank 1: (4, 3) | t0 -> rank 1: (12, -1)]"""
+    T, K = top_k_index_TK.shape
     device = rows.token_R.device
+    slot_X = redirected[1]
     R, X = rows.token_R.numel(), slot_X.numel()
-    rows_W = platform.host_to_device(torch.tensor(send_rows_W, dtype=torch.int64), device)
-    dest_R = torch.repeat_interleave(torch.arange(len(send_rows_W), device=device), rows_W, output_size=R)
+    rows_D = platform.host_to_device(torch.tensor(send_rows_D, dtype=torch.int64), device)
+    dest_R = torch.repeat_interleave(torch.arange(len(send_rows_D), device=device), rows_D, output_size=R)
     order = torch.sort(torch.cat([dest_R * 2, dest_X * 2 + 1]), stable=True).indices
     token_R = torch.cat([rows.token_R, slot_X // K])[order]
-    per_token = min(K, len(send_rows_W)) + min(K, X)  # a token's own rows, then its redirected slots'
-    return TokenRows(token_R, rows_by_token(token_R, T, per_token)), dest_R, order
+    per_token = min(K, len(send_rows_D)) + min(K, X)  # a token's own rows, then its redirected slots'
+    merged = TokenRows(token_R, rows_by_token(token_R, T, per_token))
+    return merged, ids.encode(top_k_index_TK, rows.token_R, redirected)[order]
 
 
 def rows_by_token(token_R: torch.Tensor, num_tokens: int, per_token: int) -> torch.Tensor:

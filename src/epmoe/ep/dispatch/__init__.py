@@ -24,6 +24,10 @@ one module per transport, each dispatcher built once per layer when EP is applie
   with ``ep_size == tp_size``, :mod:`epmoe.integrations.transformers_ep`; no ``dispatch`` value):
   nothing moves, the ranks' partial outputs are summed.
 
+Not a transport: :mod:`~epmoe.ep.dispatch.replica_rows`, the rows of a call under a replica plan
+(:mod:`epmoe.ep.replicas`), sent and read on arrival alike by the all-to-all-v and the two-level
+exchange, which add only their hops.
+
 ``"auto"`` is resolved when EP is applied (:func:`epmoe.compose.apply.apply_expert_parallel`): to
 ``"nodes"`` where the EP group spans more than one node with more than one of its ranks on each
 (:mod:`epmoe.ep.topology`), else to ``"alltoallv"`` on every device, which sends each token once per rank holding its experts, where the

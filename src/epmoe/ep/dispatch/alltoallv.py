@@ -27,6 +27,7 @@ import torch
 from epmoe.comm import all_to_all_v
 from epmoe.ep.counts import LayerCounts
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
+from epmoe.ep.dispatch.replica_rows import arrived_with_replicas, send_with_replicas
 from epmoe.ep.replicas import ReplicaPlan
 from epmoe.ep.routing import (
     GatherRows,
@@ -36,8 +37,7 @@ from epmoe.ep.routing import (
     UnpackRoute,
     keep_first,
     pair_rows,
-    redirected_slots,
-    replica_token_rows,
+    route_dtype,
     token_rows,
 )
 
@@ -82,12 +82,12 @@ class AllToAllVDispatcher(Dispatcher):
         else:
             rows = token_rows(top_k_index_TK, e, link.channel.size, sum(counts.send_rows_W))
             # each row's K expert ids and weights travel in the row, after its hidden state: one
-            # exchange each way (ids exact in the route's float dtype, its bytes carried as they are)
-            route_dtype = torch.float64 if top_k_weights_TK.dtype == torch.float64 else torch.float32
-            route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
+            # exchange each way (exact in the route dtype, its bytes carried as they are)
+            dtype = route_dtype(hidden_TH.dtype, top_k_weights_TK.dtype)
+            route_TK2 = torch.cat([top_k_index_TK.to(dtype), top_k_weights_TK.to(dtype)], dim=1)
             sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows)
             received_RX = all_to_all_v(sent_RX, counts.recv_rows_W, counts.send_rows_W, counts.group)
-            x_RH, route_RK2 = UnpackRoute.apply(received_RX, hidden_TH.shape[1], route_dtype)
+            x_RH, route_RK2 = UnpackRoute.apply(received_RX, hidden_TH.shape[1], dtype)
             local_expert_RK = route_RK2[:, :K].long() - shard.local_start
             local_expert_RK = local_expert_RK.masked_fill((local_expert_RK < 0) | (local_expert_RK >= e), e)
             weights_RK = route_RK2[:, K:].to(top_k_weights_TK.dtype)
@@ -102,38 +102,18 @@ class AllToAllVDispatcher(Dispatcher):
     def _with_replicas(
         self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, link: Link
     ) -> tuple[torch.Tensor, AllToAllVMeta]:
-        """:meth:`dispatch` under a replica plan (:mod:`epmoe.ep.replicas`): each token's rows as
-        always, and a row of its own per slot moved to a helper; each row carries its choices as its
-        destination's local experts (the helper's replicas after its own), so the receiver reads its
-        pairs off the rows. Every count follows from the counts exchange and the plan."""
-        shard, counts, plan, group = link.shard, link.counts, link.plan, link.counts.group
-        me, W, e = shard.ep_rank, len(counts.send_rows_W), shard.num_local_experts
-        K, H = top_k_index_TK.shape[1], hidden_TH.shape[1]
-        send_W, recv_W = _replica_splits(counts, plan, me)
-        # the helper runs a lent expert as its local expert e, e + 1, ... (after its own)
-        redirected = redirected_slots(top_k_index_TK, plan.moves_from(me, e), W, sum(send_W) - sum(counts.send_rows_W))
-        rows = token_rows(top_k_index_TK, e, W, sum(counts.send_rows_W))
-        rows, local_RK = replica_token_rows(top_k_index_TK, rows, counts.send_rows_W, redirected, e)
-        wide = torch.float64 in (hidden_TH.dtype, top_k_weights_TK.dtype)
-        route_dtype = torch.float64 if wide else torch.float32  # its K ids fill whole columns of the rows
-        weights_TK = top_k_weights_TK.to(route_dtype)
-        sent_RX = GatherRows.apply(hidden_TH, torch.cat([torch.zeros_like(weights_TK), weights_TK], dim=1), *rows)
-        ids_columns = K * route_dtype.itemsize // hidden_TH.dtype.itemsize
-        sent_RX[:, H : H + ids_columns] = local_RK.to(route_dtype).view(hidden_TH.dtype)  # each row's own ids
-        received_RX = all_to_all_v(sent_RX, recv_W, send_W, group)
-        x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, route_dtype)
-        computed = plan.local_counts(me)  # the local experts' slots, then the lent experts'
-        own, lent = computed[:e], computed[e:]
-        local_RK = route_RK2[:, :K].long()
-        own_RK = local_RK.masked_fill((local_RK < 0) | (local_RK >= e), e)
-        lent_RK = (local_RK - e).masked_fill(local_RK < e, len(lent))
-        routed = RoutedRows(
-            route_RK2[:, K:].to(top_k_weights_TK.dtype),
-            pair_rows(own_RK, e, sum(own), own),
-            RowSources(recv_W, group),
-            pair_rows(lent_RK, len(lent), sum(lent), lent),
+        """:meth:`dispatch` under a replica plan (:mod:`epmoe.ep.replicas`): the rows of
+        :mod:`~epmoe.ep.dispatch.replica_rows` (a row of its own per slot moved to a helper), in one
+        all-to-all-v whose splits follow from the counts exchange and the plan (:func:`_replica_splits`)."""
+        counts = link.counts
+        send_W, recv_W = _replica_splits(counts, link.plan, link.shard.ep_rank)
+        num_redirected = sum(send_W) - sum(counts.send_rows_W)
+        sent_RX, rows = send_with_replicas(
+            hidden_TH, top_k_index_TK, top_k_weights_TK, link, counts.send_rows_W, 1, num_redirected
         )
-        arrived = Arrived(routed, counts.local_counts_e, None, counts.peer_guards)
+        received_RX = all_to_all_v(sent_RX, recv_W, send_W, counts.group)
+        sources = RowSources(recv_W, counts.group)
+        x_RH, arrived = arrived_with_replicas(received_RX, hidden_TH.shape[1], top_k_weights_TK.dtype, link, sources)
         return x_RH, AllToAllVMeta(arrived, counts, rows, (send_W, recv_W))
 
     def combine(self, y_RH: torch.Tensor, meta: AllToAllVMeta) -> torch.Tensor:

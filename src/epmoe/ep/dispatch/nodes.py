@@ -19,7 +19,9 @@ The rows cross between nodes once per (token, node) where the per-rank exchange 
 each sender tells its rail peers what it sends each node and what they forward to each rank there),
 so the call reads the host once, as the per-rank exchange does. The route (each row's K expert ids
 and weights) rides in the row through both hops, as in :mod:`epmoe.ep.dispatch.alltoallv`; a
-forwarder gathers the packed rows as they arrived. Every gather's backward is a fixed-order sum.
+forwarder sends each row on to the ranks its ids say (:class:`~epmoe.ep.routing.RouteIds`, which
+under a replica plan also name a moved slot's helper: :mod:`~epmoe.ep.dispatch.replica_rows`),
+gathering the packed rows as they arrived. Every gather's backward is a fixed-order sum.
 """
 
 from __future__ import annotations
@@ -31,19 +33,12 @@ import torch.distributed as dist
 
 from epmoe.comm import all_to_all_v
 from epmoe.comm.steps import step_subgroups
+from epmoe.ep.config import ExpertShard
 from epmoe.ep.counts import NodeSplits
 from epmoe.ep.dispatch.base import Arrived, Dispatcher, Link, RoutedRows
+from epmoe.ep.dispatch.replica_rows import arrived_with_replicas, send_with_replicas
 from epmoe.ep.replicas import ReplicaPlan
-from epmoe.ep.routing import (
-    GatherRows,
-    SumRows,
-    TokenRows,
-    UnpackRoute,
-    merged_rows,
-    pair_rows,
-    redirected_slots,
-    token_rows,
-)
+from epmoe.ep.routing import GatherRows, RouteIds, SumRows, TokenRows, UnpackRoute, pair_rows, route_dtype, token_rows
 from epmoe.ep.topology import NodeLayout
 
 
@@ -97,14 +92,13 @@ class NodesDispatcher(Dispatcher):
         splits: NodeSplits = counts.nodes
         P, N, e = self.layout.ranks_per_node, self.layout.nodes, shard.num_local_experts
         K, H = top_k_index_TK.shape[1], hidden_TH.shape[1]
-        route_dtype = torch.float64 if top_k_weights_TK.dtype == torch.float64 else torch.float32
-        route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
+        dtype = route_dtype(hidden_TH.dtype, top_k_weights_TK.dtype)
+        route_TK2 = torch.cat([top_k_index_TK.to(dtype), top_k_weights_TK.to(dtype)], dim=1)
         rows_nodes = token_rows(top_k_index_TK, P * e, N, sum(splits.send_nodes_N))
         sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows_nodes)
         where = link.position.describe(link.channel.layer_names)
-        x_RH, route_RK2, rows_ranks = self._both_hops(
-            sent_RX, H, route_dtype, K, splits, shard, where, lambda ids: ids // e
-        )
+        received_RX, rows_ranks = self._both_hops(sent_RX, H, dtype, K, splits, shard, where)
+        x_RH, route_RK2 = UnpackRoute.apply(received_RX, H, dtype)
         local_RK = route_RK2[:, :K].long() - shard.local_start
         local_RK = local_RK.masked_fill((local_RK < 0) | (local_RK >= e), e)
         host_counts = counts.local_counts_e
@@ -116,66 +110,47 @@ class NodesDispatcher(Dispatcher):
     def _with_replicas(
         self, hidden_TH: torch.Tensor, top_k_index_TK: torch.Tensor, top_k_weights_TK: torch.Tensor, link: Link
     ) -> tuple[torch.Tensor, NodesMeta]:
-        """:meth:`dispatch` under a replica plan (:mod:`epmoe.ep.replicas`): each moved slot also
-        travels as a row of its own, through its helper's node to the helper, and the rows' ids say
-        where each choice is computed (:func:`_replica_route`); every split follows from the counts
-        exchange and the plan (:func:`_replica_splits`)."""
-        shard, counts, plan = link.shard, link.counts, link.plan
-        P, N, e, E = self.layout.ranks_per_node, self.layout.nodes, shard.num_local_experts, shard.num_experts
-        (T, K), H = top_k_index_TK.shape, hidden_TH.shape[1]
-        splits = _replica_splits(counts.nodes, plan, shard.ep_rank, P)
-        # the helper runs a lent expert as its lent expert 0, 1, ... (the ids say which: _replica_route)
+        """:meth:`dispatch` under a replica plan (:mod:`epmoe.ep.replicas`): the rows of
+        :mod:`~epmoe.ep.dispatch.replica_rows` (a row of its own per slot moved to a helper, through
+        the helper's node to the helper, which the rows' ids say), through both hops, whose splits
+        follow from the counts exchange and the plan (:func:`_replica_splits`)."""
+        shard, counts, P = link.shard, link.counts, self.layout.ranks_per_node
+        K, H = top_k_index_TK.shape[1], hidden_TH.shape[1]
+        splits = _replica_splits(counts.nodes, link.plan, shard.ep_rank, P)
         num_redirected = sum(splits.send_nodes_N) - sum(counts.nodes.send_nodes_N)
-        redirected = redirected_slots(top_k_index_TK, plan.moves_from(shard.ep_rank, 0), P * N, num_redirected)
-        moved_TK, slot_X, helper_X, replica_X = redirected
-        rows = token_rows(top_k_index_TK, P * e, N, sum(counts.nodes.send_nodes_N))
-        rows_nodes, _, order = merged_rows(rows, counts.nodes.send_nodes_N, slot_X, helper_X // P, (T, K))
-        ids_RK = _replica_route(top_k_index_TK, rows.token_R, redirected, e, E)[order]
-        wide = torch.float64 in (hidden_TH.dtype, top_k_weights_TK.dtype)
-        route_dtype = torch.float64 if wide else torch.float32  # its K ids fill whole columns of the rows
-        route_TK2 = torch.cat([top_k_index_TK.to(route_dtype), top_k_weights_TK.to(route_dtype)], dim=1)
-        sent_RX = GatherRows.apply(hidden_TH, route_TK2, *rows_nodes)
-        ids_columns = K * route_dtype.itemsize // hidden_TH.dtype.itemsize
-        sent_RX[:, H : H + ids_columns] = ids_RK.to(route_dtype).view(hidden_TH.dtype)  # each row's own ids
+        sent_RX, rows_nodes = send_with_replicas(
+            hidden_TH, top_k_index_TK, top_k_weights_TK, link, counts.nodes.send_nodes_N, P, num_redirected
+        )
         where = link.position.describe(link.channel.layer_names)
-
-        def rank_of(ids_RK: torch.Tensor) -> torch.Tensor:  # where each choice is computed (-1: nowhere)
-            rank_RK = torch.where(ids_RK >= 2 * E, (ids_RK - 2 * E) // E, (ids_RK % E) // e)
-            return rank_RK.masked_fill(ids_RK < 0, -1)
-
-        x_RH, route_RK2, rows_ranks = self._both_hops(sent_RX, H, route_dtype, K, splits, shard, where, rank_of)
-        ids_RK = route_RK2[:, :K].long()
-        computed = plan.local_counts(shard.ep_rank)  # the local experts' slots, then the lent experts'
-        own, lent = computed[:e], computed[e:]
-        own_RK = ids_RK - shard.local_start
-        own_RK = own_RK.masked_fill((ids_RK >= E) | (own_RK < 0) | (own_RK >= e), e)
-        lent_RK = ((ids_RK - 2 * E) % E).masked_fill(
-            (ids_RK < 2 * E) | ((ids_RK - 2 * E) // E != shard.ep_rank), len(lent)
-        )
-        routed = RoutedRows(
-            route_RK2[:, K:].to(top_k_weights_TK.dtype),
-            pair_rows(own_RK, e, sum(own), own),
-            None,
-            pair_rows(lent_RK, len(lent), sum(lent), lent),
-        )
-        arrived = Arrived(routed, counts.local_counts_e, None, counts.peer_guards)
+        dtype = route_dtype(hidden_TH.dtype, top_k_weights_TK.dtype)
+        received_RX, rows_ranks = self._both_hops(sent_RX, H, dtype, K, splits, shard, where)
+        x_RH, arrived = arrived_with_replicas(received_RX, H, top_k_weights_TK.dtype, link, None)
         return x_RH, NodesMeta(arrived, splits, rows_nodes, rows_ranks, where)
 
-    def _both_hops(self, sent_RX, H: int, route_dtype, K: int, splits: NodeSplits, shard, where: str, rank_of):
-        """``(x_RH, route_RK2, rows_ranks)``: the packed rows ``sent_RX`` (``H`` hidden columns, then the
-        route: K ids in ``route_dtype``, K weights) through hop 1, forwarded by the ranks
-        ``rank_of(ids)`` of each choice (``-1`` or another node's: sent nowhere) through hop 2,
-        unpacked on arrival."""
+    def _both_hops(
+        self,
+        sent_RX: torch.Tensor,
+        H: int,
+        dtype: torch.dtype,
+        K: int,
+        splits: NodeSplits,
+        shard: ExpertShard,
+        where: str,
+    ) -> tuple[torch.Tensor, TokenRows]:
+        """``(received_RX, rows_ranks)``: the packed rows ``sent_RX`` (``H`` hidden columns, then the
+        route: ``K`` ids in ``dtype``, ``K`` weights) through hop 1, forwarded to the rank each choice's
+        id says (:meth:`~epmoe.ep.routing.RouteIds.rank_RK`; nowhere, or another node's: sent on to
+        no one) through hop 2, as they arrived."""
         P, e = self.layout.ranks_per_node, shard.num_local_experts
         arrived_RX = self._hop(1, where, sent_RX, splits.recv_nodes_N, splits.send_nodes_N)
-        ids_RK = arrived_RX[:, H:].clone(memory_format=torch.contiguous_format).view(route_dtype)[:, :K].long()
-        rank_RK = rank_of(ids_RK)
+        ids_RK = arrived_RX[:, H:].clone(memory_format=torch.contiguous_format).view(dtype)[:, :K].long()
+        rank_RK = RouteIds(e, shard.num_experts).rank_RK(ids_RK)
         on_node_RK = rank_RK - (shard.ep_rank // P) * P  # each choice's rank in this node; P: none here
         on_node_RK = on_node_RK.masked_fill((rank_RK < 0) | (on_node_RK < 0) | (on_node_RK >= P), P)
         rows_ranks = token_rows(on_node_RK * e, e, P + 1, sum(splits.send_ranks_P))
         forwarded_RX = GatherRows.apply(arrived_RX, None, *rows_ranks)
         received_RX = self._hop(2, where, forwarded_RX, splits.recv_ranks_P, splits.send_ranks_P)
-        return (*UnpackRoute.apply(received_RX, H, route_dtype), rows_ranks)
+        return received_RX, rows_ranks
 
     def combine(self, y_RH: torch.Tensor, meta: NodesMeta) -> torch.Tensor:
         """``(T, H)``: each row's outputs summed at its forwarder (in rank order), one row per node
@@ -201,19 +176,6 @@ class NodesDispatcher(Dispatcher):
                 else (f"hop 2, inside the node (EP ranks {ranks})")
             )
             raise RuntimeError(f"epmoe: the two-level exchange's {what} failed at {where}: {exc}") from exc
-
-
-def _replica_route(top_k_index_TK: torch.Tensor, token_R: torch.Tensor, redirected, e: int, E: int) -> torch.Tensor:
-    """``(R + X, K)`` int64: the ids the rows of :func:`~epmoe.ep.routing.merged_rows` carry (before its
-    ``order``): a token's rows its global ids, ``+ E`` for a slot moved to a helper (the row still goes
-    to the owner, which leaves it out); a moved slot's own row ``2E + helper * E + lent index`` at its
-    ``k``, ``-1`` elsewhere (computed nowhere)."""
-    moved_TK, slot_X, helper_X, lent_X = redirected
-    K = top_k_index_TK.shape[1]
-    own_RK = (top_k_index_TK + E * moved_TK.long())[token_R]
-    lent_XK = torch.full((slot_X.numel(), K), -1, dtype=torch.int64, device=own_RK.device)
-    lent_XK[torch.arange(slot_X.numel(), device=own_RK.device), slot_X % K] = 2 * E + helper_X * E + lent_X
-    return torch.cat([own_RK, lent_XK])
 
 
 def _replica_splits(splits: NodeSplits, plan: ReplicaPlan, rank: int, P: int) -> NodeSplits:
