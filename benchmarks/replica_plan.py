@@ -14,7 +14,9 @@ show``) and runs the lines the layer and the per-rank exchange ran there (:func:
 Slot matrices: ``W`` ranks of ``1024`` tokens, top-8 (distinct experts per token) over ``E = 256``
 experts, drawn uniformly or Zipf-like (expert ``g`` with weight ``1 / (g + 1)``, relabelled at
 random), ``N = 2`` replicas per helper, every imbalance worth a move (the cost model's ``least`` at
-0: the most moves). Each time is the slowest of three ranks (the most loaded, the one that helps
+0 on every link: the most moves); the new side plans as a layer call does, its ranks on nodes of
+``P`` (a helper on the owner's node first at equal load: one more heap per node), after checking that
+without nodes it makes the old side's moves. Each time is the slowest of three ranks (the most loaded, the one that helps
 most, rank 0), each the median of ``--repeats`` rounds (``epmoe.bench.common.measure``), the old
 side's calls interleaved among themselves, then the new side's (apart: neither runs amid the other's
 memory traffic, the slot matrix warm as a layer call finds it, just read from the counts exchange).
@@ -65,18 +67,35 @@ def layer_counts(slots_WE: list[list[int]], rank: int, P: int) -> LayerCounts:
         [sum(rows_WW[s][node * P + j] for s in rail) for j in range(P)],
         [sum(rows_WW[s][rank] for s in range(W) if s % P == j) for j in range(P)],
     )
-    recv_W = [rows_WW[s][rank] for s in range(W)]
-    return LayerCounts([], [], [], None, 0, rows_WW[rank], recv_W, None, slots_WE, splits)
+    return LayerCounts(
+        send_counts_WE=[],
+        recv_counts_WE=[],
+        local_counts_e=[],
+        group=None,
+        global_slots=0,
+        send_rows_W=rows_WW[rank],
+        recv_rows_W=[rows_WW[s][rank] for s in range(W)],
+        peer_guards=None,
+        slots_WE=slots_WE,
+        nodes=splits,
+    )
+
+
+def new_plan(slots_WE: list[list[int]], e: int):
+    """The plan as a layer call makes it: every link free, the ranks on nodes of ``RANKS_PER_NODE``
+    (a helper on the owner's node first at equal load)."""
+    nodes_W = [r // RANKS_PER_NODE for r in range(len(slots_WE))]
+    return plan_replicas(slots_WE, e, REPLICAS, 0, between=0, nodes_W=nodes_W)
 
 
 def _new_per_rank(counts: LayerCounts, rank: int, e: int) -> None:
-    plan = plan_replicas(counts.slots_WE, e, REPLICAS, 0)
+    plan = new_plan(counts.slots_WE, e)
     plan.moved_W(), plan.lending(rank), plan.local_counts(rank)
     alltoallv._replica_splits(counts, plan, rank), plan.moves_from(rank)
 
 
 def _new_two_level(counts: LayerCounts, rank: int, e: int) -> None:
-    plan = plan_replicas(counts.slots_WE, e, REPLICAS, 0)
+    plan = new_plan(counts.slots_WE, e)
     plan.moved_W(), plan.lending(rank), plan.local_counts(rank)
     nodes._replica_splits(counts.nodes, plan, rank, RANKS_PER_NODE), plan.moves_from(rank)
 
@@ -152,7 +171,7 @@ def run(ref: str, repeats: int) -> list[list[object]]:
                         "two-level old": lambda: _old_two_level(old, old_splits, counts, rank, e),
                     },
                     "new": {
-                        "plan new": lambda: plan_replicas(slots_WE, e, REPLICAS, 0),
+                        "plan new": lambda: new_plan(slots_WE, e),
                         "per-rank new": lambda: _new_per_rank(counts, rank, e),
                         "two-level new": lambda: _new_two_level(counts, rank, e),
                     },
