@@ -174,8 +174,8 @@ def test_shard_marks_rebuild_every_familys_unsharded_tensors():
     (the families' spawns, fp64): every sharded expert tensor carries a ShardMark whose ``join`` of every
     rank's tensor is the unsharded model's (stacked rows: all ``E*I`` rows; zero-computation experts'
     never-read rows, which EP does not keep, as zeros), and ``whole_state_dict`` is the unsharded model's
-    state dict on the writer; the same for PEFT LoRA on every per-expert tensor where it runs under EP
-    (``lora_parity``: where it ran at EP 2, its factors join too; where epmoe refuses it, it is refused
+    state dict on the writer; at EP 2 the same for PEFT LoRA on every per-expert tensor where it runs
+    under EP (``lora_parity``: where it ran at EP 2, its factors join too; where epmoe refuses it, it is refused
     here by name). Before, DBRX's marks said ``(E, H)`` and the join raised on the writer only, and the
     zero-computation experts' said ``(E, 2I, H)``: ``whole_state_dict`` returned an incomplete tensor.
     A mark that does not give the unsharded shape (DBRX's read as one row per expert) raises at
@@ -188,9 +188,11 @@ def test_shard_marks_rebuild_every_familys_unsharded_tensors():
                 continue  # EP itself refused (or failed: test_family_exact_or_refused_by_name says so)
             for rank, marks in enumerate(r["marks"] for r in per_rank):
                 assert "error" not in marks, (world, family.key, rank, marks["error"])
-                base, lora = marks["base"], marks["lora"]
+                base, lora = marks["base"], marks.get("lora")
                 assert base["marked"] > 0 and not base["unmarked"], (world, family.key, rank, base)
                 assert not base["joined_wrong"] and not base["whole_wrong"], (world, family.key, rank, base)
+                if world == 4:
+                    continue  # LoRA's marks at EP 2 (joined_by_marks)
                 kind = next(iter({"refused", "without_ep"} & set(lora)), "ran")
                 joined.setdefault((world, family.key), set()).add(kind)
                 if kind == "ran":
@@ -203,7 +205,7 @@ def test_shard_marks_rebuild_every_familys_unsharded_tensors():
                 if ran != "without_ep":  # peft's own limit may show at the forward only
                     assert joined[(world, family.key)] == {ran}, (family.key, ran, joined[(world, family.key)])
     assert {"dbrx", "longcat_flash+zero_experts", "qwen3_moe", "gpt_oss"} <= {key for _, key in joined}
-    assert joined[(4, "qwen3_moe")] == {"ran"} and joined[(4, "longcat_flash+zero_experts")] == {"refused"}
+    assert joined[(2, "qwen3_moe")] == {"ran"} and joined[(2, "longcat_flash+zero_experts")] == {"refused"}
     for wrong in (r["wrong_mark"] for r in results()["dbrx"]):
         assert re.search(
             r"^apply_expert_parallel: transformer\.blocks\.\d\.ffn\.experts\.mlp: the ShardMark of w1 says its "
