@@ -100,6 +100,7 @@ from epmoe.integrations.blocks import (
     shared_block_forward,
 )
 from epmoe.integrations.input_weighted import input_weighted_block_forward, input_weighted_block_reason
+from epmoe.integrations.releases import untested_release
 from epmoe.integrations.zero_experts import zero_experts_forward
 from epmoe.training.generate import SyncedGenerate
 
@@ -363,6 +364,9 @@ def _validate(
     ep_size: int,
 ) -> _Checked:
     """Every check and probe, nothing changed; ValueError / TypeError naming the module on failure."""
+    release = untested_release(model)
+    if release is not None:
+        raise ValueError(f"apply_expert_parallel(model): {type(model).__name__}: {release}")
     modules = dict(model.named_modules())
     loaded = _loaded_expert_parallel(model)
     if loaded is not None:

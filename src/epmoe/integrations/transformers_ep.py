@@ -95,6 +95,7 @@ from epmoe.ep.position import LayerPosition
 from epmoe.ep.recognize import is_packed_experts
 from epmoe.ep.topology import NodeLayout, nodes_of_ranks, two_level_layout
 from epmoe.ep.transports import static_ineligible_reason
+from epmoe.integrations.releases import untested_release
 
 try:
     from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
@@ -114,6 +115,9 @@ _NODE_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def why_not_served(experts: nn.Module, config: ExpertParallelConfig | None = None) -> str | None:
     """Why :class:`EpmoeEP` cannot run ``experts`` under transformers' EP with ``config`` (``None``: it can)."""
     config = config or ExpertParallelConfig()
+    release = untested_release()
+    if release is not None:
+        return release
     refused = {
         "capacity_factor": config.capacity_factor is not None,
         "dispatch": config.dispatch == "fused",
