@@ -95,6 +95,7 @@ def four_rank_run(rank, world, out_dir):
     results["launcher_layouts"] = launcher_layouts(rank, world)
     results["node_groups_freed"] = node_groups_freed(rank)
     results["link_costs"] = link_costs_at_apply()
+    results["parameters_logged"] = parameters_logged()
     results["replay_and_save"] = replay_and_save(rank, world, out_dir)
     return results
 
@@ -171,16 +172,20 @@ def launcher_says(node):
 
 
 @contextlib.contextmanager
-def logged(name="epmoe"):
-    """The messages logged at WARNING or above under ``name`` in the block (a list, filled as they come)."""
+def logged(name="epmoe", level=logging.WARNING):
+    """The messages logged at ``level`` or above under ``name`` in the block (a list, filled as they come)."""
     messages = []
-    handler = logging.Handler(logging.WARNING)
+    handler = logging.Handler(level)
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger(name).addHandler(handler)
+    logger = logging.getLogger(name)
+    saved = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level, logger.getEffectiveLevel()))
     try:
         yield messages
     finally:
-        logging.getLogger(name).removeHandler(handler)
+        logger.removeHandler(handler)
+        logger.setLevel(saved)
 
 
 LAYOUTS_4 = {"uneven_1_3": [0, 1, 1, 1], "uneven_3_1": [0, 0, 0, 1], "scattered": [0, 1, 0, 1], "blocks": [0, 0, 1, 1]}
@@ -240,6 +245,15 @@ def node_groups_freed(rank):
     if again is made or again.ranks != {1: layout.rail_ranks(rank), 2: layout.node_ranks(rank)}:
         wrong.append("a new group got a dead group's groups")
     return wrong
+
+
+def parameters_logged():
+    """``(what apply logged of the model's parameters, the unsharded model's count)`` at EP 4."""
+    model = build_model("qwen3_moe")
+    whole = sum(p.numel() for p in model.parameters())
+    with logged(level=logging.INFO) as messages:
+        epmoe.apply_expert_parallel(model)
+    return [m for m in messages if "parameters, every expert once" in m], f"{whole:,}"
 
 
 def link_costs_at_apply():

@@ -210,6 +210,14 @@ def test_link_costs_are_measured_per_class_and_agreed_or_set(four_ranks):
 
 
 @pytest.mark.multirank
+def test_apply_logs_the_whole_models_parameter_count(four_ranks):
+    """A framework prints one rank's parameters; apply's log line counts every expert once."""
+    for result in four_ranks:
+        lines, whole = result["parameters_logged"]
+        assert len(lines) == 1 and lines[0].startswith(f"epmoe: the model holds {whole} parameters"), (lines, whole)
+
+
+@pytest.mark.multirank
 def test_routing_replay_and_save_pretrained_over_two_nodes(four_ranks):
     """Replayed routes give the per-rank exchange's loss and gradients; save_pretrained after a step
     writes the same tensors, which plain transformers reads back at world size 1 to the same logits."""

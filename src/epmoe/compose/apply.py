@@ -74,7 +74,7 @@ from epmoe.ep.layer import expert_parallel_forward
 from epmoe.ep.links import link_costs
 from epmoe.ep.lora import install_settle_hook, mark_full_shapes
 from epmoe.ep.model import EPModel
-from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters
+from epmoe.ep.params import ExpertParameterNames, NumParameters, expert_parameters, parameter_counts
 from epmoe.ep.position import LayerPosition
 from epmoe.ep.recognize import (
     expert_rows,
@@ -202,7 +202,7 @@ def apply_expert_parallel(
     _swap_forwards(modules, found, checked, ep_model, config)
     if ep_model.sharded:
         _attach_to_model(model, unsharded)
-    _log_applied(checked, len(found), ep_size, config)
+    _log_applied(model, checked, len(found), ep_size, config)
     return checked.shards
 
 
@@ -218,8 +218,11 @@ def _groups_and_ranks(ep_group: Any) -> tuple[Any, Any, int, int, int]:
     return group, dp_group, dist.get_rank(group), dist.get_world_size(group), dp_size
 
 
-def _log_applied(checked: _Checked, num_modules: int, ep_size: int, config: ExpertParallelConfig) -> None:
-    """What was applied, in the log: the transport each module fell back to, the grouped-matmul backend."""
+def _log_applied(
+    model: nn.Module, checked: _Checked, num_modules: int, ep_size: int, config: ExpertParallelConfig
+) -> None:
+    """What was applied, in the log: the transport each module fell back to, the grouped-matmul
+    backend, the model's parameters (every expert once: a framework's count shows this rank's)."""
     if checked.declined_fused:
         name, reason = next(iter(checked.declined_fused.items()))
         logger.warning(
@@ -236,6 +239,10 @@ def _log_applied(checked: _Checked, num_modules: int, ep_size: int, config: Expe
         checked.backend.name if checked.backend else "chosen at the first forward (meta weights)",
         config.gmm_backend,
         "; declined: " + "; ".join(declined) if declined else "",
+    )
+    (_, whole), local = parameter_counts(model), sum(p.numel() for p in model.parameters())
+    logger.info(
+        "epmoe: the model holds %s parameters, every expert once (this rank holds %s)", f"{whole:,}", f"{local:,}"
     )
 
 
