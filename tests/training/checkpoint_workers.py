@@ -559,11 +559,13 @@ def bad_checkpoints(rank, world, root):
 
 def state_dict_warnings(rank, world, root):
     """A bare state_dict() of an EP model warns (torch.save / dcp.save of it would lose or swap experts);
-    epmoe's own paths (save_pretrained, get_state_dict / set_state_dict, from_pretrained) do not.
+    epmoe's own paths (save_pretrained, get_state_dict / set_state_dict, from_pretrained) do not, nor a
+    prepared Trainer's save of an adapter that holds nothing of the experts (attention LoRA only).
     Returns ``{path: number of ExpertStateDictWarning}``."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
     from transformers import Qwen3MoeForCausalLM
 
     from epmoe.checkpoint.state_dict_warning import ExpertStateDictWarning
@@ -586,14 +588,34 @@ def state_dict_warnings(rank, world, root):
         epmoe.set_state_dict(model, opt, state=state)
         epmoe.from_pretrained(Qwen3MoeForCausalLM, os.path.join(root, "saved"))
 
+    def prepared_trainer_adapter():  # an adapter without experts' LoRA: peft saves none of the experts
+        from peft import LoraConfig, get_peft_model
+        from transformers import Trainer, TrainingArguments
+
+        base = build_model("qwen3_moe")
+        epmoe.apply_expert_parallel(base)
+        peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+        args = TrainingArguments(output_dir=os.path.join(root, "trainer"), report_to=[], use_cpu=True)
+        epmoe.prepare_trainer(Trainer(model=peft_model, args=args)).save_model(os.path.join(root, "adapter"))
+        dist.barrier()
+        saved.extend(sorted(load_file(os.path.join(root, "adapter", "adapter_model.safetensors"))))
+
+    saved = []  # the adapter file's keys
     counts = {}
-    for name, fn in (("torch.save", bare_torch_save), ("dcp.save", bare_dcp_save), ("epmoe", epmoe_paths)):
+    cases = (
+        ("torch.save", bare_torch_save),
+        ("dcp.save", bare_dcp_save),
+        ("epmoe", epmoe_paths),
+        ("trainer adapter", prepared_trainer_adapter),
+    )
+    for name, fn in cases:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             fn()
         messages = [str(w.message) for w in caught if issubclass(w.category, ExpertStateDictWarning)]
         counts[name] = (len(messages), messages[:1])
         dist.barrier()
+    counts["adapter keys"] = saved
     return counts
 
 

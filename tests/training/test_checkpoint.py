@@ -173,6 +173,9 @@ def test_bare_state_dict_warns_and_epmoe_paths_do_not(tmp_path):
             number, messages = counts[path]
             assert number >= 1 and "save_pretrained" in messages[0] and "get_state_dict" in messages[0], (rank, path)
         assert counts["epmoe"][0] == 0, (rank, counts["epmoe"])
+        assert counts["trainer adapter"][0] == 0, (rank, counts["trainer adapter"])  # no false alarm
+        keys = counts["adapter keys"]
+        assert keys and all("lora_" in k and "experts" not in k for k in keys), keys
 
 
 def test_save_pretrained_on_rank_0_only_raises_within_the_ep_timeout(tmp_path):

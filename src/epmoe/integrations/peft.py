@@ -51,6 +51,16 @@ def has_expert_lora(model: nn.Module) -> bool:
     return any(True for _ in expert_lora_wrappers(model))
 
 
+def adapter_without_experts(model: nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model whose adapter holds nothing of its expert-parallel experts: no
+    LoRA factor on them and no copy of them kept to save (peft's ``modules_to_save``), so that peft's
+    adapter save, which takes the whole ``state_dict()`` and keeps the adapter's keys, writes none."""
+    if getattr(model, "peft_config", None) is None or has_expert_lora(model):
+        return False
+    kept = (m for m in model.modules() if type(m).__name__ == "ModulesToSaveWrapper")
+    return not any(state_of(inner) is not None for wrapper in kept for inner in wrapper.modules())
+
+
 def factor_weights(wrapper: nn.Module) -> Iterator[tuple[str, str, nn.Linear]]:
     """``(factor, adapter, linear)`` of every LoRA factor of ``wrapper``."""
     for factor in FACTORS:

@@ -44,9 +44,10 @@ from torch import nn
 
 from epmoe.checkpoint.dcp import get_state_dict, set_state_dict
 from epmoe.checkpoint.save import SavePretrained, adapter_state_dict
+from epmoe.checkpoint.state_dict_warning import own_state_dict
 from epmoe.ep.adopt import find_experts_modules
 from epmoe.ep.state import ep_states
-from epmoe.integrations.peft import has_expert_lora
+from epmoe.integrations.peft import adapter_without_experts, has_expert_lora
 from epmoe.training.accelerate import prepare_accelerator
 from epmoe.training.deepspeed import prepare_deepspeed_trainer
 from epmoe.training.fsdp import is_dtensor, prepare_fsdp_trainer, without_fsdp_branch
@@ -136,6 +137,9 @@ def _save_from_every_rank(trainer: Any, fsdp: bool) -> None:
         if state_dict is None and has_expert_lora(model):  # a PeftModel: its expert LoRA factors gathered
             state_dict = adapter_state_dict(model)
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict) if trainer.args.should_save else None
+        if trainer.args.should_save and state_dict is None and adapter_without_experts(model):
+            with own_state_dict():  # peft keeps the adapter's keys of the whole state dict: no expert among them
+                return type(trainer)._save(trainer, output_dir, state_dict=state_dict)
         if trainer.args.should_save:
             return type(trainer)._save(trainer, output_dir, state_dict=state_dict)
         if isinstance(getattr(model, "save_pretrained", None), SavePretrained):
