@@ -176,17 +176,12 @@ def apply_expert_parallel(
     except (ValueError, TypeError) as exc:
         checked, error = None, exc
     _check_ranks_agree(group, ep_size, config, found, error)
-    # each EP rank's node, where the two-level exchange or the replicas' link costs read it
-    nodes_by_rank = None
-    if ep_size > 1 and (config.dispatch in ("auto", "nodes") or config.replicas):
-        nodes_by_rank = nodes_of_ranks(config, group, ep_size, step_timeout_s(config.timeout, group))
+    nodes_by_rank = _nodes_by_rank(group, ep_size, config)
     checked.nodes = _two_level(group, ep_rank, nodes_by_rank, config, checked, found) if nodes_by_rank else None
 
     modules = dict(model.named_modules())
     ep_channel, dp_channel = _step_channels(group, ep_size, dp_group, dp_size, config, checked)
-    links = None
-    if config.replicas and ep_channel is not None:  # what the replica plans pay per byte, per link
-        links = link_costs(config, ep_channel, nodes_by_rank, _probe_weight(found[0][1]))
+    links = _links(config, ep_channel, nodes_by_rank, found)
     ep_model = EPModel(
         model,
         config,
@@ -204,6 +199,22 @@ def apply_expert_parallel(
         _attach_to_model(model, unsharded)
     _log_applied(model, checked, len(found), ep_size, config)
     return checked.shards
+
+
+def _nodes_by_rank(group, ep_size: int, config: ExpertParallelConfig) -> list[int] | None:
+    """Each EP rank's node, where the two-level exchange or the replicas' link costs read it
+    (:func:`~epmoe.ep.topology.nodes_of_ranks`), else ``None``."""
+    if ep_size > 1 and (config.dispatch in ("auto", "nodes") or config.replicas):
+        return nodes_of_ranks(config, group, ep_size, step_timeout_s(config.timeout, group))
+    return None
+
+
+def _links(config: ExpertParallelConfig, channel, nodes_by_rank, found: list):
+    """What the replica plans pay per byte on each link (:func:`~epmoe.ep.links.link_costs`), with
+    replicas over more than one rank; else ``None``."""
+    if not config.replicas or channel is None:
+        return None
+    return link_costs(config, channel, nodes_by_rank, _probe_weight(found[0][1]))
 
 
 def _groups_and_ranks(ep_group: Any) -> tuple[Any, Any, int, int, int]:
@@ -371,13 +382,10 @@ def _validate(
     ep_size: int,
 ) -> _Checked:
     """Every check and probe, nothing changed; ValueError / TypeError naming the module on failure."""
-    release = untested_release(model)
-    if release is not None:
-        raise ValueError(f"apply_expert_parallel(model): {type(model).__name__}: {release}")
+    refused = _unservable(model)
+    if refused is not None:
+        raise ValueError(refused)
     modules = dict(model.named_modules())
-    loaded = _loaded_expert_parallel(model)
-    if loaded is not None:
-        raise ValueError(loaded)
     for name, module in modules.items():
         wrapper = _data_parallel_wrapper(module)
         if wrapper is not None:
@@ -552,6 +560,15 @@ def _check_ranks_agree(
         )
     if error is not None:
         raise error
+
+
+def _unservable(model: nn.Module) -> str | None:
+    """Why epmoe applies no EP to ``model`` as a whole: an untested transformers release
+    (:mod:`epmoe.integrations.releases`), or transformers' own EP applied at load; else ``None``."""
+    release = untested_release(model)
+    if release is not None:
+        return f"apply_expert_parallel(model): {type(model).__name__}: {release}"
+    return _loaded_expert_parallel(model)
 
 
 def _loaded_expert_parallel(model: nn.Module) -> str | None:

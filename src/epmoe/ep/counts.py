@@ -131,18 +131,7 @@ def exchange_layer_counts(
     slots_E = torch.zeros(shard.num_experts, dtype=torch.int64, device=expert_S.device)
     slots_E.scatter_add_(0, expert_S, torch.ones_like(expert_S))
     if channel is None:
-        slots = slots_E.tolist()
-        return LayerCounts(
-            send_counts_WE=slots,
-            recv_counts_WE=slots,
-            local_counts_e=slots,
-            group=None,
-            global_slots=sum(slots),
-            send_rows_W=[],
-            recv_rows_W=[],
-            peer_guards=None,
-            slots_WE=[slots] if replica_key is not None else None,
-        )
+        return _alone(slots_E.tolist(), replica_key is not None)
     W, e = channel.size, shard.num_local_experts
     row = CountsRow(e, shard.num_experts if replica_key is not None else 0, ranks_per_node or 0)
     dest_TW = destinations_TW(top_k_index_TK, e, W)
@@ -169,6 +158,21 @@ def exchange_layer_counts(
         peer_guards=[peer[row.guard] for peer in received] if guard is not None else None,
         slots_WE=[peer[row.slots] for peer in received] if replica_key is not None else None,
         nodes=None if ranks_per_node is None else _node_splits(exchanged, row.nodes, channel.rank, ranks_per_node),
+    )
+
+
+def _alone(slots: list[int], replicas: bool) -> LayerCounts:
+    """A group of one's :class:`LayerCounts`: its own ``slots`` per expert, nothing exchanged."""
+    return LayerCounts(
+        send_counts_WE=slots,
+        recv_counts_WE=slots,
+        local_counts_e=slots,
+        group=None,
+        global_slots=sum(slots),
+        send_rows_W=[],
+        recv_rows_W=[],
+        peer_guards=None,
+        slots_WE=[slots] if replicas else None,
     )
 
 

@@ -34,6 +34,7 @@ from epmoe.ep.config import ExpertParallelConfig
 LINK_CLASSES = ("inside", "between")
 PROBE_BYTES = 4 << 20  # one timed exchange's bytes per rank
 PROBE_ROWS = 1024  # rows of the timed matmul
+PROBE_WIDTH = 512  # its weight's least size on each side
 REPEATS = 3  # timed runs of each probe (after one untimed), the median kept
 
 
@@ -101,8 +102,9 @@ def _local_indices(nodes_by_rank: list[int]) -> list[int]:
 
 def _matmul_rate(weight: torch.Tensor, device: torch.device) -> float:
     """Flops per second of ``(PROBE_ROWS, n) @ (n, m)`` in ``weight``'s dtype on ``device``, ``(m, n)``
-    a 2-D slice of ``weight`` (one expert's projection)."""
-    m, n = weight.shape[-2:]
+    a 2-D slice of ``weight`` (one expert's projection), each at least :data:`PROBE_WIDTH` (a tiny
+    expert's matmul times the call overhead, not the device: its rate would swing by run)."""
+    m, n = (max(size, PROBE_WIDTH) for size in weight.shape[-2:])
     dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
     w = torch.randn(m, n, dtype=torch.float32, device=device).to(dtype)
     x = torch.randn(PROBE_ROWS, n, dtype=torch.float32, device=device).to(dtype)

@@ -278,24 +278,10 @@ def plan_replicas(
     target = math.ceil(sum(load_W) / W)
     helped_W = [0] * W  # replicas each rank computes
     lent = set()  # (expert, helper) of each move made
-    above = [(-load, r) for r, load in enumerate(load_W) if load > target]  # by -load, then rank
-    room = [(load, h) for h, load in enumerate(load_W) if load < target and replicas > 0]  # by load, then rank
-    room_by_node = {}
-    for entry in room:
-        room_by_node.setdefault(node_W[entry[1]], []).append(entry)
-    for heap in (above, room, *room_by_node.values()):
-        heapq.heapify(heap)
-
-    def top(heap: list) -> int | None:  # its least loaded rank with room (entries at an older load dropped)
-        while heap and heap[0][0] != load_W[heap[0][1]]:
-            heapq.heappop(heap)
-        return heap[0][1] if heap else None
+    above, room, room_by_node = _heaps(load_W, target, replicas, node_W)
 
     def move_to(owner: int, helper: int) -> tuple[int, int] | None:  # (expert, slots) of a move that pays
-        expert = None
-        for g in range(owner * e, (owner + 1) * e):  # the hottest (then lowest) the helper lacks
-            if keep_E[g] > 0 and (g, helper) not in lent and (expert is None or keep_E[g] > keep_E[expert]):
-                expert = g
+        expert = _hottest(owner, helper, e, keep_E, lent)
         if expert is None:
             return None
         slots = min(load_W[owner] - target, target - load_W[helper], keep_E[expert])
@@ -304,7 +290,7 @@ def plan_replicas(
     moves = []
     while above:
         owner = above[0][1]
-        anywhere, near = top(room), top(room_by_node.get(node_W[owner], []))
+        anywhere, near = _top(room, load_W), _top(room_by_node.get(node_W[owner], []), load_W)
         if anywhere is None:
             break
         helpers = [near] if near is not None and load_W[near] == load_W[anywhere] else [anywhere, near]
@@ -318,12 +304,50 @@ def plan_replicas(
         load_W[helper] += slots
         helped_W[helper] += 1
         lent.add((expert, helper))
-        if load_W[owner] > target:  # back in at its new load, else out
-            heapq.heapreplace(above, (-load_W[owner], owner))
-        else:
-            heapq.heappop(above)
-        if load_W[helper] < target and helped_W[helper] < replicas:  # in again at its new load
-            heapq.heappush(room, (load_W[helper], helper))
-            heapq.heappush(room_by_node[node_W[helper]], (load_W[helper], helper))
-        # else no room left: its entries, at older loads, never surface again
+        _requeue(above, room, room_by_node[node_W[helper]], owner, helper, load_W, target, helped_W[helper] < replicas)
     return ReplicaPlan(tuple(moves), slots_WE, e, load_E)
+
+
+def _top(heap: list, load_W: list[int]) -> int | None:
+    """The least loaded rank with room in ``heap`` (entries at an older load than ``load_W``'s dropped)."""
+    while heap and heap[0][0] != load_W[heap[0][1]]:
+        heapq.heappop(heap)
+    return heap[0][1] if heap else None
+
+
+def _hottest(owner: int, helper: int, e: int, keep_E: list[int], lent: set) -> int | None:
+    """The hottest (then lowest) expert of ``owner`` that still has slots and ``helper`` was not lent."""
+    expert = None
+    for g in range(owner * e, (owner + 1) * e):
+        if keep_E[g] > 0 and (g, helper) not in lent and (expert is None or keep_E[g] > keep_E[expert]):
+            expert = g
+    return expert
+
+
+def _heaps(load_W: list[int], target: int, replicas: int, node_W: Sequence[int]) -> tuple[list, list, dict]:
+    """``(above, room, room_by_node)``: the ranks above ``target`` by ``-load`` then rank, those with
+    room (below it, where ``replicas`` allows any) by load then rank, and the latter per node; heaps."""
+    above = [(-load, r) for r, load in enumerate(load_W) if load > target]
+    room = [(load, h) for h, load in enumerate(load_W) if load < target and replicas > 0]
+    room_by_node: dict[int, list] = {}
+    for entry in room:
+        room_by_node.setdefault(node_W[entry[1]], []).append(entry)
+    for heap in (above, room, *room_by_node.values()):
+        heapq.heapify(heap)
+    return above, room, room_by_node
+
+
+def _requeue(
+    above: list, room: list, near: list, owner: int, helper: int, load_W: list[int], target: int, more: bool
+) -> None:
+    """After a move: ``owner`` back in ``above`` at its new load while above ``target`` (else out, as
+    the top it is); ``helper`` pushed into ``room`` and its node's heap ``near`` at its new load while
+    below ``target`` and it may take ``more`` replicas (else its entries, at older loads, never surface
+    again), the old top of ``room`` dropped when it surfaces (:func:`_top`)."""
+    if load_W[owner] > target:
+        heapq.heapreplace(above, (-load_W[owner], owner))
+    else:
+        heapq.heappop(above)
+    if load_W[helper] < target and more:
+        heapq.heappush(room, (load_W[helper], helper))
+        heapq.heappush(near, (load_W[helper], helper))
