@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up ./.venv for epmoe: `scripts/setup.sh` (demo extras) or `scripts/setup.sh test` (test extras, and
-# ./.venv-twinkle: twinkle-kit with its own pins, for tests/training/test_twinkle.py).
+# two venvs of their own pins: ./.venv-twinkle, twinkle-kit's, for tests/training/test_twinkle.py, and
+# ./.venv-oldest, the oldest transformers epmoe serves, for tests/project/test_oldest_release.py).
 #
 # Needs Python 3.10+. A torch >= 2.9 that python3 can already import is kept (the venv sees system
 # site-packages). Otherwise torch is installed as $EPMOE_TORCH (default torch==2.13.0: a CPU build
@@ -28,19 +29,26 @@ if ! .venv/bin/python -c "$has_torch" 2>/dev/null; then
   "${pip[@]}" -c constraints/test.txt "${EPMOE_TORCH:-torch==2.13.0}"
 fi
 "${pip[@]}" -c constraints/test.txt -e ".[$extras]"
-if [ "$extras" = test ]; then
-  # twinkle-kit pins peft <= 0.19, below the test extras' peft: tests/training/test_twinkle.py runs it
-  # in a venv of its own pins (constraints/twinkle.txt), with the same torch
-  if [ ! -x .venv-twinkle/bin/python ]; then
+# side_venv DIR CONSTRAINTS EXTRAS: a venv of its own pins beside .venv, with the same torch and epmoe editable
+side_venv() {
+  if [ ! -x "$1/bin/python" ]; then
     if "$python" -c "$has_torch" 2>/dev/null; then
-      "$python" -m venv --system-site-packages .venv-twinkle
+      "$python" -m venv --system-site-packages "$1"
     else
-      "$python" -m venv .venv-twinkle
+      "$python" -m venv "$1"
     fi
   fi
-  twinkle_pip=(.venv-twinkle/bin/python -m pip install -q --disable-pip-version-check)
-  if ! .venv-twinkle/bin/python -c "$has_torch" 2>/dev/null; then
-    "${twinkle_pip[@]}" -c constraints/twinkle.txt "${EPMOE_TORCH:-torch==2.13.0}"
+  local side_pip=("$1/bin/python" -m pip install -q --disable-pip-version-check)
+  if ! "$1/bin/python" -c "$has_torch" 2>/dev/null; then
+    "${side_pip[@]}" -c "$2" "${EPMOE_TORCH:-torch==2.13.0}"
   fi
-  "${twinkle_pip[@]}" -c constraints/twinkle.txt -e ".[twinkle]"
+  "${side_pip[@]}" -c "$2" -e ".[$3]"
+}
+if [ "$extras" = test ]; then
+  # twinkle-kit pins peft <= 0.19, below the test extras' peft: tests/training/test_twinkle.py runs it
+  # in a venv of its own pins (constraints/twinkle.txt)
+  side_venv .venv-twinkle constraints/twinkle.txt twinkle
+  # the oldest transformers epmoe serves (5.6.0, LLaMA-Factory's pin, with its peft and trl):
+  # tests/project/test_oldest_release.py runs the suite's release-bound part there
+  side_venv .venv-oldest constraints/oldest.txt test
 fi

@@ -8,6 +8,7 @@ per rank count). Correctness of each recipe against the same recipe without EP i
 tests/training/test_training.py and tests/ep/test_compose.py; links and the API reference in tests/project/test_docs.py.
 """
 
+import importlib.metadata
 import json
 import os
 import re
@@ -16,13 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaging.requirements import Requirement
 from ranks import start_ranks
 from readme_recipes import run_recipes
 
 pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[2]
-RECIPE = re.compile(r"<!-- recipe: (\w+) ranks=(\d+)(?: env=(\w+))? -->\n```python\n(.*?)```", re.S)
+# env=NAME: runs in .venv-NAME (its own test); needs=LIBRARY>=X.Y: runs where that release is installed
+RECIPE = re.compile(
+    r"<!-- recipe: (\w+) ranks=(\d+)(?: env=(\w+))?(?: needs=([\w-]+>=[\d.]+))? -->\n```python\n(.*?)```", re.S
+)
 MARKER = re.compile(r"<!-- recipe:")
 TABLE_ROW = re.compile(r"^\| \[docs/([\w-]+\.md)\]\(docs/\1\) \|", re.M)  # a row of the README's docs table
 
@@ -44,9 +49,17 @@ def recipes():
         assert len(on_page) == len(MARKER.findall(text)), (
             f"{page.relative_to(ROOT)}: a recipe marker not followed by a ```python block"
         )
-        found += [(name, int(ranks), env, code) for name, ranks, env, code in on_page]
+        found += [(name, int(ranks), env, needs, code) for name, ranks, env, needs, code in on_page]
     assert found, "no recipes in the README or docs/"
     return found
+
+
+def met(needs: str) -> bool:
+    """Whether the installed release satisfies a recipe's ``needs=`` (``""``: nothing needed)."""
+    if not needs:
+        return True
+    requirement = Requirement(needs)
+    return importlib.metadata.version(requirement.name) in requirement.specifier
 
 
 def test_docs_list_the_recipes():
@@ -96,7 +109,7 @@ def test_docs_list_the_recipes():
 @pytest.mark.multirank
 @pytest.mark.parametrize("world", [2, 4])
 def test_readme_recipes_run(world, tmp_path, monkeypatch):
-    chosen = [(name, code) for name, ranks, env, code in recipes() if ranks == world and not env]
+    chosen = [(name, code) for name, ranks, env, needs, code in recipes() if ranks == world and not env and met(needs)]
     module = tmp_path / f"readme_recipes_{world}.py"
     module.write_text("\n\n".join(code for _, code in chosen))
     for name, _ in chosen:
@@ -138,7 +151,7 @@ def test_the_twinkle_recipe_runs_in_twinkles_environment(tmp_path):
     """A recipe marked ``env=twinkle`` needs twinkle-kit and its own pins: written the same way, run on 2
     ranks by tests/training/twinkle_workers.py in ``.venv-twinkle`` (which applies the tests' CPU patch
     twinkle needs here) on a small Qwen3-MoE checkpoint under the recipe's default path."""
-    ((name, ranks, code),) = [(name, ranks, code) for name, ranks, env, code in recipes() if env == "twinkle"]
+    ((name, ranks, code),) = [(name, ranks, code) for name, ranks, env, _, code in recipes() if env == "twinkle"]
     (tmp_path / "twinkle_recipe.py").write_text(code)
     python = ROOT / ".venv-twinkle" / "bin" / "python"
     assert python.exists(), "scripts/setup.sh test builds .venv-twinkle (twinkle-kit with its own pins)"

@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from peft_release import expert_lora
 from safetensors import safe_open
 
 import epmoe
@@ -106,7 +107,8 @@ def shard_marks(rank, world, root):
     base = build_model("qwen3_moe", dtype=torch.float64)
     epmoe.apply_expert_parallel(base)
     torch.manual_seed(3)
-    model = get_peft_model(base, config())
+    with expert_lora(base):
+        model = get_peft_model(base, config())
     with torch.no_grad():
         model(torch.randint(0, 256, (2, 8)))  # the first forward settles the expert factors to their slices
     marked, joined_wrong = 0, []

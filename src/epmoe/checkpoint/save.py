@@ -117,12 +117,30 @@ class SavePretrained:
         token = _SAVING.set(weights)
         try:
             with own_state_dict():
-                result = type(model).save_pretrained(model, save_directory, *args, **kwargs)
+                if "gather_sharded_state_dict_for_save" not in vars(model):  # a release without the hook
+                    _take_before_saving(weights, model, options.arguments)
+                result = type(model).save_pretrained(*options.args, **options.kwargs)
                 weights.write()
         finally:
             _SAVING.reset(token)
         _written(model)
         return result
+
+
+def _take_before_saving(weights: StreamedWeights, model: nn.Module, arguments: dict[str, Any]) -> None:
+    """Under a transformers release whose ``save_pretrained`` has no ``gather_sharded_state_dict_for_save``
+    hook (5.6: it writes ``model.state_dict()`` from every rank it is called on), hand
+    ``weights`` what the hook would receive (the state dict, keys to ignore removed) and transformers
+    an empty one (``arguments["state_dict"]``), so that transformers writes no weights and
+    :class:`StreamedWeights` writes all of them, as under a release with the hook."""
+    if getattr(model, "_hf_peft_config_loaded", False):
+        return  # transformers' own adapters: adapter weights only, written as they are
+    state_dict = arguments["state_dict"]
+    state_dict = dict(model.state_dict() if state_dict is None else state_dict)
+    for key in model._keys_to_ignore_on_save or ():
+        state_dict.pop(key, None)
+    weights.take(model, state_dict, arguments["is_main_process"])
+    arguments["state_dict"] = {}
 
 
 def _written(model: nn.Module) -> None:

@@ -4,7 +4,8 @@
 model uses for all of them: ``torch.save`` of it on one rank writes an incomplete model, and
 ``dcp.save`` of it treats every rank's block as a replica of one tensor (a load then gives every
 rank the same experts). Each sharded experts module carries a state-dict post-hook that warns
-(:class:`ExpertStateDictWarning`, once per call site) naming what to call instead. epmoe's own
+(:class:`ExpertStateDictWarning`, once per call site) naming what to call instead; taken by
+transformers' ``save_pretrained`` called on the class past the EP model's own, it raises. epmoe's own
 saving paths (``save_pretrained`` of an EP model, :func:`epmoe.get_state_dict`,
 :func:`epmoe.set_state_dict`) take the state dict inside :func:`own_state_dict` and do not warn.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -45,6 +47,11 @@ def warn_on_bare_state_dict(module: nn.Module) -> None:
 def _warn(module, state_dict, prefix, local_metadata) -> None:
     if _OWN.get():
         return
+    if _inside_transformers_save():
+        raise RuntimeError(
+            "epmoe: transformers' save_pretrained was called past the EP model's own (on the class), which would "
+            "write this rank's experts only: call model.save_pretrained(path) on every rank"
+        )
     shard = state_of(module).shard
     warnings.warn(
         f"epmoe: this state_dict holds only this rank's experts of {prefix.rstrip('.') or 'the model'} "
@@ -55,3 +62,17 @@ def _warn(module, state_dict, prefix, local_metadata) -> None:
         ExpertStateDictWarning,
         stacklevel=3,
     )
+
+
+def _inside_transformers_save() -> bool:
+    """Whether transformers' ``PreTrainedModel.save_pretrained`` itself is taking this state dict: an EP
+    model's own ``save_pretrained`` takes it inside :func:`own_state_dict`, so the class's was called on
+    the instance, and would write it (under transformers 5.6 with no gather hook to stop it)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:
+        return False
+    code = modeling.PreTrainedModel.save_pretrained.__code__
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    return frame is not None

@@ -100,7 +100,7 @@ from epmoe.integrations.blocks import (
     shared_block_forward,
 )
 from epmoe.integrations.input_weighted import input_weighted_block_forward, input_weighted_block_reason
-from epmoe.integrations.releases import untested_release
+from epmoe.integrations.releases import is_transformers_model, untested_release
 from epmoe.integrations.zero_experts import zero_experts_forward
 from epmoe.training.generate import SyncedGenerate
 
@@ -341,8 +341,9 @@ def _attach_to_model(model: nn.Module, unsharded: dict[tuple[str, str], tuple[in
     model._ddp_params_and_buffers_to_ignore = ExpertParameterNames(model)
     if SyncedGenerate.applies_to(model):
         model.generate = SyncedGenerate(model)
-    if callable(getattr(type(model), "gather_sharded_state_dict_for_save", None)):  # a transformers model
-        model.gather_sharded_state_dict_for_save = GatherExperts(model)
+    if is_transformers_model(model):
+        if callable(getattr(type(model), "gather_sharded_state_dict_for_save", None)):  # 5.6 has no such hook
+            model.gather_sharded_state_dict_for_save = GatherExperts(model)
         model.save_pretrained = SavePretrained(model)
         model.num_parameters = NumParameters(model)
 

