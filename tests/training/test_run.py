@@ -237,3 +237,22 @@ def test_importing_epmoe_hooks_nothing():
     assert Trainer.__init__.__module__ == "transformers.trainer" and not hasattr(Trainer.__init__, "__wrapped__")
     assert "__init_subclass__" not in Trainer.__dict__
     assert not any(type(f).__name__ == "_Finder" for f in sys.meta_path)
+
+
+TRAINER_FROM_CONFIG = """
+import transformers
+config = transformers.Qwen3Config(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=8, intermediate_size=32)
+args = transformers.TrainingArguments(output_dir="out", report_to=[], use_cpu=True)
+transformers.Trainer(model=transformers.Qwen3ForCausalLM(config), args=args)
+"""
+
+
+@pytest.mark.multirank
+def test_a_trainer_on_a_model_built_otherwise_is_refused_and_the_exit_says_so(tmp_path):
+    """A model built from a config (no from_pretrained): its Trainer is refused by name, and rank 0's
+    exit says no MoE model was made expert-parallel."""
+    done = _run(_epmoe("--", sys.executable, "-c", TRAINER_FROM_CONFIG), tmp_path, RANK="0")
+    assert done.returncode != 0
+    assert "epmoe run: Trainer's model (Qwen3ForCausalLM) is not expert-parallel" in done.stderr
+    assert done.stderr.rstrip().splitlines()[-1].startswith("epmoe run: the command built no MoE model")
