@@ -1,4 +1,4 @@
-"""The ``epmoe`` command line: ``info``, ``demo``, ``bench``."""
+"""The ``epmoe`` command line: ``info``, ``demo``, ``bench``, ``run``."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import argparse
 import logging
 import sys
 
-from epmoe.cli import bench, demo, info
+from epmoe.cli import bench, demo, info, run
 
-_COMMANDS = {"info": info, "demo": demo, "bench": bench}
+_COMMANDS = {"info": info, "demo": demo, "bench": bench, "run": run}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epmoe", description="Expert-parallel MoE runtime for PyTorch")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench,run}")
     for module in _COMMANDS.values():
         module.add_parser(commands)
     return parser

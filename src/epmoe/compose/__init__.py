@@ -7,6 +7,8 @@ training and checkpoints.
   reading only its experts.
 * :mod:`epmoe.compose.twinkle`: ``prepare_twinkle``: the same on a twinkle ``TransformersModel``, with
   its FSDP2 wrap, clip, LoRA and saves made exact.
+* :mod:`epmoe.compose.run`: what ``epmoe run`` hooks in its command's processes (``from_pretrained``,
+  ``Trainer.__init__``), imported only there, by the bootstrap.
 """
 
 from epmoe.compose.apply import apply_expert_parallel, resolve_groups
