@@ -107,6 +107,7 @@ def test_docs_list_the_recipes():
 
 
 @pytest.mark.multirank
+@pytest.mark.releases
 @pytest.mark.parametrize("world", [2, 4])
 def test_readme_recipes_run(world, tmp_path, monkeypatch):
     chosen = [(name, code) for name, ranks, env, needs, code in recipes() if ranks == world and not env and met(needs)]

@@ -127,8 +127,9 @@ TABLE = (
         "save_model",
         "(self, output_dir=None, _internal_call=False)",
         REPLACED,
-        "FSDP2: Trainer's FSDP branch would save this rank's experts only; DeepSpeed ZeRO-3: its branch "
-        "would gather rank 0's experts only",
+        "every process joins the save (transformers 5.6 calls _save from the writing process only); FSDP2: "
+        "Trainer's FSDP branch would save this rank's experts only; DeepSpeed ZeRO-3: its branch would gather "
+        "rank 0's experts only",
     ),
     Entry(
         "transformers",

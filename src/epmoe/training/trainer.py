@@ -131,9 +131,13 @@ def _reference_stays_sharded(trainer: Any, model: nn.Module) -> None:
 
 
 def _save_from_every_rank(trainer: Any, fsdp: bool) -> None:
-    """Trainer writes from one process only; the EP ranks must all join the experts' gather."""
+    """Trainer writes from one process only; the EP ranks must all join the experts' gather: through
+    ``_save``, which Trainer calls on every process, or, under a release whose ``save_model`` calls it
+    on the writing process only (5.6), after ``save_model``."""
+    joined: list[bool] = []  # whether this process's save_model reached _save
 
     def save(output_dir=None, state_dict=None):
+        joined.append(True)
         model = _unwrapped(trainer)
         if state_dict is None and has_expert_lora(model):  # a PeftModel: its expert LoRA factors gathered
             state_dict = adapter_state_dict(model)
@@ -146,15 +150,22 @@ def _save_from_every_rank(trainer: Any, fsdp: bool) -> None:
         if isinstance(getattr(model, "save_pretrained", None), SavePretrained):
             model.save_pretrained(output_dir or trainer.args.output_dir, state_dict=state_dict, is_main_process=False)
 
+    replaced = trainer.__dict__.get("save_model")  # DeepSpeed ZeRO-3's (epmoe.training.deepspeed)
+
+    def save_model(output_dir=None, _internal_call=False):
+        joined.clear()
+        if replaced is not None:
+            replaced(output_dir, _internal_call=_internal_call)
+        elif fsdp:  # Trainer's FSDP branch saves this rank's experts only (or, SHARDED_STATE_DICT, nothing)
+            without_fsdp_branch(trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call)
+        else:
+            type(trainer).save_model(trainer, output_dir, _internal_call=_internal_call)
+        if not joined:
+            save(output_dir)
+
     replace(trainer, "_save", save)
-    if fsdp:  # Trainer's FSDP branch saves this rank's experts only (or, SHARDED_STATE_DICT, nothing)
-        replace(
-            trainer,
-            "save_model",
-            lambda output_dir=None, _internal_call=False: without_fsdp_branch(
-                trainer, type(trainer).save_model, trainer, output_dir, _internal_call=_internal_call
-            ),
-        )
+    replace(trainer, "save_model", save_model)
+    if fsdp:
         # the scheduler and rank 0's moments, not the plugin's files, which hold rank 0's experts
         replace(
             trainer,
