@@ -562,7 +562,8 @@ def bad_checkpoints(rank, world, root):
 def state_dict_warnings(rank, world, root):
     """A bare state_dict() of an EP model warns (torch.save / dcp.save of it would lose or swap experts);
     epmoe's own paths (save_pretrained, get_state_dict / set_state_dict, from_pretrained) do not, nor a
-    prepared Trainer's save of an adapter that holds nothing of the experts (attention LoRA only).
+    prepared Trainer's or peft's own save of an adapter that holds nothing of the experts (attention LoRA
+    only); peft's own save of LoRA on the experts raises.
     Returns ``{path: number of ExpertStateDictWarning}``."""
     import warnings
 
@@ -602,13 +603,35 @@ def state_dict_warnings(rank, world, root):
         dist.barrier()
         saved.extend(sorted(load_file(os.path.join(root, "adapter", "adapter_model.safetensors"))))
 
-    saved = []  # the adapter file's keys
+    def peft_adapter():  # peft's own save of an adapter without the experts' LoRA: no expert in it
+        from peft import LoraConfig, get_peft_model
+
+        base = build_model("qwen3_moe")
+        epmoe.apply_expert_parallel(base)
+        peft_model = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+        peft_model.save_pretrained(os.path.join(root, f"peft-{rank}"))
+
+    def peft_expert_adapter():  # ... with LoRA on the experts: this rank's factors only, refused
+        from peft import LoraConfig, get_peft_model
+
+        base = build_model("qwen3_moe")
+        epmoe.apply_expert_parallel(base)
+        with expert_lora(base):
+            peft_model = get_peft_model(base, LoraConfig(r=2, target_parameters=["mlp.experts.gate_up_proj"]))
+        try:
+            peft_model.save_pretrained(os.path.join(root, f"peft-experts-{rank}"))
+        except RuntimeError as exc:
+            refused.append(str(exc))
+
+    saved, refused = [], []  # the adapter file's keys; the refusal of peft's save of expert factors
     counts = {}
     cases = (
         ("torch.save", bare_torch_save),
         ("dcp.save", bare_dcp_save),
         ("epmoe", epmoe_paths),
         ("trainer adapter", prepared_trainer_adapter),
+        ("peft adapter", peft_adapter),
+        ("peft expert adapter", peft_expert_adapter),
     )
     for name, fn in cases:
         with warnings.catch_warnings(record=True) as caught:
@@ -618,6 +641,7 @@ def state_dict_warnings(rank, world, root):
         counts[name] = (len(messages), messages[:1])
         dist.barrier()
     counts["adapter keys"] = saved
+    counts["peft expert refusal"] = refused
     return counts
 
 

@@ -166,6 +166,7 @@ def test_from_pretrained_bad_checkpoints_fail_on_every_rank(tmp_path):
         assert errors["truncated"], errors["truncated"]
 
 
+@pytest.mark.releases
 def test_bare_state_dict_warns_and_epmoe_paths_do_not(tmp_path):
     from checkpoint_workers import state_dict_warnings
 
@@ -175,6 +176,9 @@ def test_bare_state_dict_warns_and_epmoe_paths_do_not(tmp_path):
             assert number >= 1 and "save_pretrained" in messages[0] and "get_state_dict" in messages[0], (rank, path)
         assert counts["epmoe"][0] == 0, (rank, counts["epmoe"])
         assert counts["trainer adapter"][0] == 0, (rank, counts["trainer adapter"])  # no false alarm
+        assert counts["peft adapter"][0] == 0, (rank, counts["peft adapter"])
+        (refusal,) = counts["peft expert refusal"]
+        assert "this rank's LoRA factors" in refusal and "epmoe.adapter_state_dict" in refusal, refusal
         keys = counts["adapter keys"]
         assert keys and all("lora_" in k and "experts" not in k for k in keys), keys
 
