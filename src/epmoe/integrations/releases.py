@@ -1,12 +1,13 @@
-"""The transformers releases epmoe runs a transformers model under: the ones its suite tests.
+"""The transformers releases epmoe runs a transformers model under: the range its suite tests.
 
 epmoe reads transformers' experts modules by structure, and saves, loads and prepares transformers
-models through transformers' own hooks (``gather_sharded_state_dict_for_save``, the weight
-conversions, the Trainer's methods). A release whose hooks differ can leave a model silently wrong or
-a checkpoint incomplete (at transformers 5.6 ``save_pretrained`` has no hook to gather experts
-through, and would write one rank's experts under the unsharded names). So a transformers model is
-made expert-parallel only under a release the suite runs (:data:`TESTED`, the pinned test
-environment's, ``constraints/test.txt``); any other release is refused when EP is applied, naming the
+models through transformers' own machinery (``save_pretrained``, the weight conversions, the
+Trainer's methods), adapting to what each release has (a hook, a method, a decorator option) rather
+than to its number. A release outside the range the suite runs could differ in a way epmoe has not
+seen and leave a model silently wrong or a checkpoint incomplete. So a transformers model is made
+expert-parallel only under a release of :data:`TESTED`, whose ends the suite's two environments run
+(``constraints/oldest.txt``: 5.6.0, the oldest a popular fine-tuning framework pins;
+``constraints/test.txt``: the newest); any other release is refused when EP is applied, naming the
 range, before anything changes. Models that are not transformers models are not concerned.
 """
 
@@ -19,7 +20,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from torch import nn
 
-TESTED = SpecifierSet(">=5.6,<5.26")  # constraints/test.txt pins 5.25.0: widen only with a test environment
+TESTED = SpecifierSet(">=5.6,<5.26")  # constraints/oldest.txt 5.6.0, test.txt 5.25.0: move with them
 
 
 def is_transformers_model(model: nn.Module) -> bool:
