@@ -52,9 +52,14 @@ def test_every_family_builds_a_tiny_model_with_its_experts():
 
 
 def test_docs_list_every_family():
-    """The families table of docs/models.md names exactly the families found now, and which of them
-    transformers' own expert parallelism has a plan for."""
-    listed = families_table.table_rows(families_table.PAGE.read_text())
+    """The families table of docs/models.md for the installed release names exactly the families found
+    now, and which of them transformers' own expert parallelism has a plan for."""
+    page = families_table.PAGE.read_text()
+    assert families_table.release() in families_table.releases(page), (
+        f"docs/models.md has no families table of transformers {families_table.release()} "
+        "(tests/models/families_table.py --write)"
+    )
+    listed = families_table.table_rows(page)
     assert set(listed) == set(found())
     from epmoe.bench.versus import ep_plans
 

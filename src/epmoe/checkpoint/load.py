@@ -156,9 +156,7 @@ def one_copy_conversions(load_config: Any, expert_keys: Iterable[str]) -> tuple[
         else:
             mapping.append(converter)
             continue
-        copied = converter.copy(
-            list(converter._original_source_patterns), list(converter._original_target_patterns), operations=one_copy
-        )
+        copied = _with_operations(converter, one_copy)
         originals[id(copied)] = converter
         mapping.append(copied)
     plan = dict(load_config.dtype_plan or {})
@@ -166,6 +164,16 @@ def one_copy_conversions(load_config: Any, expert_keys: Iterable[str]) -> tuple[
         planned = build_glob_alternation(list(plan))[0] if plan else None
         plan.update({f"^{re.escape(key)}$": None for key in expert_keys if planned is None or not planned.search(key)})
     return dataclasses.replace(load_config, weight_mapping=mapping, dtype_plan=plan), originals
+
+
+def _with_operations(converter: Any, operations: list) -> Any:
+    """A converter of ``converter``'s class and patterns doing ``operations``: its own ``copy``, which
+    keeps its scope and settings, where transformers has one; else (transformers 5.6, whose converters
+    hold nothing else) a new one built from its original patterns."""
+    patterns = list(converter._original_source_patterns), list(converter._original_target_patterns)
+    if hasattr(converter, "copy"):
+        return converter.copy(*patterns, operations=operations)
+    return type(converter)(*patterns, operations=operations)
 
 
 def restore_conversions(model: nn.Module, originals: dict[int, Any]) -> None:
