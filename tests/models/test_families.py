@@ -154,7 +154,9 @@ def test_lora_on_every_familys_experts_is_exact_or_refused():
                 for rank, lora in enumerate(loras):
                     assert lora["compared"] > 0 and max(lora["errors"].values()) <= tol, (family.name, rank, lora)
     # Ergo: peft itself cannot wrap both the experts' tensors and their post_expert_norm's; LoRA on its
-    # projections alone is exact, on its per-expert norm alone (and the per_route_norm variant's) refused by name
+    # projections alone is exact, on its per-expert norm alone (and the per_route_norm variant's) refused by name.
+    # LongCat-Flash's own experts hold its zero-computation experts at transformers 5.6 (as the made
+    # class does), its block from 5.25
     expected = {
         "gpt_oss": "refused",
         "longcat_flash+zero_experts": "refused",
@@ -162,14 +164,23 @@ def test_lora_on_every_familys_experts_is_exact_or_refused():
         "llama4": "ran",
         "qwen3_moe": "ran",
         "step3p7": "ran",
-        "longcat_flash": "ran",
+        "longcat_flash": "refused" if holds_zero_experts(found()["longcat_flash"]) else "ran",
         "ergo": "without_ep",
         "ergo lora_projections": "ran",
         "ergo lora_post": "refused",
         "qwen3_moe+per_route_norm": "without_ep",
         "qwen3_moe+undecorated": "ran",
     }
+    expected = {name: kind for name, kind in expected.items() if name.split("+")[0].split()[0] in found()}
     assert {name: outcomes.get(name) for name in expected} == expected, outcomes
+
+
+def holds_zero_experts(family: families.Family) -> bool:
+    """Whether ``family``'s own experts modules hold zero-computation experts (epmoe adopts them so)."""
+    from epmoe.ep.adopt import find_experts_modules
+    from epmoe.ep.recognize import zero_experts
+
+    return any(zero_experts(m) for _, m, _ in find_experts_modules(families.build(family)))
 
 
 @pytest.mark.multirank
@@ -458,7 +469,7 @@ def test_stacked_rows_and_zero_experts_in_bf16_and_saved(tmp_path):
     families whose checkpoint layout transformers converts: Qwen3-VL-MoE round-trips as above in it;
     Ernie-4.5-VL's (text and vision experts in one list) is refused by name, and round-trips with
     ``save_original_format=False``."""
-    fams = [found()["dbrx"], variant("zero_experts"), found()["ergo"]]
+    fams = [found()["dbrx"], variant("zero_experts"), *(found()[name] for name in ("ergo",) if name in found())]
     converted = [found()["qwen3_vl_moe"], found()["ernie4_5_vl_moe"]]
     out = start_ranks(stacked_and_zero_cases, 2, str(tmp_path), fams, converted, timeout=900)
     for family in fams:
