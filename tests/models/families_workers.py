@@ -149,8 +149,8 @@ def joined_by_marks(rank: int, ref: torch.nn.Module, model: torch.nn.Module, sha
         out["lora"] = {"without_ep": f"{type(error).__name__}: {error}"}
         return out
     torch.manual_seed(1)
-    model = ep_peft_model(model, config)
-    try:
+    try:  # adding it inside whole_experts_for_peft settles the factors, and refuses, there
+        model = ep_peft_model(model, config)
         experts = epmoe.expert_parameters(model)  # settles the factors to this rank's experts
     except ValueError as error:
         out["lora"] = {"refused": str(error)}
@@ -325,9 +325,9 @@ def lora_parity(rank: int, world: int, family: Family, only: str | None = None) 
         return {"without_ep": f"{type(error).__name__}: {error}"}
     ref_loss.backward()
     torch.manual_seed(1)
-    model = ep_peft_model(model, config)
-    torch.manual_seed(rank)
-    try:
+    try:  # adding it inside whole_experts_for_peft settles the factors, and refuses, there
+        model = ep_peft_model(model, config)
+        torch.manual_seed(rank)
         out, loss = loss_of(model(**inputs(family, rank, LENGTHS[rank])))
     except ValueError as error:
         return {"refused": str(error)}
@@ -612,8 +612,8 @@ def lora_on_experts(rank: int, world: int, family: Family) -> str | None:
     model = build(family)
     epmoe.apply_expert_parallel(model)
     experts = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if epmoe.is_expert_parameter(p)}
-    model = ep_peft_model(model, LoraConfig(r=2, target_modules=[], target_parameters=sorted(experts)))
-    try:
+    try:  # adding it inside whole_experts_for_peft settles the factors, and refuses, there
+        model = ep_peft_model(model, LoraConfig(r=2, target_modules=[], target_parameters=sorted(experts)))
         model(**inputs(family, rank, LENGTHS[rank]))
     except ValueError as error:
         return str(error)
