@@ -1,10 +1,13 @@
-"""Rewrite the families table of docs/models.md from the coverage test's run (tests/models/test_families.py).
+"""Rewrite the families table of docs/models.md for the installed transformers release from the coverage
+test's run (tests/models/test_families.py).
 
     PYTHONPATH=src:tests/support python tests/models/families_table.py          # prints the table
     PYTHONPATH=src:tests/support python tests/models/families_table.py --write  # and writes it into docs/models.md
 
-The table sits between the ``<!-- families:begin -->`` and ``<!-- families:end -->`` lines of that page;
-reading and writing go by those two markers.
+The page holds one table per tested release (``major.minor``), each between the
+``<!-- families X.Y:begin -->`` and ``<!-- families X.Y:end -->`` lines; reading and writing go by
+those markers, and each table is written and checked by the environment running that release. A
+release without a table yet gets one written after the last.
 
 Every MoE family of the installed transformers (found by structure: tests/support/families.py) runs at EP 2 in
 fp64 on 2 gloo ranks (tests/models/families_workers.py); its verdict is the table's second column, and the
@@ -15,11 +18,28 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-PAGE = ROOT / "docs" / "models.md"  # the page holding the families table
-BEGIN, END = "<!-- families:begin -->", "<!-- families:end -->"
+PAGE = ROOT / "docs" / "models.md"  # the page holding the families tables
+
+
+def release() -> str:
+    """The installed transformers' ``major.minor``: the table it writes and checks."""
+    from epmoe.integrations.releases import installed_transformers
+
+    return ".".join(installed_transformers().split(".")[:2])
+
+
+def markers(of: str) -> tuple[str, str]:
+    """The lines around release ``of``'s table."""
+    return f"<!-- families {of}:begin -->", f"<!-- families {of}:end -->"
+
+
+def releases(text: str) -> list[str]:
+    """The releases ``text`` (the text of :data:`PAGE`) holds a table of, in page order."""
+    return re.findall(r"<!-- families (\S+):begin -->", text)
 
 
 def table(verdicts: dict[str, str]) -> str:
@@ -40,17 +60,22 @@ def table(verdicts: dict[str, str]) -> str:
     return "\n".join(rows)
 
 
-def table_rows(text: str) -> dict[str, tuple[str, str]]:
-    """``{family: (verdict, transformers' EP plan)}`` read back from the table in ``text`` (the text of
-    :data:`PAGE`), between the :data:`BEGIN` and :data:`END` markers."""
-    section = text.split(BEGIN, 1)[1].split(END, 1)[0]
+def table_rows(text: str, of: str | None = None) -> dict[str, tuple[str, str]]:
+    """``{family: (verdict, transformers' EP plan)}`` read back from release ``of``'s table in ``text``
+    (the text of :data:`PAGE`; ``of``: the installed release, or the page's last table where it has
+    none, as scripts/update-pins.sh compares new pins with it)."""
+    of = of or release()
+    if of not in releases(text):
+        of = releases(text)[-1]
+    begin, end = markers(of)
+    section = text.split(begin, 1)[1].split(end, 1)[0]
     rows = [line.strip("| ").split(" | ") for line in section.strip().splitlines()[2:]]
     return {name: (verdict, plan) for name, verdict, plan in rows}
 
 
-def table_verdicts(text: str) -> dict[str, str]:
-    """``{family: verdict}`` read back from the table in ``text`` (the text of :data:`PAGE`)."""
-    return {name: verdict for name, (verdict, _) in table_rows(text).items()}
+def table_verdicts(text: str, of: str | None = None) -> dict[str, str]:
+    """``{family: verdict}`` read back from release ``of``'s table in ``text`` (:func:`table_rows`)."""
+    return {name: verdict for name, (verdict, _) in table_rows(text, of).items()}
 
 
 def run_verdicts() -> dict[str, str]:
@@ -74,8 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     text = table(run_verdicts())
     print(text)
     if args.write:
-        before, rest = PAGE.read_text().split(BEGIN, 1)
-        PAGE.write_text(f"{before}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}")
+        page, (begin, end) = PAGE.read_text(), markers(release())
+        if release() not in releases(page):  # a new release: its table after the last one
+            last = markers(releases(page)[-1])[1]
+            before, after = page.split(last, 1)
+            page = f"{before}{last}\n\nAt transformers {release()}:\n\n{begin}\n{end}{after}"
+        before, rest = page.split(begin, 1)
+        PAGE.write_text(f"{before}{begin}\n{text}\n{end}{rest.split(end, 1)[1]}")
     return 0
 
 

@@ -149,8 +149,8 @@ def joined_by_marks(rank: int, ref: torch.nn.Module, model: torch.nn.Module, sha
         out["lora"] = {"without_ep": f"{type(error).__name__}: {error}"}
         return out
     torch.manual_seed(1)
-    model = get_peft_model(model, config)
-    try:
+    try:  # adding it inside whole_experts_for_peft settles the factors, and refuses, there
+        model = ep_peft_model(model, config)
         experts = epmoe.expert_parameters(model)  # settles the factors to this rank's experts
     except ValueError as error:
         out["lora"] = {"refused": str(error)}
@@ -284,6 +284,22 @@ def bf16_distances(rank: int, world: int, family: Family) -> dict:
     }
 
 
+def ep_peft_model(model: torch.nn.Module, config) -> torch.nn.Module:
+    """``get_peft_model(model, config)`` of an EP model as its users add LoRA with the installed peft: as
+    it is where peft reads the whole shape epmoe marks (>= 0.21), else inside
+    :func:`epmoe.ep.lora.whole_experts_for_peft` (older peft sizes the factors from the shard: refused
+    by name otherwise, as tests/ep/compose_workers.py checks; the transformers 5.6 test environment's peft is 0.18)."""
+    import peft
+    from packaging.version import Version
+
+    from epmoe.ep.lora import whole_experts_for_peft
+
+    if Version(peft.__version__) >= Version("0.21"):
+        return peft.get_peft_model(model, config)
+    with whole_experts_for_peft(model):
+        return peft.get_peft_model(model, config)
+
+
 def lora_parity(rank: int, world: int, family: Family, only: str | None = None) -> dict:
     """PEFT LoRA (``target_parameters``: every per-expert tensor, random A and B) on ``family``'s EP model
     against the same LoRA on the unsharded model, the same seed: ``{"errors": {"output": ..., "lora_grads":
@@ -309,9 +325,9 @@ def lora_parity(rank: int, world: int, family: Family, only: str | None = None) 
         return {"without_ep": f"{type(error).__name__}: {error}"}
     ref_loss.backward()
     torch.manual_seed(1)
-    model = get_peft_model(model, config)
-    torch.manual_seed(rank)
-    try:
+    try:  # adding it inside whole_experts_for_peft settles the factors, and refuses, there
+        model = ep_peft_model(model, config)
+        torch.manual_seed(rank)
         out, loss = loss_of(model(**inputs(family, rank, LENGTHS[rank])))
     except ValueError as error:
         return {"refused": str(error)}
@@ -591,13 +607,13 @@ def zero_experts_only(rank: int, world: int, family: Family) -> dict:
 def lora_on_experts(rank: int, world: int, family: Family) -> str | None:
     """PEFT LoRA on every per-expert weight of ``family``'s EP model: the error of its first forward
     (``None`` if it ran)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
 
     model = build(family)
     epmoe.apply_expert_parallel(model)
     experts = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if epmoe.is_expert_parameter(p)}
-    model = get_peft_model(model, LoraConfig(r=2, target_modules=[], target_parameters=sorted(experts)))
-    try:
+    try:  # adding it inside whole_experts_for_peft settles the factors, and refuses, there
+        model = ep_peft_model(model, LoraConfig(r=2, target_modules=[], target_parameters=sorted(experts)))
         model(**inputs(family, rank, LENGTHS[rank]))
     except ValueError as error:
         return str(error)

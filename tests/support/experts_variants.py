@@ -15,9 +15,10 @@ clamped_output     the weighted sum clamped to [-1, 1]                          
 bias_after_sum     a learned bias added to the weighted sum                           refused
 undecorated        the same experts in a class without the decorator (epmoe adopts    exact
                    them after a probe of its own)
-zero_experts       LongCat-Flash's experts as transformers 5.24 wrote them: ids past  exact
-                   the ``E`` experts with weights are zero-computation experts
-                   (the token times its weight), in the experts module, not the block
+zero_experts       LongCat-Flash's experts as transformers 5.24 (and 5.6) wrote them:     exact
+                   ids past the ``E`` experts with weights are zero-computation
+                   experts (the token times its weight), in the experts module, not
+                   the block
 =================  ================================================================  ==========
 """
 
@@ -93,8 +94,8 @@ class ZeroComputationExperts(nn.Module):
 
     def __init__(self, experts: nn.Module, zero: int):
         super().__init__()
-        self.num_routed_experts = experts.num_experts
-        gate_up = experts.gate_up_proj.detach()
+        self.num_routed_experts = experts.down_proj.shape[0]
+        gate_up = experts.gate_up_proj.detach()[: self.num_routed_experts]
         self.gate_up_proj = nn.Parameter(torch.cat([gate_up, gate_up.new_zeros(zero, *gate_up.shape[1:])]))
         self.down_proj, self.act_fn = experts.down_proj, experts.act_fn
 
@@ -150,8 +151,12 @@ def install(model: nn.Module, variant: str) -> nn.Module:
             if variant == "undecorated" and type(experts) is Qwen3MoeExperts:
                 block.experts = UndecoratedExperts(experts)
             elif variant == "zero_experts" and type(experts).__name__ == "LongcatFlashExperts":
-                block.experts = ZeroComputationExperts(experts, block.zero_expert_num)
-                block.forward = types.MethodType(_zero_routed_forward, block)
+                if hasattr(block, "zero_expert_num"):  # the block handles them (5.25): its forward as 5.24's
+                    zero = block.zero_expert_num
+                    block.forward = types.MethodType(_zero_routed_forward, block)
+                else:  # the experts handle them already, as 5.24's do (5.6)
+                    zero = experts.zero_expert_num
+                block.experts = ZeroComputationExperts(experts, zero)
         return model
     for module in model.modules():
         if type(module) is not Qwen3MoeExperts:

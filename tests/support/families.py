@@ -69,10 +69,7 @@ CONFIG_FIXES = {
     "mistral4": {"head_dim": 32},  # qk_rope_head_dim = head_dim * partial_rotary_factor 0.5
     "dots3_note": {"head_dim": 64},  # qk_rope_head_dim = head_dim * partial_rotary_factor 0.25
     "granitemoehybrid": {"mamba_n_heads": 8},
-    "longcat_flash": {
-        "qk_head_dim": 32,
-        "expert_ffn_hidden_size": 32,
-    },  # qk_nope + qk_rope; the expert width  # mamba_expand * hidden_size / mamba_d_head
+    "longcat_flash": {"expert_ffn_hidden_size": 32},  # the expert width
     "glm4v_moe": {
         "text_config.rope_parameters": {
             "rope_theta": 10000.0,
@@ -85,6 +82,18 @@ CONFIG_FIXES = {
         "text_config.rope_parameters": {"rope_theta": 500000.0, "rope_type": "default", "mrope_section": [2, 2, 4]}
     },
 }
+
+
+def _dbrx_square_experts(config, module) -> None:
+    """transformers 5.6's DBRX reads the hidden states as ``ffn_hidden_size`` wide (its router and
+    experts; later releases read ``d_model``): its tiny model runs there only with the two equal."""
+    if module.DbrxRouter(config.ffn_config).layer.in_features != config.d_model:
+        config.ffn_config.ffn_hidden_size = config.d_model
+
+
+# What a release's own modeling code needs beyond CONFIG_FIXES, decided by what that code does (not by
+# its version number): ``{directory: fix(config, modeling module)}``, run after CONFIG_FIXES.
+RELEASE_FIXES = {"dbrx": _dbrx_square_experts}
 
 
 @dataclasses.dataclass
@@ -136,12 +145,18 @@ def experts_classes(directory: str) -> list[str]:
 
 def _model_classes(directory: str) -> list[tuple[str, str]]:
     """``(model_type, class name)`` pairs of ``directory`` to try, causal LMs first, then base models,
-    backbones last; only classes built from that model type's own config class."""
+    backbones, and image-text-to-text models last (transformers 5.6 maps Qwen3-Omni-MoE's thinker only
+    there); only classes built from that model type's own config class."""
     from transformers.models.auto import configuration_auto, modeling_auto
 
     mappings = [
         getattr(modeling_auto, name)
-        for name in ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_MAPPING_NAMES", "MODEL_FOR_BACKBONE_MAPPING_NAMES")
+        for name in (
+            "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            "MODEL_MAPPING_NAMES",
+            "MODEL_FOR_BACKBONE_MAPPING_NAMES",
+            "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+        )
     ]
     pairs = []
     for mapping in mappings:
@@ -199,6 +214,8 @@ def _shrink(config, layers: int) -> None:
             setattr(config, key, [_size_for(key, v, layers) or v for v in value])
     if isinstance(heads, int) and kv_heads == heads:  # multi-head (MLA...) attention stays so
         config.num_key_value_heads = vars(config)["num_attention_heads"]
+    if {"qk_head_dim", "qk_nope_head_dim", "qk_rope_head_dim"} <= vars(config).keys():  # MLA: the sum
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim  # (5.6's attention reads it)
     _trim_layer_lists(config, layers)
 
 
@@ -296,6 +313,9 @@ def build(family: Family, *, dtype: torch.dtype = torch.float64, seed: int = 0) 
         for parent in parents:
             target = getattr(target, parent)
         setattr(target, leaf, value)
+    module = importlib.import_module(f"transformers.models.{family.name}.modeling_{family.name}")
+    if family.name in RELEASE_FIXES:
+        RELEASE_FIXES[family.name](config, module)
     config._experts_implementation = "eager"
     for sub in _sub_configs(config):
         sub._experts_implementation = "eager"
@@ -304,7 +324,6 @@ def build(family: Family, *, dtype: torch.dtype = torch.float64, seed: int = 0) 
     config.use_cache = False  # hybrid (Mamba, linear attention) caches need a generation loop
     for sub in _sub_configs(config):
         sub.use_cache = False
-    module = importlib.import_module(f"transformers.models.{family.name}.modeling_{family.name}")
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:

@@ -69,20 +69,26 @@ def test_replay_selects_the_recorded_experts_and_keeps_the_routers_weights(famil
 
 
 def _router_output(family, routes_TK):
-    """The replayed router's weights against the family's rule written out, on random hidden states."""
+    """The replayed routing weights (as the first block hands them to its experts) against the family's
+    rule written out, on random hidden states: ``(router, hidden, weights, index)``. The block runs
+    whole: its router selects (transformers 5.25), or the block itself from its router's logits
+    (DeepSeek-V3 at 5.6)."""
     torch.manual_seed(0)
     model = build_model(family, dtype=torch.float64)
-    blocks = [
-        m
-        for m in model.modules()
-        if hasattr(m, "experts") and hasattr(m, "top_k") is False and (hasattr(m, "gate") or hasattr(m, "router"))
-    ]
+    blocks = [m for m in model.modules() if hasattr(m, "experts") and (hasattr(m, "gate") or hasattr(m, "router"))]
     router = getattr(blocks[0], "gate", None) or blocks[0].router
     hidden = torch.randn(routes_TK.shape[0], model.config.hidden_size, dtype=torch.float64)
+    seen = {}
+
+    def experts_call(_module, args):
+        seen["index"], seen["weights"] = args[1], args[2]
+
+    hook = blocks[0].experts.register_forward_pre_hook(experts_call)
     with epmoe.replay_routing(model, routes_TK.expand(len(blocks), -1, -1).clone()) as replay:
-        _, weights, index = router(hidden)
-        replay.used = [routes_TK.shape[0]] * len(blocks)  # one router ran alone: the others' are not left over
-    return router, hidden, weights, index
+        blocks[0](hidden[None])
+        replay.used = [routes_TK.shape[0]] * len(blocks)  # one block ran alone: the others' are not left over
+    hook.remove()
+    return router, hidden, seen["weights"], seen["index"]
 
 
 def test_replayed_weights_follow_each_familys_normalisation():
@@ -101,7 +107,9 @@ def test_replayed_weights_follow_each_familys_normalisation():
     gate, hidden, weights, index = _router_output("deepseek_v3", routes)
     scores = torch.sigmoid(hidden @ gate.weight.T)
     expected = scores.gather(-1, routes)
-    expected = expected / (expected.sum(-1, keepdim=True) + 1e-20) * gate.routed_scaling_factor
+    expected = (
+        expected / (expected.sum(-1, keepdim=True) + 1e-20) * build_model("deepseek_v3").config.routed_scaling_factor
+    )
     assert torch.equal(index, routes)  # DeepSeek-V3's router runs in float32
     torch.testing.assert_close(weights, expected.float(), rtol=1e-6, atol=0)
 

@@ -156,9 +156,7 @@ def one_copy_conversions(load_config: Any, expert_keys: Iterable[str]) -> tuple[
         else:
             mapping.append(converter)
             continue
-        copied = converter.copy(
-            list(converter._original_source_patterns), list(converter._original_target_patterns), operations=one_copy
-        )
+        copied = _with_operations(converter, one_copy)
         originals[id(copied)] = converter
         mapping.append(copied)
     plan = dict(load_config.dtype_plan or {})
@@ -166,6 +164,16 @@ def one_copy_conversions(load_config: Any, expert_keys: Iterable[str]) -> tuple[
         planned = build_glob_alternation(list(plan))[0] if plan else None
         plan.update({f"^{re.escape(key)}$": None for key in expert_keys if planned is None or not planned.search(key)})
     return dataclasses.replace(load_config, weight_mapping=mapping, dtype_plan=plan), originals
+
+
+def _with_operations(converter: Any, operations: list) -> Any:
+    """A converter of ``converter``'s class and patterns doing ``operations``: its own ``copy``, which
+    keeps its scope and settings, where transformers has one; else (transformers 5.6, whose converters
+    hold nothing else) a new one built from its original patterns."""
+    patterns = list(converter._original_source_patterns), list(converter._original_target_patterns)
+    if hasattr(converter, "copy"):
+        return converter.copy(*patterns, operations=operations)
+    return type(converter)(*patterns, operations=operations)
 
 
 def restore_conversions(model: nn.Module, originals: dict[int, Any]) -> None:
@@ -211,14 +219,22 @@ def raise_on_every_rank(error: str | None, shards: list, model: nn.Module) -> No
 
 def as_local_parameters(model: nn.Module, expert_keys: dict[str, torch.dtype]) -> None:
     """The loaded ``DTensor`` expert parameters as plain local ``nn.Parameter``s, in their dtypes
-    (``expert_keys``, from :func:`as_meta_dtensors`: a packed layout's tensors are read uncast)."""
+    (``expert_keys``, from :func:`as_meta_dtensors`: a packed layout's tensors are read uncast). A
+    loader that reads no ``DTensor`` shard (transformers 5.6's sets the whole tensor of all ``E``
+    experts in its place, on every rank) leaves a plain tensor: this rank's experts' rows of it."""
     from torch.distributed.tensor import DTensor
 
     for name, module, state in sharded_experts(model, packed_only=True):
         for param_name in state.sharded_names:
             param = module.get_parameter(param_name)
-            if isinstance(param, DTensor):
+            shard = state.shard
+            whole = not isinstance(param, DTensor) and param.shape[0] == shard.num_experts > shard.num_local_experts
+            if isinstance(param, DTensor) or whole:
                 dtype = expert_keys[f"{name}.{param_name}" if name else param_name]
-                local = nn.Parameter(param.to_local().detach().to(dtype), requires_grad=param.requires_grad)
+                if whole:  # a copy of this rank's rows: the whole tensor is freed
+                    rows = param.detach()[shard.local_start : shard.local_end].to(dtype).clone()
+                else:
+                    rows = param.to_local().detach().to(dtype)
+                local = nn.Parameter(rows, requires_grad=param.requires_grad)
                 local._is_hf_initialized = True
                 set_parameter(module, param_name, local)

@@ -100,7 +100,7 @@ from epmoe.integrations.blocks import (
     shared_block_forward,
 )
 from epmoe.integrations.input_weighted import input_weighted_block_forward, input_weighted_block_reason
-from epmoe.integrations.releases import is_transformers_model, untested_release
+from epmoe.integrations.releases import is_transformers_model, served_from, untested_release
 from epmoe.integrations.zero_experts import zero_experts_forward
 from epmoe.training.generate import SyncedGenerate
 
@@ -500,6 +500,8 @@ def _refusal(model: nn.Module, found: list[tuple[str, nn.Module, nn.Module]]) ->
     first module path and the reason; ``None`` where there are none."""
     by_class: dict[str, tuple[str, str, int]] = {}
     for name, module, reason in [*unsupported_experts(model, found), *unfaithful_experts(found)]:
+        later = served_from(module)
+        reason = f"{reason}; {later}" if later else reason
         first = by_class.setdefault(type(module).__name__, (name, reason, 0))
         by_class[type(module).__name__] = (first[0], first[1], first[2] + 1)
     if not by_class:

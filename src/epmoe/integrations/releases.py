@@ -54,3 +54,19 @@ def untested_transformers(version: str) -> str | None:
         f"Trainer hooks may differ, leaving the model or its checkpoints incomplete; install a tested release "
         f"(pip install 'transformers{TESTED}')"
     )
+
+
+# The model directories whose experts an older tested release lays out in a way epmoe refuses, by the
+# tested release from which epmoe runs them exactly (tests/models/test_families.py, per release)
+SERVED_FROM = {"aria": "5.25", "granitemoe": "5.25", "granitemoehybrid": "5.25"}
+
+
+def served_from(module: nn.Module) -> str | None:
+    """Where the transformers this process runs lays out ``module``'s family (a transformers experts
+    module) in a way epmoe refuses and a later tested release does not (:data:`SERVED_FROM`): the
+    sentence naming that release, for the refusal; ``None`` elsewhere."""
+    path = type(module).__module__.split(".")
+    release = SERVED_FROM.get(path[2]) if path[:2] == ["transformers", "models"] and len(path) > 2 else None
+    if release is None or Version(installed_transformers()) >= Version(release):
+        return None
+    return f"epmoe runs {path[2]}'s experts as transformers {release} lays them out ('transformers>={release}')"
