@@ -97,6 +97,7 @@ def _assert_names_class_path_reason(family, message, model=None):
 
 
 @pytest.mark.multirank
+@pytest.mark.releases
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("directory", families.candidate_directories())
 def test_family_exact_or_refused_by_name(directory):
@@ -122,6 +123,7 @@ def test_family_exact_or_refused_by_name(directory):
 
 
 @pytest.mark.multirank
+@pytest.mark.releases
 @pytest.mark.timeout(900)
 def test_lora_on_every_familys_experts_is_exact_or_refused():
     """PEFT LoRA on every per-expert tensor (``target_parameters``) of every family epmoe runs, at EP 2
@@ -184,6 +186,7 @@ def holds_zero_experts(family: families.Family) -> bool:
 
 
 @pytest.mark.multirank
+@pytest.mark.releases
 @pytest.mark.timeout(900)
 def test_shard_marks_rebuild_every_familys_unsharded_tensors():
     """What a framework that gathers by ``epmoe_shard`` gets, for every family epmoe runs, at EP 2 and EP 4
@@ -231,6 +234,7 @@ def test_shard_marks_rebuild_every_familys_unsharded_tensors():
 
 
 @pytest.mark.multirank
+@pytest.mark.releases
 @pytest.mark.timeout(900)
 def test_made_experts_classes_are_exact_or_refused_by_name():
     """Experts classes made for the purpose (experts_variants.py), whose forward does more than the
@@ -328,6 +332,7 @@ def adopted_families() -> list:
 
 
 @pytest.mark.multirank
+@pytest.mark.releases
 @pytest.mark.timeout(900)
 def test_every_family_has_its_verdict_at_four_ranks():
     """Every family at EP 4 (fp64, bf16 as at EP 2, one spawn of 4 ranks) gets the verdict it gets at
