@@ -7,7 +7,7 @@ trl 0.29.1, the same torch, epmoe editable). The commands are docs/frameworks.md
 torchrun, 2 gloo ranks) and again without ``epmoe run --ep 2 --`` (every rank all experts, DDP), with
 the test's flags for a tiny float32 run on CPUs appended (:data:`TINY`). Five launches, once per module:
 the full fine-tune and the LoRA one (attention targets) with and without EP, and the EP full fine-tune
-resumed from its own ``checkpoint-2``. Compared here, in this environment's transformers and peft: each
+resumed from its own ``checkpoint-2`` (and a sixth, LoRA on the experts, refused). Compared here, in this environment's transformers and peft: each
 step's loss and clipped grad norm (``logging.jsonl``, rank 0's), the saved model (every expert whole, as
 the plain run's, reloaded by plain ``from_pretrained``), the adapter (reloaded by plain peft on the base
 model) and the resumed steps.
@@ -253,3 +253,17 @@ def test_a_resumed_run_continues_as_the_uninterrupted_one(runs):
     assert sorted(again) == sorted(final)
     for key, value in final.items():
         torch.testing.assert_close(again[key], value, rtol=1e-5, atol=ATOL, msg=key)
+
+
+def test_lora_on_the_experts_is_refused_by_name_under_swifts_peft(runs):
+    """swift's ``--target_parameters`` on the experts: peft 0.20 sizes their factors from this rank's
+    shard; ``epmoe run`` refuses at the first forward, naming peft and what serves it."""
+    root = runs["lora_ep"][0].parent
+    paths = {"model-dir": str(root / "model-dir"), "data.jsonl": str(root / "data.jsonl")}
+    env, words = _docs_command("swift_lora")
+    words = [paths.get(w, str(root / "experts_lora") if w == "out-dir" else w) for w in words] + TINY
+    words += ["--target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj", "--lora_dropout", "0"]
+    done = _launch(words, env, root)
+    assert done.returncode != 0
+    assert "peft 0.20.0 sized the LoRA factors of down_proj from this rank's shard (4 of 8 experts)" in done.stderr
+    assert "Use peft >= 0.21" in done.stderr
