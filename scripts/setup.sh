@@ -51,4 +51,7 @@ if [ "$extras" = test ]; then
   # the oldest transformers epmoe serves (5.6.0, LLaMA-Factory's pin, with its peft and trl):
   # tests/project/test_oldest_release.py runs the suite's release-bound part there
   side_venv .venv-oldest constraints/oldest.txt test
+  # ms-swift 4.6.0 pins transformers < 5.20 and peft < 0.21: tests/training/test_swift.py launches its `swift sft`
+  # there, with and without `epmoe run` (constraints/swift.txt)
+  side_venv .venv-swift constraints/swift.txt swift
 fi
