@@ -186,7 +186,6 @@ def holds_zero_experts(family: families.Family) -> bool:
 
 
 @pytest.mark.multirank
-@pytest.mark.releases
 @pytest.mark.timeout(900)
 def test_shard_marks_rebuild_every_familys_unsharded_tensors():
     """What a framework that gathers by ``epmoe_shard`` gets, for every family epmoe runs, at EP 2 and EP 4
@@ -332,7 +331,6 @@ def adopted_families() -> list:
 
 
 @pytest.mark.multirank
-@pytest.mark.releases
 @pytest.mark.timeout(900)
 def test_every_family_has_its_verdict_at_four_ranks():
     """Every family at EP 4 (fp64, bf16 as at EP 2, one spawn of 4 ranks) gets the verdict it gets at

@@ -3,8 +3,8 @@
 ``.venv-oldest`` (``scripts/setup.sh test`` builds it from constraints/oldest.txt: transformers 5.6.0 with
 the peft 0.18.1 and trl 0.24.0 LLaMA-Factory 0.9.5 pins beside it, the same torch, epmoe editable) runs,
 in one pytest there, the fast tier and the multi-rank tests marked ``releases`` (every MoE family that
-release ships at EP 2 and 4, the recipes of the docs, complete saves, ``epmoe run``, the launcher
-table). Test modules about what that release lacks are left out, each with the probe that shows it
+release ships at EP 2, LoRA on their experts, the recipes of the docs, complete saves, the state-dict
+warnings; ``epmoe run`` runs under 5.19 in tests/training/test_swift.py). Test modules about what that release lacks are left out, each with the probe that shows it
 lacks it: when the oldest release moves up to one that has it, the probe fails here and the module
 joins the run."""
 

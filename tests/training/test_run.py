@@ -105,7 +105,6 @@ def _log(out: Path) -> list[dict]:
 
 
 @pytest.mark.multirank
-@pytest.mark.releases
 @pytest.mark.parametrize("name", ["run_torchrun", "run_accelerate"])
 def test_losses_and_clipped_grad_norms_equal_the_plain_run(launches, name):
     plain, run = _log(launches["plain"][0]), _log(launches[name][0])
@@ -118,7 +117,6 @@ def test_losses_and_clipped_grad_norms_equal_the_plain_run(launches, name):
 
 
 @pytest.mark.multirank
-@pytest.mark.releases
 @pytest.mark.parametrize("name", ["run_torchrun", "run_accelerate"])
 def test_saved_model_is_the_unsharded_one(launches, name, tmp_path):
     plain = safetensors_torch.load_file(launches["plain"][0] / "model.safetensors")
@@ -138,7 +136,6 @@ def test_saved_model_is_the_unsharded_one(launches, name, tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.releases
 def test_one_line_per_model_made_expert_parallel(launches):
     lines = [line for line in launches["run_torchrun"][1].splitlines() if line.startswith("epmoe run:")]
     assert lines == ["epmoe run: Qwen3MoeForCausalLM expert-parallel, EP size 2 of 2 ranks, over the world group"]
@@ -190,7 +187,6 @@ def test_the_command_gets_the_settings_and_the_bootstrap(monkeypatch):
 
 
 @pytest.mark.multirank
-@pytest.mark.releases
 def test_a_single_process_is_refused_by_name(tmp_path):
     model = _save_model(tmp_path / "model")
     done = _run(_epmoe("--", sys.executable, str(SCRIPT), str(model), str(tmp_path / "out")), tmp_path)
@@ -201,7 +197,6 @@ def test_a_single_process_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.multirank
-@pytest.mark.releases
 def test_a_model_without_experts_is_refused_by_name(tmp_path):
     model = _save_model(tmp_path / "dense", moe=False)
     done = _run(_epmoe("--", sys.executable, str(SCRIPT), str(model), str(tmp_path / "out")), tmp_path)
@@ -218,7 +213,6 @@ PROBE = (
 
 
 @pytest.mark.multirank
-@pytest.mark.releases
 def test_the_bootstrap_chains_to_the_environments_sitecustomize(tmp_path):
     """A ``sitecustomize`` already on PYTHONPATH still runs under ``epmoe run``; the hooks are installed
     without importing transformers, and only where ``epmoe run`` started the process."""
@@ -255,7 +249,6 @@ transformers.Trainer(model=transformers.Qwen3ForCausalLM(config), args=args)
 
 
 @pytest.mark.multirank
-@pytest.mark.releases
 def test_a_trainer_on_a_model_built_otherwise_is_refused_and_the_exit_says_so(tmp_path):
     """A model built from a config (no from_pretrained): its Trainer is refused by name, and rank 0's
     exit says no MoE model was made expert-parallel."""
