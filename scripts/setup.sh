@@ -44,6 +44,20 @@ side_venv() {
   fi
   "${side_pip[@]}" -c "$2" -e ".[$3]"
 }
+# llamafactory_venv DIR CONSTRAINTS: side_venv with the models extra, and LLaMA-Factory. It requires torchvision
+# and torchaudio, whose wheels need another torch than the CPU one here: it goes in without its dependencies, then
+# each of its other requirements at CONSTRAINTS' pins (pip then names the two as missing;
+# tests/training/test_llamafactory.py stands in for torchaudio, which LLaMA-Factory imports for audio inputs only)
+llamafactory_venv() {
+  side_venv "$1" "$2" models
+  local side_pip=("$1/bin/python" -m pip install -q --disable-pip-version-check -c "$2")
+  "${side_pip[@]}" --no-deps llamafactory
+  local requirements
+  mapfile -t requirements < <("$1/bin/python" -c 'import importlib.metadata as m, re
+for r in m.requires("llamafactory"):
+    if ";" not in r and re.match(r"[\w.-]+", r)[0] not in ("torchaudio", "torchvision"): print(r)')
+  "${side_pip[@]}" "${requirements[@]}"
+}
 if [ "$extras" = test ]; then
   # twinkle-kit pins peft <= 0.19, below the test extras' peft: tests/training/test_twinkle.py runs it
   # in a venv of its own pins (constraints/twinkle.txt)
@@ -54,4 +68,7 @@ if [ "$extras" = test ]; then
   # ms-swift 4.6.0 pins transformers < 5.20 and peft < 0.21: tests/training/test_swift.py launches its `swift sft`
   # there, with and without `epmoe run` (constraints/swift.txt)
   side_venv .venv-swift constraints/swift.txt swift
+  # LLaMA-Factory 0.9.5 pins transformers <= 5.6.0 and peft <= 0.18.1: tests/training/test_llamafactory.py runs
+  # its CLI in a venv of its own pins (constraints/llamafactory.txt)
+  llamafactory_venv .venv-llamafactory constraints/llamafactory.txt
 fi

@@ -209,3 +209,30 @@ def test_public_functions_validate_their_arguments():
         epmoe.from_pretrained(3, "path")
     with pytest.raises(ValueError, match="expert_grad"):
         epmoe.ExpertParallelConfig(expert_grad="average")
+
+
+def test_synced_generate_reads_as_the_bound_generate_it_replaces():
+    """Frameworks look at ``model.generate`` as a bound method: LLaMA-Factory's ``patch_model`` reads
+    ``model.generate.__func__`` and, where it does not name GenerationMixin, rebinds GenerationMixin's
+    (which would drop the synced default). The stand-in answers as the method it replaces."""
+    from transformers import GenerationMixin
+
+    from epmoe.models import build_model
+    from epmoe.training.generate import SyncedGenerate
+
+    model = build_model("qwen3_moe")
+    synced = SyncedGenerate(model)
+    assert synced.__self__ is model and synced.__func__ is type(model).generate is GenerationMixin.generate
+    assert "GenerationMixin" in str(synced.__func__)  # LLaMA-Factory's test, which keeps it
+
+
+def test_resuming_a_checkpoint_without_epmoe_dcp_is_refused_by_name(tmp_path):
+    """A checkpoint a Trainer wrote without EP (LLaMA-Factory's run without ``epmoe run``, say) has no
+    ``epmoe_dcp/``; its optimizer file is not read in its place."""
+    from epmoe.training.trainer import _dcp_dir
+
+    (tmp_path / "checkpoint-2").mkdir()
+    with pytest.raises(ValueError, match=r"checkpoint-2 has no epmoe_dcp/: it was not written by a prepared Trainer"):
+        _dcp_dir(str(tmp_path / "checkpoint-2"), must_exist=True)
+    (tmp_path / "checkpoint-2" / "epmoe_dcp").mkdir()
+    assert _dcp_dir(str(tmp_path / "checkpoint-2"), must_exist=True) == str(tmp_path / "checkpoint-2" / "epmoe_dcp")

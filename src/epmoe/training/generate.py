@@ -33,7 +33,8 @@ from epmoe.ep.transports import decode_dispatcher, static_ineligible_reason
 
 
 class SyncedGenerate:
-    """``model.generate`` with ``synced_gpus=True`` unless the caller says otherwise.
+    """``model.generate`` with ``synced_gpus=True`` unless the caller says otherwise; its ``__self__`` and
+    ``__func__`` are those of the bound method it replaces.
 
     ``synced_gpus=False`` raises ``ValueError``: on an EP model it hangs as soon as one rank stops
     before the others.
@@ -54,6 +55,16 @@ class SyncedGenerate:
 
     def __init__(self, model: nn.Module):
         self.model = model  # deepcopy of the model copies this reference to the copy
+
+    # read as the bound method it stands for: frameworks look at model.generate.__func__ (LLaMA-Factory's
+    # patch_model rebinds GenerationMixin.generate where that does not name it, which would drop this)
+    @property
+    def __self__(self) -> nn.Module:
+        return self.model
+
+    @property
+    def __func__(self) -> Any:
+        return type(self.model).generate
 
     def __call__(self, *args: Any, synced_gpus: bool | None = None, **kwargs: Any) -> Any:
         if synced_gpus is False:
