@@ -12,6 +12,7 @@ import importlib.metadata
 import os
 import re
 import time
+import types
 import weakref
 
 import pytest
@@ -257,3 +258,17 @@ def test_moe_param_groups_are_split_with_deepspeeds_helper():
         ({"weight_decay": 0.1, "name": "ep_size_2", "moe": True}, [id(expert)]),
     ], groups
     check_moe_param_groups(optimizer.param_groups, "here")
+
+
+def test_replay_rollout_routing_refuses_a_grpo_trainer_of_another_trl(monkeypatch):
+    """A trl whose GRPOTrainer lacks or changed a method the replay replaces (older than 1.16) is refused
+    naming the release, before anything is replaced."""
+    from epmoe.training import grpo
+
+    first = next(entry for entry in grpo.TABLE if entry.owner == "trl.GRPOTrainer")
+    changed = tuple(dataclasses.replace(e, signature="(self)") if e is first else e for e in grpo.TABLE)
+    monkeypatch.setattr(grpo, "TABLE", changed)
+    trainer = types.SimpleNamespace(_generate_and_score_completions=lambda inputs: None, model=None)
+    with pytest.raises(ValueError, match=r"GRPOTrainer differs in \['_generate_single_turn'.*use trl >= 1\.16"):
+        grpo.replay_rollout_routing(trainer)
+    assert "_generate_single_turn" not in vars(trainer)

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from epmoe.training.launchers import GRPO_SINCE, TABLE, remember, remembered, replace, signature_text
+from epmoe.training.launchers import GRPO_SINCE, TABLE, differs, remember, remembered, replace
 from epmoe.training.replay import RoutingRecord, record_routing, replay_routing
 
 _REPLAYING = "rollout routing replay"
@@ -48,7 +48,7 @@ def replay_rollout_routing(trainer: Any) -> Any:
     ):
         if getattr(trainer, flag, None):
             raise ValueError(f"replay_rollout_routing(trainer): {flag} is set: {why}")
-    differ = [e.method for e in TABLE if e.owner == "trl.GRPOTrainer" and signature_text(e.resolve()) != e.signature]
+    differ = [entry.method for entry in TABLE if entry.owner == "trl.GRPOTrainer" and differs(entry)]
     if differ:
         raise ValueError(
             f"replay_rollout_routing(trainer): trl {importlib.metadata.version('trl')}'s GRPOTrainer differs in "

@@ -254,6 +254,15 @@ def signature_text(fn: Callable) -> str:
     return str(inspect.Signature(params))
 
 
+def differs(entry: Entry) -> bool:
+    """Whether the installed library lacks ``entry``'s method or has it with another signature (a
+    library that fails to import, as trl 0.24 beside transformers 5.6 does, lacks it)."""
+    try:
+        return signature_text(entry.resolve()) != entry.signature
+    except (ImportError, AttributeError, RuntimeError):
+        return True
+
+
 def entries_to_check() -> list[tuple[Entry, str]]:
     """``(entry, owner)`` for every entry and every subclass in ``_ALSO_ON`` it must hold on."""
     return [(entry, owner) for entry in TABLE for owner in (entry.owner, *_ALSO_ON.get(entry.owner, ()))]
