@@ -54,4 +54,7 @@ if [ "$extras" = test ]; then
   # ms-swift 4.6.0 pins transformers < 5.20 and peft < 0.21: tests/training/test_swift.py launches its `swift sft`
   # there, with and without `epmoe run` (constraints/swift.txt)
   side_venv .venv-swift constraints/swift.txt swift
+  # axolotl 0.19.0 resolves to transformers 5.16.1, peft 0.20.0 and trl 1.9.0: tests/training/test_axolotl.py launches
+  # its `axolotl train` there, with and without `epmoe run` (constraints/axolotl.txt)
+  side_venv .venv-axolotl constraints/axolotl.txt axolotl
 fi
