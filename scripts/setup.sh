@@ -71,4 +71,7 @@ if [ "$extras" = test ]; then
   # LLaMA-Factory 0.9.5 pins transformers <= 5.6.0 and peft <= 0.18.1: tests/training/test_llamafactory.py runs
   # its CLI in a venv of its own pins (constraints/llamafactory.txt)
   llamafactory_venv .venv-llamafactory constraints/llamafactory.txt
+  # axolotl 0.19.0 resolves to transformers 5.16.1, peft 0.20.0 and trl 1.9.0: tests/training/test_axolotl.py launches
+  # its `axolotl train` there, with and without `epmoe run` (constraints/axolotl.txt)
+  side_venv .venv-axolotl constraints/axolotl.txt axolotl
 fi

@@ -14,6 +14,9 @@ imports them, nor in any process ``epmoe run`` did not start).
 * ``transformers.Trainer.__init__`` (and every subclass's own ``__init__``): once the outermost
   ``__init__`` returns, :func:`~epmoe.training.trainer.prepare_trainer` runs on the trainer; a trainer
   whose model is not expert-parallel is refused by name.
+* axolotl's ``axolotl.train.save_trained_model`` (axolotl 0.19): under DDP it saves the final model from
+  local rank 0 alone (``model.save_pretrained``, outside its Trainer); the other ranks join that save
+  (``is_main_process=False``: they gather, rank 0 writes) once it has run on them.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from epmoe import platform
+from epmoe.checkpoint.save import SavePretrained
 from epmoe.compose.apply import apply_expert_parallel
 from epmoe.ep import ExpertParallelConfig
 from epmoe.ep.adopt import find_experts_modules
@@ -66,6 +70,8 @@ def hook(name: str, module: Any) -> None:
         atexit.register(_report_at_exit)
     elif name == "transformers.trainer":
         _hook_trainer(module.Trainer)
+    elif name == "axolotl.train":
+        _hook_axolotl_save(module)
 
 
 def _hook_from_pretrained(cls: type) -> None:
@@ -175,6 +181,26 @@ def _prepared_after(init):
             prepare(self)
 
     return __init__
+
+
+def _hook_axolotl_save(module: Any) -> None:
+    """axolotl's final save under DDP (neither FSDP nor DeepSpeed ZeRO-3) calls ``model.save_pretrained`` on
+    local rank 0 only: an expert-parallel model's save needs every rank, so the others join it."""
+    save_trained_model = module.save_trained_model
+
+    @functools.wraps(save_trained_model)
+    def save(cfg, trainer, model, *args, **kwargs):
+        saved = save_trained_model(cfg, trainer, model, *args, **kwargs)
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        fsdp = getattr(trainer, "is_fsdp_enabled", False) or cfg.fsdp_config
+        zero3 = cfg.deepspeed and is_deepspeed_zero3_enabled()
+        rank_0_only = not (fsdp or zero3 or cfg.relora) and cfg.local_rank != 0  # its branches, 0.19's
+        if rank_0_only and isinstance(getattr(model, "save_pretrained", None), SavePretrained):
+            model.save_pretrained(cfg.output_dir, is_main_process=False)
+        return saved
+
+    module.save_trained_model = save
 
 
 def prepare(trainer: Any) -> None:

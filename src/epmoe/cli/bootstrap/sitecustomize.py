@@ -2,8 +2,8 @@
 
 Python imports it at start-up in every process the command starts. It runs the ``sitecustomize`` the
 environment would have loaded without it, then, where ``EPMOE_RUN`` is set, hooks the execution of
-``transformers.modeling_utils`` and ``transformers.trainer`` (a ``sys.meta_path`` finder, nothing imported
-early): what the hooks do lives in :mod:`epmoe.compose.run`, imported only once transformers is."""
+``transformers.modeling_utils`` and ``transformers.trainer`` (and axolotl's ``axolotl.train``: a ``sys.meta_path``
+finder, nothing imported early): what the hooks do lives in :mod:`epmoe.compose.run`, imported only once transformers is."""
 
 import importlib.machinery
 import importlib.util
@@ -11,7 +11,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HOOKED = ("transformers.modeling_utils", "transformers.trainer")
+HOOKED = ("transformers.modeling_utils", "transformers.trainer", "axolotl.train")
 
 
 def _chain() -> None:
